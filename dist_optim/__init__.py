@@ -1,0 +1,22 @@
+"""dist_optim: optimizers that give the single-device result under tensor parallelism and ZeRO.
+
+Each optimizer is one class: unbound it is the single-device algorithm; bound to parameter
+layouts (``bind`` or ColossalAI's ``setup_distributed``) it is exact on TP slices and ZeRO chunks.
+``dist_optim.plugins`` swaps ordinary optimizers for these when a model is boosted.
+"""
+
+from .base import DistOptimizer
+from .layout import ParamLayout, TPSplit, ZeroShard
+from .lamb import DistributedLamb
+from .registry import convert
+
+__all__ = [
+    "DistOptimizer",
+    "DistributedLamb",
+    "ParamLayout",
+    "TPSplit",
+    "ZeroShard",
+    "convert",
+]
+
+__version__ = "0.1.0"

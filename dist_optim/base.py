@@ -1,0 +1,233 @@
+"""The optimizer base shared by every dist_optim optimizer.
+
+One class is both the single-device algorithm and its distributed version: an optimizer that has
+not been bound to layouts treats every parameter as whole and local (it *is* the single-device
+algorithm); binding gives each parameter a :class:`~dist_optim.layout.ParamLayout`, and the
+optimizer's math then routes its cross-shard reductions through :mod:`dist_optim.comm`.
+
+Two ways to bind:
+
+* :meth:`DistOptimizer.bind` takes layouts directly (framework-free; what tests and other
+  integrations use);
+* :meth:`DistOptimizer.setup_distributed` implements ColossalAI's positional contract
+  ``setup_distributed(tp_group, dp_group, shard_to_working_param, padding_map, is_zero)`` and
+  builds the layouts from it, avoiding the traps listed in DESIGN.md §2.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .comm import gather_full, group_rank, group_size
+from .layout import ParamLayout, TPSplit, ZeroShard, local_layout, read_tp_dim
+
+__all__ = ["DistOptimizer", "check_range"]
+
+
+def check_range(name: str, value: float, low: float, high: float | None = None, *, closed_high: bool = False) -> None:
+    """Raise a ValueError naming ``name`` unless ``low <= value < high`` (or ``<= high``)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    ok = value >= low
+    if high is not None:
+        ok = ok and (value <= high if closed_high else value < high)
+    if not ok:
+        bound = f"[{low}, {high}{']' if closed_high else ')'}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+class DistOptimizer(torch.optim.Optimizer):
+    """Base of all dist_optim optimizers: param→layout binding and parameter iteration."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        self._layouts: dict[torch.Tensor, ParamLayout] = {}
+        self.dp_group: Any = None
+        self._warned_unbound = False
+
+    # ---- binding ------------------------------------------------------------------------
+    @property
+    def is_bound(self) -> bool:
+        return bool(self._layouts) or self.dp_group is not None
+
+    def layout(self, param: torch.Tensor) -> ParamLayout:
+        """The layout of ``param`` (whole and local when unbound)."""
+        layout = self._layouts.get(param)
+        return layout if layout is not None else local_layout(param)
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def bind(self, layouts: Mapping[torch.Tensor, ParamLayout], dp_group: Any = None) -> None:
+        """Give every parameter of this optimizer its layout.
+
+        ``dp_group`` is the data-parallel group over which gradients are averaged; optimizers
+        that split per-parameter work (preconditioners, projections) across it use it. Every
+        parameter must have a layout whose local form matches the parameter's size.
+        """
+        checked: dict[torch.Tensor, ParamLayout] = {}
+        for i, p in enumerate(self._all_params()):
+            layout = layouts.get(p)
+            if layout is None:
+                raise ValueError(
+                    f"bind: parameter #{i} (shape {tuple(p.shape)}) has no layout; pass a layout for every "
+                    "parameter of the optimizer (use ParamLayout(tuple(p.shape)) for a whole, local one)"
+                )
+            if layout.zero is None and tuple(p.shape) != layout.local_shape:
+                raise ValueError(
+                    f"bind: parameter #{i} has shape {tuple(p.shape)} but its layout expects the local "
+                    f"shape {layout.local_shape} (full shape {layout.full_shape})"
+                )
+            if layout.zero is not None and p.numel() != layout.chunk_numel:
+                raise ValueError(
+                    f"bind: parameter #{i} is a ZeRO chunk of {p.numel()} elements but its layout expects "
+                    f"{layout.chunk_numel}; check the ZeRO group size and padding"
+                )
+            checked[p] = layout
+        self._layouts = checked
+        self.dp_group = dp_group
+        self._on_bind()
+
+    def _on_bind(self) -> None:
+        """Hook for optimizers that precompute per-layout data (e.g. work assignment)."""
+
+    def setup_distributed(
+        self,
+        tp_group: Any = None,
+        dp_group: Any = None,
+        shard_to_working_param: Mapping[int, torch.Tensor] | None = None,
+        padding_map: Mapping[int, int] | None = None,
+        is_zero: bool = False,
+        *,
+        master_to_working: Mapping[int, torch.Tensor] | None = None,
+        zero_group_of: Callable[[torch.Tensor], Any] | None = None,
+    ) -> None:
+        """ColossalAI's ``DistributedOptim`` contract, called positionally by its plugins.
+
+        Args:
+            tp_group: tensor-parallel group; a working param is TP-split when the registered
+                reader (``dist_optim.layout.register_tp_reader``) finds a split dim on it.
+            dp_group: data-parallel group. With ``is_zero=False`` it is *not* a ZeRO group (ColossalAI
+                passes it for ``zero_stage=0`` too); parameters are then whole on every dp rank.
+            shard_to_working_param: ``id(master shard) -> working param`` under ZeRO.
+            padding_map: ``id(working param) -> padding`` under ZeRO.
+            is_zero: whether the optimizer's params are flat ZeRO chunks.
+            master_to_working: ``id(fp32 master) -> working param`` for mixed precision without
+                ZeRO, where the masters lost the TP annotation of their working params.
+            zero_group_of: the group that really sharded a working param (defaults to
+                ``dp_group``); e.g. dp×sp under sequence parallelism, the MoE dp group for experts.
+        """
+        tp_size = group_size(tp_group) if tp_group is not None else 1
+        shard_to_working_param = shard_to_working_param or {}
+        padding_map = padding_map or {}
+        if is_zero and dp_group is None and zero_group_of is None:
+            raise ValueError("setup_distributed: is_zero=True needs the ZeRO group as dp_group")
+        layouts: dict[torch.Tensor, ParamLayout] = {}
+        saw_tp = False
+        for i, p in enumerate(self._all_params()):
+            if is_zero:
+                working = shard_to_working_param.get(id(p))
+                if working is None:
+                    raise ValueError(
+                        f"setup_distributed: parameter #{i} (a ZeRO shard of {p.numel()} elements) is missing "
+                        "from shard_to_working_param; pass the ZeRO optimizer's get_master_to_working_map()"
+                    )
+            else:
+                working = (master_to_working or {}).get(id(p), shard_to_working_param.get(id(p), p))
+            tp = None
+            tp_dim = read_tp_dim(working) if tp_size > 1 else None
+            full_shape = list(working.shape)
+            if tp_dim is not None:
+                saw_tp = True
+                tp_dim %= working.dim()
+                full_shape[tp_dim] *= tp_size
+                tp = TPSplit(tp_dim, tp_size, group_rank(tp_group), tp_group)
+            zero = None
+            if is_zero:
+                zgroup = zero_group_of(working) if zero_group_of is not None else dp_group
+                zsize = group_size(zgroup)
+                if id(working) not in padding_map:
+                    raise ValueError(
+                        f"setup_distributed: parameter #{i}'s working param is missing from padding_map; "
+                        "pass the ZeRO optimizer's get_param_padding_map()"
+                    )
+                padding = int(padding_map[id(working)])
+                if p.numel() * zsize != working.numel() + padding:
+                    raise ValueError(
+                        f"setup_distributed: parameter #{i} is a chunk of {p.numel()} elements of a working param "
+                        f"of {working.numel()} (+{padding} padding), which does not match a ZeRO group of size "
+                        f"{zsize}; pass the group that really sharded it (zero_group_of=...)"
+                    )
+                zero = ZeroShard(zsize, group_rank(zgroup), padding, zgroup)
+            elif p.shape != working.shape:
+                raise ValueError(
+                    f"setup_distributed: parameter #{i} has shape {tuple(p.shape)} but its working param has "
+                    f"{tuple(working.shape)}; with ZeRO pass is_zero=True"
+                )
+            layouts[p] = ParamLayout(tuple(full_shape), tp, zero)
+        if tp_size > 1 and not saw_tp and master_to_working is None and not is_zero:
+            warnings.warn(
+                f"{type(self).__name__}.setup_distributed: tp_group has {tp_size} ranks but no parameter carries "
+                "a TP split. Under bf16/fp16 the fp32 masters lose their working params' TP annotation: bind "
+                "through dist_optim.plugins, or pass master_to_working=...",
+                stacklevel=2,
+            )
+        self.bind(layouts, dp_group=dp_group)
+
+    # ---- iteration ----------------------------------------------------------------------
+    def _check_unbound_in_job(self) -> None:
+        if self._warned_unbound or self.is_bound:
+            return
+        self._warned_unbound = True
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            warnings.warn(
+                f"{type(self).__name__} is stepping without layouts in a {dist.get_world_size()}-process job. "
+                "That is right for plain data parallelism (replicated params); with tensor parallelism or "
+                "ZeRO, boost through dist_optim.plugins or call setup_distributed(...).",
+                stacklevel=3,
+            )
+
+    def _grads(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Parameters of ``group`` that have a gradient, and their gradients."""
+        params, grads = [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            params.append(p)
+            grads.append(p.grad)
+        return params, grads
+
+    # ---- layout-independent state ---------------------------------------------------------
+    #: State keys whose tensors have the parameter's local form (sharded like the parameter).
+    #: Everything else is already in full-tensor form (replicated) or a scalar.
+    _sharded_state: tuple[str, ...] = ()
+
+    def full_state(self) -> list[dict[str, Any]]:
+        """Every parameter's state in full-tensor form, in ``param_groups`` order.
+
+        Collective when bound: sharded entries are gathered over TP and ZeRO groups (bucketed).
+        The result does not depend on the layout, which is what checkpoints and parity tests
+        compare."""
+        params = self._all_params()
+        items: list[tuple[ParamLayout, torch.Tensor]] = []
+        where: list[tuple[int, str]] = []
+        out: list[dict[str, Any]] = []
+        for i, p in enumerate(params):
+            state = self.state.get(p, {})
+            entry: dict[str, Any] = {}
+            for key, value in state.items():
+                if key in self._sharded_state and isinstance(value, torch.Tensor):
+                    items.append((self.layout(p), value))
+                    where.append((i, key))
+                else:
+                    entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            out.append(entry)
+        for (i, key), full in zip(where, gather_full(items)):
+            out[i][key] = full
+        return out

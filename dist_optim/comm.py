@@ -1,0 +1,203 @@
+"""Every collective dist_optim issues goes through this module.
+
+Optimizers do their math on local tensors and hand the cross-process parts to a few
+layout-aware, *bucketed* operations:
+
+* :class:`SumBucket`: queue tensors whose values are partial sums over a parameter's shards
+  (sums of squares for norms, row/column bins for factored statistics), then ``flush()`` once:
+  one ``all_reduce`` per process group for the whole step, not one per parameter.
+* :func:`gather_full`: turn local pieces (TP slices, ZeRO chunks) back into full tensors, one
+  ``all_gather`` per group for all the tensors of a call.
+* :func:`broadcast_from`: bucketed broadcast of results computed by one owner rank.
+
+Each is a no-op for a parameter whose layout is local. ``COUNTS`` counts the collectives issued
+(tests and benchmarks read it to prove that the number per step does not grow with the number of
+parameters).
+
+Ordering: a process takes part in several groups (its TP group, its ZeRO group, ...). Buckets are
+flushed group by group in one global order (the sorted member ranks of each group), which every
+process follows, so collectives on overlapping groups cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .layout import ParamLayout
+
+__all__ = ["COUNTS", "reset_counts", "SumBucket", "gather_full", "broadcast_from", "group_size", "group_rank"]
+
+#: Number of collectives issued since the last :func:`reset_counts`, by operation name.
+COUNTS: collections.Counter[str] = collections.Counter()
+
+
+def reset_counts() -> None:
+    COUNTS.clear()
+
+
+def group_size(group: Any) -> int:
+    """World size of ``group`` (1 when no process group is initialised)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+_RANKS_CACHE: dict[int, tuple[int, ...]] = {}
+
+
+def _group_key(group: Any) -> tuple[int, ...]:
+    """A key that orders groups identically on every process: their global member ranks."""
+    key = _RANKS_CACHE.get(id(group))
+    if key is None:
+        key = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+        _RANKS_CACHE[id(group)] = key
+    return key
+
+
+def _ordered(groups: Iterable[Any]) -> list[Any]:
+    unique: dict[tuple[tuple[int, ...], int], Any] = {}
+    for g in groups:
+        unique.setdefault((_group_key(g), id(g)), g)
+    return [unique[k] for k in sorted(unique, key=lambda k: k[0])]
+
+
+@dataclass
+class SumBucket:
+    """Collects in-place all-reduce (sum) requests and runs them in as few collectives as it can.
+
+    ``add(t, groups)`` queues ``t`` to be summed over each group in ``groups``, in that order (a
+    layout's ``sum_groups``: ZeRO group, then TP group; every member of a group must queue its
+    tensor with the same sequence of group roles). After :meth:`flush`, every queued tensor holds its reduced value. Tensors of one
+    dtype that share a group travel in one flat buffer.
+    """
+
+    _requests: list[tuple[torch.Tensor, tuple[Any, ...]]] = field(default_factory=list)
+
+    def add(self, tensor: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
+        groups = tuple(g for g in groups if group_size(g) > 1)
+        if groups:
+            self._requests.append((tensor, groups))
+        return tensor
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def flush(self) -> None:
+        requests, self._requests = self._requests, []
+        # Stage k reduces every request over its k-th group. A request's groups are reduced one
+        # stage after another so that, at each stage, all members of a group hold partial sums in
+        # the same state (a tensor summed over its ZeRO group, then over its TP group); within a
+        # stage, groups go in the global order of _ordered.
+        for stage in range(max((len(gs) for _, gs in requests), default=0)):
+            staged = [(t, gs[stage]) for t, gs in requests if len(gs) > stage]
+            for group in _ordered(g for _, g in staged):
+                by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
+                for tensor, g in staged:
+                    if g is group:
+                        by_dtype[tensor.dtype].append(tensor)
+                for dtype in sorted(by_dtype, key=str):
+                    _all_reduce_many(by_dtype[dtype], group)
+
+
+def _all_reduce_many(tensors: list[torch.Tensor], group: Any) -> None:
+    COUNTS["all_reduce"] += 1
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        dist.all_reduce(tensors[0], group=group)
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
+def _all_gather_flat(flat: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[size, n]`` tensor whose row r is rank r's ``flat``."""
+    size = group_size(group)
+    # A 1-D output: gloo's all_gather_into_tensor rejects a [size, n] one.
+    out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
+    COUNTS["all_gather"] += 1
+    dist.all_gather_into_tensor(out, flat.contiguous(), group=group)
+    return out.view(size, flat.numel())
+
+
+def gather_full(
+    items: Sequence[tuple[ParamLayout, torch.Tensor]], dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """Full tensors from local pieces: ZeRO chunks are gathered over their ZeRO group, padding is
+    dropped, then TP slices are gathered over their TP group and concatenated along the split dim.
+
+    All items sharing a group are gathered in one collective. ``dtype`` optionally sets the
+    communication precision (e.g. bf16 to halve the bytes); the result is returned in the input's
+    dtype.
+    """
+    results: list[torch.Tensor] = []
+    for layout, tensor in items:
+        if tensor.numel() != layout.chunk_numel:
+            raise ValueError(
+                f"gather_full: tensor of {tensor.numel()} elements does not match its layout "
+                f"({layout.chunk_numel} elements expected)"
+            )
+        results.append(tensor.detach().reshape(-1) if layout.zero is not None else tensor.detach())
+    out_dtypes = [t.dtype for _, t in items]
+
+    def _stage(kind: str) -> None:
+        pending: dict[int, list[int]] = collections.defaultdict(list)
+        groups: dict[int, Any] = {}
+        for i, (layout, _) in enumerate(items):
+            part = layout.zero if kind == "zero" else layout.tp
+            if part is not None:
+                pending[id(part.group)].append(i)
+                groups[id(part.group)] = part.group
+        for group in _ordered(groups.values()):
+            idx = pending[id(group)]
+            comm_dtype = dtype or results[idx[0]].dtype
+            flat = torch.cat([results[i].reshape(-1).to(comm_dtype) for i in idx])
+            gathered = _all_gather_flat(flat, group)
+            offset = 0
+            for i in idx:
+                layout = items[i][0]
+                n = results[i].numel()
+                piece = gathered[:, offset : offset + n]
+                offset += n
+                if kind == "zero":
+                    results[i] = layout.to_working_shape(piece.reshape(-1))
+                else:
+                    size = layout.tp.size  # type: ignore[union-attr]
+                    stacked = piece.reshape(size, *layout.local_shape)
+                    dim = layout.tp.dim  # type: ignore[union-attr]
+                    results[i] = stacked.movedim(0, dim).reshape(layout.full_shape)
+
+    _stage("zero")
+    for i, (layout, _) in enumerate(items):
+        if layout.zero is None:
+            results[i] = results[i].reshape(layout.local_shape)
+    _stage("tp")
+    return [r.to(d) if r.dtype != d else r for r, d in zip(results, out_dtypes)]
+
+
+def broadcast_from(tensors: Sequence[torch.Tensor], src_rank_in_group: int, group: Any) -> None:
+    """Broadcast ``tensors`` (same dtype) in place from one rank of ``group``, in one collective."""
+    if group_size(group) == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    COUNTS["broadcast"] += 1
+    dist.broadcast(flat, src=dist.get_global_rank(group, src_rank_in_group) if group is not None else src_rank_in_group, group=group)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

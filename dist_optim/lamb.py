@@ -1,0 +1,178 @@
+"""LAMB: layer-wise adaptive moments (You et al., 2019, "Large Batch Optimization for Deep
+Learning: Training BERT in 76 minutes", arXiv:1904.00962).
+
+Per parameter tensor::
+
+    m <- b1 m + (1 - b1) g
+    v <- b2 v + (1 - b2) g^2
+    u  = m / (sqrt(v) + eps) + weight_decay * w
+    r  = ||w|| / ||u||            (1 when either norm is 0; ||w|| optionally clamped)
+    w <- w - lr * c_t * r * u,     c_t = sqrt(1 - b2^t) / (1 - b1^t) with bias correction, else 1
+
+Deviation from the paper, kept for compatibility with the LAMB that users already run
+(``colossalai.nn.optimizer.Lamb``, ``torch_optimizer.Lamb``): bias correction is folded into the
+step size ``c_t`` instead of correcting ``m`` and ``v`` before ``eps`` is added, and the paper's
+scaling function ``phi`` is the identity, or a clamp at ``clamp_value`` (torch_optimizer's
+``clamp_value``) when set.
+
+Distributed: the two norms are of the *full* parameter and update. Each rank squares and sums the
+elements it holds (a TP slice, a ZeRO chunk, or both); the sums of all parameters of the step are
+all-reduced in one collective per process group (see :class:`dist_optim.comm.SumBucket`), so a
+step issues at most one all-reduce per group, whatever the number of parameters. No ``.item()``:
+the trust ratio stays a tensor.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .base import DistOptimizer, check_range
+from .comm import SumBucket
+
+__all__ = ["DistributedLamb"]
+
+
+class DistributedLamb(DistOptimizer):
+    """LAMB, exact under tensor parallelism and ZeRO (see the module docstring).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (>= 0).
+        betas: coefficients of the running averages of the gradient and its square, in [0, 1).
+        eps: added to ``sqrt(v)`` (>= 0).
+        weight_decay: L2 term added to the update before the trust ratio (LAMB's decoupled form).
+        bias_correction: scale the step by ``sqrt(1 - b2^t) / (1 - b1^t)``.
+        adam: use a trust ratio of 1 (Adam with LAMB's update form), for comparisons.
+        clamp_value: if set, ``||w||`` is clamped to ``[0, clamp_value]`` before the ratio.
+    """
+
+    _sharded_state = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        bias_correction: bool = True,
+        adam: bool = False,
+        clamp_value: float | None = None,
+    ) -> None:
+        _validate(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bool(bias_correction),
+            adam=bool(adam),
+            clamp_value=clamp_value,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        for key in ("lr", "betas", "eps", "weight_decay", "clamp_value"):
+            if key in param_group:
+                _validate(**{key: param_group[key]})
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_unbound_in_job()
+
+        bucket = SumBucket()
+        pending = []
+        for group in self.param_groups:
+            params, grads = self._grads(group)
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            states = [self.state[p] for p in params]
+            exp_avgs = [s["exp_avg"] for s in states]
+            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1.0)
+
+            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_add_(denom, group["eps"])
+            updates = torch._foreach_div(exp_avgs, denom)
+            del denom
+            if group["weight_decay"] != 0:
+                torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+
+            # Row 0: sum of squares of the param, row 1: of the update; one column per param.
+            sq = torch.stack(
+                [torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates))]
+            ).float().square_()
+            parts = []
+            by_groups: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
+            group_objs: dict[tuple[int, ...], tuple[Any, ...]] = {}
+            for i, p in enumerate(params):
+                sum_groups = self.layout(p).sum_groups
+                if sum_groups:
+                    key = tuple(id(g) for g in sum_groups)
+                    by_groups[key].append(i)
+                    group_objs[key] = sum_groups
+            for key, idx in by_groups.items():
+                index = torch.tensor(idx, device=sq.device)
+                parts.append((index, bucket.add(sq.index_select(1, index), group_objs[key])))
+            pending.append((group, params, updates, steps, sq, parts))
+
+        bucket.flush()
+
+        for group, params, updates, steps, sq, parts in pending:
+            for index, reduced in parts:
+                sq.index_copy_(1, index, reduced)
+            norms = sq.sqrt_()
+            w_norm, u_norm = norms[0], norms[1]
+            if group["clamp_value"] is not None:
+                w_norm = w_norm.clamp(0, group["clamp_value"])
+            if group["adam"]:
+                ratio = torch.ones_like(w_norm)
+            else:
+                ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+            beta1, beta2 = group["betas"]
+            if group["bias_correction"]:
+                # ``step`` lives on the CPU (as in torch's optimizers), so reading it is no device sync.
+                t = torch.stack(steps).double()
+                coef = (1 - beta2**t).sqrt() / (1 - beta1**t)
+            else:
+                coef = torch.ones(len(steps), dtype=torch.float64)
+            scale = (-group["lr"] * coef).to(ratio) * ratio
+            torch._foreach_mul_(updates, list(scale.to(updates[0].dtype).unbind()))
+            torch._foreach_add_(params, updates)
+        return loss
+
+
+def _validate(**options: Any) -> None:
+    if "lr" in options:
+        check_range("lr", options["lr"], 0.0)
+    if "betas" in options:
+        betas = options["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        check_range("betas[0]", betas[0], 0.0, 1.0)
+        check_range("betas[1]", betas[1], 0.0, 1.0)
+    if "eps" in options:
+        check_range("eps", options["eps"], 0.0)
+    if "weight_decay" in options:
+        check_range("weight_decay", options["weight_decay"], 0.0)
+    if options.get("clamp_value") is not None:
+        check_range("clamp_value", options["clamp_value"], 0.0)

@@ -1,0 +1,275 @@
+"""How one parameter is split across processes.
+
+A :class:`ParamLayout` is data: the parameter's *full* shape (what a single-device model has),
+its tensor-parallel split (group, dim) if any, and its ZeRO shard (group, padding, chunk) if any.
+Everything here is index arithmetic; nothing communicates. ``comm.py`` turns layouts into
+collectives, and the optimizers use the index helpers to map a local tensor (a TP slice, or a
+flat ZeRO chunk of a TP slice) back to coordinates of the full tensor.
+
+Terms (see DESIGN.md §1):
+
+* working param: what forward/backward sees. Under TP it is the rank's slice of the full param.
+* ZeRO shard: the working param flattened, zero-padded to a multiple of the ZeRO group size, cut
+  into equal contiguous chunks; each rank owns one chunk (a 1-D tensor). A chunk may cut rows in
+  the middle and may consist of padding only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "TPSplit",
+    "ZeroShard",
+    "ParamLayout",
+    "local_layout",
+    "register_tp_reader",
+    "read_tp_dim",
+]
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """A tensor-parallel split: the full tensor is cut into ``size`` equal slices along ``dim``.
+
+    ``group`` is the process group over which the slices live (``None`` only in pure index
+    tests); ``rank`` is this process's index in it, which is also the slice it holds.
+    """
+
+    dim: int
+    size: int
+    rank: int
+    group: Any = field(default=None, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"TPSplit: rank {self.rank} is outside a group of size {self.size}")
+
+
+@dataclass(frozen=True)
+class ZeroShard:
+    """A ZeRO shard of the flattened working param.
+
+    ``padding`` zeros are appended so that ``working numel + padding`` divides by ``size``;
+    rank ``rank`` owns the contiguous chunk ``[rank * chunk, (rank + 1) * chunk)``.
+    """
+
+    size: int
+    rank: int
+    padding: int
+    group: Any = field(default=None, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"ZeroShard: rank {self.rank} is outside a group of size {self.size}")
+        if not 0 <= self.padding < self.size:
+            raise ValueError(
+                f"ZeroShard: padding {self.padding} must be in [0, {self.size}) for a group of size {self.size}"
+            )
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where the piece of a parameter that this process holds sits in the full tensor.
+
+    ``full_shape`` is the single-device shape (including any vocabulary padding the model itself
+    carries). ``local_shape`` is the working param's shape: ``full_shape`` with the TP dim divided
+    by the TP size. The optimizer's tensor for this param is the working param itself, or its flat
+    ZeRO chunk of ``chunk_numel`` elements when ``zero`` is set.
+    """
+
+    full_shape: tuple[int, ...]
+    tp: TPSplit | None = None
+    zero: ZeroShard | None = None
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(s) for s in self.full_shape)
+        object.__setattr__(self, "full_shape", shape)
+        if self.tp is not None:
+            if self.tp.size == 1:
+                object.__setattr__(self, "tp", None)
+            else:
+                dim = self.tp.dim % len(shape) if shape else 0
+                if not shape or shape[dim] % self.tp.size:
+                    raise ValueError(
+                        f"ParamLayout: full shape {shape} cannot be split into {self.tp.size} equal "
+                        f"slices along dim {self.tp.dim}"
+                    )
+                if dim != self.tp.dim:
+                    object.__setattr__(self, "tp", TPSplit(dim, self.tp.size, self.tp.rank, self.tp.group))
+        if self.zero is not None:
+            if self.zero.size == 1:
+                object.__setattr__(self, "zero", None)
+            else:
+                expected = (-self.local_numel) % self.zero.size
+                if self.zero.padding != expected:
+                    raise ValueError(
+                        f"ParamLayout: ZeRO padding {self.zero.padding} does not match a working param of "
+                        f"{self.local_numel} elements over {self.zero.size} ranks (expected {expected})"
+                    )
+
+    # ---- shapes -------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.full_shape)
+
+    @property
+    def full_numel(self) -> int:
+        return math.prod(self.full_shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.tp is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.tp.dim] //= self.tp.size
+        return tuple(shape)
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    @property
+    def is_local(self) -> bool:
+        """True when this process holds the whole parameter (no TP split, no ZeRO shard)."""
+        return self.tp is None and self.zero is None
+
+    @property
+    def sum_groups(self) -> tuple[Any, ...]:
+        """Process groups over which a sum over the full tensor is split: the ZeRO group (each
+        rank holds a chunk) and the TP group (each rank holds a slice). Replicated copies are
+        not summed."""
+        groups = []
+        if self.zero is not None:
+            groups.append(self.zero.group)
+        if self.tp is not None:
+            groups.append(self.tp.group)
+        return tuple(groups)
+
+    def is_split_along(self, dim: int) -> bool:
+        return self.tp is not None and self.tp.dim == dim % self.ndim
+
+    # ---- ZeRO chunk ---------------------------------------------------------------------
+    @property
+    def chunk_numel(self) -> int:
+        """Elements in the tensor the optimizer sees (the ZeRO chunk, padding included)."""
+        if self.zero is None:
+            return self.local_numel
+        return (self.local_numel + self.zero.padding) // self.zero.size
+
+    @property
+    def chunk_range(self) -> tuple[int, int]:
+        """``[start, stop)`` of this rank's chunk in the flattened, padded working param."""
+        if self.zero is None:
+            return 0, self.local_numel
+        start = self.zero.rank * self.chunk_numel
+        return start, start + self.chunk_numel
+
+    @property
+    def valid_numel(self) -> int:
+        """Elements of the chunk that are real (not ZeRO padding)."""
+        start, stop = self.chunk_range
+        return max(0, min(stop, self.local_numel) - start)
+
+    @property
+    def tp_offset(self) -> int:
+        """Index along the TP dim where this rank's slice starts in the full tensor."""
+        if self.tp is None:
+            return 0
+        return self.tp.rank * self.local_shape[self.tp.dim]
+
+    def tp_slices(self) -> tuple[slice, ...]:
+        """Index of the working param inside the full tensor."""
+        index = [slice(None)] * self.ndim
+        if self.tp is not None:
+            start = self.tp_offset
+            index[self.tp.dim] = slice(start, start + self.local_shape[self.tp.dim])
+        return tuple(index)
+
+    def full_flat_index(self, drop_dims: tuple[int, ...] = (), device: torch.device | str | None = None) -> torch.Tensor:
+        """For each element of the local tensor, its flat index in the full tensor with
+        ``drop_dims`` removed (row-major); padding elements get ``-1``.
+
+        With ``drop_dims=(-1,)`` on a matrix this is the row of every element, with ``(-2,)`` its
+        column: scatter-adding a chunk's values at these indices gives the chunk's share of the
+        full row/column sums, whatever rows the chunk cuts.
+        """
+        drop = {d % self.ndim for d in drop_dims}
+        start, _ = self.chunk_range
+        flat = torch.arange(start, start + self.chunk_numel, device=device)
+        out = torch.zeros_like(flat)
+        stride_local = 1
+        stride_out = 1
+        for dim in range(self.ndim - 1, -1, -1):
+            size = self.local_shape[dim]
+            if dim not in drop:
+                coord = torch.div(flat, stride_local, rounding_mode="floor") % size
+                if self.is_split_along(dim):
+                    coord = coord + self.tp_offset
+                out += coord * stride_out
+                stride_out *= self.full_shape[dim]
+            stride_local *= size
+        if self.zero is not None:
+            out = torch.where(flat < self.local_numel, out, torch.full_like(out, -1))
+        return out
+
+    def reduced_shape(self, drop_dims: tuple[int, ...]) -> tuple[int, ...]:
+        """The full shape with ``drop_dims`` removed."""
+        drop = {d % self.ndim for d in drop_dims}
+        return tuple(s for d, s in enumerate(self.full_shape) if d not in drop)
+
+    # ---- moving data between forms (no communication) -----------------------------------
+    def take_local(self, full: torch.Tensor) -> torch.Tensor:
+        """The part of a full tensor this rank holds, in the optimizer's form (a copy)."""
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(f"take_local: expected a tensor of shape {self.full_shape}, got {tuple(full.shape)}")
+        local = full[self.tp_slices()]
+        if self.zero is None:
+            return local.clone()
+        flat = local.reshape(-1)
+        if self.zero.padding:
+            flat = torch.nn.functional.pad(flat, (0, self.zero.padding))
+        start, stop = self.chunk_range
+        return flat[start:stop].clone()
+
+    def to_working_shape(self, padded_flat_working: torch.Tensor) -> torch.Tensor:
+        """Strip ZeRO padding from a gathered flat working param and restore its shape."""
+        return padded_flat_working[: self.local_numel].view(self.local_shape)
+
+
+def local_layout(tensor: torch.Tensor) -> ParamLayout:
+    """The layout of a parameter that lives whole on this process."""
+    return ParamLayout(tuple(tensor.shape))
+
+
+# ---- reading the TP split of a working param ------------------------------------------------
+# The core does not know any framework's tensor annotations. Integrations (``dist_optim.plugins``
+# for ColossalAI, test harnesses) register a reader that returns the split dim of a working
+# param, or None if the param is replicated across the TP group.
+TPReader = Callable[[torch.Tensor], "int | None"]
+_TP_READERS: list[TPReader] = []
+
+
+def register_tp_reader(reader: TPReader) -> None:
+    """Teach ``setup_distributed`` how to find the TP split dim of a working parameter."""
+    if reader not in _TP_READERS:
+        _TP_READERS.append(reader)
+
+
+def read_tp_dim(working: torch.Tensor) -> int | None:
+    """The dim along which ``working`` is TP-split, or None when it is replicated."""
+    if not _TP_READERS and hasattr(working, "dist_layout"):
+        # A ColossalAI tensor reached the core before the ColossalAI integration was imported:
+        # import it so the split is read rather than silently treated as replicated.
+        import importlib
+
+        importlib.import_module("dist_optim.plugins")
+    for reader in _TP_READERS:
+        dim = reader(working)
+        if dim is not None:
+            return dim
+    return None

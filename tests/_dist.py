@@ -1,0 +1,151 @@
+"""Running test code on several gloo processes on the CPU.
+
+:class:`DistPool` spawns N workers once (file-based rendezvous, no fixed ports), keeps them and
+their process group alive, and runs module-level functions on all of them; a failure on any rank
+is re-raised in pytest with that rank's traceback, and the pool is then replaced (a failed rank
+may have left the others inside a collective). Spawning and importing torch/colossalai is the
+slow part of a distributed test on two cores, so it is paid once per session, not per test.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("DIST_OPTIM_TEST_TIMEOUT", "120")))
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+    )
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - everything goes back to the parent
+            results.put((rank, False, traceback.format_exc()))
+    # destroy_process_group() can hang with gloo on torch 2.5.1; a barrier then exit is clean.
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001
+        pass
+    os._exit(0)
+
+
+class DistPool:
+    """``world_size`` long-lived gloo worker processes."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="dist_optim_pool_")
+        init_file = os.path.join(self._dir, "rendezvous")
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world_size, init_file, self._tasks[r], self._results), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        out: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = timeout
+        while len(out) + len(failures) < self.world_size:
+            try:
+                rank, ok, payload = self._results.get(timeout=deadline)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(out) - set(failures))
+                self._restart()
+                msg = f"ranks {missing} did not finish {fn.__name__} within {deadline:.0f}s"
+                if failures:
+                    msg += "\n" + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+                raise AssertionError(msg) from None
+            if ok:
+                out[rank] = payload
+            else:
+                failures[rank] = payload
+                # The other ranks may be stuck in a collective with the failed one: give them a
+                # short while to fail on their own, then replace the pool.
+                deadline = min(deadline, 15)
+        if failures:
+            self._restart()
+            raise AssertionError(
+                "\n".join(f"--- rank {r} failed in {fn.__name__} ---\n{tb}" for r, tb in sorted(failures.items()))
+            )
+        return [out[r] for r in range(self.world_size)]
+
+    def _restart(self) -> None:
+        self._kill()
+        self._start()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+
+    def close(self) -> None:
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=20)
+        self._kill()
+
+
+# ---- process groups for a (tp, dp) grid ------------------------------------------------------
+_GROUP_CACHE: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def grid_groups(tp: int, dp: int) -> tuple[Any, Any]:
+    """This rank's (tp_group, dp_group) for a tp×dp grid, TP fastest-varying as in ColossalAI's
+    mesh. A world larger than tp*dp runs independent replicas of the grid. Collective: every
+    rank must call it with the same arguments."""
+    key = (tp, dp)
+    if key in _GROUP_CACHE:
+        return _GROUP_CACHE[key]
+    world = dist.get_world_size()
+    block = tp * dp
+    if world % block:
+        raise ValueError(f"world size {world} is not a multiple of tp*dp={block}")
+    rank = dist.get_rank()
+    mine_tp = mine_dp = None
+    for base in range(0, world, block):
+        for d in range(dp):
+            ranks = [base + d * tp + t for t in range(tp)]
+            g = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
+            if rank in ranks:
+                mine_tp = g
+        for t in range(tp):
+            ranks = [base + d * tp + t for d in range(dp)]
+            g = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
+            if rank in ranks:
+                mine_dp = g
+    _GROUP_CACHE[key] = (mine_tp, mine_dp)
+    return mine_tp, mine_dp

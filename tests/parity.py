@@ -1,0 +1,237 @@
+"""The parity grid of DESIGN.md §4, run inside DistPool workers.
+
+For one optimizer configuration, every layout (tp, dp, zero) of the grid, and both master
+precisions, each rank builds the pieces ColossalAI would hand the optimizer (TP slices of the
+full params; under ZeRO, flat fp32 chunks of the padded working param; under bf16, fp32 masters
+of bf16 working params), binds them through the positional ``setup_distributed`` contract, runs
+``STEPS`` steps on identical full gradients (one step has a ``None`` grad), then gathers params
+and optimizer state back to full form and compares them with the unbound (single-device)
+optimizer run on the full tensors in the same process.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dist_optim import comm
+from dist_optim.layout import register_tp_reader
+from tests._dist import grid_groups
+
+LAYOUTS: list[tuple[int, int, int]] = [(2, 1, 0), (2, 2, 0), (1, 4, 1), (1, 4, 2), (2, 2, 1), (2, 2, 2), (4, 1, 0)]
+PRECISIONS = ("fp32", "bf16")
+STEPS = 6
+NONE_GRAD_STEP = 3  # the "row" param gets no gradient at this step
+RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # split dim under TP (when the size divides), None = replicated
+    vocab_pad: int = 0  # trailing rows that are vocabulary padding: zero, and zero gradients
+
+
+SPECS: list[Spec] = [
+    Spec("col", (8, 6), 0),  # dim-0 split (Linear1D_Col)
+    Spec("row", (6, 8), -1),  # last-dim split (Linear1D_Row)
+    Spec("norm", (6,), None),  # replicated vector
+    Spec("bias", (8,), 0),  # split vector
+    Spec("emb", (12, 5), 0, vocab_pad=2),  # vocab-padded embedding
+    Spec("conv", (3, 4, 3), 1),  # 3-D, split in the middle; ZeRO chunks cut the inner slabs
+    Spec("padsplit", (6, 5), 0),  # numel % dp != 0 after the TP split; chunks cut rows
+    Spec("padrep", (5, 3), None),  # replicated, padded, chunks cut rows
+    Spec("tiny", (2,), None),  # at dp=4 two ranks hold padding only
+]
+
+# The working params of this harness say their TP split dim with an attribute.
+register_tp_reader(lambda t: getattr(t, "_test_tp_dim", None))
+
+
+def full_params(precision: str, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for spec in SPECS:
+        t = torch.randn(spec.shape, generator=gen) * 0.5
+        if spec.vocab_pad:
+            t[-spec.vocab_pad :] = 0
+        if precision == "bf16":
+            t = t.bfloat16().float()
+        out.append(t)
+    return out
+
+
+def full_grads(step: int, seed: int = 1) -> list[torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    out: list[torch.Tensor | None] = []
+    for spec in SPECS:
+        g = torch.randn(spec.shape, generator=gen) * (0.1 * (step + 1))
+        if spec.vocab_pad:
+            g[-spec.vocab_pad :] = 0
+        out.append(None if (spec.name == "row" and step == NONE_GRAD_STEP) else g)
+    return out
+
+
+def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Two groups (matrices, vectors) so per-group options are exercised too."""
+    # By spec, not by p.dim(): ZeRO chunks are 1-D whatever the parameter's shape.
+    mats = [p for p, spec in zip(params, SPECS) if len(spec.shape) >= 2]
+    vecs = [p for p, spec in zip(params, SPECS) if len(spec.shape) < 2]
+    lr = kwargs.get("lr", 1e-3)
+    return [{"params": mats}, {"params": vecs, "lr": lr * 0.5}]
+
+
+def _make(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor]) -> Any:
+    return cls(param_groups(params, kwargs), **kwargs)
+
+
+def _run(opt: Any, params: list[torch.Tensor], local_grad: Any) -> None:
+    for step in range(STEPS):
+        for i, (p, g) in enumerate(zip(params, full_grads(step))):
+            p.grad = None if g is None else local_grad(i, g)
+        opt.step()
+
+
+def reference(cls: type, kwargs: dict[str, Any], precision: str) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    params = [p.clone() for p in full_params(precision)]
+    opt = _make(cls, kwargs, params)
+    with warnings.catch_warnings():
+        # The single-device run inside a multi-process job warns that it is unbound: on purpose.
+        warnings.simplefilter("ignore")
+        _run(opt, params, lambda i, g: g.clone())
+    return params, _ordered_state(opt, params)
+
+
+def _ordered_state(opt: Any, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """full_state() is in param_groups order; return it in SPECS order."""
+    order = [p for g in opt.param_groups for p in g["params"]]
+    states = opt.full_state()
+    by_id = {id(p): s for p, s in zip(order, states)}
+    return [by_id[id(p)] for p in params]
+
+
+def _tp_dim(spec: Spec, tp: int) -> int | None:
+    if tp == 1 or spec.tp_dim is None:
+        return None
+    dim = spec.tp_dim % len(spec.shape)
+    return dim if spec.shape[dim] % tp == 0 else None
+
+
+def _tp_slice(t: torch.Tensor, dim: int | None, tp: int, rank: int) -> torch.Tensor:
+    if dim is None:
+        return t
+    return t.chunk(tp, dim=dim)[rank]
+
+
+def _zero_chunk(t: torch.Tensor, dp: int, rank: int) -> torch.Tensor:
+    flat = t.reshape(-1)
+    pad = (-flat.numel()) % dp
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.chunk(dp)[rank]
+
+
+def distributed(
+    cls: type, kwargs: dict[str, Any], tp: int, dp: int, zero: int, precision: str
+) -> tuple[Any, list[torch.Tensor], list[Any]]:
+    """Build this rank's pieces, bind through setup_distributed, run the steps."""
+    tp_group, dp_group = grid_groups(tp, dp)
+    tp_rank = dist.get_rank(tp_group)
+    dp_rank = dist.get_rank(dp_group)
+    is_zero = zero > 0 and dp > 1
+    wdtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    masters: list[torch.Tensor] = []
+    workings: list[torch.Tensor] = []
+    shard_map: dict[int, torch.Tensor] = {}
+    padding_map: dict[int, int] = {}
+    master_to_working: dict[int, torch.Tensor] = {}
+    dims = [_tp_dim(spec, tp) for spec in SPECS]
+    for spec, full, dim in zip(SPECS, full_params(precision), dims):
+        working = torch.nn.Parameter(_tp_slice(full, dim, tp, tp_rank).to(wdtype).clone())
+        working._test_tp_dim = dim  # type: ignore[attr-defined]
+        workings.append(working)
+        if is_zero:
+            master = _zero_chunk(working.detach().float(), dp, dp_rank).clone()
+            shard_map[id(master)] = working
+            padding_map[id(working)] = (-working.numel()) % dp
+        elif precision == "bf16":
+            master = working.detach().float().clone()
+            master_to_working[id(master)] = working
+        else:
+            master = working
+        masters.append(master)
+    opt = _make(cls, kwargs, masters)
+    opt.setup_distributed(
+        tp_group,
+        dp_group,
+        shard_map,
+        padding_map,
+        is_zero,
+        **({"master_to_working": master_to_working} if master_to_working else {}),
+    )
+
+    def local_grad(i: int, g: torch.Tensor) -> torch.Tensor:
+        piece = _tp_slice(g, dims[i], tp, tp_rank)
+        return _zero_chunk(piece, dp, dp_rank).clone() if is_zero else piece.clone()
+
+    _run(opt, masters, local_grad)
+    return opt, masters, dims
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
+    """Max relative error if it exceeds RTOL (errors are measured against the tensor's scale)."""
+    actual = actual.detach().double()
+    expected = expected.detach().double()
+    if actual.shape != expected.shape:
+        return math.inf
+    scale = max(expected.abs().max().item(), 1e-12)
+    err = ((actual - expected).abs().max().item()) / scale if expected.numel() else 0.0
+    return err if not err <= RTOL else None
+
+
+def compare(
+    label: str, params: list[torch.Tensor], states: list[dict[str, Any]], ref_params: list[torch.Tensor],
+    ref_states: list[dict[str, Any]],
+) -> list[str]:
+    failures = []
+    for spec, p, rp, s, rs in zip(SPECS, params, ref_params, states, ref_states):
+        err = _close(p, rp)
+        if err is not None:
+            failures.append(f"{label} param {spec.name}: max rel err {err:.3g}")
+        if set(s) != set(rs):
+            failures.append(f"{label} state {spec.name}: keys {sorted(s)} != {sorted(rs)}")
+            continue
+        for key in rs:
+            a, b = s[key], rs[key]
+            if isinstance(b, torch.Tensor):
+                err = _close(a, b) if isinstance(a, torch.Tensor) else math.inf
+                if err is not None:
+                    failures.append(f"{label} state {spec.name}.{key}: max rel err {err:.3g}")
+            elif a != b:
+                failures.append(f"{label} state {spec.name}.{key}: {a!r} != {b!r}")
+    return failures
+
+
+def parity_worker(
+    cls: type,
+    kwargs: dict[str, Any],
+    layouts: list[tuple[int, int, int]] | None = None,
+    precisions: tuple[str, ...] = PRECISIONS,
+) -> list[str]:
+    """Run the grid on this rank; return a list of mismatches (empty = parity)."""
+    failures: list[str] = []
+    for precision in precisions:
+        ref_params, ref_states = reference(cls, kwargs, precision)
+        for tp, dp, zero in layouts or LAYOUTS:
+            label = f"[tp={tp} dp={dp} zero={zero} {precision}]"
+            opt, masters, _ = distributed(cls, kwargs, tp, dp, zero, precision)
+            layouts_ = [opt.layout(p) for p in masters]
+            full = comm.gather_full(list(zip(layouts_, masters)))
+            failures += compare(label, full, _ordered_state(opt, masters), ref_params, ref_states)
+    return failures
