@@ -6,8 +6,8 @@ layouts (``bind`` or ColossalAI's ``setup_distributed``) it is exact on TP slice
 """
 
 from .base import DistOptimizer
-from .layout import ParamLayout, TPSplit, ZeroShard
 from .lamb import DistributedLamb
+from .layout import ParamLayout, TPSplit, ZeroShard
 from .registry import convert
 
 __all__ = [

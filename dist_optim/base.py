@@ -17,7 +17,8 @@ Two ways to bind:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

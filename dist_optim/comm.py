@@ -9,6 +9,8 @@ layout-aware, *bucketed* operations:
 * :func:`gather_full`: turn local pieces (TP slices, ZeRO chunks) back into full tensors, one
   ``all_gather`` per group for all the tensors of a call.
 * :func:`broadcast_from`: bucketed broadcast of results computed by one owner rank.
+* :func:`share_owned`: results computed by different owner ranks, to every rank, in one
+  ``all_gather``.
 
 Each is a no-op for a parameter whose layout is local. ``COUNTS`` counts the collectives issued
 (tests and benchmarks read it to prove that the number per step does not grow with the number of
@@ -22,15 +24,25 @@ process follows, so collectives on overlapping groups cannot deadlock.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .layout import ParamLayout
 
-__all__ = ["COUNTS", "reset_counts", "SumBucket", "gather_full", "broadcast_from", "group_size", "group_rank"]
+__all__ = [
+    "COUNTS",
+    "reset_counts",
+    "SumBucket",
+    "gather_full",
+    "broadcast_from",
+    "share_owned",
+    "group_size",
+    "group_rank",
+]
 
 #: Number of collectives issued since the last :func:`reset_counts`, by operation name.
 COUNTS: collections.Counter[str] = collections.Counter()
@@ -78,8 +90,8 @@ class SumBucket:
 
     ``add(t, groups)`` queues ``t`` to be summed over each group in ``groups``, in that order (a
     layout's ``sum_groups``: ZeRO group, then TP group; every member of a group must queue its
-    tensor with the same sequence of group roles). After :meth:`flush`, every queued tensor holds its reduced value. Tensors of one
-    dtype that share a group travel in one flat buffer.
+    tensor with the same sequence of group roles). After :meth:`flush`, every queued tensor holds
+    its reduced value. Tensors of one dtype that share a group travel in one flat buffer.
     """
 
     _requests: list[tuple[torch.Tensor, tuple[Any, ...]]] = field(default_factory=list)
@@ -195,9 +207,55 @@ def broadcast_from(tensors: Sequence[torch.Tensor], src_rank_in_group: int, grou
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     COUNTS["broadcast"] += 1
-    dist.broadcast(flat, src=dist.get_global_rank(group, src_rank_in_group) if group is not None else src_rank_in_group, group=group)
+    dist.broadcast(
+        flat,
+        src=dist.get_global_rank(group, src_rank_in_group) if group is not None else src_rank_in_group,
+        group=group,
+    )
     offset = 0
     for t in tensors:
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
+
+
+def share_owned(
+    tensors: Sequence[torch.Tensor],
+    owners: Sequence[int],
+    group: Any,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Every rank of ``group`` gets every tensor, each computed by its owner (rank in group).
+
+    ``tensors`` are allocated with their final shapes on every rank; on the owner they hold the
+    result, elsewhere anything. One ``all_gather`` of per-rank flat buffers (padded to the
+    largest) fills them all in place. ``dtype`` sets the communication precision (e.g. bf16),
+    results are written back in each tensor's own dtype.
+    """
+    size = group_size(group)
+    if size == 1 or not tensors:
+        return
+    if len(tensors) != len(owners):
+        raise ValueError("share_owned: one owner per tensor")
+    comm_dtype = dtype or tensors[0].dtype
+    per_rank: list[list[int]] = [[] for _ in range(size)]
+    for i, owner in enumerate(owners):
+        per_rank[owner].append(i)
+    lengths = [sum(tensors[i].numel() for i in idx) for idx in per_rank]
+    width = max(lengths)
+    if width == 0:
+        return
+    me = group_rank(group)
+    mine = [tensors[i].reshape(-1).to(comm_dtype) for i in per_rank[me]]
+    flat = torch.zeros(width, dtype=comm_dtype, device=tensors[0].device)
+    if mine:
+        torch.cat(mine, out=flat[: lengths[me]])
+    gathered = _all_gather_flat(flat, group)
+    for rank, idx in enumerate(per_rank):
+        if rank == me:
+            continue
+        offset = 0
+        for i in idx:
+            n = tensors[i].numel()
+            tensors[i].copy_(gathered[rank, offset : offset + n].view_as(tensors[i]))
+            offset += n

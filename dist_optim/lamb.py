@@ -25,12 +25,14 @@ the trust ratio stays a tensor.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from .base import DistOptimizer, check_range
 from .comm import SumBucket
+from .registry import Conversion, register
 
 __all__ = ["DistributedLamb"]
 
@@ -118,9 +120,11 @@ class DistributedLamb(DistOptimizer):
                 torch._foreach_add_(updates, params, alpha=group["weight_decay"])
 
             # Row 0: sum of squares of the param, row 1: of the update; one column per param.
-            sq = torch.stack(
-                [torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates))]
-            ).float().square_()
+            sq = (
+                torch.stack([torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates))])
+                .float()
+                .square_()
+            )
             parts = []
             by_groups: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
             group_objs: dict[tuple[int, ...], tuple[Any, ...]] = {}
@@ -176,3 +180,52 @@ def _validate(**options: Any) -> None:
         check_range("weight_decay", options["weight_decay"], 0.0)
     if options.get("clamp_value") is not None:
         check_range("clamp_value", options["clamp_value"], 0.0)
+
+
+# ---- conversions from the LAMB classes users have -------------------------------------------
+def _lamb_state(state: Any) -> dict[str, Any]:
+    return {
+        "step": torch.tensor(float(state["step"]), dtype=torch.float32),
+        "exp_avg": state["exp_avg"],
+        "exp_avg_sq": state["exp_avg_sq"],
+    }
+
+
+def _colossal_lamb(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
+    # ``adam`` is an attribute of colossalai's Lamb, not a group option: ColossalAI's own
+    # cast_to_distributed loses it.
+    return dict(
+        lr=g["lr"],
+        betas=tuple(g["betas"]),
+        eps=g["eps"],
+        weight_decay=g["weight_decay"],
+        bias_correction=bool(g.get("bias_correction", False)),
+        adam=bool(getattr(opt, "adam", False)),
+        clamp_value=None,
+    )
+
+
+def _torch_optimizer_lamb(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
+    return dict(
+        lr=g["lr"],
+        betas=tuple(g["betas"]),
+        eps=g["eps"],
+        weight_decay=g["weight_decay"],
+        bias_correction=bool(opt.debias),  # type: ignore[attr-defined]
+        adam=bool(opt.adam),  # type: ignore[attr-defined]
+        clamp_value=float(opt.clamp_value),  # type: ignore[attr-defined]
+    )
+
+
+_LAMB_READS = frozenset({"lr", "betas", "eps", "weight_decay", "bias_correction"})
+for _path in ("colossalai.nn.optimizer.lamb.Lamb", "colossalai.nn.optimizer.distributed_lamb.DistributedLamb"):
+    register(Conversion(_path, DistributedLamb, _colossal_lamb, _LAMB_READS, state=_lamb_state))
+register(
+    Conversion(
+        "torch_optimizer.lamb.Lamb",
+        DistributedLamb,
+        _torch_optimizer_lamb,
+        frozenset({"lr", "betas", "eps", "weight_decay"}),
+        state=_lamb_state,
+    )
+)

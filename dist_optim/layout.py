@@ -17,8 +17,9 @@ Terms (see DESIGN.md §1):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -190,7 +191,9 @@ class ParamLayout:
             index[self.tp.dim] = slice(start, start + self.local_shape[self.tp.dim])
         return tuple(index)
 
-    def full_flat_index(self, drop_dims: tuple[int, ...] = (), device: torch.device | str | None = None) -> torch.Tensor:
+    def full_flat_index(
+        self, drop_dims: tuple[int, ...] = (), device: torch.device | str | None = None
+    ) -> torch.Tensor:
         """For each element of the local tensor, its flat index in the full tensor with
         ``drop_dims`` removed (row-major); padding elements get ``-1``.
 

@@ -14,8 +14,9 @@ test case (tests/test_registry.py checks that).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -145,56 +146,3 @@ def _init_args(cls: type) -> set[str]:
     import inspect
 
     return set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
-
-
-# ---- the conversions ------------------------------------------------------------------------
-def _lamb_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "step": torch.tensor(float(state["step"]), dtype=torch.float32),
-        "exp_avg": state["exp_avg"],
-        "exp_avg_sq": state["exp_avg_sq"],
-    }
-
-
-def _register_builtin() -> None:
-    from .lamb import DistributedLamb
-
-    lamb_reads = frozenset({"lr", "betas", "eps", "weight_decay", "bias_correction"})
-
-    def colossal_lamb(opt: torch.optim.Optimizer, g: Mapping[str, Any]) -> dict[str, Any]:
-        return dict(
-            lr=g["lr"],
-            betas=tuple(g["betas"]),
-            eps=g["eps"],
-            weight_decay=g["weight_decay"],
-            bias_correction=bool(g.get("bias_correction", False)),
-            adam=bool(getattr(opt, "adam", False)),
-            clamp_value=None,
-        )
-
-    for path in ("colossalai.nn.optimizer.lamb.Lamb", "colossalai.nn.optimizer.distributed_lamb.DistributedLamb"):
-        register(Conversion(path, DistributedLamb, colossal_lamb, lamb_reads, state=_lamb_state))
-
-    def torch_optimizer_lamb(opt: torch.optim.Optimizer, g: Mapping[str, Any]) -> dict[str, Any]:
-        return dict(
-            lr=g["lr"],
-            betas=tuple(g["betas"]),
-            eps=g["eps"],
-            weight_decay=g["weight_decay"],
-            bias_correction=bool(opt.debias),  # type: ignore[attr-defined]
-            adam=bool(opt.adam),  # type: ignore[attr-defined]
-            clamp_value=float(opt.clamp_value),  # type: ignore[attr-defined]
-        )
-
-    register(
-        Conversion(
-            "torch_optimizer.lamb.Lamb",
-            DistributedLamb,
-            torch_optimizer_lamb,
-            frozenset({"lr", "betas", "eps", "weight_decay"}),
-            state=_lamb_state,
-        )
-    )
-
-
-_register_builtin()

@@ -13,8 +13,9 @@ import os
 import queue
 import tempfile
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,9 @@ class DistPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.world_size, init_file, self._tasks[r], self._results), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, self.world_size, init_file, self._tasks[r], self._results), daemon=True
+            )
             for r in range(self.world_size)
         ]
         for p in self._procs:

@@ -152,7 +152,7 @@ def distributed(
     padding_map: dict[int, int] = {}
     master_to_working: dict[int, torch.Tensor] = {}
     dims = [_tp_dim(spec, tp) for spec in SPECS]
-    for spec, full, dim in zip(SPECS, full_params(precision), dims):
+    for full, dim in zip(full_params(precision), dims):
         working = torch.nn.Parameter(_tp_slice(full, dim, tp, tp_rank).to(wdtype).clone())
         working._test_tp_dim = dim  # type: ignore[attr-defined]
         workings.append(working)
@@ -196,7 +196,10 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
 
 
 def compare(
-    label: str, params: list[torch.Tensor], states: list[dict[str, Any]], ref_params: list[torch.Tensor],
+    label: str,
+    params: list[torch.Tensor],
+    states: list[dict[str, Any]],
+    ref_params: list[torch.Tensor],
     ref_states: list[dict[str, Any]],
 ) -> list[str]:
     failures = []
