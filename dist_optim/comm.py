@@ -171,7 +171,9 @@ def gather_full(
         groups: dict[int, Any] = {}
         for i, (layout, _) in enumerate(items):
             part = layout.zero if kind == "zero" else layout.tp
-            if part is not None:
+            if kind == "zero" and part is not None and part.size == 1:
+                results[i] = layout.to_working_shape(results[i])
+            elif part is not None:
                 pending[id(part.group)].append(i)
                 groups[id(part.group)] = part.group
         for group in _ordered(groups.values()):

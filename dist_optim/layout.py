@@ -103,15 +103,14 @@ class ParamLayout:
                 if dim != self.tp.dim:
                     object.__setattr__(self, "tp", TPSplit(dim, self.tp.size, self.tp.rank, self.tp.group))
         if self.zero is not None:
-            if self.zero.size == 1:
-                object.__setattr__(self, "zero", None)
-            else:
-                expected = (-self.local_numel) % self.zero.size
-                if self.zero.padding != expected:
-                    raise ValueError(
-                        f"ParamLayout: ZeRO padding {self.zero.padding} does not match a working param of "
-                        f"{self.local_numel} elements over {self.zero.size} ranks (expected {expected})"
-                    )
+            # A ZeRO "shard" over one rank is kept: the optimizer's tensor is then the whole working
+            # param, but flat, and factored math needs to know its shape.
+            expected = (-self.local_numel) % self.zero.size
+            if self.zero.padding != expected:
+                raise ValueError(
+                    f"ParamLayout: ZeRO padding {self.zero.padding} does not match a working param of "
+                    f"{self.local_numel} elements over {self.zero.size} ranks (expected {expected})"
+                )
 
     # ---- shapes -------------------------------------------------------------------------
     @property
@@ -145,7 +144,7 @@ class ParamLayout:
         rank holds a chunk) and the TP group (each rank holds a slice). Replicated copies are
         not summed."""
         groups = []
-        if self.zero is not None:
+        if self.zero is not None and self.zero.size > 1:
             groups.append(self.zero.group)
         if self.tp is not None:
             groups.append(self.tp.group)

@@ -1,0 +1,139 @@
+"""Drop-in ColossalAI booster plugins that swap in dist_optim's optimizers.
+
+Change one import line::
+
+    from dist_optim.plugins import HybridParallelPlugin   # was: from colossalai.booster.plugin import ...
+
+and ``booster.boost(model, optimizer, ...)`` replaces an ordinary optimizer (torch, transformers,
+torch_optimizer, colossalai, ... see ``dist_optim.registry``) by its dist_optim equivalent with the
+same groups and hyperparameters, lets ColossalAI wrap it, then binds it to the real layouts read
+from ColossalAI's wrapper: the TP split of every working param, ZeRO's master→working map and
+padding, and the group that really sharded each param (also under bf16/fp16, where the fp32
+masters have lost their TP annotation). Optimizers without an equivalent (e.g. AdamW, which is
+element-wise and already exact under TP/ZeRO) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from colossalai.booster.plugin import HybridParallelPlugin as _HybridParallelPlugin
+from colossalai.booster.plugin import LowLevelZeroPlugin as _LowLevelZeroPlugin
+from colossalai.booster.plugin import TorchDDPPlugin as _TorchDDPPlugin
+from colossalai.logging import get_dist_logger
+
+from dist_optim.base import DistOptimizer
+from dist_optim.layout import local_layout
+from dist_optim.registry import class_path, convert
+
+from .colossal import as_colossal_optimizer, bind_from_wrapper, world_group
+
+__all__ = ["HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin", "swap_optimizer"]
+
+
+def swap_optimizer(optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None) -> Any:
+    """Our equivalent of ``optimizer`` (or the optimizer itself if it has none), ready for
+    ColossalAI's wrappers; an LR scheduler built on the original is re-pointed at it."""
+    if optimizer is None:
+        return None
+    swapped = convert(optimizer, strict=False)
+    if swapped is not optimizer:
+        get_dist_logger().info(
+            f"dist_optim: {class_path(type(optimizer))} -> {class_path(type(swapped))} "
+            f"({len(swapped.param_groups)} param group(s), hyperparameters converted: "
+            f"{sorted(k for k in swapped.defaults)})",
+            ranks=[0],
+        )
+        if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is optimizer:
+            lr_scheduler.optimizer = swapped
+    if isinstance(swapped, DistOptimizer):
+        as_colossal_optimizer(swapped)
+    return swapped
+
+
+def _configure(
+    plugin: Any,
+    parent_configure: Callable[..., tuple[Any, ...]],
+    bind: Callable[[Any], None],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    criterion: Any,
+    dataloader: Any,
+    lr_scheduler: Any,
+) -> tuple[Any, ...]:
+    optimizer = swap_optimizer(optimizer, lr_scheduler)
+    out = parent_configure(model, optimizer, criterion, dataloader, lr_scheduler)
+    wrapper = out[1]
+    if wrapper is not None and isinstance(getattr(wrapper, "optim", None), DistOptimizer):
+        bind(wrapper)
+    return out
+
+
+class HybridParallelPlugin(_HybridParallelPlugin):
+    """``colossalai.booster.plugin.HybridParallelPlugin`` that swaps and binds dist_optim optimizers."""
+
+    def configure(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, ...]:
+        return _configure(
+            self,
+            super().configure,
+            lambda w: bind_from_wrapper(w, self.tp_group, self.dp_group),
+            model,
+            optimizer,
+            criterion,
+            dataloader,
+            lr_scheduler,
+        )
+
+
+class LowLevelZeroPlugin(_LowLevelZeroPlugin):
+    """``colossalai.booster.plugin.LowLevelZeroPlugin`` that swaps and binds dist_optim optimizers."""
+
+    def configure(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, ...]:
+        return _configure(
+            self,
+            super().configure,
+            lambda w: bind_from_wrapper(w, None, world_group()),
+            model,
+            optimizer,
+            criterion,
+            dataloader,
+            lr_scheduler,
+        )
+
+
+class TorchDDPPlugin(_TorchDDPPlugin):
+    """``colossalai.booster.plugin.TorchDDPPlugin`` that swaps dist_optim optimizers in.
+
+    Parameters are whole and replicated under DDP; the optimizer is bound with the world as its
+    data-parallel group so that optimizers which split per-parameter work can share it out.
+    """
+
+    def configure(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, ...]:
+        def bind(wrapper: Any) -> None:
+            optim = wrapper.optim
+            optim.bind({p: local_layout(p) for g in optim.param_groups for p in g["params"]}, dp_group=world_group())
+
+        return _configure(self, super().configure, bind, model, optimizer, criterion, dataloader, lr_scheduler)

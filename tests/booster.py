@@ -1,0 +1,136 @@
+"""Booster parity: a tiny Llama trained through a real ColossalAI booster with an ordinary
+optimizer (swapped for ours by dist_optim.plugins) against the same model trained on one process
+with our unbound optimizer. Runs inside DistPool workers."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests._colossal_cpu import install, quiet_colossal
+
+BATCH_PER_RANK = 2
+SEQ = 16
+VOCAB = 256
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def make_optimizer(path: str, params: Any, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)(params, **kwargs)
+
+
+def global_batch(step: int, dp_size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (dp_size * BATCH_PER_RANK, SEQ), generator=gen)
+
+
+def master_weights(model: Any, wrapper: Any) -> dict[str, torch.Tensor]:
+    """Full fp32 weights by parameter name, gathered from the optimizer's masters and layouts."""
+    from dist_optim import comm
+
+    opt = wrapper.optim
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    fulls = comm.gather_full([(opt.layout(p), p) for p in masters])
+    to_working = wrapper.get_master_to_working_map() if hasattr(wrapper, "get_master_to_working_map") else None
+    names = {id(p): n for n, p in model.unwrap().named_parameters()}
+    out = {}
+    for master, full in zip(masters, fulls):
+        working = to_working[id(master)] if to_working else master
+        out[names[id(working)]] = full.float()
+    return out
+
+
+def reference_run(
+    opt_path: str, opt_kwargs: dict[str, Any], steps: int, dp_size: int, low_precision: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    import dist_optim
+
+    model = tiny_llama()
+    if low_precision is not None:
+        # The booster's fp32 masters start from the low-precision working weights.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(low_precision).float())
+    opt = dist_optim.convert(make_optimizer(opt_path, model.parameters(), opt_kwargs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "stepping unbound in a multi-process job": on purpose
+        for step in range(steps):
+            x = global_batch(step, dp_size)
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def booster_parity(
+    plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any], steps: int = 5
+) -> dict[str, Any]:
+    """Train through the booster; return errors against the single-process run (rank-local)."""
+    install()
+    from colossalai.booster import Booster
+
+    import dist_optim
+    from dist_optim import plugins
+
+    with quiet_colossal():
+        model = tiny_llama()
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        optimizer = make_optimizer(opt_path, model.parameters(), opt_kwargs)
+        plugin = getattr(plugins, plugin_name)(**plugin_kwargs)
+        booster = Booster(plugin=plugin)
+        model, wrapper, *_ = booster.boost(model, optimizer)
+        dp_group = getattr(plugin, "dp_group", None)
+        dp_size = dist.get_world_size(dp_group)
+        dp_rank = dist.get_rank(dp_group)
+        for step in range(steps):
+            x = global_batch(step, dp_size)[dp_rank * BATCH_PER_RANK : (dp_rank + 1) * BATCH_PER_RANK]
+            loss = model(input_ids=x, labels=x).loss
+            booster.backward(loss, wrapper)
+            wrapper.step()
+            wrapper.zero_grad()
+        got = master_weights(model, wrapper)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plugin_kwargs.get("precision", "fp32"))
+    if plugin_name == "LowLevelZeroPlugin" and "precision" not in plugin_kwargs:
+        low = torch.float16
+    expected = reference_run(opt_path, opt_kwargs, steps, dp_size, low)
+    opt = wrapper.optim
+    errors = {}
+    for name, ref in expected.items():
+        start = init[name] if low is None else init[name].to(low).float()
+        delta = (ref - start).norm().item()
+        errors[name] = {
+            # error relative to the parameter's scale, and to the size of the training update
+            "rel": ((got[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item(),
+            "update_rel": ((got[name] - ref).norm() / max(delta, 1e-12)).item(),
+        }
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    return {
+        "swapped_to": [c.__name__ for c in type(opt).__mro__],
+        "is_dist_optim": isinstance(opt, dist_optim.DistOptimizer),
+        "tp_bound": sum(opt.layout(p).tp is not None for p in masters),
+        "zero_bound": sum(opt.layout(p).zero is not None for p in masters),
+        "errors": errors,
+    }
