@@ -9,6 +9,13 @@ from .base import DistOptimizer
 from .lamb import DistributedLamb
 from .layout import ParamLayout, TPSplit, ZeroShard
 from .registry import convert
+from .shampoo import (
+    AdaGradGraftingConfig,
+    AdamGraftingConfig,
+    DistributedShampoo,
+    RMSpropGraftingConfig,
+    SGDGraftingConfig,
+)
 
 __all__ = [
     "DistOptimizer",
@@ -17,6 +24,11 @@ __all__ = [
     "TPSplit",
     "ZeroShard",
     "convert",
+    "DistributedShampoo",
+    "SGDGraftingConfig",
+    "AdaGradGraftingConfig",
+    "RMSpropGraftingConfig",
+    "AdamGraftingConfig",
 ]
 
 __version__ = "0.1.0"

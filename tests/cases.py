@@ -19,3 +19,49 @@ PARITY_CASES: list[Case] = [
     Case("lamb", dist_optim.DistributedLamb, dict(lr=1e-2, weight_decay=1e-2)),
     Case("lamb-nobc-clamp", dist_optim.DistributedLamb, dict(lr=2e-2, bias_correction=False, clamp_value=0.8)),
 ]
+
+# DistributedShampoo: blocks of 3 cut every test param of the grid into several blocks.
+PARITY_CASES += [
+    Case(
+        "shampoo-adam-eigh-blocks-pf2",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-6,
+            max_preconditioner_dim=3,
+            precondition_frequency=2,
+            weight_decay=1e-2,
+            momentum=0.5,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+        ),
+    ),
+    Case(
+        "shampoo-soap-qr",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-8,
+            max_preconditioner_dim=4,
+            precondition_frequency=2,
+            eigenvalue_correction=True,
+            eigenbasis="qr",
+            weight_decay=1e-2,
+            use_decoupled_weight_decay=False,
+        ),
+    ),
+    Case(
+        "shampoo-newton-sgd-merge",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-4,
+            root_inverse="coupled_newton",
+            merge_small_dims=True,
+            max_preconditioner_dim=8,
+            start_preconditioning_step=1,
+            grafting_config=dist_optim.SGDGraftingConfig(),
+            momentum=0.9,
+            use_nesterov=True,
+        ),
+    ),
+]

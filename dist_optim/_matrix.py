@@ -1,0 +1,173 @@
+"""Matrix functions shared by the preconditioned optimizers (Shampoo, SOAP, Kron).
+
+Everything here works on one symmetric positive semi-definite matrix at a time and does no
+communication:
+
+* :func:`matrix_inverse_root`: ``(A + eps I)^(-alpha)`` by a symmetric eigendecomposition, by the
+  coupled Newton iteration (Higham, "Functions of Matrices", 2008, §7.3; Guo & Higham 2006), or by
+  a higher-order coupled iteration built from the binomial series of ``(I - E)^(-1/p)`` (the
+  family Meta's Shampoo calls "higher-order coupled iterations"). Each returns the root, an error
+  estimate and a success flag, so callers can keep the previous root when one fails (Anil et al.
+  2020, "Scalable Second Order Optimization for Deep Learning", arXiv:2002.09018).
+* :func:`eigenbasis` and :func:`qr_power_step`: the eigenbasis of a factor, computed exactly or
+  refreshed by one warm-started power iteration with a QR decomposition (Vyas et al. 2024,
+  "SOAP: Improving and Stabilizing Shampoo using Adam", arXiv:2409.11321).
+
+Success flags and errors are tensors; nothing here synchronises with the host except the early
+exit of the iterative methods (one scalar read per iteration, and these run only when a root is
+refreshed, every ``precondition_frequency`` steps).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "ROOT_METHODS",
+    "matrix_inverse_root",
+    "eigenbasis",
+    "qr_power_step",
+    "canonical_signs",
+]
+
+ROOT_METHODS = ("eigh", "coupled_newton", "higher_order")
+
+
+def _sym(a: torch.Tensor) -> torch.Tensor:
+    return (a + a.T) * 0.5
+
+
+def matrix_inverse_root(
+    matrix: torch.Tensor,
+    root: float,
+    epsilon: float,
+    method: str = "eigh",
+    *,
+    exponent_multiplier: float = 1.0,
+    max_iterations: int = 100,
+    tolerance: float | None = None,
+    order: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(matrix + epsilon I)^(-exponent_multiplier / root)`` of a symmetric PSD matrix.
+
+    ``eigh``: ``lam, Q = eigh(A + eps I)``; if ``min(lam) < eps`` (round-off made the damped matrix
+    less definite than it should be) all eigenvalues are shifted up by ``eps - min(lam)``; the
+    result is ``Q diag(lam^-alpha) Q^T``. The error is 0 (the method is exact up to round-off).
+
+    ``coupled_newton`` (order 2) and ``higher_order`` (``order`` >= 3) iterate ``X_k -> A^(-1/p)``
+    with ``M_k = X_k^p A -> I``: ``T = sum_{j<order} c_j (I - M)^j`` with ``c_j`` the binomial-series
+    coefficients of ``(1 - x)^(-1/p)``, ``X <- X T``, ``M <- T^p M``; started from ``M_0 = z A``,
+    ``X_0 = z^(1/p) I``. They need an integer ``p = root`` and ``exponent_multiplier == 1``. The
+    error is ``max |M - I|``; iteration stops when it is below ``tolerance``, after
+    ``max_iterations``, or when it has not improved for 8 iterations (the best iterate is kept).
+
+    Returns ``(root_inverse, error, ok)`` where ``ok`` is a 0-d bool tensor: the result is finite
+    (callers compare ``error`` with their own failure threshold).
+    """
+    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"matrix_inverse_root: expected a square matrix, got shape {tuple(matrix.shape)}")
+    n = matrix.shape[0]
+    a = _sym(matrix)
+    eye = torch.eye(n, dtype=a.dtype, device=a.device)
+    if method == "eigh":
+        alpha = exponent_multiplier / root
+        lam, q = torch.linalg.eigh(a + epsilon * eye)
+        lam = lam + (epsilon - lam.min()).clamp(min=0)
+        x = (q * lam.pow(-alpha)) @ q.T
+        error = torch.zeros((), dtype=a.dtype, device=a.device)
+        return x, error, torch.isfinite(x).all()
+    if method not in ("coupled_newton", "higher_order"):
+        raise ValueError(f"root_inverse must be one of {ROOT_METHODS}, got {method!r}")
+    p = int(round(root))
+    if p != root or p < 1 or exponent_multiplier != 1.0:
+        raise ValueError(
+            f"root_inverse={method!r} needs an integer root and exponent_multiplier=1 "
+            f"(got root {root}, exponent_multiplier {exponent_multiplier}); use root_inverse='eigh'"
+        )
+    q_order = 2 if method == "coupled_newton" else max(3, int(order))
+    if tolerance is None:
+        tolerance = 1e-10 if a.dtype == torch.float64 else 1e-5
+    damped = a + epsilon * eye
+    # Binomial-series coefficients of (1 - x)^(-1/p): c_0 = 1, c_j = c_{j-1} (1/p + j - 1) / j.
+    coeffs = [1.0]
+    for j in range(1, q_order):
+        coeffs.append(coeffs[-1] * (1.0 / p + j - 1) / j)
+    if q_order == 2:
+        z = (1.0 + p) / (2.0 * torch.linalg.matrix_norm(damped))  # Higham's scaling for Newton
+    else:
+        z = 1.0 / torch.linalg.matrix_norm(damped)  # eigenvalues of M_0 in (0, 1]: the series converges
+    m = damped * z
+    x = eye * z.pow(1.0 / p)
+    error = (m - eye).abs().max()
+    best_x, best_err, stale = x, error, 0
+    for _ in range(max_iterations):
+        # One scalar read per iteration (amortised: roots are refreshed every few steps). The
+        # iteration converges for any SPD matrix from this start (Guo & Higham 2006), but the error
+        # need not decrease monotonically early on: keep the best iterate, stop on stagnation.
+        if not bool(best_err > tolerance) or stale >= 8:
+            break
+        e = eye - m
+        t = eye * coeffs[-1]
+        for c in reversed(coeffs[:-1]):  # Horner: t = c_0 I + e (c_1 I + e (c_2 I + ...))
+            t = c * eye + e @ t
+        x = x @ t
+        m = _sym(torch.linalg.matrix_power(t, p) @ m)
+        error = (m - eye).abs().max()
+        if not bool(torch.isfinite(error)):
+            break
+        if bool(error < best_err):
+            best_x, best_err, stale = x, error, 0
+        else:
+            stale += 1
+    x = _sym(best_x)
+    return x, best_err, torch.isfinite(x).all() & torch.isfinite(best_err)
+
+
+def canonical_signs(q: torch.Tensor) -> torch.Tensor:
+    """Flip columns of ``q`` so that each column's entry of largest magnitude is positive.
+
+    Eigenvectors are defined up to sign; a fixed convention makes bases comparable between runs
+    and precisions (the optimizer's result does not depend on it)."""
+    idx = q.abs().argmax(dim=0, keepdim=True)
+    signs = torch.sign(torch.gather(q, 0, idx))
+    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
+    return q * signs
+
+
+def eigenbasis(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvectors of a symmetric matrix, columns in decreasing eigenvalue order and canonical
+    signs, and whether the result is finite."""
+    _, q = torch.linalg.eigh(_sym(matrix))
+    q = canonical_signs(q.flip(-1))
+    return q, torch.isfinite(q).all()
+
+
+def qr_power_step(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One warm-started power iteration on ``matrix`` from the orthonormal ``basis``.
+
+    The columns of ``basis`` are first sorted by their Rayleigh quotients ``diag(Q^T A Q)``
+    (decreasing), then ``Q' R = qr(A Q)`` (mathematically the same as ``Q qr(Q^T A Q)``), with
+    ``R``'s diagonal made non-negative so the factorisation is unique. Returns ``(new basis,
+    permutation applied to the columns, ok)``; callers permute whatever they store in the
+    rotated coordinates with the same permutation.
+    """
+    a = _sym(matrix)
+    estimates = torch.einsum("ij,ik,kj->j", basis, a, basis)
+    perm = torch.argsort(estimates, descending=True, stable=True)
+    q = basis[:, perm]
+    q_new, r = torch.linalg.qr(a @ q)
+    signs = torch.sign(torch.diagonal(r))
+    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
+    q_new = q_new * signs
+    return q_new, perm, torch.isfinite(q_new).all()
+
+
+def exponent_for(order: int, override: float, multiplier: float) -> tuple[float, float]:
+    """``(root, exponent_multiplier)`` for a factor of a tensor block of ``order`` dims: the root
+    is ``2 * order`` (Gupta et al. 2018) unless ``override`` is non-zero."""
+    root = float(override) if override else 2.0 * order
+    if not math.isfinite(root) or root <= 0:
+        raise ValueError(f"exponent_override must be a positive number or 0, got {override}")
+    return root, float(multiplier)

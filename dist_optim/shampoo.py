@@ -1,0 +1,759 @@
+"""Shampoo, and Shampoo with eigenvalue correction (SOAP), exact under tensor parallelism and ZeRO.
+
+Papers: Gupta, Koren & Singer 2018, "Shampoo: Preconditioned Stochastic Tensor Optimization"
+(arXiv:1802.09568); Anil et al. 2020, "Scalable Second Order Optimization for Deep Learning"
+(arXiv:2002.09018: blocking, grafting, amortised roots, failure handling); Shi et al. 2023, "A
+Distributed Data-Parallel PyTorch Implementation of the Distributed Shampoo Optimizer for Training
+Neural Networks At-Scale" (arXiv:2309.06497: the options and the work split this class follows);
+Vyas et al. 2024, "SOAP: Improving and Stabilizing Shampoo using Adam" (arXiv:2409.11321).
+
+Per parameter, with ``t`` its 1-based step (steps without a gradient do not count):
+
+1. ``G = grad`` (``+ weight_decay * W`` unless the decay is decoupled). With ``merge_small_dims``
+   consecutive dims are merged while their product stays <= ``max_preconditioner_dim``; the (full)
+   tensor is then cut into blocks of at most ``max_preconditioner_dim`` along every dim.
+2. Per block and dim ``k``: ``L_k <- b2 L_k + (1 - b2) G_(k) G_(k)^T`` (``b2 == 1``: plain sum),
+   every ``statistics_compute_steps`` steps. A 1-D block has one full-matrix factor.
+3. ``M <- b1 M + (1 - b1) G``, ``Mhat = M / (1 - b1^t)`` (with bias correction; ``b1 == 0``:
+   ``Mhat = G``). Grafting state per block and grafting direction ``D``: SGD ``Mhat``; AdaGrad
+   ``V += G^2``, ``Mhat / (sqrt(V) + eps_g)``; RMSprop ``V <- b V + (1 - b) G^2``,
+   ``Mhat / (sqrt(V) + eps_g)``; Adam as RMSprop with ``V / (1 - b^t)``; no grafting: ``Mhat``.
+4. Roots at ``t == start`` and whenever ``t % precondition_frequency == 0 and t > start``:
+   ``A = L / (1 - b2^n)`` (bias correction, ``n`` factor updates so far),
+   ``R = (A + epsilon I)^(-exponent_multiplier / r)``, ``r = 2 * order of the block`` unless
+   ``exponent_override``; see :func:`dist_optim._matrix.matrix_inverse_root`. A root that is not
+   finite or whose iteration error exceeds ``inverse_failure_threshold`` is discarded: the previous
+   root is kept (identity before the first) and ``block<i>.failures`` counts it.
+5. Direction: before ``start`` ``P = D``; then ``P = Mhat x_0 R_0 x_1 R_1 ...`` scaled per block to
+   ``||D||``: ``P <- P ||D|| / (||P|| + 1e-16)`` (no rescaling without grafting).
+6. ``P <- P + weight_decay W`` (decoupled); momentum ``B <- momentum B + P`` and ``P = B`` (or
+   ``P + momentum B`` with Nesterov); ``W <- W - lr P``.
+
+SOAP (``eigenvalue_correction=True``): Adam in the eigenbasis ``Q_k`` of the factors. At the
+steps of (4) the basis is refreshed (``eigenbasis="eigh"``: eigenvectors; ``"qr"``: one
+warm-started power step with a QR decomposition, columns sorted by decreasing Rayleigh quotient
+and the rotated second moment permuted with them). Then ``Gr = G x_k Q_k^T``,
+``S <- b2 S + (1 - b2) Gr^2``, ``P = (Mhat x_k Q_k^T) / (sqrt(S / (1 - b2^t)) + epsilon)`` rotated
+back with ``x_k Q_k``; grafting as in (5) if configured; then (6).
+
+Deviations, all stated:
+
+* ``start_preconditioning_step`` 0 or 1 both mean "from the first step" (Meta's 0/1 rules); any
+  other value below ``precondition_frequency`` is refused.
+* Before the first root, the preconditioner is the identity (the default path does not use it
+  before ``start``; it matters only when the first root fails).
+* SOAP uses its direction from step 1 (identity basis until the first refresh); the "grafting only
+  before ``start``" rule is Shampoo's. The first refresh with ``eigenbasis="qr"`` uses ``eigh``
+  (a power step from the identity would be meaningless), as Vyas et al.'s code does.
+* The iterative root methods use the same absolute ``epsilon`` as ``eigh`` (Meta's higher-order
+  method scales it by an estimate of the largest eigenvalue); they need ``exponent_multiplier=1``.
+* ``skip_preconditioning_dim_size_gt`` (Anil et al.) applies per parameter: a parameter with a
+  (merged, full) dim above it uses the grafting direction only (SOAP: Adam in the identity basis).
+* A gradient with NaN/Inf raises ``FloatingPointError`` naming the parameter, or with
+  ``nonfinite_grad="skip"`` skips the whole step (nothing changes, ``skipped_steps`` counts it).
+  Detecting it is one host read per step; root refreshes also read scalars (amortised).
+
+Distribution: blocks are defined on the *full* tensor, so TP and ZeRO do not change the math.
+Each step gathers the full gradients (one all_gather per TP/ZeRO group for all parameters, in
+``communication_dtype``), every block is owned by one rank of the data-parallel group (the ZeRO
+group of a ZeRO-sharded parameter) by a cost model ``sum_k d_k^3`` (:func:`work.assign_owners`),
+owners update their blocks' state and compute the block directions, and
+:func:`comm.share_owned` hands all directions to all ranks in one all_gather per group (in
+``communication_dtype``; owners round their own results the same way so replicas agree). Each
+rank then applies the part of the full update that it holds. Block state (factors, roots, bases,
+moments, grafting state) lives only on its owner: memory of the preconditioners is divided across
+the group (:meth:`DistributedShampoo.state_bytes`); :meth:`full_state` gathers it back. TP ranks
+of one data-parallel position compute the same blocks (work is split over the dp group only).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _matrix
+from .base import DistOptimizer, check_range
+from .comm import SumBucket, _ordered, gather_full, group_rank, group_size, share_owned
+from .work import assign_owners
+
+__all__ = [
+    "DistributedShampoo",
+    "SGDGraftingConfig",
+    "AdaGradGraftingConfig",
+    "RMSpropGraftingConfig",
+    "AdamGraftingConfig",
+]
+
+
+# ---- grafting configurations (Meta's names) ---------------------------------------------------
+@dataclass(frozen=True)
+class SGDGraftingConfig:
+    """Graft the per-block norm of ``Mhat`` (SGD with the first moment)."""
+
+
+@dataclass(frozen=True)
+class AdaGradGraftingConfig:
+    """Graft the per-block norm of AdaGrad's direction: ``V += G^2``, ``Mhat / (sqrt(V) + epsilon)``."""
+
+    epsilon: float = 1e-10
+
+    def __post_init__(self) -> None:
+        _check_positive("AdaGradGraftingConfig.epsilon", self.epsilon)
+
+
+@dataclass(frozen=True)
+class RMSpropGraftingConfig:
+    """Graft RMSprop: ``V <- beta2 V + (1 - beta2) G^2``, ``Mhat / (sqrt(V) + epsilon)``."""
+
+    beta2: float = 0.99
+    epsilon: float = 1e-8
+
+    def __post_init__(self) -> None:
+        _check_beta2("RMSpropGraftingConfig.beta2", self.beta2)
+        _check_positive("RMSpropGraftingConfig.epsilon", self.epsilon)
+
+
+@dataclass(frozen=True)
+class AdamGraftingConfig:
+    """Graft Adam: as RMSprop, with ``V`` bias-corrected by ``1 - beta2^t``."""
+
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+
+    def __post_init__(self) -> None:
+        _check_beta2("AdamGraftingConfig.beta2", self.beta2)
+        _check_positive("AdamGraftingConfig.epsilon", self.epsilon)
+
+
+GraftingConfig = SGDGraftingConfig | AdaGradGraftingConfig | RMSpropGraftingConfig | AdamGraftingConfig
+_GRAFTING_TYPES = (SGDGraftingConfig, AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
+_EIGENBASES = ("eigh", "qr")
+_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def _check_beta2(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+# ---- blocks of the full tensor -------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Block:
+    slices: tuple[slice, ...]  # in the (merged) view of the full tensor
+    shape: tuple[int, ...]
+    precondition: bool  # False: grafting only (skip_preconditioning_dim_size_gt)
+
+    @property
+    def cost(self) -> float:
+        numel = math.prod(self.shape)
+        return float(numel + (sum(d**3 for d in self.shape) if self.precondition else 0))
+
+
+@dataclass
+class _Plan:
+    full_shape: tuple[int, ...]
+    view_shape: tuple[int, ...]
+    blocks: list[_Block]
+    owners: list[int]
+    work_group: Any
+
+
+def merge_small_dims(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:
+    """Merge consecutive dims while their product stays <= ``max_dim`` (Anil et al.'s rule)."""
+    if all(d == 1 for d in shape):
+        return (1,)
+    out: list[int] = []
+    product = 1
+    for d in shape:
+        if product * d <= max_dim:
+            product *= d
+        else:
+            if product > 1:
+                out.append(product)
+            product = d
+    if product > 1:
+        out.append(product)
+    return tuple(out)
+
+
+def _plan_blocks(full_shape: tuple[int, ...], group: dict[str, Any]) -> tuple[tuple[int, ...], list[_Block]]:
+    max_dim = group["max_preconditioner_dim"]
+    view = tuple(full_shape) or (1,)
+    if group["merge_small_dims"]:
+        view = merge_small_dims(view, max_dim)
+    skip = group["skip_preconditioning_dim_size_gt"]
+    precondition = skip is None or all(d <= skip for d in view)
+    per_dim = [[slice(s, min(s + max_dim, d)) for s in range(0, d, max_dim)] for d in view]
+    blocks = [
+        _Block(tuple(sl), tuple(s.stop - s.start for s in sl), precondition) for sl in itertools.product(*per_dim)
+    ]
+    return view, blocks
+
+
+# ---- tensor-times-matrix along every dim -----------------------------------------------------------
+def _apply_each_dim(x: torch.Tensor, mats: list[torch.Tensor], transpose: bool) -> torch.Tensor:
+    """``x x_0 m_0 x_1 m_1 ...``: contract dim k of x with dim 0 of m_k (``transpose``: dim 1).
+
+    Contracting the leading dim and appending the result at the end brings every dim back to its
+    place after ``x.dim()`` contractions."""
+    for m in mats:
+        x = torch.tensordot(x, m, dims=([0], [1 if transpose else 0]))
+    return x
+
+
+class DistributedShampoo(DistOptimizer):
+    """Shampoo / SOAP with blocking, grafting and amortised roots (see the module docstring).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        betas: ``(b1, b2)``: first-moment EMA in [0, 1), factor EMA in (0, 1] (1: plain sum).
+        epsilon: damping added to the factors (Shampoo) or to ``sqrt`` of the second moment (SOAP).
+        momentum: heavy-ball momentum on the search direction (0 = off).
+        weight_decay: L2 (``use_decoupled_weight_decay=False``) or AdamW-style decay.
+        max_preconditioner_dim: largest block side.
+        precondition_frequency: steps between root / basis refreshes.
+        start_preconditioning_step: first step that uses the preconditioner (default:
+            ``precondition_frequency``; 0 and 1 both mean the first step).
+        use_nesterov: Nesterov momentum.
+        use_bias_correction: bias-correct the first moment and the factors.
+        use_decoupled_weight_decay: AdamW-style decay.
+        grafting_config: one of the ``*GraftingConfig`` classes, or None.
+        root_inverse: ``"eigh"``, ``"coupled_newton"`` or ``"higher_order"``.
+        eigenvalue_correction: SOAP.
+        eigenbasis: SOAP basis refresh, ``"eigh"`` or ``"qr"``.
+        merge_small_dims: merge small consecutive dims before blocking.
+        exponent_override: root ``r`` for every factor (0: ``2 * order``).
+        exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
+        preconditioner_dtype: dtype of factors, roots and bases (float32 or float64).
+        communication_dtype: dtype of the gradient gather and direction sharing (float32, bfloat16,
+            float16).
+        statistics_compute_steps: update the factors every this many steps (Anil et al.).
+        skip_preconditioning_dim_size_gt: parameters with a dim above this use grafting only.
+        inverse_failure_threshold: an iterative root with error above this counts as failed.
+        higher_order: order of the ``"higher_order"`` iteration (>= 3).
+        nonfinite_grad: ``"raise"`` or ``"skip"`` on a NaN/Inf gradient.
+    """
+
+    _sharded_state = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        betas: tuple[float, float] = (0.9, 0.999),
+        epsilon: float = 1e-12,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 1,
+        start_preconditioning_step: int | None = None,
+        use_nesterov: bool = False,
+        use_bias_correction: bool = True,
+        use_decoupled_weight_decay: bool = True,
+        grafting_config: GraftingConfig | None = None,
+        root_inverse: str = "eigh",
+        eigenvalue_correction: bool = False,
+        eigenbasis: str = "eigh",
+        merge_small_dims: bool = False,
+        exponent_override: float = 0,
+        exponent_multiplier: float = 1.0,
+        preconditioner_dtype: torch.dtype = torch.float32,
+        communication_dtype: torch.dtype = torch.float32,
+        statistics_compute_steps: int = 1,
+        skip_preconditioning_dim_size_gt: int | None = None,
+        inverse_failure_threshold: float = 0.1,
+        higher_order: int = 3,
+        nonfinite_grad: str = "raise",
+    ) -> None:
+        if start_preconditioning_step is None:
+            start_preconditioning_step = precondition_frequency
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
+            epsilon=epsilon,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step,
+            use_nesterov=bool(use_nesterov),
+            use_bias_correction=bool(use_bias_correction),
+            use_decoupled_weight_decay=bool(use_decoupled_weight_decay),
+            grafting_config=grafting_config,
+            root_inverse=root_inverse,
+            eigenvalue_correction=bool(eigenvalue_correction),
+            eigenbasis=eigenbasis,
+            merge_small_dims=bool(merge_small_dims),
+            exponent_override=exponent_override,
+            exponent_multiplier=exponent_multiplier,
+            preconditioner_dtype=preconditioner_dtype,
+            statistics_compute_steps=statistics_compute_steps,
+            skip_preconditioning_dim_size_gt=skip_preconditioning_dim_size_gt,
+            inverse_failure_threshold=inverse_failure_threshold,
+            higher_order=higher_order,
+        )
+        _validate_group(defaults)
+        if communication_dtype not in _COMM_DTYPES:
+            raise ValueError(f"communication_dtype must be one of {_COMM_DTYPES}, got {communication_dtype!r}")
+        if nonfinite_grad not in ("raise", "skip"):
+            raise ValueError(f"nonfinite_grad must be 'raise' or 'skip', got {nonfinite_grad!r}")
+        self.communication_dtype = communication_dtype
+        self.nonfinite_grad = nonfinite_grad
+        #: Steps skipped because a gradient was not finite (``nonfinite_grad="skip"``).
+        self.skipped_steps = 0
+        self._plans: dict[torch.Tensor, _Plan] = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _validate_group(self.param_groups[-1])
+        self._plans = {}
+
+    def _on_bind(self) -> None:
+        self._plans = {}
+        self._ensure_plans()
+
+    # ---- planning --------------------------------------------------------------------------
+    def _work_group(self, p: torch.Tensor) -> Any:
+        layout = self.layout(p)
+        if layout.zero is not None:
+            return layout.zero.group
+        return self.dp_group
+
+    def _work_size(self, group: Any) -> int:
+        if not self.is_bound or group is None:
+            return 1
+        return group_size(group)
+
+    def _ensure_plans(self) -> None:
+        if self._plans:
+            return
+        plans: dict[torch.Tensor, _Plan] = {}
+        by_group: dict[int, list[_Plan]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                full_shape = self.layout(p).full_shape
+                view, blocks = _plan_blocks(full_shape, group)
+                wg = self._work_group(p)
+                plan = _Plan(tuple(full_shape), view, blocks, [0] * len(blocks), wg)
+                plans[p] = plan
+                by_group.setdefault(id(wg), []).append(plan)
+        for group_plans in by_group.values():
+            size = self._work_size(group_plans[0].work_group)
+            costs = [b.cost for plan in group_plans for b in plan.blocks]
+            owners = assign_owners(costs, size)
+            i = 0
+            for plan in group_plans:
+                plan.owners = owners[i : i + len(plan.blocks)]
+                i += len(plan.blocks)
+        self._plans = plans
+
+    def _my_rank(self, group: Any) -> int:
+        return group_rank(group) if self._work_size(group) > 1 else 0
+
+    # ---- state layout ----------------------------------------------------------------------
+    @staticmethod
+    def _block_spec(block: _Block, group: dict[str, Any], dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
+        """Names, shapes and dtypes of one block's state (the same on every rank)."""
+        pdt = group["preconditioner_dtype"]
+        spec: list[tuple[str, tuple, torch.dtype]] = []
+        if group["betas"][0] > 0:
+            spec.append(("exp_avg", block.shape, dtype))
+        graft = group["grafting_config"]
+        if isinstance(graft, (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)):
+            spec.append(("graft_sq", block.shape, dtype))
+        if block.precondition:
+            for k, d in enumerate(block.shape):
+                spec.append((f"factor{k}", (d, d), pdt))
+            for k, d in enumerate(block.shape):
+                spec.append((f"{'basis' if group['eigenvalue_correction'] else 'root'}{k}", (d, d), pdt))
+            spec.append(("failures", (), torch.float32))
+        if group["eigenvalue_correction"]:
+            spec.append(("exp_avg_sq", block.shape, pdt))
+        return spec
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype) -> None:
+        state = self.state[p]
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        if group["momentum"] > 0:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        plan = self._plans[p]
+        me = self._my_rank(plan.work_group)
+        for i, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
+            if owner != me:
+                continue
+            for name, shape, dt in self._block_spec(block, group, dtype):
+                if name.startswith(("root", "basis")):
+                    value = torch.eye(shape[0], dtype=dt, device=p.device)
+                else:
+                    value = torch.zeros(shape, dtype=dt, device=p.device)
+                state[f"block{i}.{name}"] = value
+
+    # ---- the step --------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_unbound_in_job()
+        self._ensure_plans()
+
+        entries: list[tuple[dict[str, Any], int, torch.Tensor]] = []
+        items = []
+        for gi, group in enumerate(self.param_groups):
+            params, grads = self._grads(group)
+            for p, g in zip(params, grads):
+                wd = group["weight_decay"]
+                if wd != 0 and not group["use_decoupled_weight_decay"]:
+                    g = g + p.detach() * wd  # elementwise: the same bits on a shard as on the full tensor
+                items.append((self.layout(p), g))
+                entries.append((group, gi, p))
+        if not entries:
+            return loss
+        comm_dtype = self.communication_dtype if self.is_bound else None
+        if comm_dtype is not None and all(g.dtype == comm_dtype for _, g in items):
+            comm_dtype = None
+        full_grads = gather_full(items, dtype=comm_dtype) if self.is_bound else [g.detach() for _, g in items]
+
+        finite = torch.stack([torch.isfinite(g).all() for g in full_grads])
+        if not bool(finite.all()):  # one host read per step; every rank sees the same full gradients
+            bad = int((~finite).nonzero()[0])
+            group, gi, p = entries[bad]
+            if self.nonfinite_grad == "skip":
+                self.skipped_steps += 1
+                return loss
+            raise FloatingPointError(
+                f"DistributedShampoo: the gradient of {self._param_name(group, gi, p)} contains NaN or Inf; "
+                "lower the learning rate, clip gradients, or pass nonfinite_grad='skip' to skip such steps"
+            )
+
+        # Owners compute their blocks' directions.
+        shares: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
+        pending = []
+        for (group, _, p), g_full in zip(entries, full_grads):
+            state = self.state[p]
+            if not state:
+                self._init_state(p, group, g_full.dtype)
+            state["step"] += 1
+            t = int(state["step"])
+            plan = self._plans[p]
+            me = self._my_rank(plan.work_group)
+            g_view = g_full.reshape(plan.view_shape)
+            directions = []
+            for i, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
+                if owner == me:
+                    d = self._block_direction(state, f"block{i}.", block, g_view[block.slices], group, t)
+                else:
+                    d = torch.empty(block.shape, dtype=g_full.dtype, device=g_full.device)
+                directions.append(d)
+            wg = plan.work_group
+            if self._work_size(wg) > 1:
+                entry = shares.setdefault(id(wg), (wg, [], []))
+                entry[1].extend(directions)
+                entry[2].extend(plan.owners)
+            pending.append((group, p, plan, directions))
+
+        if shares:
+            share_dtype = self.communication_dtype
+            for wg in _ordered(entry[0] for entry in shares.values()):
+                _, tensors, owners = shares[id(wg)]
+                me = self._my_rank(wg)
+                if share_dtype != tensors[0].dtype:
+                    # Owners apply the same rounded directions as everyone else: replicas stay equal.
+                    for d, owner in zip(tensors, owners):
+                        if owner == me:
+                            d.copy_(d.to(share_dtype))
+                share_owned(tensors, owners, wg, dtype=share_dtype)
+
+        # Every rank applies its part of the full update.
+        for group, p, plan, directions in pending:
+            full = directions[0].new_empty(plan.view_shape)
+            for block, d in zip(plan.blocks, directions):
+                full[block.slices] = d
+            update = self.layout(p).take_local(full.reshape(plan.full_shape)).to(p.dtype).view_as(p)
+            wd = group["weight_decay"]
+            if wd != 0 and group["use_decoupled_weight_decay"]:
+                update = update + p.detach() * wd
+            mom = group["momentum"]
+            if mom > 0:
+                buf = self.state[p]["momentum_buffer"]
+                buf.mul_(mom).add_(update)
+                update = update + buf * mom if group["use_nesterov"] else buf.clone()
+            p.sub_(update * group["lr"])
+        return loss
+
+    @staticmethod
+    def _param_name(group: dict[str, Any], gi: int, p: torch.Tensor) -> str:
+        idx = next(i for i, q in enumerate(group["params"]) if q is p)
+        names = group.get("param_names")
+        if names is not None and idx < len(names):
+            return f"parameter {names[idx]!r}"
+        return f"parameter #{idx} of param group {gi} (shape {tuple(p.shape)})"
+
+    def _block_direction(
+        self, state: dict[str, Any], key: str, block: _Block, g: torch.Tensor, group: dict[str, Any], t: int
+    ) -> torch.Tensor:
+        """One block's state update and search direction ``P`` (before decoupled decay and momentum)."""
+        b1, b2 = group["betas"]
+        bc = group["use_bias_correction"]
+        eps = group["epsilon"]
+        pdt = group["preconditioner_dtype"]
+        g = g.contiguous()
+        dtype = g.dtype
+
+        # First moment.
+        if b1 > 0:
+            m = state[key + "exp_avg"]
+            m.mul_(b1).add_(g * (1 - b1))
+            mhat = m / (1 - b1**t) if bc else m
+        else:
+            mhat = g
+
+        # Grafting direction.
+        graft = group["grafting_config"]
+        if isinstance(graft, AdaGradGraftingConfig):
+            v = state[key + "graft_sq"]
+            v.add_(g * g)
+            d = mhat / (v.sqrt() + graft.epsilon)
+        elif isinstance(graft, (RMSpropGraftingConfig, AdamGraftingConfig)):
+            v = state[key + "graft_sq"]
+            v.mul_(graft.beta2).add_(g * g * (1 - graft.beta2))
+            vhat = v / (1 - graft.beta2**t) if isinstance(graft, AdamGraftingConfig) else v
+            d = mhat / (vhat.sqrt() + graft.epsilon)
+        else:
+            d = mhat
+
+        soap = group["eigenvalue_correction"]
+        if not block.precondition:
+            if not soap:
+                return d.clone() if d is g else d
+            mats: list[torch.Tensor] = []
+        else:
+            order = len(block.shape)
+            factors = [state[f"{key}factor{k}"] for k in range(order)]
+            scs = group["statistics_compute_steps"]
+            if t % scs == 0:
+                gp = g.to(pdt)
+                for k, factor in enumerate(factors):
+                    gk = gp.movedim(k, 0).reshape(block.shape[k], -1)
+                    outer = gk @ gk.T
+                    if b2 == 1:
+                        factor.add_(outer)
+                    else:
+                        factor.mul_(b2).add_(outer * (1 - b2))
+            n = t // scs  # factor updates so far
+            start = max(1, group["start_preconditioning_step"])
+            refresh = n > 0 and (t == start or (t > start and t % group["precondition_frequency"] == 0))
+            if refresh:
+                scale = 1.0 / (1 - b2**n) if (bc and b2 < 1) else 1.0
+                failures = state[key + "failures"]
+                if soap:
+                    self._refresh_bases(state, key, factors, scale, group, first=(t == start))
+                else:
+                    root, mult = _matrix.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
+                    for k, factor in enumerate(factors):
+                        r_k = state[f"{key}root{k}"]
+                        try:
+                            x, err, ok = _matrix.matrix_inverse_root(
+                                factor * scale,
+                                root,
+                                eps,
+                                group["root_inverse"],
+                                exponent_multiplier=mult,
+                                order=group["higher_order"],
+                            )
+                            ok = ok & (err <= group["inverse_failure_threshold"])
+                        except torch.linalg.LinAlgError:
+                            x, ok = r_k, torch.zeros((), dtype=torch.bool)
+                        r_k.copy_(torch.where(ok, x.to(pdt), r_k))
+                        failures.add_((~ok).to(failures.dtype))
+            if not soap:
+                if t < start:
+                    return d.clone() if d is g else d
+                mats = [state[f"{key}root{k}"] for k in range(order)]
+                p = _apply_each_dim(mhat.to(pdt), mats, transpose=False).to(dtype)
+                if graft is not None:
+                    p = p * (torch.linalg.vector_norm(d) / (torch.linalg.vector_norm(p) + 1e-16))
+                return p
+            mats = [state[f"{key}basis{k}"] for k in range(order)]
+
+        # SOAP: Adam in the eigenbasis (identity basis for blocks that are not preconditioned).
+        s = state[key + "exp_avg_sq"]
+        gr = _apply_each_dim(g.to(pdt), mats, transpose=False)
+        if b2 == 1:
+            s.add_(gr * gr)
+        else:
+            s.mul_(b2).add_(gr * gr * (1 - b2))
+        shat = s / (1 - b2**t) if (bc and b2 < 1) else s
+        mr = _apply_each_dim(mhat.to(pdt), mats, transpose=False)
+        p = _apply_each_dim(mr / (shat.sqrt() + eps), mats, transpose=True).to(dtype)
+        if graft is not None:
+            p = p * (torch.linalg.vector_norm(d) / (torch.linalg.vector_norm(p) + 1e-16))
+        return p
+
+    def _refresh_bases(
+        self,
+        state: dict[str, Any],
+        key: str,
+        factors: list[torch.Tensor],
+        scale: float,
+        group: dict[str, Any],
+        first: bool,
+    ) -> None:
+        failures = state[key + "failures"]
+        s = state[key + "exp_avg_sq"]
+        for k, factor in enumerate(factors):
+            q = state[f"{key}basis{k}"]
+            a = factor * scale
+            try:
+                if group["eigenbasis"] == "eigh" or first:
+                    q_new, ok = _matrix.eigenbasis(a)
+                    perm = None
+                else:
+                    q_new, perm, ok = _matrix.qr_power_step(a, q)
+            except torch.linalg.LinAlgError:
+                q_new, perm, ok = q, None, torch.zeros((), dtype=torch.bool)
+            q.copy_(torch.where(ok, q_new.to(q.dtype), q))
+            if perm is not None:
+                s.copy_(torch.where(ok, s.index_select(k, perm), s))
+            failures.add_((~ok).to(failures.dtype))
+
+    # ---- layout-independent state, memory, failures -------------------------------------------
+    def full_state(self) -> list[dict[str, Any]]:
+        """Every parameter's state in full form (block state gathered from the owners), in
+        ``param_groups`` order; the same on every rank. Collective when bound."""
+        out = super().full_state()
+        self._ensure_plans()
+        shares: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
+        i = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                entry = out[i]
+                i += 1
+                state = self.state.get(p)
+                if not state:
+                    continue
+                plan = self._plans[p]
+                me = self._my_rank(plan.work_group)
+                dtype = state["momentum_buffer"].dtype if "momentum_buffer" in state else p.dtype
+                for b, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
+                    for name, shape, dt in self._block_spec(block, group, _state_dtype(state, b, dtype)):
+                        k = f"block{b}.{name}"
+                        t = state[k].clone() if owner == me else torch.empty(shape, dtype=dt, device=p.device)
+                        entry[k] = t
+                        if self._work_size(plan.work_group) > 1:
+                            sh = shares.setdefault(id(plan.work_group), (plan.work_group, [], []))
+                            sh[1].append(t)
+                            sh[2].append(owner)
+        if shares:
+            for wg in _ordered(sh[0] for sh in shares.values()):
+                _, tensors, owners = shares[id(wg)]
+                wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+                share_owned(tensors, owners, wg, dtype=wide)
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state held by this rank: ``preconditioner`` (factors, roots, bases)
+        and ``other`` (moments, grafting state, momentum)."""
+        out = {"preconditioner": 0, "other": 0}
+        for state in self.state.values():
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                name = key.rsplit(".", 1)[-1]
+                kind = "preconditioner" if name.startswith(("factor", "root", "basis")) else "other"
+                out[kind] += value.numel() * value.element_size()
+        return out
+
+    def root_failures(self) -> int:
+        """Failed root inverses / basis refreshes so far, over all blocks (collective when bound)."""
+        self._ensure_plans()
+        totals: dict[int, tuple[Any, torch.Tensor]] = {}
+        for p, plan in self._plans.items():
+            state = self.state.get(p, {})
+            entry = totals.setdefault(id(plan.work_group), (plan.work_group, torch.zeros((), dtype=torch.float64)))
+            for key, value in state.items():
+                if key.endswith(".failures"):
+                    entry[1].add_(value.double())
+        bucket = SumBucket()
+        for wg, total in totals.values():
+            if self._work_size(wg) > 1:
+                bucket.add(total, [wg])
+        bucket.flush()
+        return int(sum(float(total) for _, total in totals.values()))
+
+
+def _state_dtype(state: dict[str, Any], block: int, default: torch.dtype) -> torch.dtype:
+    for name in ("exp_avg", "graft_sq"):
+        value = state.get(f"block{block}.{name}")
+        if value is not None:
+            return value.dtype
+    return default
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    check_range("lr", group["lr"], 0.0)
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    check_range("betas[0]", betas[0], 0.0, 1.0)
+    _check_beta2("betas[1]", betas[1])
+    _check_positive("epsilon", group["epsilon"])
+    check_range("momentum", group["momentum"], 0.0, 1.0)
+    check_range("weight_decay", group["weight_decay"], 0.0)
+    _check_int("max_preconditioner_dim", group["max_preconditioner_dim"], 1)
+    _check_int("precondition_frequency", group["precondition_frequency"], 1)
+    _check_int("statistics_compute_steps", group["statistics_compute_steps"], 1)
+    _check_int("higher_order", group["higher_order"], 3)
+    start, pf = group["start_preconditioning_step"], group["precondition_frequency"]
+    _check_int("start_preconditioning_step", start, 0)
+    if start not in (0, 1) and start < pf:
+        raise ValueError(
+            f"start_preconditioning_step ({start}) must be >= precondition_frequency ({pf}), or 0/1 to "
+            "precondition from the first step"
+        )
+    if group["root_inverse"] not in _matrix.ROOT_METHODS:
+        raise ValueError(f"root_inverse must be one of {_matrix.ROOT_METHODS}, got {group['root_inverse']!r}")
+    if group["eigenbasis"] not in _EIGENBASES:
+        raise ValueError(f"eigenbasis must be one of {_EIGENBASES}, got {group['eigenbasis']!r}")
+    graft = group["grafting_config"]
+    if graft is not None and not isinstance(graft, _GRAFTING_TYPES):
+        raise ValueError(
+            "grafting_config must be None or one of SGDGraftingConfig, AdaGradGraftingConfig, "
+            f"RMSpropGraftingConfig, AdamGraftingConfig; got {graft!r}"
+        )
+    override = group["exponent_override"]
+    if isinstance(override, bool) or not isinstance(override, (int, float)) or override < 0:
+        raise ValueError(f"exponent_override must be a number >= 0 (0: 2 * order), got {override!r}")
+    _check_positive("exponent_multiplier", group["exponent_multiplier"])
+    if group["root_inverse"] != "eigh" and not group["eigenvalue_correction"]:
+        if group["exponent_multiplier"] != 1.0 or float(override) != int(override):
+            raise ValueError(
+                f"root_inverse={group['root_inverse']!r} needs exponent_multiplier=1 and an integer "
+                "exponent_override; use root_inverse='eigh'"
+            )
+    if group["preconditioner_dtype"] not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"preconditioner_dtype must be torch.float32 or torch.float64, got {group['preconditioner_dtype']}"
+        )
+    skip = group["skip_preconditioning_dim_size_gt"]
+    if skip is not None:
+        _check_int("skip_preconditioning_dim_size_gt", skip, 1)
+    _check_positive("inverse_failure_threshold", group["inverse_failure_threshold"])

@@ -1,0 +1,395 @@
+"""DistributedShampoo: single-device semantics against tests/shampoo_reference.py, bad input,
+failure paths, and the distributed extras the parity grid does not cover (bf16 communication,
+memory per rank, collectives per step)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dist_optim
+from dist_optim import comm
+from tests import parity
+from tests.shampoo_reference import ReferenceShampoo
+
+STEPS = 8
+NONE_STEP = 2  # fc2.weight gets no gradient at this step
+
+
+class TinyModel(nn.Module):
+    """An embedding, a 3-D conv weight and linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.conv = nn.Conv1d(4, 5, 3)  # weight (5, 4, 3)
+        self.fc1 = nn.Linear(5, 6)
+        self.fc2 = nn.Linear(6, 3, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx).transpose(1, 2)
+        x = torch.tanh(self.conv(x)).mean(-1)
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    # Every token appears, so no embedding row has an all-zero gradient.
+    idx = torch.cat([torch.arange(10), torch.randint(0, 10, (14,), generator=gen)])
+    idx = idx[torch.randperm(24, generator=gen)].view(4, 6)
+    return idx, torch.randn(4, 3, generator=gen, dtype=torch.float64)
+
+
+def _model() -> TinyModel:
+    torch.manual_seed(0)
+    return TinyModel().double()
+
+
+def _graft_tuple(cfg: object) -> tuple[str, float, float] | None:
+    if cfg is None:
+        return None
+    if isinstance(cfg, dist_optim.SGDGraftingConfig):
+        return ("sgd", 0.0, 0.0)
+    if isinstance(cfg, dist_optim.AdaGradGraftingConfig):
+        return ("adagrad", 1.0, cfg.epsilon)
+    if isinstance(cfg, dist_optim.RMSpropGraftingConfig):
+        return ("rmsprop", cfg.beta2, cfg.epsilon)
+    return ("adam", cfg.beta2, cfg.epsilon)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+ADAM = dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8)
+SEMANTICS = {
+    "default": dict(),
+    "sgd-blocks": dict(grafting_config=dist_optim.SGDGraftingConfig(), max_preconditioner_dim=4),
+    "adagrad-sum-coupled-wd": dict(
+        betas=(0.0, 1.0),
+        grafting_config=dist_optim.AdaGradGraftingConfig(epsilon=1e-10),
+        weight_decay=0.1,
+        use_decoupled_weight_decay=False,
+    ),
+    "rmsprop-nesterov": dict(
+        grafting_config=dist_optim.RMSpropGraftingConfig(beta2=0.95, epsilon=1e-8),
+        momentum=0.9,
+        use_nesterov=True,
+    ),
+    "adam-pf3-start3-decoupled-wd-momentum": dict(
+        grafting_config=ADAM,
+        precondition_frequency=3,
+        start_preconditioning_step=3,
+        weight_decay=0.1,
+        momentum=0.5,
+        max_preconditioner_dim=3,
+    ),
+    "adam-pf2-start4-nobc-exponents": dict(
+        grafting_config=ADAM,
+        precondition_frequency=2,
+        start_preconditioning_step=4,
+        use_bias_correction=False,
+        exponent_override=3,
+        exponent_multiplier=1.5,
+    ),
+    "merge-small-dims": dict(grafting_config=ADAM, merge_small_dims=True, max_preconditioner_dim=12),
+    "coupled-newton": dict(grafting_config=ADAM, root_inverse="coupled_newton", epsilon=1e-3),
+    "higher-order": dict(grafting_config=ADAM, root_inverse="higher_order", epsilon=1e-3, max_preconditioner_dim=4),
+    "soap-eigh": dict(eigenvalue_correction=True, epsilon=1e-8, max_preconditioner_dim=4, precondition_frequency=2),
+    "soap-qr-adam-wd": dict(
+        eigenvalue_correction=True,
+        eigenbasis="qr",
+        epsilon=1e-8,
+        max_preconditioner_dim=4,
+        precondition_frequency=2,
+        start_preconditioning_step=4,
+        grafting_config=ADAM,
+        weight_decay=0.1,
+        use_decoupled_weight_decay=False,
+    ),
+    "soap-qr-pf1": dict(
+        eigenvalue_correction=True,
+        eigenbasis="qr",
+        epsilon=1e-8,
+        max_preconditioner_dim=4,
+        start_preconditioning_step=4,
+        betas=(0.9, 0.95),
+    ),
+}
+# The iterative roots stop at an error of 1e-10 in float64; everything else is the same formula.
+TOLERANCE = {"coupled-newton": 1e-6, "higher-order": 1e-6}
+
+
+@pytest.mark.parametrize("name", list(SEMANTICS))
+def test_semantics_against_reference(name: str) -> None:
+    kwargs = dict(lr=0.05, preconditioner_dtype=torch.float64, **SEMANTICS[name])
+    model = _model()
+    params = list(model.parameters())
+    opt = dist_optim.DistributedShampoo(params, **kwargs)
+    ref_kwargs = {
+        k: v for k, v in kwargs.items() if k not in ("grafting_config", "root_inverse", "preconditioner_dtype")
+    }
+    ref = ReferenceShampoo(params, graft=_graft_tuple(kwargs.get("grafting_config")), **ref_kwargs)
+    tol = TOLERANCE.get(name, 1e-9)
+    for step in range(STEPS):
+        idx, target = _batch(step)
+        opt.zero_grad(set_to_none=True)
+        ((model(idx) - target) ** 2).sum().backward()
+        if step == NONE_STEP:
+            model.fc2.weight.grad = None
+        opt.step()
+        ref.step([None if p.grad is None else p.grad.clone() for p in params])
+        for i, (p, rp) in enumerate(zip(params, ref.params)):
+            assert _rel(p, rp) < tol, f"{name}: step {step} param {i} differs by {_rel(p, rp):.3g}"
+    assert opt.root_failures() == 0
+    for i, (state, rstate) in enumerate(zip(opt.full_state(), ref.state)):
+        assert set(state) == set(rstate), f"param {i}: {sorted(state)} != {sorted(rstate)}"
+        for key, expected in rstate.items():
+            if key == "step" or key.endswith("failures"):
+                assert float(state[key]) == float(expected), key
+                continue
+            err = _rel(state[key], expected)
+            assert err < max(tol, 1e-8), f"{name}: param {i} state {key} differs by {err:.3g}"
+    # Blocking really happened where asked.
+    if kwargs.get("max_preconditioner_dim", 1024) <= 4:
+        assert any(k.startswith("block1.") for k in opt.state[model.conv.weight])
+
+
+def test_iterative_roots_match_eigh() -> None:
+    from dist_optim._matrix import matrix_inverse_root
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float64, 1e-8), (torch.float32, 1e-3)):
+        x = torch.randn(7, 20, generator=gen, dtype=torch.float64)
+        a = (x @ x.T / 20).to(dtype)
+        for root in (2, 4, 6):
+            exact, err, ok = matrix_inverse_root(a, root, 1e-3, "eigh")
+            assert bool(ok) and float(err) == 0
+            for method in ("coupled_newton", "higher_order"):
+                approx, err, ok = matrix_inverse_root(a, root, 1e-3, method)
+                assert bool(ok) and float(err) < 1e-3, (method, root, float(err))
+                assert _rel(approx, exact) < tol, (dtype, method, root, _rel(approx, exact))
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        (dict(precondition_frequency=10, start_preconditioning_step=5), "start_preconditioning_step"),
+        (dict(precondition_frequency=10, start_preconditioning_step=2), "start_preconditioning_step"),
+        (dict(epsilon=0.0), "epsilon"),
+        (dict(epsilon=-1e-3), "epsilon"),
+        (dict(betas=(1.0, 0.999)), "betas[0]"),
+        (dict(betas=(-0.1, 0.999)), "betas[0]"),
+        (dict(betas=(0.9, 0.0)), "betas[1]"),
+        (dict(betas=(0.9, 1.5)), "betas[1]"),
+        (dict(root_inverse="newton"), "root_inverse"),
+        (dict(eigenvalue_correction=True, eigenbasis="svd"), "eigenbasis"),
+        (dict(grafting_config="adam"), "grafting_config"),
+        (dict(root_inverse="coupled_newton", exponent_multiplier=1.82), "exponent_multiplier"),
+        (dict(max_preconditioner_dim=0), "max_preconditioner_dim"),
+        (dict(precondition_frequency=0), "precondition_frequency"),
+        (dict(preconditioner_dtype=torch.float16), "preconditioner_dtype"),
+        (dict(communication_dtype=torch.int8), "communication_dtype"),
+        (dict(nonfinite_grad="ignore"), "nonfinite_grad"),
+    ],
+)
+def test_bad_input(kwargs: dict, option: str) -> None:
+    with pytest.raises(ValueError, match=option.replace("[", r"\[").replace("]", r"\]")):
+        dist_optim.DistributedShampoo([nn.Parameter(torch.zeros(3, 2))], lr=0.1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, option",
+    [
+        (lambda: dist_optim.AdamGraftingConfig(beta2=0.0), "beta2"),
+        (lambda: dist_optim.RMSpropGraftingConfig(epsilon=0.0), "epsilon"),
+        (lambda: dist_optim.AdaGradGraftingConfig(epsilon=-1.0), "epsilon"),
+    ],
+)
+def test_bad_grafting_config(make, option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        make()
+
+
+def test_start_rules_like_meta() -> None:
+    p = [nn.Parameter(torch.zeros(3, 2))]
+    for start in (0, 1, 10, 20):  # 0 and 1 always mean "from the first step"
+        dist_optim.DistributedShampoo(p, lr=0.1, precondition_frequency=10, start_preconditioning_step=start)
+    opt = dist_optim.DistributedShampoo(p, lr=0.1, precondition_frequency=10)
+    assert opt.param_groups[0]["start_preconditioning_step"] == 10
+
+
+# ---- failure paths --------------------------------------------------------------------------------
+def _simple(**kwargs):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+    return params, dist_optim.DistributedShampoo(params, lr=0.1, grafting_config=ADAM, **kwargs)
+
+
+def _grads(params, step):
+    gen = torch.Generator().manual_seed(step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def test_failed_root_keeps_previous_and_is_counted(monkeypatch) -> None:
+    params, opt = _simple()
+    for step in range(2):
+        _grads(params, step)
+        opt.step()
+    roots = {k: v.clone() for k, v in opt.state[params[0]].items() if ".root" in k}
+    real_eigh = torch.linalg.eigh
+
+    def broken(a: torch.Tensor, *args, **kwargs):
+        lam, q = real_eigh(a, *args, **kwargs)
+        return lam * float("nan"), q
+
+    monkeypatch.setattr(torch.linalg, "eigh", broken)
+    _grads(params, 2)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert opt.root_failures() == 3  # two factors of the matrix, one of the vector
+    for k, v in roots.items():
+        assert torch.equal(opt.state[params[0]][k], v), k
+    assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(params, before))
+
+    def raising(a: torch.Tensor, *args, **kwargs):
+        raise torch.linalg.LinAlgError("eigh did not converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", raising)
+    _grads(params, 3)
+    opt.step()
+    assert opt.root_failures() == 6
+    assert opt.full_state()[0]["block0.failures"].item() == 4
+
+
+def test_iterative_root_above_threshold_fails() -> None:
+    params, opt = _simple(root_inverse="coupled_newton", inverse_failure_threshold=1e-30, epsilon=1e-3)
+    for step in range(3):
+        _grads(params, step)
+        opt.step()
+    assert opt.root_failures() == 9
+    eye = torch.eye(4)
+    assert torch.equal(opt.state[params[0]]["block0.root0"], eye)  # never replaced
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_nonfinite_grad_raises_naming_the_param() -> None:
+    params, opt = _simple()
+    _grads(params, 0)
+    opt.step()
+    _grads(params, 1)
+    params[1].grad[2] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"parameter #1 of param group 0 \(shape \(5,\)\)"):
+        opt.step()
+    named = dist_optim.DistributedShampoo([{"params": params, "param_names": ["w", "b"]}], lr=0.1)
+    params[0].grad[0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match="parameter 'w'"):
+        named.step()
+
+
+def test_nonfinite_grad_skip_changes_nothing() -> None:
+    params, opt = _simple(nonfinite_grad="skip", momentum=0.9)
+    for step in range(2):
+        _grads(params, step)
+        opt.step()
+    before_p = [p.detach().clone() for p in params]
+    before_s = copy.deepcopy(opt.full_state())
+    _grads(params, 2)
+    params[0].grad[1, 1] = float("inf")
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(p, b) for p, b in zip(params, before_p))
+    for s, b in zip(opt.full_state(), before_s):
+        assert set(s) == set(b) and all(torch.equal(s[k], b[k]) for k in b)
+
+
+def test_skip_preconditioning_and_statistics_steps() -> None:
+    params, opt = _simple(skip_preconditioning_dim_size_gt=4, statistics_compute_steps=2, precondition_frequency=2)
+    for step in range(4):
+        _grads(params, step)
+        opt.step()
+    assert "block0.factor0" in opt.state[params[0]]  # (4, 3): preconditioned
+    assert "block0.factor0" not in opt.state[params[1]]  # (5,): grafting only
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+# ---- distributed extras (4 gloo processes) ------------------------------------------------------
+BF16_KWARGS = dict(
+    lr=1e-2,
+    epsilon=1e-6,
+    max_preconditioner_dim=3,
+    precondition_frequency=2,
+    grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+    momentum=0.5,
+)
+BF16_TOL = 1e-3  # max |param - unbound fp32 param| / max |param| after 6 steps
+BF16_LAYOUTS = [(2, 2, 2), (1, 4, 0), (1, 4, 1), (4, 1, 0)]
+
+
+def _bf16_worker() -> list:
+    kwargs = dict(BF16_KWARGS, communication_dtype=torch.bfloat16)
+    ref_params, _ = parity.reference(dist_optim.DistributedShampoo, kwargs, "fp32")
+    out = []
+    for tp, dp, zero in BF16_LAYOUTS:
+        opt, masters, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, tp, dp, zero, "fp32")
+        full = comm.gather_full([(opt.layout(p), p) for p in masters])
+        errs = [_rel(a, b) for a, b in zip(full, ref_params)]
+        out.append(((tp, dp, zero), max(errs), [f.clone() for f in full]))
+    return out
+
+
+def test_bf16_communication_within_tolerance(pool4) -> None:
+    results = pool4.run(_bf16_worker)
+    for layout_idx, (layout, err, _) in enumerate(results[0]):
+        assert err < BF16_TOL, f"{layout}: bf16 communication error {err:.3g} >= {BF16_TOL}"
+        assert err > 0, f"{layout}: bf16 communication should round something"
+        # Every rank (replicas of one dp position included) holds the same full params.
+        for rank_result in results[1:]:
+            for a, b in zip(rank_result[layout_idx][2], results[0][layout_idx][2]):
+                assert torch.equal(a, b), f"{layout}: ranks disagree"
+
+
+BYTES_KWARGS = dict(lr=1e-2, max_preconditioner_dim=3, grafting_config=dist_optim.SGDGraftingConfig())
+
+
+def _bytes_worker() -> dict:
+    params = [p.clone() for p in parity.full_params("fp32")]
+    ref = dist_optim.DistributedShampoo(parity.param_groups(params, BYTES_KWARGS), **BYTES_KWARGS)
+    for p, g in zip(params, parity.full_grads(0)):
+        p.grad = g
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unbound inside a 4-process job, on purpose
+        ref.step()
+    comm.reset_counts()
+    opt, _, _ = parity.distributed(dist_optim.DistributedShampoo, BYTES_KWARGS, 1, 4, 1, "fp32")
+    counts = dict(comm.COUNTS)
+    comm.reset_counts()
+    parity.distributed(dist_optim.DistributedShampoo, BYTES_KWARGS, 2, 2, 2, "fp32")
+    counts222 = dict(comm.COUNTS)
+    return dict(
+        single=ref.state_bytes()["preconditioner"],
+        per_rank=opt.state_bytes()["preconditioner"],
+        counts=counts,
+        counts222=counts222,
+    )
+
+
+def test_memory_split_and_collectives_per_step(pool4) -> None:
+    results = pool4.run(_bytes_worker)
+    single = results[0]["single"]
+    per_rank = [r["per_rank"] for r in results]
+    assert sum(per_rank) == single  # every block lives on exactly one rank
+    assert max(per_rank) <= 0.4 * single, (per_rank, single)
+    # Per step: one all_gather of the gradients per ZeRO/TP group, one to share directions.
+    for r in results:
+        assert r["counts"] == {"all_gather": 2 * parity.STEPS}, r["counts"]  # ZeRO gather + share
+        assert r["counts222"] == {"all_gather": 3 * parity.STEPS}, r["counts222"]  # ZeRO + TP + share
+    assert math.isfinite(single)
