@@ -6,6 +6,7 @@ layouts (``bind`` or ColossalAI's ``setup_distributed``) it is exact on TP slice
 """
 
 from .base import DistOptimizer
+from .kron import DistributedKron
 from .lamb import DistributedLamb
 from .layout import ParamLayout, TPSplit, ZeroShard
 from .registry import convert
@@ -20,6 +21,7 @@ from .shampoo import (
 __all__ = [
     "DistOptimizer",
     "DistributedLamb",
+    "DistributedKron",
     "ParamLayout",
     "TPSplit",
     "ZeroShard",

@@ -1,0 +1,809 @@
+"""PSGD Kron: preconditioned SGD with Kronecker-factored preconditioners, exact under TP and ZeRO.
+
+References:
+
+* Xi-Lin Li, "Preconditioned stochastic gradient descent", arXiv:1512.04202, 2015 (PSGD, the
+  preconditioner fitting criterion, Kronecker-product preconditioners).
+* Xi-Lin Li, "Preconditioner on matrix Lie group for SGD", arXiv:1809.10232, 2018 (fitting the
+  factors on the group of invertible upper-triangular matrices, normalised step sizes).
+* Evan Walters, Omead Pooladzandi, Xi-Lin Li, "Distributed PSGD Kron" (JAX, the seed this module
+  follows) and the ``kron-torch`` package (``kron_torch.kron.Kron``, 0.3.3), whose single-device
+  algorithm this module reproduces.
+
+The algorithm, per parameter tensor with gradient ``g`` (shape merged as below)::
+
+    m <- b1 m + (1 - b1) g                        momentum
+    G  = m / (1 - b1^t)                           debiased; (or g with momentum_into_precond_update=False)
+    on a preconditioner-update step:
+        V ~ N(0, 1) like G;  G <- G + sqrt(eps_f32) * mean|G| * V
+        A = (Q_1 (x) ... (x) Q_d) G               (Q_k applied along dim k)
+        B = (Q_1^-T (x) ... (x) Q_d^-T) V
+        for every factor k (all from the same A, B):
+            T1 = A_(k) A_(k)^T,  T2 = B_(k) B_(k)^T  (diagonal factors: only the diagonals)
+            triangular:  Q_k <- Q_k - precond_lr * triu(T1 - T2) / max(lb||T1 + T2||_2, tiny) Q_k
+            diagonal:    Q_k <- Q_k - precond_lr * (T1 - T2) / max(max|T1 + T2|, tiny) * Q_k
+    u  = (Q_1^T Q_1 (x) ... (x) Q_d^T Q_d) G      preconditioned direction
+    u *= min(1, 1.1 / (rms(u) + 1e-12))           update RMS clipping
+    w <- w - lr (u + weight_decay w)              (weight decay only for tensors with >= 2 dims)
+
+``lb`` is a cheap lower bound of the spectral norm (one power-iteration step from the column of
+largest norm). This is the whitening ("gg^T") fit of PSGD: Q^T Q tends to E[g g^T]^{-1/2}.
+
+Factor structure (as kron_torch): a dim gets a diagonal factor when its size is 1 or exceeds
+``max_size_triangular``, when the tensor has fewer than ``min_ndim_triangular`` dims, or by
+``memory_save_mode`` ("one_diag": the largest dim, the last of equal largest ones; "all_diag":
+all; "smart_one_diag": the largest only if strictly larger than the second); otherwise an upper
+triangular one. Factors start at ``precond_init_scale ** (1 / ndim)`` times identity. With
+``merge_dims`` a tensor of more than 2 dims is preconditioned as the matrix ``[prod(s[:-1]),
+s[-1]]`` or ``[s[0], prod(s[1:])]`` that kron_torch picks. On preconditioner-update steps where a
+seeded draw is below 0.01, the factors are first rescaled to equal max-abs (their product is
+unchanged): kron_torch's "balancing".
+
+Update decision (as kron_torch 0.3.3, not the seed's coin flip): the probability ``p`` of step
+``n`` (a float, or a callable of the step count ``n = 0, 1, ...``; default the annealing schedule
+:func:`precond_update_prob_schedule`: 1.0 for 500 steps, then ``exp(-0.001 (n - 500))`` down to
+0.03) drives a counter: the preconditioner is updated when the number of steps since the last
+update reaches ``1 / p``. This is deterministic, so every rank takes the same decision without
+communicating. Randomness: the probe vectors ``V`` come from a ``torch.Generator`` seeded with
+``seed`` and drawn for every parameter with a gradient, in ``param_groups`` order, on every rank
+(non-owners draw and discard), so every rank's generator stays in step; the balancing draw
+comes from ``random.Random(seed)``, drawn once per step as kron_torch does.
+
+Deviations from ``kron_torch.kron.Kron``:
+
+* ``V`` comes from the optimizer's own generator (``seed``, default 42), not the global torch
+  generator; with ``torch.manual_seed(seed)`` before kron_torch's first step and no other use of
+  the global generator in between, both draw the same numbers. The balancing draw uses
+  ``random.Random(seed)``, kron_torch always ``random.Random(42)``: identical for the default seed.
+* The step count passed to a custom schedule is a Python int (kron_torch: a float32 tensor).
+* ``momentum_buffer`` is kept in the parameter's shape (kron_torch: the merged shape); the
+  factors are state keys ``Q_0, Q_1, ...`` (kron_torch: a list ``Q`` plus einsum strings);
+  ``step`` is a CPU float tensor (torch's convention).
+* kron_torch mutates ``p.grad`` in place (adds the probe noise) with
+  ``momentum_into_precond_update=False``; we do not touch gradients. kron_torch prints buffer
+  sizes on the first step; we do not.
+* The contractions are written as matrix products along one dim at a time instead of einsum:
+  the same math, fp32 rounding differs (~1e-7 relative).
+* ``clip_update_rms`` (default True) can switch the RMS clipping off, as in kron_torch's
+  DistributedKron.
+
+Distribution. Preconditioners are functions of the *full* tensor, so each parameter has one
+owner rank among the ranks that hold pieces of it (its ZeRO group, or the data-parallel group,
+times its TP group; assigned once at bind time by :func:`dist_optim.work.assign_owners` with the
+cost model :func:`precond_cost`). The owner keeps the factors. Per step:
+
+1. every rank updates its local piece of the momentum (elementwise, exact);
+2. :func:`dist_optim.comm.gather_full` gives the full momentum (one all_gather per ZeRO/TP group);
+3. the owner debiases, updates its factors, preconditions and clips;
+4. :func:`dist_optim.comm.share_owned` sends the full directions to every rank: one all_gather over
+   the data group, then one over the TP group (the owner grid is TP x data);
+5. each rank applies weight decay and the step to its own piece (``layout.take_local``).
+
+So a step issues at most two gathers and two shares (four collectives), whatever the number of
+parameters. ``communication_dtype`` (default: fp32, exact) sets the precision of both. A parameter
+replicated across the TP group is owned on the TP x data grid too when the optimizer sees exactly
+one TP group among its parameters (ColossalAI's case); otherwise its TP replicas compute it
+redundantly. :meth:`DistributedKron.full_state` returns every factor in full on every rank.
+
+Limitations: the gathers materialise full-size fp32 copies of the momenta and directions on every
+rank for the duration of a step; under MoE without ZeRO, expert parameters would be owned across
+the plain data-parallel group, which spans different experts (pass ``zero_group_of``/use ZeRO).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import DistOptimizer, check_range
+from .comm import gather_full, group_rank, group_size, share_owned
+from .registry import Conversion, register
+from .work import assign_owners
+
+__all__ = ["DistributedKron", "ProbabilitySchedule", "precond_update_prob_schedule", "precond_cost"]
+
+MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
+_BALANCE_PROBABILITY = 0.01
+_CLIP_RMS = 1.1
+
+
+# ---- update-probability schedule ----------------------------------------------------------------
+@dataclass(frozen=True)
+class ProbabilitySchedule:
+    """Exponential anneal with a flat start: ``clamp(max_prob * exp(-decay * (n - flat_start)),
+    min_prob, max_prob)`` at step ``n`` (computed in fp32, like kron_torch's ``ProbScheduler``)."""
+
+    max_prob: float = 1.0
+    min_prob: float = 0.03
+    decay: float = 0.001
+    flat_start: float = 500.0
+
+    def __post_init__(self) -> None:
+        check_range("max_prob", self.max_prob, 0.0, 1.0, closed_high=True)
+        check_range("min_prob", self.min_prob, 0.0, 1.0, closed_high=True)
+        if self.min_prob <= 0 or self.max_prob <= 0:
+            raise ValueError(f"max_prob and min_prob must be in (0, 1], got {self.max_prob}, {self.min_prob}")
+        check_range("decay", self.decay, 0.0)
+
+    def __call__(self, n: int | float | torch.Tensor) -> torch.Tensor:
+        f32 = torch.float32
+        step = torch.as_tensor(n, dtype=f32)
+        prob = torch.tensor(self.max_prob, dtype=f32) * torch.exp(
+            -torch.tensor(self.decay, dtype=f32) * (step - torch.tensor(self.flat_start, dtype=f32))
+        )
+        return prob.clamp(min=torch.tensor(self.min_prob, dtype=f32), max=torch.tensor(self.max_prob, dtype=f32))
+
+
+def precond_update_prob_schedule(
+    max_prob: float = 1.0, min_prob: float = 0.03, decay: float = 0.001, flat_start: float = 500
+) -> ProbabilitySchedule:
+    """The default preconditioner-update schedule of the seed and kron_torch: probability 1 for
+    ``flat_start`` steps, then an exponential decay to ``min_prob`` (about 4000 steps with the
+    defaults)."""
+    return ProbabilitySchedule(float(max_prob), float(min_prob), float(decay), float(flat_start))
+
+
+# ---- per-parameter plan: merged shape and factor kinds ------------------------------------------
+@dataclass(frozen=True)
+class _Plan:
+    shape: tuple[int, ...]  # the (merged) full shape the preconditioner acts on
+    diag: tuple[bool, ...]  # per dim: diagonal (True) or upper-triangular factor
+
+    def factor_shapes(self) -> list[tuple[int, ...]]:
+        if not self.shape:
+            return [()]
+        return [(n,) if d else (n, n) for n, d in zip(self.shape, self.diag)]
+
+
+def _merged_shape(shape: tuple[int, ...], merge: bool) -> tuple[int, ...]:
+    """kron_torch's choice for > 2 dims: ``[prod(s[:-1]), s[-1]]`` unless ``[s[0], prod(s[1:])]``
+    has the smaller signed difference (second minus first)."""
+    if len(shape) <= 2 or not merge:
+        return shape
+    last = (math.prod(shape[:-1]), shape[-1])
+    first = (shape[0], math.prod(shape[1:]))
+    return last if last[1] - last[0] <= first[1] - first[0] else first
+
+
+def _diag_dims(shape: tuple[int, ...], memory_save_mode: str | None, max_size: int, min_ndim: int) -> tuple[bool, ...]:
+    ndim = len(shape)
+    diag = [False] * ndim
+    if ndim:
+        # The largest dim; among equal largest ones the last (numpy's reversed argsort on <= 13 items).
+        largest = max(range(ndim), key=lambda i: (shape[i], i))
+        if memory_save_mode == "all_diag":
+            diag = [True] * ndim
+        elif memory_save_mode == "one_diag":
+            diag[largest] = True
+        elif memory_save_mode == "smart_one_diag":
+            ordered = sorted(shape)
+            if ndim > 1 and ordered[-1] > ordered[-2]:
+                diag[largest] = True
+    return tuple(d or n == 1 or n > max_size or ndim < min_ndim for n, d in zip(shape, diag))
+
+
+def _make_plan(full_shape: tuple[int, ...], group: dict[str, Any]) -> _Plan:
+    shape = _merged_shape(tuple(full_shape), bool(group["merge_dims"]))
+    if len(shape) > 13:
+        raise ValueError(f"DistributedKron: a {len(shape)}-dim parameter is not supported (at most 13 dims)")
+    diag = _diag_dims(shape, group["memory_save_mode"], group["max_size_triangular"], group["min_ndim_triangular"])
+    return _Plan(shape, diag)
+
+
+def precond_cost(shape: Sequence[int], diag: Sequence[bool]) -> float:
+    """Work of one preconditioner update plus preconditioning, in multiply-adds (a model).
+
+    Per triangular factor of size ``n`` on a tensor of ``N`` elements: ``A``, the triangular
+    solve, the two Gram products and the two applications in the preconditioning are ~6 N n, the
+    factor update product n^3. A diagonal factor costs ~8 N."""
+    numel = math.prod(shape)
+    cost = float(numel)
+    for n, d in zip(shape, diag):
+        cost += 8.0 * numel if d else 6.0 * numel * n + float(n) ** 3
+    return cost
+
+
+# ---- the math on full tensors (owner side) -------------------------------------------------------
+def _along(t: torch.Tensor, dim: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Apply ``fn`` to the rows of ``t`` seen as a matrix whose columns index ``dim``."""
+    moved = t.movedim(dim, -1)
+    shape = moved.shape
+    out = fn(moved.reshape(-1, shape[-1])).reshape(shape)
+    return out.movedim(-1, dim)
+
+
+def _scale_along(t: torch.Tensor, dim: int, vec: torch.Tensor) -> torch.Tensor:
+    view = [1] * t.dim()
+    view[dim] = vec.numel()
+    return t * vec.view(view)
+
+
+def _apply_factors(t: torch.Tensor, factors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``(Q_1 (x) ... (x) Q_d) t``: each factor applied to the vectors along its dim."""
+    for dim, q in enumerate(factors):
+        t = _scale_along(t, dim, q) if q.dim() < 2 else _along(t, dim, lambda rows, q=q: rows @ q.T)
+    return t
+
+
+def _apply_inverse_transposed(t: torch.Tensor, factors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``(Q_1^-T (x) ... (x) Q_d^-T) t`` by triangular solves (in fp32)."""
+    for dim, q in enumerate(factors):
+        if q.dim() < 2:
+            t = _scale_along(t, dim, q.reciprocal())
+        else:
+            # A row r of the moved tensor becomes r Q^-1, i.e. the column Q^-T r^T.
+            def solve(rows: torch.Tensor, q: torch.Tensor = q) -> torch.Tensor:
+                out = torch.linalg.solve_triangular(q.float(), rows.float(), upper=True, left=False)
+                return out.to(q.dtype)
+
+            t = _along(t, dim, solve)
+    return t
+
+
+def _gram(t: torch.Tensor, dim: int, diagonal: bool) -> torch.Tensor:
+    """Contraction of ``t`` with itself over every dim but ``dim``: the matrix ``T T^T`` of its
+    mode-``dim`` unfolding ``T``, or only its diagonal."""
+    rows = t.movedim(dim, 0).reshape(t.shape[dim], -1)
+    return (rows * rows).sum(1) if diagonal else rows @ rows.T
+
+
+def _spectral_lower_bound(sym: torch.Tensor, max_abs: torch.Tensor) -> torch.Tensor:
+    """A cheap lower bound of the spectral norm of a symmetric matrix: one power-iteration step
+    started from its column of largest norm (computed on ``sym / max_abs`` for range)."""
+    scaled = sym / max_abs
+    col = torch.argmax((scaled * scaled).sum(0))
+    x = scaled.index_select(1, col.reshape(1)).reshape(-1) @ scaled
+    x = x / x.norm()
+    return (scaled @ x).norm() * max_abs
+
+
+def _update_factors(
+    factors: list[torch.Tensor], g: torch.Tensor, v: torch.Tensor, precond_lr: float, tiny: torch.Tensor
+) -> None:
+    """One step of the whitening fit on the Lie group (Li 2018), in place. ``g`` already carries
+    the probe noise; every factor's step uses the ``A``/``B`` of the factors before the step."""
+    a = _apply_factors(g, factors)
+    b = _apply_inverse_transposed(v, factors)
+    lr = torch.tensor(precond_lr, dtype=g.dtype, device=g.device)
+    for dim, q in enumerate(factors):
+        diagonal = q.dim() < 2
+        ga, gb = _gram(a, dim, diagonal), _gram(b, dim, diagonal)
+        diff, total = (ga - gb) * lr, ga + gb
+        max_abs = total.abs().max()
+        if diagonal:
+            q.sub_(diff * q / max_abs.clamp(min=tiny))
+        else:
+            bound = torch.where(max_abs > 0, _spectral_lower_bound(total, max_abs), max_abs).clamp(min=tiny)
+            q.sub_((torch.triu(diff) / bound) @ q)
+
+
+def _update_scalar_factor(
+    q: torch.Tensor, g: torch.Tensor, v: torch.Tensor, precond_lr: float, tiny: torch.Tensor
+) -> None:
+    a, b = q * g, v / q
+    ga, gb = a * a, b * b
+    lr = torch.tensor(precond_lr, dtype=g.dtype, device=g.device)
+    q.sub_((ga - gb) * lr * q / (ga + gb).abs().clamp(min=tiny))
+
+
+def _balance(factors: list[torch.Tensor]) -> None:
+    """Rescale the factors to a common max-abs (their geometric mean); the product is unchanged."""
+    norms = torch.stack([q.abs().max() for q in factors])
+    target = norms.log().mean().exp()
+    torch._foreach_mul_(factors, list((target / norms).unbind()))
+
+
+def _precondition(factors: Sequence[torch.Tensor], g: torch.Tensor) -> torch.Tensor:
+    """``(Q_1^T Q_1 (x) ... (x) Q_d^T Q_d) g``."""
+    if g.dim() == 0:
+        return factors[0] * factors[0] * g
+    for dim, q in enumerate(factors):
+        if q.dim() < 2:
+            g = _scale_along(g, dim, q * q)
+        else:
+            g = _along(g, dim, lambda rows, q=q: (rows @ q.T) @ q)
+    return g.contiguous()
+
+
+def _clip_rms(u: torch.Tensor) -> torch.Tensor:
+    rms = u.square().mean().sqrt()
+    return u.mul_(torch.clamp(_CLIP_RMS / (rms + 1e-12), max=1.0))
+
+
+# ---- ownership ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Owner:
+    data_group: Any
+    data_owner: int  # rank in data_group
+    tp_group: Any  # None: the TP replicas (if any) all compute
+    tp_owner: int  # rank in tp_group
+    mine: bool
+
+
+class DistributedKron(DistOptimizer):
+    """PSGD Kron (Li 2015, 2018; kron_torch's ``Kron``), exact under TP and ZeRO (see the module
+    docstring for the algorithm, the distribution and the deviations from kron_torch).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (>= 0); the seed's advice is ~3x smaller than Adam's, hence 3e-4.
+        b1: momentum coefficient in [0, 1).
+        weight_decay: decoupled weight decay, applied to tensors of >= 2 dims only (>= 0).
+        preconditioner_update_probability: a float in (0, 1], a callable ``step -> probability``,
+            or None for :func:`precond_update_prob_schedule`. Read from the first group.
+        max_size_triangular: dims larger than this get diagonal factors.
+        min_ndim_triangular: tensors with fewer dims get only diagonal factors.
+        memory_save_mode: None, "smart_one_diag", "one_diag" or "all_diag".
+        momentum_into_precond_update: fit the preconditioner to the debiased momentum (True) or
+            to the raw gradient.
+        precond_lr: step size of the factor updates (>= 0).
+        precond_init_scale: initial scale of the preconditioner (> 0).
+        merge_dims: precondition tensors of > 2 dims as matrices.
+        mu_dtype: dtype of the momentum (default: the parameter's).
+        precond_dtype: dtype of the factors (default fp32).
+        clip_update_rms: clip the RMS of the preconditioned direction at 1.1.
+        seed: seed of the generators (probe vectors and balancing). Every rank must use the same.
+        communication_dtype: precision of the gathers and shares when bound (default fp32 =
+            exact; ``torch.bfloat16`` halves the bytes at bf16 rounding of momenta and directions).
+    """
+
+    _sharded_state = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 3e-4,
+        b1: float = 0.9,
+        weight_decay: float = 0.0,
+        preconditioner_update_probability: float | Callable[[int], Any] | None = None,
+        max_size_triangular: int = 8192,
+        min_ndim_triangular: int = 2,
+        memory_save_mode: str | None = None,
+        momentum_into_precond_update: bool = True,
+        precond_lr: float = 0.1,
+        precond_init_scale: float = 1.0,
+        merge_dims: bool = True,
+        mu_dtype: torch.dtype | None = None,
+        precond_dtype: torch.dtype | None = None,
+        clip_update_rms: bool = True,
+        seed: int = 42,
+        communication_dtype: torch.dtype | None = None,
+    ) -> None:
+        if preconditioner_update_probability is None:
+            preconditioner_update_probability = precond_update_prob_schedule()
+        defaults = dict(
+            lr=lr,
+            b1=b1,
+            weight_decay=weight_decay,
+            preconditioner_update_probability=preconditioner_update_probability,
+            max_size_triangular=max_size_triangular,
+            min_ndim_triangular=min_ndim_triangular,
+            memory_save_mode=memory_save_mode,
+            momentum_into_precond_update=bool(momentum_into_precond_update),
+            precond_lr=precond_lr,
+            precond_init_scale=precond_init_scale,
+            merge_dims=bool(merge_dims),
+            mu_dtype=mu_dtype,
+            precond_dtype=precond_dtype,
+            clip_update_rms=bool(clip_update_rms),
+        )
+        _validate(**defaults)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if communication_dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"communication_dtype must be None or a float dtype, got {communication_dtype!r}")
+        super().__init__(params, defaults)
+        self.seed = seed
+        self.communication_dtype = communication_dtype
+        self._prob_step = 0
+        self._update_counter = 0
+        self._balance_rng = random.Random(seed)
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._plans: dict[torch.Tensor, _Plan] = {}
+        self._owners: dict[torch.Tensor, _Owner] = {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _validate(**{k: v for k, v in param_group.items() if k in _VALIDATED})
+        super().add_param_group(param_group)
+
+    # ---- plans and owners ---------------------------------------------------------------------
+    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise KeyError("parameter is not in this optimizer")
+
+    def _plan(self, param: torch.Tensor, group: dict[str, Any] | None = None) -> _Plan:
+        plan = self._plans.get(param)
+        if plan is None:
+            plan = _make_plan(self.layout(param).full_shape, group or self._group_of(param))
+            self._plans[param] = plan
+        return plan
+
+    def _on_bind(self) -> None:
+        """Assign every parameter an owner on its (data group) x (TP group) grid, balancing
+        :func:`precond_cost` with :func:`~dist_optim.work.assign_owners`; computed once."""
+        self._plans = {}
+        self._owners = {}
+        params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
+        tp_groups = {id(lay.tp.group): lay.tp.group for lay in (self.layout(p) for p, _ in params_groups) if lay.tp}
+        common_tp = next(iter(tp_groups.values())) if len(tp_groups) == 1 else None
+        grids: dict[tuple[int, int], list[tuple[torch.Tensor, float]]] = {}
+        groups_of: dict[tuple[int, int], tuple[Any, Any]] = {}
+        for p, group in params_groups:
+            layout = self.layout(p)
+            data = layout.zero.group if layout.zero is not None else self.dp_group
+            tp = layout.tp.group if layout.tp is not None else common_tp
+            if _size(tp) == 1:
+                tp = None
+            key = (id(data), id(tp))
+            groups_of[key] = (data, tp)
+            plan = self._plan(p, group)
+            grids.setdefault(key, []).append((p, precond_cost(plan.shape, plan.diag)))
+        for key, items in grids.items():
+            data, tp = groups_of[key]
+            dsize, tsize = _size(data), _size(tp)
+            owners = assign_owners([c for _, c in items], dsize * tsize)
+            my_data, my_tp = _rank(data), _rank(tp)
+            for (p, _), o in zip(items, owners):
+                d_own, t_own = o % dsize, o // dsize
+                self._owners[p] = _Owner(data, d_own, tp, t_own, d_own == my_data and t_own == my_tp)
+
+    def _mine(self, param: torch.Tensor) -> bool:
+        owner = self._owners.get(param)
+        return owner is None or owner.mine
+
+    def precond_work(self) -> float:
+        """Summed :func:`precond_cost` of the parameters this rank owns (all of them when unbound)."""
+        total = 0.0
+        for p in self._all_params():
+            if self._mine(p):
+                plan = self._plan(p)
+                total += precond_cost(plan.shape, plan.diag)
+        return total
+
+    def _share(self, entries: Sequence[tuple[torch.Tensor, list[torch.Tensor]]], dtype: torch.dtype | None) -> None:
+        """Fill every rank's tensors of ``entries`` (param, tensors) from the param's owner: one
+        ``share_owned`` per data group (items whose TP owner is this rank's TP coordinate), then
+        one per TP group. ``entries`` must list the same params in the same order on every rank."""
+        stage1: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
+        stage2: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
+        for p, tensors in entries:
+            owner = self._owners.get(p)
+            if owner is None:
+                continue
+            if _size(owner.data_group) > 1 and (owner.tp_group is None or _rank(owner.tp_group) == owner.tp_owner):
+                _, ts, os_ = stage1.setdefault(id(owner.data_group), (owner.data_group, [], []))
+                ts.extend(tensors)
+                os_.extend([owner.data_owner] * len(tensors))
+            if owner.tp_group is not None:
+                _, ts, os_ = stage2.setdefault(id(owner.tp_group), (owner.tp_group, [], []))
+                ts.extend(tensors)
+                os_.extend([owner.tp_owner] * len(tensors))
+        for stage in (stage1, stage2):
+            for group, tensors, owners in stage.values():
+                if tensors:
+                    comm_dtype = dtype or _widest(tensors)
+                    share_owned(tensors, owners, group, dtype=comm_dtype)
+
+    # ---- randomness and the update decision ------------------------------------------------------
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._generators[device] = gen
+        return gen
+
+    def _decide(self) -> tuple[bool, bool]:
+        """(update the preconditioners?, balance them first?) for this step; same on every rank."""
+        prob = self.param_groups[0]["preconditioner_update_probability"]
+        if callable(prob):
+            prob = prob(self._prob_step)
+        threshold = _threshold(prob)
+        self._update_counter += 1
+        do_update = self._update_counter >= threshold
+        if do_update:
+            self._update_counter = 0
+        self._prob_step += 1
+        balance = self._balance_rng.random() < _BALANCE_PROBABILITY and do_update
+        return do_update, balance
+
+    # ---- the step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_unbound_in_job()
+        do_update, balance = self._decide()
+
+        work: list[tuple[dict[str, Any], torch.Tensor]] = []
+        gathers = []
+        for group in self.param_groups:
+            params, grads = self._grads(group)
+            b1 = group["b1"]
+            for p, g in zip(params, grads):
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p, dtype=group["mu_dtype"] or p.dtype, memory_format=torch.preserve_format
+                    )
+                state["step"] += 1
+                m = state["momentum_buffer"]
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                work.append((group, p))
+                gathers.append((self.layout(p), m))
+                if not group["momentum_into_precond_update"]:
+                    gathers.append((self.layout(p), g))
+        if not work:
+            return loss
+        comm_dtype = self.communication_dtype or _widest([t for _, t in gathers])
+        fulls = iter(gather_full(gathers, dtype=comm_dtype))
+
+        directions: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        for group, p in work:
+            full_m = next(fulls)
+            full_g = full_m if group["momentum_into_precond_update"] else next(fulls)
+            plan = self._plan(p, group)
+            precond_dtype = group["precond_dtype"] or torch.float32
+            probe = None
+            if do_update:
+                probe = torch.randn(
+                    plan.shape, generator=self._generator(full_m.device), dtype=precond_dtype, device=full_m.device
+                )
+            if self._mine(p):
+                u = self._owner_direction(p, group, plan, full_m, full_g, probe, balance)
+            else:
+                u = torch.empty(plan.shape, dtype=precond_dtype, device=full_m.device)
+            directions.append((p, [u]))
+        self._share(directions, self.communication_dtype)
+
+        for (group, p), (_, (u,)) in zip(work, directions):
+            layout = self.layout(p)
+            u = u.reshape(layout.full_shape)
+            local = u.view_as(p) if layout.is_local else layout.take_local(u)
+            if group["weight_decay"] != 0 and layout.ndim >= 2:
+                local.add_(p, alpha=group["weight_decay"])
+            p.add_(local.to(p.dtype), alpha=-group["lr"])
+        return loss
+
+    def _owner_direction(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        plan: _Plan,
+        full_m: torch.Tensor,
+        full_g: torch.Tensor,
+        probe: torch.Tensor | None,
+        balance: bool,
+    ) -> torch.Tensor:
+        """On the owner: debias, (balance,) update the factors, precondition, clip."""
+        state = self.state[p]
+        precond_dtype = group["precond_dtype"] or torch.float32
+        if "Q_0" not in state:
+            ndim = len(plan.shape)
+            scale = group["precond_init_scale"] ** (1 / ndim) if ndim else group["precond_init_scale"]
+            for k, (shape, d) in enumerate(zip(plan.factor_shapes(), plan.diag or (True,))):
+                if d:
+                    factor = torch.full(shape, scale, dtype=precond_dtype, device=full_m.device)
+                else:
+                    factor = scale * torch.eye(shape[0], dtype=precond_dtype, device=full_m.device)
+                state[f"Q_{k}"] = factor
+        factors = [state[f"Q_{k}"] for k in range(max(len(plan.shape), 1))]
+        b1 = group["b1"]
+        debiased = (full_m / (1 - b1 ** int(state["step"]))).to(precond_dtype).reshape(plan.shape)
+        if group["momentum_into_precond_update"]:
+            fit = debiased
+        else:  # a copy: never write into the user's gradient (kron_torch does)
+            fit = full_g.to(precond_dtype, copy=True).reshape(plan.shape)
+        if balance and len(plan.shape) > 1:
+            _balance(factors)
+        if probe is not None:
+            eps = torch.tensor(torch.finfo(torch.float32).eps, dtype=fit.dtype, device=fit.device)
+            fit.add_(eps.sqrt() * fit.abs().mean() * probe)
+            tiny = torch.tensor(torch.finfo(precond_dtype).tiny, dtype=precond_dtype, device=fit.device)
+            if plan.shape:
+                _update_factors(factors, fit, probe, group["precond_lr"], tiny)
+            else:
+                _update_scalar_factor(factors[0], fit, probe, group["precond_lr"], tiny)
+        # kron_torch preconditions the noised debiased momentum (its update adds the probe noise in
+        # place); the same here when the fit target is the momentum.
+        u = _precondition(factors, debiased)
+        if group["clip_update_rms"]:
+            _clip_rms(u)
+        return u
+
+    # ---- state -------------------------------------------------------------------------------------
+    def full_state(self) -> list[dict[str, Any]]:
+        """Every parameter's state in full form on every rank: ``step``, ``momentum_buffer``
+        (parameter-shaped) and the factors ``Q_0, Q_1, ...`` (shared from their owners).
+        Collective when bound."""
+        out = super().full_state()
+        entries: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        where: list[int] = []
+        for i, p in enumerate(self._all_params()):
+            state = self.state.get(p)
+            if not state:
+                continue
+            plan = self._plan(p)
+            group = self._group_of(p)
+            dtype = group["precond_dtype"] or torch.float32
+            if self._mine(p):
+                tensors = [state[f"Q_{k}"].clone() for k in range(len(plan.factor_shapes()))]
+            else:
+                tensors = [torch.empty(s, dtype=dtype, device=p.device) for s in plan.factor_shapes()]
+            entries.append((p, tensors))
+            where.append(i)
+        self._share(entries, None)
+        for i, (_, tensors) in zip(where, entries):
+            for k, t in enumerate(tensors):
+                out[i][f"Q_{k}"] = t
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus the step counters and generator states (``"kron"``). Factors
+        are in the owner's state only; use :meth:`full_state` for a layout-independent copy."""
+        sd = super().state_dict()
+        sd["kron"] = {
+            "prob_step": self._prob_step,
+            "update_counter": self._update_counter,
+            "balance_rng": self._balance_rng.getstate(),
+            "generators": {str(d): g.get_state() for d, g in self._generators.items()},
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("kron", None)
+        super().load_state_dict(state_dict)
+        if extra is not None:
+            self._prob_step = int(extra["prob_step"])
+            self._update_counter = int(extra["update_counter"])
+            self._balance_rng.setstate(extra["balance_rng"])
+            for name, st in extra["generators"].items():
+                self._generator(torch.device(name)).set_state(st)
+
+
+# ---- helpers and validation ----------------------------------------------------------------------
+def _size(group: Any) -> int:
+    """Size of a group; ``None`` stands for "no group" here (not the world)."""
+    return 1 if group is None else group_size(group)
+
+
+def _rank(group: Any) -> int:
+    return 0 if group is None else group_rank(group)
+
+
+def _widest(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _threshold(prob: Any) -> float:
+    """``1 / prob`` as kron_torch compares it with its int counter: in fp32 (a float tensor
+    keeps its dtype; a Python float is divided in double, then compared in fp32)."""
+    if isinstance(prob, torch.Tensor):
+        value = prob.detach().to("cpu")
+        if not value.is_floating_point():
+            value = value.float()
+        p = float(value)
+        recip = float(1 / value)
+    else:
+        p = float(prob)
+        recip = float(torch.tensor(1.0 / p, dtype=torch.float32)) if p > 0 else math.inf
+    if not 0 < p <= 1:
+        raise ValueError(f"preconditioner_update_probability must be in (0, 1], got {p}")
+    return recip
+
+
+_VALIDATED = (
+    "lr",
+    "b1",
+    "weight_decay",
+    "preconditioner_update_probability",
+    "max_size_triangular",
+    "min_ndim_triangular",
+    "memory_save_mode",
+    "precond_lr",
+    "precond_init_scale",
+    "mu_dtype",
+    "precond_dtype",
+)
+
+
+def _validate(**options: Any) -> None:
+    if "lr" in options:
+        check_range("lr", options["lr"], 0.0)
+    if "b1" in options:
+        check_range("b1", options["b1"], 0.0, 1.0)
+    if "weight_decay" in options:
+        check_range("weight_decay", options["weight_decay"], 0.0)
+    if "precond_lr" in options:
+        check_range("precond_lr", options["precond_lr"], 0.0)
+    if "precond_init_scale" in options:
+        check_range("precond_init_scale", options["precond_init_scale"], 0.0)
+        if options["precond_init_scale"] <= 0:
+            raise ValueError(f"precond_init_scale must be > 0, got {options['precond_init_scale']}")
+    for name in ("max_size_triangular", "min_ndim_triangular"):
+        if name in options:
+            value = options[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if "memory_save_mode" in options and options["memory_save_mode"] not in MEMORY_SAVE_MODES:
+        raise ValueError(f"memory_save_mode must be one of {MEMORY_SAVE_MODES}, got {options['memory_save_mode']!r}")
+    if "preconditioner_update_probability" in options:
+        prob = options["preconditioner_update_probability"]
+        if not callable(prob):
+            if not isinstance(prob, (int, float)) or isinstance(prob, bool) or not 0 < prob <= 1:
+                raise ValueError(
+                    f"preconditioner_update_probability must be in (0, 1] or a callable of the step, got {prob!r}"
+                )
+    for name in ("mu_dtype", "precond_dtype"):
+        value = options.get(name)
+        if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+            raise ValueError(f"{name} must be None or a floating-point torch.dtype, got {value!r}")
+
+
+# ---- conversion from kron_torch ------------------------------------------------------------------
+def _kron_probability(value: Any) -> Any:
+    """kron_torch's ``ProbScheduler`` (torch.compile'd, fp32 tensors) becomes our schedule with the
+    same constants; floats and other callables are kept."""
+    names = ("max_prob", "min_prob", "decay", "flat_start")
+    if type(value).__name__ == "ProbScheduler" and all(hasattr(value, n) for n in names):
+        return precond_update_prob_schedule(*(float(getattr(value, n)) for n in names))
+    return value
+
+
+def _kron_torch_kron(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
+    return dict(
+        lr=g["lr"],
+        b1=g["b1"],
+        weight_decay=g["weight_decay"],
+        preconditioner_update_probability=_kron_probability(g["preconditioner_update_probability"]),
+        max_size_triangular=g["max_size_triangular"],
+        min_ndim_triangular=g["min_ndim_triangular"],
+        memory_save_mode=g["memory_save_mode"],
+        momentum_into_precond_update=g.get("momentum_into_precond_update", True),
+        precond_lr=g["precond_lr"],
+        precond_init_scale=g["precond_init_scale"],
+        merge_dims=g.get("merge_dims", True),
+        mu_dtype=g.get("mu_dtype"),
+        precond_dtype=g.get("precond_dtype"),
+        clip_update_rms=True,
+    )
+
+
+register(
+    Conversion(
+        "kron_torch.kron.Kron",
+        DistributedKron,
+        _kron_torch_kron,
+        frozenset(
+            {
+                "lr",
+                "b1",
+                "weight_decay",
+                "preconditioner_update_probability",
+                "max_size_triangular",
+                "min_ndim_triangular",
+                "memory_save_mode",
+                "momentum_into_precond_update",
+                "precond_lr",
+                "precond_init_scale",
+                "merge_dims",
+                "mu_dtype",
+                "precond_dtype",
+            }
+        ),
+    )
+)

@@ -1,0 +1,461 @@
+"""DistributedKron against kron_torch.Kron, its options and schedule, and its work split.
+
+How the unbound optimizer is matched with ``kron_torch.kron.Kron`` (0.3.3): both decide
+preconditioner updates with the same deterministic counter (no randomness), and both draw the
+balancing decision from ``random.Random(42)`` (ours: ``random.Random(seed)``, seed 42). They
+differ in where the probe vectors ``V`` come from: kron_torch calls ``torch.randn_like`` on the
+*global* generator, we draw from our own ``torch.Generator(seed)``, in the same order (every
+parameter with a gradient, ``param_groups`` order, on every update step). So the tests call
+``torch.manual_seed(42)`` right before the kron_torch run (and build data and gradients from
+private generators, so nothing else touches the global one), and give ours ``seed=42``: both then
+see the same numbers, and the 20-step runs agree to fp32 rounding, at any update probability
+(balancing happens at step 20 with this seed, so it is covered too). kron_torch's
+``torch.compile`` is switched off (``torch._dynamo.config.disable``): compiling on two shared CPU
+cores costs minutes and changes only rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dist_optim
+from dist_optim import DistributedKron, comm
+from dist_optim.kron import ProbabilitySchedule, precond_update_prob_schedule
+from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
+
+kron_torch = pytest.importorskip("kron_torch")
+
+STEPS = 20
+RTOL = 1e-5
+NONE_STEP = 4  # the second Linear's bias gets no gradient at this step
+
+
+@pytest.fixture(autouse=True)
+def _no_compile():
+    with torch._dynamo.config.patch(disable=True):
+        yield
+
+
+# ---- a small MLP plus a 3-D parameter, trained on fixed data --------------------------------------
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 4)
+        self.conv = torch.nn.Parameter(torch.randn(3, 4, 5, generator=gen) * 0.3)
+        with torch.no_grad():
+            for p in (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+
+    def loss(self, step: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(1000 + step)
+        x = torch.randn(16, 6, generator=gen)
+        y = torch.randn(16, 4, generator=gen)
+        z = torch.randn(4, 5, generator=gen)
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        return (out - y).square().mean() + (torch.einsum("abc,bc->a", self.conv, z)).square().mean()
+
+
+def train(make_opt, steps: int = STEPS, seed_global: int | None = None) -> tuple[Net, torch.optim.Optimizer]:
+    net = Net()
+    opt = make_opt(net.parameters())
+    if seed_global is not None:
+        torch.manual_seed(seed_global)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        net.loss(step).backward()
+        if step == NONE_STEP:
+            net.fc2.bias.grad = None
+        with contextlib.redirect_stdout(io.StringIO()):  # kron_torch prints buffer sizes
+            opt.step()
+    return net, opt
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12)).item()
+
+
+def assert_matches_kron_torch(net: Net, opt: DistributedKron, ref_net: Net, ref_opt: torch.optim.Optimizer) -> None:
+    for (name, p), rp in zip(net.named_parameters(), ref_net.parameters()):
+        assert rel_err(p, rp) <= RTOL, f"param {name}: {rel_err(p, rp):.3g}"
+        ref_state, state = ref_opt.state[rp], opt.state[p]
+        assert int(state["step"]) == ref_state["step"], name
+        assert rel_err(state["momentum_buffer"].reshape(-1), ref_state["momentum_buffer"].reshape(-1)) <= RTOL, name
+        for k, q in enumerate(ref_state["Q"]):
+            assert state[f"Q_{k}"].shape == q.shape, (name, k)
+            assert rel_err(state[f"Q_{k}"], q) <= RTOL, f"{name}.Q_{k}: {rel_err(state[f'Q_{k}'], q):.3g}"
+        assert f"Q_{len(ref_state['Q'])}" not in state
+
+
+OPTIONS = {
+    "default": dict(lr=1e-2),
+    "wd-one_diag": dict(lr=1e-2, weight_decay=0.1, memory_save_mode="one_diag"),
+    "all_diag-p0.3": dict(lr=1e-2, memory_save_mode="all_diag", preconditioner_update_probability=0.3),
+    "smart-grad-fit": dict(lr=1e-2, memory_save_mode="smart_one_diag", momentum_into_precond_update=False),
+    "schedule-nomerge-maxsize": dict(
+        lr=1e-2,
+        b1=0.5,
+        merge_dims=False,
+        max_size_triangular=5,
+        precond_lr=0.2,
+        precond_init_scale=2.0,
+        min_ndim_triangular=3,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_unbound_matches_kron_torch(name: str) -> None:
+    options = OPTIONS[name]
+    kt_options = dict(options)
+    ours_options = dict(options)
+    if name.startswith("schedule"):
+        # an annealing that leaves the flat start within the 20 steps: updates at p < 1 too
+        kt_options["preconditioner_update_probability"] = kron_torch.precond_update_prob_schedule(
+            flat_start=3, decay=0.2, min_prob=0.1
+        )
+        ours_options["preconditioner_update_probability"] = precond_update_prob_schedule(
+            flat_start=3, decay=0.2, min_prob=0.1
+        )
+    ref_net, ref_opt = train(lambda ps: kron_torch.Kron(ps, **kt_options), seed_global=42)
+    net, opt = train(lambda ps: DistributedKron(ps, seed=42, **ours_options))
+    assert_matches_kron_torch(net, opt, ref_net, ref_opt)
+
+
+def test_convert_trains_identically() -> None:
+    options = dict(lr=3e-3, b1=0.8, weight_decay=0.05, memory_save_mode="one_diag", precond_lr=0.2)
+    ref_net, ref_opt = train(lambda ps: kron_torch.Kron(ps, **options), seed_global=42)
+
+    def converted(ps):
+        opt = dist_optim.convert(kron_torch.Kron(ps, **options))
+        assert type(opt) is DistributedKron
+        group = opt.param_groups[0]
+        for key, value in options.items():
+            assert group[key] == value, key
+        schedule = group["preconditioner_update_probability"]
+        # kron_torch keeps the constants as fp32 tensors; ours holds the same fp32 values
+        assert isinstance(schedule, ProbabilitySchedule)
+        f32 = [float(torch.tensor(v, dtype=torch.float32)) for v in (1.0, 0.03, 0.001, 500.0)]
+        assert [schedule.max_prob, schedule.min_prob, schedule.decay, schedule.flat_start] == f32
+        return opt
+
+    net, opt = train(converted)
+    assert_matches_kron_torch(net, opt, ref_net, ref_opt)
+
+
+def test_convert_rejects_stepped_and_keeps_custom_schedule() -> None:
+    net = Net()
+    custom = lambda n: 0.5  # noqa: E731
+    opt = dist_optim.convert(kron_torch.Kron(net.parameters(), preconditioner_update_probability=custom))
+    assert opt.param_groups[0]["preconditioner_update_probability"] is custom
+    src = kron_torch.Kron(net.parameters())
+    net.loss(0).backward()
+    with contextlib.redirect_stdout(io.StringIO()):
+        src.step()
+    with pytest.raises(ValueError, match="first step"):
+        dist_optim.convert(src)
+
+
+# ---- schedule and update decision --------------------------------------------------------------------
+def test_default_schedule_matches_kron_torch() -> None:
+    ours = precond_update_prob_schedule()
+    theirs = kron_torch.precond_update_prob_schedule()
+    for n in (0, 1, 499, 500, 501, 1000, 2000, 4000, 10000):
+        assert torch.equal(ours(n), theirs(torch.tensor(float(n)))), n
+    assert float(ours(0)) == 1.0 and float(ours(500)) == 1.0
+    assert math.isclose(float(ours(1500)), math.exp(-1.0), rel_tol=1e-6)
+    assert float(ours(10**5)) == pytest.approx(0.03)
+    # the default when none is given
+    assert (
+        DistributedKron([torch.zeros(2, requires_grad=True)]).defaults["preconditioner_update_probability"]
+        == precond_update_prob_schedule()
+    )
+
+
+def _update_steps(opt: DistributedKron, p: torch.Tensor, steps: int) -> list[int]:
+    """1-based steps at which the first factor of ``p`` changed."""
+    out = []
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, steps + 1):
+        p.grad = torch.randn(p.shape, generator=gen)
+        before = opt.state[p]["Q_0"].clone() if p in opt.state else None
+        opt.step()
+        if before is not None and not torch.equal(before, opt.state[p]["Q_0"]):
+            out.append(step)
+        elif before is None:
+            out.append(step)  # the first step initialises the factors; checked below by a copy
+    return out
+
+
+def test_constant_probability_updates_every_1_over_p_steps() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = DistributedKron([p], preconditioner_update_probability=0.25)
+    # first step: the factors are created, no update (counter 1 < 4); then steps 4, 8, ...
+    changed = _update_steps(opt, p, 12)
+    assert changed == [1, 4, 8, 12]
+
+
+def test_custom_schedule_is_called_with_the_step_count() -> None:
+    calls: list[int] = []
+
+    def schedule(n: int) -> float:
+        calls.append(n)
+        return 1.0 if n < 3 else 0.5
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = DistributedKron([p], preconditioner_update_probability=schedule)
+    changed = _update_steps(opt, p, 9)
+    assert calls == list(range(9))
+    assert changed == [1, 2, 3, 5, 7, 9]
+
+
+def test_schedule_output_outside_range_is_rejected() -> None:
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = DistributedKron([p], preconditioner_update_probability=lambda n: 1.5)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="preconditioner_update_probability"):
+        opt.step()
+
+
+def test_seed_makes_runs_deterministic() -> None:
+    def run(seed: int) -> torch.Tensor:
+        _, opt = train(lambda ps: DistributedKron(ps, lr=1e-2, seed=seed), steps=5)
+        return torch.cat([p.detach().reshape(-1) for g in opt.param_groups for p in g["params"]])
+
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+def test_state_dict_resumes_the_same_trajectory() -> None:
+    net_a, opt_a = train(lambda ps: DistributedKron(ps, lr=1e-2, preconditioner_update_probability=0.5), steps=10)
+    net_b, opt_b = train(lambda ps: DistributedKron(ps, lr=1e-2, preconditioner_update_probability=0.5), steps=5)
+    saved = opt_b.state_dict()
+    net_c = Net()
+    net_c.load_state_dict(net_b.state_dict())
+    opt_c = DistributedKron(net_c.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+    opt_c.load_state_dict(saved)
+    for step in range(5, 10):
+        opt_c.zero_grad(set_to_none=True)
+        net_c.loss(step).backward()
+        if step == NONE_STEP:
+            net_c.fc2.bias.grad = None
+        opt_c.step()
+    for a, c in zip(net_a.parameters(), net_c.parameters()):
+        assert torch.equal(a, c)
+
+
+# ---- preconditioner structure ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        (dict(), {(8, 6): [(8, 8), (6, 6)], (6, 6): [(6, 6), (6, 6)], (3, 4, 5): [(12, 12), (5, 5)], (8,): [(8,)]}),
+        (
+            dict(memory_save_mode="one_diag"),
+            {(8, 6): [(8,), (6, 6)], (6, 6): [(6, 6), (6,)], (3, 4, 5): [(12,), (5, 5)], (8,): [(8,)]},
+        ),
+        (
+            dict(memory_save_mode="smart_one_diag"),
+            {(8, 6): [(8,), (6, 6)], (6, 6): [(6, 6), (6, 6)], (3, 4, 5): [(12,), (5, 5)], (8,): [(8,)]},
+        ),
+        (
+            dict(memory_save_mode="all_diag"),
+            {(8, 6): [(8,), (6,)], (6, 6): [(6,), (6,)], (3, 4, 5): [(12,), (5,)], (8,): [(8,)]},
+        ),
+        (
+            dict(max_size_triangular=7, merge_dims=False),
+            {(8, 6): [(8,), (6, 6)], (6, 6): [(6, 6), (6, 6)], (3, 4, 5): [(3, 3), (4, 4), (5, 5)], (8,): [(8,)]},
+        ),
+        (
+            dict(min_ndim_triangular=1, precond_dtype=torch.float64),
+            {(8, 6): [(8, 8), (6, 6)], (6, 6): [(6, 6), (6, 6)], (3, 4, 5): [(12, 12), (5, 5)], (8,): [(8, 8)]},
+        ),
+    ],
+)
+def test_memory_save_modes_and_factor_shapes(options, expected) -> None:
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in expected]
+    opt = DistributedKron(params, lr=1e-2, **options)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    for p, shapes in zip(params, expected.values()):
+        got = [tuple(opt.state[p][f"Q_{k}"].shape) for k in range(len(shapes))]
+        assert got == shapes, (tuple(p.shape), got)
+        assert f"Q_{len(shapes)}" not in opt.state[p]
+        assert opt.state[p]["Q_0"].dtype == options.get("precond_dtype", torch.float32)
+        assert torch.isfinite(p).all()
+
+
+def test_scalar_parameter() -> None:
+    # kron_torch fails on 0-dim tensors; ours fits a scalar (diagonal) factor.
+    p = torch.nn.Parameter(torch.tensor(1.5))
+    opt = DistributedKron([p], lr=1e-1)
+    for _ in range(3):
+        p.grad = torch.tensor(0.7)
+        opt.step()
+    assert opt.state[p]["Q_0"].shape == () and torch.isfinite(p) and p.item() < 1.5
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options, option",
+    [
+        (dict(memory_save_mode="two_diag"), "memory_save_mode"),
+        (dict(preconditioner_update_probability=0.0), "preconditioner_update_probability"),
+        (dict(preconditioner_update_probability=1.5), "preconditioner_update_probability"),
+        (dict(preconditioner_update_probability=-0.1), "preconditioner_update_probability"),
+        (dict(lr=-1e-3), "lr"),
+        (dict(b1=1.0), "b1"),
+        (dict(b1=-0.1), "b1"),
+        (dict(weight_decay=-1.0), "weight_decay"),
+        (dict(precond_lr=-0.1), "precond_lr"),
+        (dict(precond_init_scale=0.0), "precond_init_scale"),
+        (dict(max_size_triangular=-1), "max_size_triangular"),
+        (dict(precond_dtype=torch.int32), "precond_dtype"),
+        (dict(seed=1.5), "seed"),
+        (dict(communication_dtype=torch.int8), "communication_dtype"),
+    ],
+)
+def test_bad_input(options, option) -> None:
+    with pytest.raises(ValueError, match=option):
+        DistributedKron([torch.nn.Parameter(torch.zeros(2, 2))], **options)
+
+
+def test_bad_param_group() -> None:
+    opt = DistributedKron([torch.nn.Parameter(torch.zeros(2, 2))])
+    with pytest.raises(ValueError, match="memory_save_mode"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "memory_save_mode": "x"})
+    with pytest.raises(ValueError, match="b1"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "b1": 1.5})
+
+
+def test_convert_rejects_unknown_option() -> None:
+    src = kron_torch.Kron([torch.nn.Parameter(torch.zeros(2, 2))])
+    src.param_groups[0]["partition_grads"] = True
+    src.defaults["partition_grads"] = False
+    with pytest.raises(ValueError, match="partition_grads"):
+        dist_optim.convert(src)
+
+
+# ---- distribution: work split and collectives -------------------------------------------------------------
+WORK_SHAPES = [(32, 24), (24, 32), (16, 16), (16, 16), (40, 8), (8, 40), (20, 20), (12, 30), (30, 12), (24,), (16,)]
+WORK_SHAPES += [(4, 6, 5), (18, 18), (28, 10), (10, 28), (22, 14)]
+
+
+def _local_params(shapes, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) * 0.5 for s in shapes]
+
+
+def _full_grads(shapes, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=gen) for s in shapes]
+
+
+def _work_worker(shapes, steps: int) -> dict:
+    """dp=4 replicated (plain data parallel, owner split over dp) and dp=4 ZeRO chunks."""
+    from tests._dist import grid_groups
+
+    _, dp_group = grid_groups(1, 4)
+    rank = dist.get_rank(dp_group)
+    out: dict = {}
+    ref_params = _local_params(shapes)
+    ref = DistributedKron(ref_params, lr=1e-2, weight_decay=1e-2)
+    out["work_1"] = ref.precond_work()
+    for step in range(steps):
+        for p, g in zip(ref_params, _full_grads(shapes, step)):
+            p.grad = g
+        ref.step()
+
+    for mode in ("replicated", "zero"):
+        fulls = _local_params(shapes)
+        params, layouts = [], {}
+        for full in fulls:
+            if mode == "zero":
+                pad = (-full.numel()) % 4
+                layout = ParamLayout(tuple(full.shape), zero=ZeroShard(4, rank, pad, dp_group))
+                p = layout.take_local(full)
+            else:
+                layout = ParamLayout(tuple(full.shape))
+                p = full.clone()
+            params.append(p)
+            layouts[p] = layout
+        opt = DistributedKron(params, lr=1e-2, weight_decay=1e-2)
+        opt.bind(layouts, dp_group=dp_group)
+        out[f"work_{mode}"] = opt.precond_work()
+        counts = []
+        for step in range(steps):
+            for p, g in zip(params, _full_grads(shapes, step)):
+                p.grad = opt.layout(p).take_local(g)
+            comm.reset_counts()
+            opt.step()
+            counts.append(sum(comm.COUNTS.values()))
+        out[f"counts_{mode}"] = counts
+        full_now = comm.gather_full([(opt.layout(p), p) for p in params])
+        out[f"err_{mode}"] = max(rel_err(a, b) for a, b in zip(full_now, ref_params))
+        states = opt.full_state()
+        ref_states = ref.full_state()
+        out[f"state_err_{mode}"] = max(
+            rel_err(s[k], r[k]) for s, r in zip(states, ref_states) for k in r if isinstance(r[k], torch.Tensor)
+        )
+        assert set().union(*states) == set().union(*ref_states)
+    return out
+
+
+def test_work_split_and_collectives_at_dp4(pool4) -> None:
+    results = pool4.run(_work_worker, WORK_SHAPES, 3)
+    total = results[0]["work_1"]
+    for mode in ("replicated", "zero"):
+        per_rank = [r[f"work_{mode}"] for r in results]
+        assert sum(per_rank) == pytest.approx(total)
+        assert max(per_rank) <= 0.3 * total, (mode, [w / total for w in per_rank])
+        for r in results:
+            assert r[f"err_{mode}"] <= RTOL and r[f"state_err_{mode}"] <= RTOL, (mode, r)
+    # replicated params: nothing to gather, one share over dp; ZeRO: one gather + one share
+    assert all(c == [1, 1, 1] for c in (r["counts_replicated"] for r in results))
+    assert all(c == [2, 2, 2] for c in (r["counts_zero"] for r in results))
+
+
+def _tp_count_worker(n_params: int) -> list[int]:
+    """tp=2 x zero=2: TP-split and replicated params; collectives per step must not depend on
+    the number of parameters."""
+    from tests._dist import grid_groups
+
+    tp_group, dp_group = grid_groups(2, 2)
+    tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
+    shapes = [((8, 6), 0), ((6, 8), 1), ((6,), None), ((5, 3), None)] * n_params
+    gen = torch.Generator().manual_seed(0)
+    params, layouts, fulls = [], {}, []
+    for shape, dim in shapes:
+        full = torch.randn(shape, generator=gen)
+        tp = TPSplit(dim, 2, tp_rank, tp_group) if dim is not None else None
+        local = ParamLayout(shape, tp=tp)
+        numel = local.local_numel
+        layout = ParamLayout(shape, tp=tp, zero=ZeroShard(2, dp_rank, (-numel) % 2, dp_group))
+        p = layout.take_local(full)
+        params.append(p)
+        layouts[p] = layout
+        fulls.append(full)
+    opt = DistributedKron(params, lr=1e-2, communication_dtype=torch.bfloat16)
+    opt.bind(layouts, dp_group=dp_group)
+    counts = []
+    for step in range(2):
+        for p, full in zip(params, fulls):
+            p.grad = opt.layout(p).take_local(full * (step + 1))
+        comm.reset_counts()
+        opt.step()
+        counts.append(sum(comm.COUNTS.values()))
+    return counts
+
+
+def test_collectives_per_step_are_constant_under_tp_and_zero(pool4) -> None:
+    small = pool4.run(_tp_count_worker, 1)
+    large = pool4.run(_tp_count_worker, 4)
+    # gather: ZeRO group + TP group; share: data group + TP group
+    assert all(c == [4, 4] for c in small + large), (small, large)
