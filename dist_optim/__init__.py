@@ -5,8 +5,9 @@ layouts (``bind`` or ColossalAI's ``setup_distributed``) it is exact on TP slice
 ``dist_optim.plugins`` swaps ordinary optimizers for these when a model is boosted.
 """
 
+from .adafactor import DistributedAdafactor
 from .base import DistOptimizer
-from .kron import DistributedKron
+from .came import DistributedCAME
 from .lamb import DistributedLamb
 from .layout import ParamLayout, TPSplit, ZeroShard
 from .registry import convert
@@ -19,9 +20,10 @@ from .shampoo import (
 )
 
 __all__ = [
+    "DistributedAdafactor",
+    "DistributedCAME",
     "DistOptimizer",
     "DistributedLamb",
-    "DistributedKron",
     "ParamLayout",
     "TPSplit",
     "ZeroShard",

@@ -1,0 +1,287 @@
+"""Factored second moments (Adafactor, CAME), exact on TP slices and ZeRO chunks.
+
+Adafactor (Shazeer & Stern, 2018) and CAME (Luo et al., 2023) keep, for a parameter with two or
+more dims, the running means of a squared quantity along its last dim ("row" statistics, shape
+``full[:-1] + (1,)``) and along its second-to-last dim ("column" statistics, shape
+``full[:-2] + (1, C)``), leading dims kept, as ``torch.optim.Adafactor`` stores them. Under tensor
+parallelism or ZeRO a rank holds a slice or a flat chunk of the parameter, and these statistics
+must still be those of the *full* matrix.
+
+How, without gathering a gradient: each rank reduces the elements it holds into *full-size*
+row/column bins (zeros where it holds nothing), and the bins are summed over the parameter's
+``sum_groups`` (ZeRO group, then TP group) through a :class:`~dist_optim.comm.SumBucket` shared by
+all parameters of the step. After the flush every rank has the full statistics (replicated, in
+full form, so checkpoints do not depend on the layout), and expands them back onto its own
+elements.
+
+:class:`FactoredLayout` does the index math. A ZeRO chunk is a contiguous range of the flattened
+working param, so it covers a contiguous run of "rows" (index over ``local[:-1]``), the first and
+last possibly cut. The chunk is padded at the front and back into a ``(rows, C_local)`` block, so
+reductions and expansions are plain row/column operations plus an ``index_add_`` over *rows*:
+the index tensors kept per parameter have one entry per row, not per element. ZeRO padding (the
+suffix of the last rank's chunk beyond the working param) never enters the block.
+
+The shared steps of both optimizers live here too: queueing the partial statistics of a step,
+folding them into the state, and preconditioning the gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .comm import SumBucket
+from .layout import ParamLayout
+
+__all__ = [
+    "FactoredLayout",
+    "Item",
+    "EPS_ADD",
+    "EPS_CLAMP",
+    "init_second_moment",
+    "queue_factored_sums",
+    "fold_second_moment",
+    "approx_inv_sqrt",
+    "queue_sumsq",
+    "rms",
+    "clip_by_rms_",
+    "low_precision_copy",
+    "check_floating",
+]
+
+#: Epsilon placements. ``EPS_ADD`` (paper, transformers, fairseq, CAME): ``eps1`` is added to every
+#: squared element before the statistics; ``V^-1/2 = rsqrt(R / mean(R)) * rsqrt(C)``.
+#: ``EPS_CLAMP`` (``torch.optim.Adafactor``): statistics of the plain squares;
+#: ``V = R C / max(mean(R), eps1)`` and ``V^-1/2 = rsqrt(max(V, eps1^2))``.
+EPS_ADD = "add"
+EPS_CLAMP = "clamp"
+
+
+class FactoredLayout:
+    """Maps a parameter's local tensor (whole, TP slice, or flat ZeRO chunk) to the row and column
+    statistics of its full tensor (``ndim >= 2``).
+
+    Work form: a view of the local tensor on which rows and columns are plain dims, ``(L, R, C)``
+    for a whole tensor or TP slice, ``(rows, C)`` for a ZeRO chunk (padded at both ends to whole
+    rows). :meth:`partial_sums` reduces a work-form tensor to full-size row/column bins;
+    :meth:`expand` turns full row/column vectors into tensors that broadcast against the work form.
+    """
+
+    def __init__(self, layout: ParamLayout, device: torch.device | str | None = None) -> None:
+        if layout.ndim < 2:
+            raise ValueError(f"FactoredLayout: a factored parameter needs >= 2 dims, got shape {layout.full_shape}")
+        full, local = layout.full_shape, layout.local_shape
+        self.layout = layout
+        self.rows_full, self.cols_full = full[-2], full[-1]
+        self.row_shape: tuple[int, ...] = full[:-1] + (1,)
+        self.col_shape: tuple[int, ...] = full[:-2] + (1, full[-1])
+        self.lead_full = math.prod(full[:-2])
+        self.lead_local = math.prod(local[:-2])
+        self.rows_local, self.cols_local = local[-2], local[-1]
+        tp = layout.tp
+        last = layout.ndim - 1
+        # Offset of this rank's columns in the full matrix (only a last-dim split moves them).
+        self.col_offset = layout.tp_offset if tp is not None and tp.dim == last else 0
+        self.zero = layout.zero is not None
+        if not self.zero:
+            # A whole tensor or TP slice: the statistics of the slice sit at the slice's position.
+            sl = layout.tp_slices()
+            self._row_index = sl[:-1] + (slice(None),)
+            self._col_index = sl[:-2] + (slice(None), sl[-1])
+            return
+        # ZeRO: the chunk covers local rows [q0, q0 + nrows) of the (local[:-1]) row index.
+        cl = self.cols_local
+        start, _ = layout.chunk_range
+        self.valid = layout.valid_numel
+        q0 = start // cl
+        self.front = start - q0 * cl
+        nrows = -(-(self.front + self.valid) // cl) if self.valid else 0
+        self.back = nrows * cl - self.front - self.valid
+        self.nrows = nrows
+        self.chunk_numel = layout.chunk_numel
+        # Full flat row index of every local row, and full flat leading index of every local row:
+        # the layouts of the row space full[:-1] and of the leading space full[:-2], with the TP
+        # split kept when it cuts those dims.
+        row_tp = tp if tp is not None and tp.dim < last else None
+        lead_tp = tp if tp is not None and tp.dim < last - 1 else None
+        q = torch.arange(q0, q0 + nrows, device=device)
+        rowmap = ParamLayout(full[:-1], row_tp).full_flat_index(device=device)
+        leadmap = ParamLayout(full[:-2], lead_tp).full_flat_index(device=device)
+        self._rows = rowmap[q0 : q0 + nrows].contiguous()
+        self._leads = leadmap[torch.div(q, self.rows_local, rounding_mode="floor")].contiguous()
+
+    # ---- work form ------------------------------------------------------------------------
+    def to_work(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the optimizer's local tensor for this param) in work form."""
+        if not self.zero:
+            return t.reshape(self.lead_local, self.rows_local, self.cols_local)
+        # Only the valid prefix: ZeRO padding is not part of the full tensor.
+        valid = t.reshape(-1)[: self.valid]
+        return torch.nn.functional.pad(valid, (self.front, self.back)).view(self.nrows, self.cols_local)
+
+    def from_work(self, w: torch.Tensor) -> torch.Tensor:
+        """Back to the local form; ZeRO padding elements are zero."""
+        if not self.zero:
+            return w.reshape(self.layout.local_shape)
+        flat = w.reshape(-1)[self.front : self.front + self.valid]
+        return torch.nn.functional.pad(flat, (0, self.chunk_numel - self.valid))
+
+    # ---- statistics -------------------------------------------------------------------------
+    def partial_sums(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the full row sums (over the last dim) and column sums (over the
+        second-to-last dim) of a work-form tensor, as full-size tensors of shapes
+        :attr:`row_shape` and :attr:`col_shape`. Summed over ``layout.sum_groups`` they are the
+        sums of the full tensor."""
+        if not self.zero:
+            rows = w.sum(dim=-1, keepdim=True)
+            cols = w.sum(dim=-2, keepdim=True)
+            if self.layout.tp is None:
+                return rows.view(self.row_shape), cols.view(self.col_shape)
+            local = self.layout.local_shape
+            row_full = w.new_zeros(self.row_shape)
+            col_full = w.new_zeros(self.col_shape)
+            row_full[self._row_index] = rows.view(local[:-1] + (1,))
+            col_full[self._col_index] = cols.view(local[:-2] + (1, local[-1]))
+            return row_full, col_full
+        row_full = w.new_zeros(self.lead_full * self.rows_full)
+        col_full = w.new_zeros(self.lead_full, self.cols_full)
+        if self.nrows:
+            row_full.index_add_(0, self._rows, w.sum(dim=-1))
+            # Rows of one leading index add into the same column bins.
+            col_full[:, self.col_offset : self.col_offset + self.cols_local].index_add_(0, self._leads, w)
+        return row_full.view(self.row_shape), col_full.view(self.col_shape)
+
+    def expand(self, row: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full row/column tensors (shapes :attr:`row_shape`, :attr:`col_shape`) as tensors that
+        broadcast against the work form: element (i, j) of the work form meets row i's and
+        column j's values."""
+        if not self.zero:
+            if self.layout.tp is None:
+                return (
+                    row.reshape(self.lead_local, self.rows_local, 1),
+                    col.reshape(self.lead_local, 1, self.cols_local),
+                )
+            return (
+                row[self._row_index].reshape(self.lead_local, self.rows_local, 1),
+                col[self._col_index].reshape(self.lead_local, 1, self.cols_local),
+            )
+        r = row.reshape(-1).index_select(0, self._rows).unsqueeze(1)
+        c = col.reshape(self.lead_full, self.cols_full)[
+            self._leads, self.col_offset : self.col_offset + self.cols_local
+        ]
+        return r, c
+
+
+# ---- shared step pieces -------------------------------------------------------------------------
+@dataclass
+class Item:
+    """One parameter's data during a step (local tensors; fp32 math)."""
+
+    param: torch.Tensor
+    group: dict[str, Any]
+    state: dict[str, Any]
+    layout: ParamLayout
+    fac: FactoredLayout | None
+    grad: torch.Tensor  # fp32, local form, sign applied (maximize)
+    sums: tuple[torch.Tensor, torch.Tensor] | None = None
+    update: torch.Tensor | None = None
+    sumsq: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def init_second_moment(state: dict[str, Any], item_param: torch.Tensor, fac: FactoredLayout | None) -> None:
+    """Zero row/column statistics (factored) or a param-shaped ``variance`` (vectors), in fp32."""
+    if fac is not None:
+        state["row_var"] = torch.zeros(fac.row_shape, dtype=torch.float32, device=item_param.device)
+        state["col_var"] = torch.zeros(fac.col_shape, dtype=torch.float32, device=item_param.device)
+    else:
+        state["variance"] = torch.zeros_like(item_param, dtype=torch.float32, memory_format=torch.preserve_format)
+
+
+def queue_factored_sums(
+    bucket: SumBucket, fac: FactoredLayout, layout: ParamLayout, values: torch.Tensor, eps_add: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queue the full row/column sums of ``values + eps_add`` (local form) in ``bucket``; they are
+    complete after ``bucket.flush()``."""
+    if eps_add:
+        # Added before the work form, so the block's filler (other ranks' elements) stays zero.
+        values = values + eps_add
+    rows, cols = fac.partial_sums(fac.to_work(values))
+    groups = layout.sum_groups
+    return bucket.add(rows, groups), bucket.add(cols, groups)
+
+
+def ema_(avg: torch.Tensor, new: torch.Tensor, beta: float) -> None:
+    """``avg <- beta avg + (1 - beta) new``, written as transformers/came_pytorch do."""
+    avg.mul_(beta).add_(new, alpha=1.0 - beta)
+
+
+def approx_inv_sqrt(
+    fac: FactoredLayout,
+    row: torch.Tensor,
+    col: torch.Tensor,
+    values: torch.Tensor,
+    eps_mode: str = EPS_ADD,
+    eps1: float = 0.0,
+) -> torch.Tensor:
+    """``values * V^-1/2`` (local form) where ``V`` is the rank-1 estimate from full row/column
+    statistics ``row``, ``col``; see :data:`EPS_ADD` / :data:`EPS_CLAMP`."""
+    if eps_mode == EPS_ADD:
+        # transformers' _approx_sq_grad: rsqrt(R / mean_rows(R)) * rsqrt(C), on the small full vectors.
+        r_factor = (row / row.mean(dim=-2, keepdim=True)).rsqrt_()
+        c_factor = col.rsqrt()
+        r, c = fac.expand(r_factor, c_factor)
+        return fac.from_work((r * c).mul_(fac.to_work(values)))
+    # torch: V = R C / max(mean_rows(R), eps1); U = G / max(sqrt(V), eps1).
+    scaled_col = col / row.mean(dim=-2, keepdim=True).clamp(min=eps1)
+    r, c = fac.expand(row, scaled_col)
+    return fac.from_work((r * c).clamp_(min=eps1 * eps1).rsqrt_().mul_(fac.to_work(values)))
+
+
+def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> torch.Tensor:
+    """Fold this step's (reduced) statistics into the state with decay ``beta`` and return the
+    preconditioned gradient ``G V^-1/2`` in local form."""
+    state, g = item.state, item.grad
+    if item.fac is not None:
+        assert item.sums is not None, "queue the factored sums before folding them"
+        rows, cols = item.sums
+        ema_(state["row_var"], rows.div_(item.fac.cols_full), beta)
+        ema_(state["col_var"], cols.div_(item.fac.rows_full), beta)
+        return approx_inv_sqrt(item.fac, state["row_var"], state["col_var"], g, eps_mode, eps1)
+    variance = state["variance"]
+    sq = g * g
+    if eps_mode == EPS_ADD:
+        ema_(variance, sq.add_(eps1), beta)
+        return variance.rsqrt().mul_(g)
+    ema_(variance, sq, beta)
+    return variance.clamp(min=eps1 * eps1).rsqrt_().mul_(g)
+
+
+def queue_sumsq(bucket: SumBucket, layout: ParamLayout, t: torch.Tensor) -> torch.Tensor:
+    """Queue the full tensor's sum of squares (ZeRO padding is zero, so it adds nothing)."""
+    return bucket.add(t.float().square().sum().reshape(1), layout.sum_groups)
+
+
+def rms(sumsq: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+    """Root mean square of the full tensor from its reduced sum of squares (a 1-element tensor)."""
+    return (sumsq / layout.full_numel).sqrt_()
+
+
+def clip_by_rms_(update: torch.Tensor, sumsq: torch.Tensor, layout: ParamLayout, threshold: float) -> torch.Tensor:
+    """``update / max(1, RMS(update) / threshold)`` in place, with the full tensor's RMS."""
+    return update.div_((rms(sumsq, layout) / threshold).clamp_(min=1.0))
+
+
+def low_precision_copy(p: torch.Tensor) -> torch.Tensor:
+    """The fp32 tensor to do the math on: ``p`` itself, or an fp32 copy for fp16/bf16 params
+    (written back by the caller), as transformers' Adafactor does."""
+    return p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
+
+
+def check_floating(params: Any, name: str) -> None:
+    """TypeError for a non-floating-point parameter (integer, bool or complex)."""
+    for i, p in enumerate(params):
+        if not p.is_floating_point():
+            raise TypeError(f"{name}: parameter #{i} has dtype {p.dtype}; only floating-point parameters are supported")

@@ -1,0 +1,242 @@
+"""CAME: Confidence-guided Adaptive Memory Efficient optimization (Luo et al., 2023, ACL,
+arXiv:2307.02047), exact under tensor parallelism and ZeRO.
+
+Per parameter tensor, as in the authors' ``came_pytorch.CAME`` (and ColossalAI's copy)::
+
+    R <- b2 R + (1 - b2) mean_cols(G^2 + eps1)                  (factored, ndim >= 2)
+    C <- b2 C + (1 - b2) mean_rows(G^2 + eps1)
+    U  = G * rsqrt(R / mean_rows(R)) * rsqrt(C)                 (vectors: G * rsqrt(V))
+    U <- U / max(1, RMS(U) / clip_threshold)
+    m <- b1 m + (1 - b1) U
+    Rr <- b3 Rr + (1 - b3) mean_cols((U - m)^2 + eps2)         (factored: confidence statistics)
+    Cr <- b3 Cr + (1 - b3) mean_rows((U - m)^2 + eps2)
+    step = m * rsqrt(Rr / mean_rows(Rr)) * rsqrt(Cr)             (vectors: step = m)
+    W <- W - lr weight_decay W - lr step
+
+Deviations from the paper, kept for compatibility with the implementation users run: the
+second moment has no bias correction, and the factored statistics are over the last two dims
+with leading dims kept. The second moment and its preconditioning are Adafactor's
+(:mod:`dist_optim._factored`, shared with :class:`~dist_optim.DistributedAdafactor`).
+
+State keys: ``step``, ``exp_avg``; ``row_var``/``col_var`` (second moment) and
+``res_row_var``/``res_col_var`` (confidence) in full-matrix form for >= 2-D parameters;
+``variance`` for vectors. ``exp_avg`` and ``variance`` have the parameter's local form.
+
+Distributed: every statistic is that of the full tensor. A step flushes three
+:class:`~dist_optim.comm.SumBucket` s, shared by all parameters: second-moment statistics, RMS(U),
+confidence statistics (at most one all-reduce per process group each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ._factored import (
+    EPS_ADD,
+    FactoredLayout,
+    Item,
+    approx_inv_sqrt,
+    check_floating,
+    clip_by_rms_,
+    ema_,
+    fold_second_moment,
+    init_second_moment,
+    low_precision_copy,
+    queue_factored_sums,
+    queue_sumsq,
+)
+from .base import DistOptimizer, check_range
+from .comm import SumBucket
+from .registry import Conversion, register
+
+__all__ = ["DistributedCAME"]
+
+
+class DistributedCAME(DistOptimizer):
+    """CAME with exact factored statistics under TP and ZeRO (see the module docstring).
+
+    Args:
+        params: parameters or parameter groups (floating point).
+        lr: learning rate (> 0; came_pytorch has no default and requires it).
+        eps: ``(eps1, eps2)`` added to the squared gradient and to the squared instability, > 0.
+        clip_threshold: update clipping threshold on RMS(U), > 0.
+        betas: ``(b1, b2, b3)``: first moment, second moment, confidence, each in [0, 1).
+        weight_decay: decoupled weight decay, applied as ``W <- W - lr weight_decay W``.
+    """
+
+    _sharded_state = ("exp_avg", "variance")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | None = None,
+        eps: tuple[float, float] = (1e-30, 1e-16),
+        clip_threshold: float = 1.0,
+        betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
+        weight_decay: float = 0.0,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            eps=tuple(eps) if isinstance(eps, (tuple, list)) else eps,
+            clip_threshold=clip_threshold,
+            betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
+            weight_decay=weight_decay,
+        )
+        _validate(defaults)
+        super().__init__(params, defaults)
+        self._factored: dict[torch.Tensor, FactoredLayout | None] = {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            check_floating(group["params"], type(self).__name__)
+            _validate(group)
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+
+    def _on_bind(self) -> None:
+        self._factored.clear()
+
+    def _fac(self, p: torch.Tensor) -> FactoredLayout | None:
+        if p not in self._factored:
+            layout = self.layout(p)
+            self._factored[p] = FactoredLayout(layout, p.device) if layout.ndim >= 2 else None
+        return self._factored[p]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_unbound_in_job()
+
+        items: list[Item] = []
+        stats = SumBucket()
+        for group in self.param_groups:
+            params, grads = self._grads(group)
+            for p, grad in zip(params, grads):
+                g = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+                fac = self._fac(p)
+                item = Item(p, group, self.state[p], self.layout(p), fac, g)
+                state = item.state
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    init_second_moment(state, p, fac)
+                    if fac is not None:
+                        state["res_row_var"] = torch.zeros_like(state["row_var"])
+                        state["res_col_var"] = torch.zeros_like(state["col_var"])
+                state["step"] += 1
+                if fac is not None:
+                    item.sums = queue_factored_sums(stats, fac, item.layout, g * g, group["eps"][0])
+                items.append(item)
+        stats.flush()
+
+        norms = SumBucket()
+        for item in items:
+            _, beta2, _ = item.group["betas"]
+            item.update = fold_second_moment(item, beta2, EPS_ADD, item.group["eps"][0])
+            item.sumsq["update"] = queue_sumsq(norms, item.layout, item.update)
+        norms.flush()
+
+        confidence = SumBucket()
+        for item in items:
+            group = item.group
+            assert item.update is not None
+            beta1 = group["betas"][0]
+            update = clip_by_rms_(item.update, item.sumsq["update"], item.layout, group["clip_threshold"])
+            exp_avg = item.state["exp_avg"]
+            ema_(exp_avg, update, beta1)
+            if item.fac is not None:
+                # Instability of the update w.r.t. its running mean: the statistic CAME factors.
+                res = (update - exp_avg).square_()
+                item.sums = queue_factored_sums(confidence, item.fac, item.layout, res, group["eps"][1])
+        confidence.flush()
+
+        for item in items:
+            group, state = item.group, item.state
+            exp_avg = state["exp_avg"]
+            if item.fac is not None:
+                assert item.sums is not None
+                rows, cols = item.sums
+                beta3 = group["betas"][2]
+                ema_(state["res_row_var"], rows.div_(item.fac.cols_full), beta3)
+                ema_(state["res_col_var"], cols.div_(item.fac.rows_full), beta3)
+                step = approx_inv_sqrt(item.fac, state["res_row_var"], state["res_col_var"], exp_avg)
+            else:
+                step = exp_avg
+            p = item.param
+            w = low_precision_copy(p)
+            lr = group["lr"]
+            if group["weight_decay"] != 0:
+                w.add_(w, alpha=-group["weight_decay"] * lr)
+            w.add_(step, alpha=-lr)
+            if w is not p:
+                p.copy_(w)
+        return loss
+
+
+def _validate(group: Mapping[str, Any]) -> None:
+    lr = group["lr"]
+    if lr is None:
+        raise ValueError("lr: DistributedCAME needs an explicit lr > 0 (came_pytorch has no default)")
+    check_range("lr", lr, 0.0)
+    if lr <= 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    eps = group["eps"]
+    if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+        raise ValueError(f"eps must be a pair (eps1, eps2), got {eps!r}")
+    for i, e in enumerate(eps):
+        check_range(f"eps[{i}]", e, 0.0)
+        if e <= 0:
+            raise ValueError(f"eps[{i}] must be > 0, got {e}")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 3:
+        raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {betas!r}")
+    for i, b in enumerate(betas):
+        check_range(f"betas[{i}]", b, 0.0, 1.0)
+    check_range("clip_threshold", group["clip_threshold"], 0.0)
+    if group["clip_threshold"] <= 0:
+        raise ValueError(f"clip_threshold must be > 0, got {group['clip_threshold']}")
+    check_range("weight_decay", group["weight_decay"], 0.0)
+
+
+# ---- conversions from the CAME classes users have -----------------------------------------------
+def _came_options(opt: torch.optim.Optimizer, g: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(
+        lr=g["lr"],
+        eps=tuple(g["eps"]),
+        clip_threshold=g["clip_threshold"],
+        betas=tuple(g["betas"]),
+        weight_decay=g["weight_decay"],
+    )
+
+
+def _came_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "step": torch.tensor(float(state["step"]), dtype=torch.float32),
+        "exp_avg": state["exp_avg"].float(),
+    }
+    if "exp_avg_sq_row" in state:
+        out["row_var"] = state["exp_avg_sq_row"].float().unsqueeze(-1)
+        out["col_var"] = state["exp_avg_sq_col"].float().unsqueeze(-2)
+        out["res_row_var"] = state["exp_avg_res_row"].float().unsqueeze(-1)
+        out["res_col_var"] = state["exp_avg_res_col"].float().unsqueeze(-2)
+    else:
+        out["variance"] = state["exp_avg_sq"].float()
+    return out
+
+
+_CAME_READS = frozenset({"lr", "eps", "clip_threshold", "betas", "weight_decay"})
+for _path in ("came_pytorch.CAME.CAME", "colossalai.nn.optimizer.came.CAME"):
+    register(Conversion(_path, DistributedCAME, _came_options, _CAME_READS, state=_came_state))
+# ColossalAI's distributed class keeps TP/ZeRO-local state: only convertible before its first step.
+register(
+    Conversion("colossalai.nn.optimizer.distributed_came.DistributedCAME", DistributedCAME, _came_options, _CAME_READS)
+)
