@@ -8,6 +8,7 @@ layouts (``bind`` or ColossalAI's ``setup_distributed``) it is exact on TP slice
 from .adafactor import DistributedAdafactor
 from .base import DistOptimizer
 from .came import DistributedCAME
+from .kron import DistributedKron
 from .lamb import DistributedLamb
 from .layout import ParamLayout, TPSplit, ZeroShard
 from .registry import convert
@@ -24,6 +25,7 @@ __all__ = [
     "DistributedCAME",
     "DistOptimizer",
     "DistributedLamb",
+    "DistributedKron",
     "ParamLayout",
     "TPSplit",
     "ZeroShard",
