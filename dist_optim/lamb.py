@@ -109,7 +109,8 @@ class DistributedLamb(DistOptimizer):
             steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1.0)
 
-            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+            torch._foreach_mul_(exp_avgs, beta1)
+            torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
             denom = torch._foreach_sqrt(exp_avg_sqs)

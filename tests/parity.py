@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dist_optim import comm
 from dist_optim.layout import register_tp_reader
+from tests._check import max_rel_err
 from tests._dist import grid_groups
 
 LAYOUTS: list[tuple[int, int, int]] = [(2, 1, 0), (2, 2, 0), (1, 4, 1), (1, 4, 2), (2, 2, 1), (2, 2, 2), (4, 1, 0)]
@@ -78,17 +79,34 @@ def full_grads(step: int, seed: int = 1) -> list[torch.Tensor | None]:
     return out
 
 
+#: A Case kwargs key (not passed to the optimizer): extra options for a group of the 2-D params
+#: only (e.g. GaLore's ``rank``); params with 3+ dims then get a group of their own.
+MATRIX_GROUP = "_matrix_group"
+
+
 def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
-    """Two groups (matrices, vectors) so per-group options are exercised too."""
+    """Two groups (matrices, vectors) so per-group options are exercised too.
+
+    With ``kwargs[MATRIX_GROUP]`` (a dict), three: exactly-2-D params with those options, 3+-D
+    params, vectors."""
     # By spec, not by p.dim(): ZeRO chunks are 1-D whatever the parameter's shape.
     mats = [p for p, spec in zip(params, SPECS) if len(spec.shape) >= 2]
     vecs = [p for p, spec in zip(params, SPECS) if len(spec.shape) < 2]
     lr = kwargs.get("lr", 1e-3)
+    if MATRIX_GROUP in kwargs:
+        two_d = [p for p, spec in zip(params, SPECS) if len(spec.shape) == 2]
+        higher = [p for p, spec in zip(params, SPECS) if len(spec.shape) > 2]
+        return [
+            {"params": two_d, **kwargs[MATRIX_GROUP]},
+            {"params": higher},
+            {"params": vecs, "lr": lr * 0.5},
+        ]
     return [{"params": mats}, {"params": vecs, "lr": lr * 0.5}]
 
 
 def _make(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor]) -> Any:
-    return cls(param_groups(params, kwargs), **kwargs)
+    options = {k: v for k, v in kwargs.items() if k != MATRIX_GROUP}
+    return cls(param_groups(params, kwargs), **options)
 
 
 def _run(opt: Any, params: list[torch.Tensor], local_grad: Any) -> None:
@@ -186,12 +204,10 @@ def distributed(
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
     """Max relative error if it exceeds RTOL (errors are measured against the tensor's scale)."""
-    actual = actual.detach().double()
-    expected = expected.detach().double()
-    if actual.shape != expected.shape:
+    try:
+        err = max_rel_err(actual, expected)
+    except AssertionError:
         return math.inf
-    scale = max(expected.abs().max().item(), 1e-12)
-    err = ((actual - expected).abs().max().item()) / scale if expected.numel() else 0.0
     return err if not err <= RTOL else None
 
 

@@ -1,0 +1,147 @@
+"""Worker functions for tests/test_comm.py and tests/test_setup_distributed.py (run on every rank)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dist_optim
+from dist_optim import ParamLayout, TPSplit, ZeroShard, comm
+from dist_optim.work import assign_owners
+from tests._dist import grid_groups
+
+
+def _layouts(n: int, tp: int, dp: int, zero: bool) -> tuple[list[ParamLayout], list[torch.Tensor]]:
+    tg, dg = grid_groups(tp, dp)
+    shapes = [((4 * (i % 3 + 1), 6), 0 if i % 2 == 0 else -1) for i in range(n)] + [((5,), None)]
+    layouts, fulls = [], []
+    for i, (shape, dim) in enumerate(shapes):
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(i))
+        split = TPSplit(dim, tp, dist.get_rank(tg), tg) if dim is not None else None
+        lay = ParamLayout(shape, split)
+        zs = ZeroShard(dp, dist.get_rank(dg), (-lay.local_numel) % dp, dg) if zero else None
+        layouts.append(ParamLayout(shape, split, zs))
+        fulls.append(full)
+    return layouts, fulls
+
+
+def gather_and_sum(n: int) -> dict[str, Any]:
+    layouts, fulls = _layouts(n, 2, 2, True)
+    pieces = [lay.take_local(f) for lay, f in zip(layouts, fulls)]
+    comm.reset_counts()
+    gathered = comm.gather_full(list(zip(layouts, pieces)))
+    gathers = comm.COUNTS["all_gather"]
+    ok_gather = all(torch.equal(g, f) for g, f in zip(gathered, fulls))
+    comm.reset_counts()
+    bucket = comm.SumBucket()
+    sums = [bucket.add(p.square().sum().reshape(1), lay.sum_groups) for lay, p in zip(layouts, pieces)]
+    bucket.flush()
+    reduces = comm.COUNTS["all_reduce"]
+    ok_sum = all(torch.allclose(s, f.square().sum().reshape(1)) for s, f in zip(sums, fulls))
+    # bf16 communication keeps the result dtype
+    half = comm.gather_full(list(zip(layouts, pieces)), dtype=torch.bfloat16)
+    ok_half = all(h.dtype == torch.float32 and torch.allclose(h, f, rtol=1e-2, atol=1e-2) for h, f in zip(half, fulls))
+    return dict(gathers=gathers, reduces=reduces, ok_gather=ok_gather, ok_sum=ok_sum, ok_half=ok_half)
+
+
+def share_and_broadcast() -> dict[str, Any]:
+    _, dg = grid_groups(1, 4)
+    rank = dist.get_rank(dg)
+    shapes = [(3, 3), (5,), (2, 4), (1,), (4, 4), (2,)]
+    owners = assign_owners([torch.Size(s).numel() ** 1.5 for s in shapes], 4)
+    tensors = [torch.full(s, float(o if o == rank else -1)) for s, o in zip(shapes, owners)]
+    comm.reset_counts()
+    comm.share_owned(tensors, owners, dg)
+    ok_share = all(torch.equal(t, torch.full(t.shape, float(o))) for t, o in zip(tensors, owners))
+    shared = comm.COUNTS["all_gather"]
+    b = [torch.full((2,), float(rank)), torch.full((3,), float(rank))]
+    comm.broadcast_from(b, 2, dg)
+    ok_bcast = all(torch.equal(t, torch.full(t.shape, 2.0)) for t in b)
+    return dict(ok_share=ok_share, shared=shared, ok_bcast=ok_bcast)
+
+
+def lamb_collectives(n: int) -> int:
+    """All-reduces issued by one bound DistributedLamb step at tp=2 x dp=2 with ZeRO."""
+    layouts, fulls = _layouts(n, 2, 2, True)
+    params = [lay.take_local(f) for lay, f in zip(layouts, fulls)]
+    opt = dist_optim.DistributedLamb(params, lr=0.1)
+    opt.bind(dict(zip(params, layouts)))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    comm.reset_counts()
+    opt.step()
+    return sum(comm.COUNTS.values())
+
+
+# ---- setup_distributed traps ---------------------------------------------------------------
+def _working(shape: tuple[int, ...], dim: int | None) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.randn(shape))
+    p._test_tp_dim = dim  # read by the reader tests/parity.py registers
+    return p
+
+
+def setup_traps() -> dict[str, Any]:
+    import tests.parity  # noqa: F401  (registers the test TP reader)
+
+    tg, dg = grid_groups(2, 2)
+    out: dict[str, Any] = {}
+    # zero_stage=0: ColossalAI passes dp_group with is_zero=False -> no ZeRO layout.
+    w = [_working((4, 6), 0), _working((6,), None)]
+    opt = dist_optim.DistributedLamb(w)
+    opt.setup_distributed(tg, dg, {}, {}, False)
+    out["zero0"] = [(opt.layout(p).zero is None, opt.layout(p).tp is not None) for p in w]
+    out["dp_group_kept"] = opt.dp_group is dg
+    # A ZeRO shard missing from shard_to_working_param.
+    chunk = torch.zeros(6)
+    opt = dist_optim.DistributedLamb([chunk])
+    try:
+        opt.setup_distributed(tg, dg, {}, {}, True)
+        out["missing"] = "no error"
+    except ValueError as e:
+        out["missing"] = str(e)
+    # A shard whose size does not fit the group it is said to be sharded over.
+    work = _working((4, 6), 0)
+    chunk = torch.zeros(3)  # 12 local elements over 2 ranks = 6, not 3
+    opt = dist_optim.DistributedLamb([chunk])
+    try:
+        opt.setup_distributed(tg, dg, {id(chunk): work}, {id(work): 0}, True)
+        out["size"] = "no error"
+    except ValueError as e:
+        out["size"] = str(e)
+    # Missing padding map entry.
+    chunk = torch.zeros(6)
+    opt = dist_optim.DistributedLamb([chunk])
+    try:
+        opt.setup_distributed(tg, dg, {id(chunk): work}, {}, True)
+        out["padding"] = "no error"
+    except ValueError as e:
+        out["padding"] = str(e)
+    # bf16 masters without their working params: TP layout unknowable -> warned, not guessed silently.
+    master = torch.zeros(2, 6)
+    opt = dist_optim.DistributedLamb([master])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.setup_distributed(tg, dg, {}, {}, False)
+    out["warned"] = any("master" in str(c.message) for c in caught)
+    # ...and with master_to_working the layout is recovered.
+    work = _working((2, 6), 0)
+    opt = dist_optim.DistributedLamb([master])
+    opt.setup_distributed(tg, dg, {}, {}, False, master_to_working={id(master): work})
+    out["recovered"] = opt.layout(master).full_shape == (4, 6)
+    return out
+
+
+def colossal_reader() -> list[Any]:
+    """ColossalAI's own dtensors: the plugin reader finds the split dim."""
+    import dist_optim.plugins  # noqa: F401  (registers the ColossalAI reader)
+    from colossalai.tensor.d_tensor.api import shard_colwise, shard_rowwise
+
+    from dist_optim.layout import read_tp_dim
+
+    tg, _ = grid_groups(2, 2)
+    rows = shard_rowwise(torch.randn(4, 6), tg)
+    cols = shard_colwise(torch.randn(4, 6), tg)
+    return [read_tp_dim(rows), read_tp_dim(cols), read_tp_dim(torch.randn(3)), tuple(rows.shape), tuple(cols.shape)]

@@ -1,0 +1,27 @@
+"""Collectives: correctness and a constant number per step, whatever the number of params."""
+
+from __future__ import annotations
+
+from tests import dist_cases
+
+
+def test_gather_and_bucketed_sums(pool4) -> None:
+    small = pool4.run(dist_cases.gather_and_sum, 3)
+    large = pool4.run(dist_cases.gather_and_sum, 30)
+    for res in small + large:
+        assert res["ok_gather"] and res["ok_sum"] and res["ok_half"], res
+    # one collective per group (ZeRO group, TP group), independent of the number of params
+    assert {r["gathers"] for r in small + large} == {2}
+    assert {r["reduces"] for r in small + large} == {2}
+
+
+def test_share_owned_and_broadcast(pool4) -> None:
+    for res in pool4.run(dist_cases.share_and_broadcast):
+        assert res["ok_share"] and res["ok_bcast"], res
+        assert res["shared"] == 1
+
+
+def test_lamb_collectives_per_step_are_constant(pool4) -> None:
+    few = pool4.run(dist_cases.lamb_collectives, 4)
+    many = pool4.run(dist_cases.lamb_collectives, 40)
+    assert set(few) == set(many) == {2}  # <= 4 asked: one all-reduce per group per step
