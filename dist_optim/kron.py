@@ -323,6 +323,7 @@ class _Owner:
     tp_group: Any  # None: the TP replicas (if any) all compute
     tp_owner: int  # rank in tp_group
     mine: bool
+    shared: bool  # whether the result travels to other ranks (its grid has more than one rank)
 
 
 class DistributedKron(DistOptimizer):
@@ -452,7 +453,8 @@ class DistributedKron(DistOptimizer):
             my_data, my_tp = _rank(data), _rank(tp)
             for (p, _), o in zip(items, owners):
                 d_own, t_own = o % dsize, o // dsize
-                self._owners[p] = _Owner(data, d_own, tp, t_own, d_own == my_data and t_own == my_tp)
+                mine = d_own == my_data and t_own == my_tp
+                self._owners[p] = _Owner(data, d_own, tp, t_own, mine, dsize * tsize > 1)
 
     def _mine(self, param: torch.Tensor) -> bool:
         owner = self._owners.get(param)
@@ -461,9 +463,11 @@ class DistributedKron(DistOptimizer):
     def precond_work(self) -> float:
         """Summed :func:`precond_cost` of the parameters this rank owns (all of them when unbound)."""
         total = 0.0
-        for p in self._all_params():
-            if self._mine(p):
-                plan = self._plan(p)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self._mine(p):
+                    continue
+                plan = self._plan(p, group)
                 total += precond_cost(plan.shape, plan.diag)
         return total
 
@@ -561,6 +565,10 @@ class DistributedKron(DistOptimizer):
                 )
             if self._mine(p):
                 u = self._owner_direction(p, group, plan, full_m, full_g, probe, balance)
+                owner = self._owners.get(p)
+                if self.communication_dtype is not None and owner is not None and owner.shared:
+                    # The owner applies what the others receive, so replicas cannot drift apart.
+                    u = u.to(self.communication_dtype).to(u.dtype)
             else:
                 u = torch.empty(plan.shape, dtype=precond_dtype, device=full_m.device)
             directions.append((p, [u]))
@@ -629,12 +637,12 @@ class DistributedKron(DistOptimizer):
         out = super().full_state()
         entries: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         where: list[int] = []
-        for i, p in enumerate(self._all_params()):
+        params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
+        for i, (p, group) in enumerate(params_groups):
             state = self.state.get(p)
             if not state:
                 continue
-            plan = self._plan(p)
-            group = self._group_of(p)
+            plan = self._plan(p, group)
             dtype = group["precond_dtype"] or torch.float32
             if self._mine(p):
                 tensors = [state[f"Q_{k}"].clone() for k in range(len(plan.factor_shapes()))]

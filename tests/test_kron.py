@@ -422,9 +422,10 @@ def test_work_split_and_collectives_at_dp4(pool4) -> None:
     assert all(c == [2, 2, 2] for c in (r["counts_zero"] for r in results))
 
 
-def _tp_count_worker(n_params: int) -> list[int]:
+def _tp_count_worker(n_params: int, communication_dtype: torch.dtype | None = torch.bfloat16) -> dict:
     """tp=2 x zero=2: TP-split and replicated params; collectives per step must not depend on
-    the number of parameters."""
+    the number of parameters. Returns the counts, the full params after 2 steps and the unbound
+    run's."""
     from tests._dist import grid_groups
 
     tp_group, dp_group = grid_groups(2, 2)
@@ -442,20 +443,36 @@ def _tp_count_worker(n_params: int) -> list[int]:
         params.append(p)
         layouts[p] = layout
         fulls.append(full)
-    opt = DistributedKron(params, lr=1e-2, communication_dtype=torch.bfloat16)
+    ref_params = [f.clone() for f in fulls]
+    ref = DistributedKron(ref_params, lr=1e-2)
+    opt = DistributedKron(params, lr=1e-2, communication_dtype=communication_dtype)
     opt.bind(layouts, dp_group=dp_group)
     counts = []
     for step in range(2):
-        for p, full in zip(params, fulls):
+        for p, rp, full in zip(params, ref_params, fulls):
             p.grad = opt.layout(p).take_local(full * (step + 1))
+            rp.grad = full * (step + 1)
         comm.reset_counts()
         opt.step()
         counts.append(sum(comm.COUNTS.values()))
-    return counts
+        ref.step()
+    final = comm.gather_full([(opt.layout(p), p) for p in params])
+    return dict(counts=counts, final=final, ref=[p.detach() for p in ref_params])
 
 
 def test_collectives_per_step_are_constant_under_tp_and_zero(pool4) -> None:
     small = pool4.run(_tp_count_worker, 1)
     large = pool4.run(_tp_count_worker, 4)
     # gather: ZeRO group + TP group; share: data group + TP group
-    assert all(c == [4, 4] for c in small + large), (small, large)
+    assert all(r["counts"] == [4, 4] for r in small + large), (small, large)
+    # bf16 communication: every rank ends with the same full params (the owner rounds its own
+    # direction too, so replicas do not drift), close to the fp32 single-device run
+    for results in (small, large):
+        for r in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(r["final"], results[0]["final"]))
+        assert max(rel_err(a, b) for a, b in zip(results[0]["final"], results[0]["ref"])) <= 1e-2
+
+
+def test_fp32_communication_is_exact_under_tp_and_zero(pool4) -> None:
+    for r in pool4.run(_tp_count_worker, 1, None):
+        assert max(rel_err(a, b) for a, b in zip(r["final"], r["ref"])) <= RTOL
