@@ -41,9 +41,7 @@ def swap_optimizer(optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = 
     swapped = convert(optimizer, strict=False)
     if swapped is not optimizer:
         get_dist_logger().info(
-            f"dist_optim: {class_path(type(optimizer))} -> {class_path(type(swapped))} "
-            f"({len(swapped.param_groups)} param group(s), hyperparameters converted: "
-            f"{sorted(k for k in swapped.defaults)})",
+            f"dist_optim: swapped {class_path(type(optimizer))} for {class_path(type(swapped))}",
             ranks=[0],
         )
         if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is optimizer:

@@ -18,14 +18,14 @@ SEQ = 16
 VOCAB = 256
 
 
-def tiny_llama() -> torch.nn.Module:
+def tiny_llama(hidden: int = 64, inter: int = 128, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=64,

@@ -1,0 +1,237 @@
+"""Optimizer step time and state memory, as ratios to torch AdamW (foreach) measured in the same run.
+
+Single process (default)::
+
+    python bench/bench_step.py                     # Llama-like set: 2 layers H=1024 I=2752 + 8192x1024 embedding
+    python bench/bench_step.py --only lamb --repeats 20
+
+Each optimizer gets its own copy of the parameters and fixed random gradients; steps are timed
+round-robin (one step of each optimizer in turn, ``--repeats`` rounds after ``--warmup``) so that
+load from elsewhere on the machine hits every row alike, and the median is reported. Ratios, not
+seconds, are what the README quotes.
+
+Distributed (``--dist``) launches 4 CPU processes, boosts a small Llama with HybridParallelPlugin
+tp=2 x dp=2 (ZeRO-1, bf16) and times the optimizer step and counts its collectives for ours and
+for ColossalAI's own DistributedLamb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ROOT = __file__.rsplit("/bench/", 1)[0]
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def llama_like(hidden: int = 1024, inter: int = 2752, layers: int = 2, vocab: int = 8192) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = [(vocab, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden, hidden)] * 4 + [(inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
+    shapes.append((hidden,))
+    return shapes
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
+def run_bench(shapes: list[tuple[int, ...]], selected: list[Any], warmup: int, repeats: int) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    runs = []
+    for row in selected:
+        params = [torch.nn.Parameter(b.clone()) for b in base]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        try:
+            opt = row.factory(params)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
+            print(f"  skipped {row.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        runs.append((row, opt, []))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(warmup + repeats):
+            for _row, opt, times in runs:
+                gc.collect()
+                t0 = time.perf_counter()
+                opt.step()
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    times.append(dt)
+    base_time = statistics.median(runs[0][2])
+    base_bytes = state_bytes(runs[0][1])
+    return [
+        dict(
+            name=row.name,
+            group=row.group,
+            ms=1e3 * statistics.median(times),
+            ratio=statistics.median(times) / base_time,
+            state_ratio=state_bytes(opt) / base_bytes if base_bytes else float("nan"),
+        )
+        for row, opt, times in runs
+    ]
+
+
+def print_table(results: list[dict[str, Any]], shapes: list[tuple[int, ...]]) -> None:
+    n = sum(torch.Size(s).numel() for s in shapes)
+    threads = torch.get_num_threads()
+    print(f"\nStep time and optimizer state vs torch AdamW (foreach), {n / 1e6:.1f}M params, {threads} threads")
+    print("| optimizer | group | median step (ms) | step / AdamW | state bytes / AdamW |")
+    print("|---|---|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['name']} | {r['group']} | {r['ms']:.1f} | {r['ratio']:.2f}x | {r['state_ratio']:.3f} |")
+
+
+# ---- distributed ------------------------------------------------------------------------------
+def _cls(path: str) -> Any:
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _instrument(
+    inner: Any,
+    times: list[float],
+    counts: list[int],
+    calls: dict[str, int],
+    real: dict[str, Callable[..., Any]],
+    counting: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> None:
+    """Time the inner optimizer's step alone (ZeRO's gradient sync is the same for every optimizer)
+    and count the collectives it issues."""
+    import torch.distributed as dist
+
+    orig = inner.step
+
+    def step(*a: Any, **k: Any) -> Any:
+        for name, fn in real.items():
+            setattr(dist, name, counting(fn))
+        calls["n"] = 0
+        dist.barrier()
+        t0 = time.perf_counter()
+        try:
+            return orig(*a, **k)
+        finally:
+            times.append(time.perf_counter() - t0)
+            counts.append(calls["n"])
+            for name, fn in real.items():
+                setattr(dist, name, fn)
+
+    inner.step = step
+
+
+def _dist_worker(steps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from tests._colossal_cpu import install, quiet_colossal
+
+    install()
+    from colossalai.booster import Booster
+    from colossalai.nn.optimizer import DistributedLamb as ColossalDistributedLamb
+    from colossalai.nn.optimizer import Lamb
+
+    from dist_optim import comm, plugins
+    from tests.booster import tiny_llama
+
+    out: dict[str, Any] = {}
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast")}
+    calls = {"n": 0}
+
+    def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls["n"] += 1
+            return fn(*a, **k)
+
+        return wrapped
+
+    for label, plugin_cls, make in (
+        ("dist_optim DistributedLamb (swapped from colossalai Lamb)", plugins.HybridParallelPlugin, Lamb),
+        (
+            "colossalai DistributedLamb",
+            _cls("colossalai.booster.plugin.HybridParallelPlugin"),
+            ColossalDistributedLamb,
+        ),
+    ):
+        with quiet_colossal():
+            torch.manual_seed(0)
+            model = tiny_llama(hidden=256, inter=688, layers=2, vocab=1024)
+            opt = make(model.parameters(), lr=1e-3)
+            plugin = plugin_cls(tp_size=2, pp_size=1, zero_stage=1, precision="bf16", overlap_communication=False)
+            booster = Booster(plugin=plugin)
+            model, wrapper, *_ = booster.boost(model, opt)
+            inner = wrapper.optim
+            times: list[float] = []
+            counts: list[int] = []
+            _instrument(inner, times, counts, calls, real, counting)
+            x = torch.randint(0, 1024, (2, 32))
+            for _ in range(steps + 2):
+                loss = model(input_ids=x, labels=x).loss
+                booster.backward(loss, wrapper)
+                wrapper.step()
+                wrapper.zero_grad()
+            out[label] = dict(ms=1e3 * statistics.median(times[2:]), collectives=statistics.median(counts[2:]))
+    comm.reset_counts()
+    return out
+
+
+def run_dist(steps: int) -> None:
+    from tests._dist import DistPool
+
+    pool = DistPool(4)
+    try:
+        res = pool.run(_dist_worker, steps)
+    finally:
+        pool.close()
+    slowest = {k: max(r[k]["ms"] for r in res) for k in res[0]}
+    base = slowest["colossalai DistributedLamb"]
+    print("\nBoosted optimizer step at tp=2 x dp=2 (HybridParallelPlugin, ZeRO-1, bf16), 4 CPU processes")
+    print("| optimizer | step (ms, slowest rank) | vs colossalai | collectives per step |")
+    print("|---|---:|---:|---:|")
+    for k in res[0]:
+        print(f"| {k} | {slowest[k]:.1f} | {slowest[k] / base:.2f}x | {res[0][k]['collectives']:.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", help="groups to run (baseline always runs)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--small", action="store_true", help="a 4x smaller parameter set (quick check)")
+    ap.add_argument("--dist", action="store_true", help="distributed boosted-step benchmark on 4 processes")
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    if args.dist:
+        run_dist(args.steps)
+        return
+    from bench.rows import rows
+
+    shapes = llama_like(512, 1376, 2, 4096) if args.small else llama_like()
+    selected = [r for r in rows() if r.group == "baseline" or not args.only or r.group in args.only]
+    available = []
+    for r in selected:
+        if r.requires and importlib.util.find_spec(r.requires) is None:
+            print(f"  skipped {r.name}: {r.requires} not installed", file=sys.stderr)
+            continue
+        available.append(r)
+    print_table(run_bench(shapes, available, args.warmup, args.repeats), shapes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Benchmark rows of every optimizer and its peers (registered into bench_step.EXTRA_ROWS)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Row:
+    name: str
+    group: str  # the optimizer family it is compared within
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+    requires: str | None = None  # import name of an optional package
+
+
+_ROWS: list[Row] = []
+
+
+def rows() -> list[Row]:
+    """Every benchmark row; the first is the AdamW baseline."""
+    return list(_ROWS)
+
+
+def _cls(path: str) -> Any:
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _add(name: str, group: str, factory: Callable[[list[torch.Tensor]], Any], requires: str | None = None) -> None:
+    _ROWS.append(Row(name, group, factory, requires))
+
+
+def _dist(name: str) -> Any:
+    import dist_optim
+
+    return getattr(dist_optim, name)
+
+
+_add("torch AdamW (foreach)", "baseline", lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
+_add("dist_optim Lamb", "lamb", lambda p: _dist("DistributedLamb")(p, lr=1e-3))
+_add("torch_optimizer Lamb", "lamb", lambda p: _cls("torch_optimizer.Lamb")(p, lr=1e-3), "torch_optimizer")
+_add("colossalai Lamb", "lamb", lambda p: _cls("colossalai.nn.optimizer.Lamb")(p, lr=1e-3), "colossalai")
+# Adafactor: fixed lr, no relative step, so every implementation does the same work.
+_add(
+    "dist_optim Adafactor",
+    "adafactor",
+    lambda p: _dist("DistributedAdafactor")(p, lr=1e-3, relative_step=False, scale_parameter=False),
+)
+_add(
+    "transformers Adafactor",
+    "adafactor",
+    lambda p: _cls("transformers.optimization.Adafactor")(p, lr=1e-3, relative_step=False, scale_parameter=False),
+    "transformers",
+)
+_add("torch Adafactor", "adafactor", lambda p: torch.optim.Adafactor(p, lr=1e-3))
+_add("dist_optim CAME", "came", lambda p: _dist("DistributedCAME")(p, lr=2e-4))
+_add("came_pytorch CAME", "came", lambda p: _cls("came_pytorch.CAME")(p, lr=2e-4), "came_pytorch")
+_add("colossalai CAME", "came", lambda p: _cls("colossalai.nn.optimizer.CAME")(p, lr=2e-4), "colossalai")
+for _pf in (1, 10, 100):
+    _add(
+        f"dist_optim Shampoo pf={_pf}",
+        "shampoo",
+        lambda p, pf=_pf: _dist("DistributedShampoo")(
+            p,
+            lr=1e-3,
+            max_preconditioner_dim=1024,
+            precondition_frequency=pf,
+            start_preconditioning_step=pf,
+            grafting_config=_dist("AdamGraftingConfig")(beta2=0.999, epsilon=1e-8),
+        ),
+    )
+_add("dist_optim Kron", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0))
+_add("kron_torch Kron", "kron", lambda p: _cls("kron_torch.Kron")(p, lr=3e-4), "kron_torch")
