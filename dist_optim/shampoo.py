@@ -246,7 +246,7 @@ class DistributedShampoo(DistOptimizer):
         statistics_compute_steps: update the factors every this many steps (Anil et al.).
         skip_preconditioning_dim_size_gt: parameters with a dim above this use grafting only.
         inverse_failure_threshold: an iterative root with error above this counts as failed.
-        higher_order: order of the ``"higher_order"`` iteration (>= 3).
+        higher_order_degree: order of the ``"higher_order"`` iteration (>= 3; 2 would be Newton).
         nonfinite_grad: ``"raise"`` or ``"skip"`` on a NaN/Inf gradient.
     """
 
@@ -278,7 +278,7 @@ class DistributedShampoo(DistOptimizer):
         statistics_compute_steps: int = 1,
         skip_preconditioning_dim_size_gt: int | None = None,
         inverse_failure_threshold: float = 0.1,
-        higher_order: int = 3,
+        higher_order_degree: int = 3,
         nonfinite_grad: str = "raise",
     ) -> None:
         if start_preconditioning_step is None:
@@ -306,7 +306,7 @@ class DistributedShampoo(DistOptimizer):
             statistics_compute_steps=statistics_compute_steps,
             skip_preconditioning_dim_size_gt=skip_preconditioning_dim_size_gt,
             inverse_failure_threshold=inverse_failure_threshold,
-            higher_order=higher_order,
+            higher_order_degree=higher_order_degree,
         )
         _validate_group(defaults)
         if communication_dtype not in _COMM_DTYPES:
@@ -577,7 +577,7 @@ class DistributedShampoo(DistOptimizer):
                                 eps,
                                 group["root_inverse"],
                                 exponent_multiplier=mult,
-                                order=group["higher_order"],
+                                order=group["higher_order_degree"],
                             )
                             ok = ok & (err <= group["inverse_failure_threshold"])
                         except torch.linalg.LinAlgError:
@@ -721,7 +721,7 @@ def _validate_group(group: dict[str, Any]) -> None:
     _check_int("max_preconditioner_dim", group["max_preconditioner_dim"], 1)
     _check_int("precondition_frequency", group["precondition_frequency"], 1)
     _check_int("statistics_compute_steps", group["statistics_compute_steps"], 1)
-    _check_int("higher_order", group["higher_order"], 3)
+    _check_int("higher_order_degree", group["higher_order_degree"], 3)
     start, pf = group["start_preconditioning_step"], group["precondition_frequency"]
     _check_int("start_preconditioning_step", start, 0)
     if start not in (0, 1) and start < pf:
