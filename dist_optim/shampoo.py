@@ -669,6 +669,23 @@ class DistributedShampoo(DistOptimizer):
                 share_owned(tensors, owners, wg, dtype=wide)
         return out
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader casts every floating-point state tensor to its parameter's dtype; block
+        state kept in ``preconditioner_dtype`` (e.g. float64 factors of fp32 params) and the
+        failure counters are restored in their saved dtype instead."""
+        keep: dict[tuple[int, str], torch.Tensor] = {}
+        for pid, st in state_dict["state"].items():
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor) and _keeps_dtype(key):
+                    keep[(pid, key)] = value
+        super().load_state_dict(state_dict)
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            for pid, p in zip(saved["params"], group["params"]):
+                for (kid, key), value in keep.items():
+                    if kid == pid and key in self.state.get(p, {}):
+                        self.state[p][key] = value.detach().clone().to(device=p.device)
+        self._plans = {}
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes of optimizer state held by this rank: ``preconditioner`` (factors, roots, bases)
         and ``other`` (moments, grafting state, momentum)."""
@@ -698,6 +715,11 @@ class DistributedShampoo(DistOptimizer):
                 bucket.add(total, [wg])
         bucket.flush()
         return int(sum(float(total) for _, total in totals.values()))
+
+
+def _keeps_dtype(key: str) -> bool:
+    name = key.rsplit(".", 1)[-1]
+    return name.startswith(("factor", "root", "basis")) or name in ("exp_avg_sq", "failures")
 
 
 def _state_dtype(state: dict[str, Any], block: int, default: torch.dtype) -> torch.dtype:

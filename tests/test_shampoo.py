@@ -321,6 +321,25 @@ def test_skip_preconditioning_and_statistics_steps() -> None:
     assert all(torch.isfinite(p).all() for p in params)
 
 
+def test_state_dict_round_trip_keeps_preconditioner_dtype() -> None:
+    kwargs = dict(preconditioner_dtype=torch.float64, momentum=0.9, eigenvalue_correction=True, eigenbasis="qr")
+    params, opt = _simple(**kwargs)
+    for step in range(3):
+        _grads(params, step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    clones = [nn.Parameter(p.detach().clone()) for p in params]
+    other = dist_optim.DistributedShampoo(clones, lr=0.1, grafting_config=ADAM, **kwargs)
+    other.load_state_dict(saved)
+    assert other.state[clones[0]]["block0.factor0"].dtype == torch.float64
+    for step in range(3, 6):
+        _grads(params, step)
+        _grads(clones, step)
+        opt.step()
+        other.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, clones))
+
+
 # ---- distributed extras (4 gloo processes) ------------------------------------------------------
 BF16_KWARGS = dict(
     lr=1e-2,
