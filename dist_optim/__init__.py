@@ -8,6 +8,7 @@ layouts (``bind`` or ColossalAI's ``setup_distributed``) it is exact on TP slice
 from .adafactor import DistributedAdafactor
 from .base import DistOptimizer
 from .came import DistributedCAME
+from .galore import DistributedGaLore, galore_param_groups
 from .kron import DistributedKron
 from .lamb import DistributedLamb
 from .layout import ParamLayout, TPSplit, ZeroShard
@@ -23,6 +24,8 @@ from .shampoo import (
 __all__ = [
     "DistributedAdafactor",
     "DistributedCAME",
+    "DistributedGaLore",
+    "galore_param_groups",
     "DistOptimizer",
     "DistributedLamb",
     "DistributedKron",

@@ -106,3 +106,36 @@ PARITY_CASES += [
         dict(lr=2e-2, betas=(0.8, 0.9, 0.95), clip_threshold=0.5, eps=(1e-20, 1e-12)),
     ),
 ]
+
+# DistributedGaLore: GaLore options on the 2-D params (tests/parity.py MATRIX_GROUP), the 3-D
+# "conv" and the vectors get plain AdamW. Rank 2 <= every matrix's min dim; a gap of 2 refreshes
+# the projectors at steps 0, 2, 4 (the "row" param, which skips a step, at its own counts).
+# reverse_std projects "col" over its TP-split rows and "row" over its TP-split columns: the
+# shapes where ColossalAI's DistGaloreAwamW crashes. "full" uses eps=1e-3: right after a refresh
+# the off-diagonal entries of P^T G Q^T are rounding noise (~1e-7), and Adam with a tiny eps
+# normalises noise to O(1), so any change of summation order would show. The 8-bit case passes at
+# 1e-5 because no moment lands within rounding distance of a quantisation code boundary here;
+# quantisation is discontinuous, so a change in these inputs could legitimately flip a code.
+_GALORE = dict(rank=2, update_proj_gap=2, scale=0.5)
+PARITY_CASES += [
+    Case(
+        "galore-std",
+        dist_optim.DistributedGaLore,
+        dict(lr=1e-2, weight_decay=1e-2, _matrix_group=dict(_GALORE, proj_type="std")),
+    ),
+    Case(
+        "galore-reverse_std-nobc",
+        dist_optim.DistributedGaLore,
+        dict(lr=1e-2, correct_bias=False, _matrix_group=dict(_GALORE, proj_type="reverse_std")),
+    ),
+    Case(
+        "galore-full-bnb",
+        dist_optim.DistributedGaLore,
+        dict(lr=1e-2, eps=1e-3, weight_decay=1e-2, adam_style="bnb", _matrix_group=dict(_GALORE, proj_type="full")),
+    ),
+    Case(
+        "galore-left-8bit",
+        dist_optim.DistributedGaLore,
+        dict(lr=1e-2, optim_bits=8, min_8bit_size=0, _matrix_group=dict(_GALORE, proj_type="left")),
+    ),
+]

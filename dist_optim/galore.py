@@ -1,0 +1,855 @@
+"""GaLore: gradient low-rank projection (Zhao et al., 2024, "GaLore: Memory-Efficient LLM Training
+by Gradient Low-Rank Projection", arXiv:2403.03507), with AdamW in the low-rank space and optional
+8-bit block-wise quantised moments (Dettmers et al., 2022, "8-bit Optimizers via Block-wise
+Quantization", arXiv:2110.02861).
+
+For a matrix parameter ``W`` (``M x N``) in a GaLore group (a group with a ``rank`` key, as in
+``galore_torch``), with gradient ``G``:
+
+* every ``update_proj_gap`` steps of that parameter (and at its first step) a projector is taken
+  from the SVD ``G = U S V^T`` of the *full* gradient: ``P = U[:, :r]`` ("left", ``M x r``) or
+  ``Q = V^T[:r]`` ("right", ``r x N``) or both ("full"). ``proj_type`` chooses as galore_torch's
+  ``GaLoreProjector``: ``std`` projects the smaller side (right when ``M >= N``),
+  ``reverse_std`` the larger, ``left``/``right``/``full`` as named;
+* the low-rank gradient ``R = P^T G`` / ``G Q^T`` / ``P^T G Q^T`` drives AdamW moments of the
+  low-rank shape; the normalised step ``m / (sqrt(v) + eps)`` is projected back
+  (``P N`` / ``N Q`` / ``P N Q``), multiplied by ``scale`` and applied with the bias-corrected
+  step size; decoupled weight decay ``W <- W - lr * wd * W`` follows the update, as galore_torch
+  does.
+
+Parameters in groups without ``rank`` get plain AdamW with the same update rule.
+
+``adam_style`` picks which reference the AdamW arithmetic follows:
+
+* ``"hf"`` (default): ``galore_torch.GaLoreAdamW`` (transformers' AdamW): ``eps`` is added to
+  ``sqrt(v)`` *before* bias correction, ``step = lr * sqrt(1 - b2^t) / (1 - b1^t)``, and
+  ``correct_bias=False`` drops the correction; weight decay after the update.
+* ``"bnb"``: ``galore_torch.GaLoreAdamW8bit`` / ColossalAI's ``GaLoreAdamW8bit`` (bitsandbytes'
+  Adam kernel): ``denom = sqrt(v) / sqrt(1 - b2^t) + eps``, ``step = lr / (1 - b1^t)``; GaLore
+  params are decayed after their update (galore_torch), plain params before it (bitsandbytes).
+
+8-bit states (``optim_bits=8``): the low-rank ``exp_avg`` / ``exp_avg_sq`` are stored as uint8
+codes plus one fp32 absmax per block of 256 values, quantised with bitsandbytes'
+``functional.quantize_blockwise`` / ``dequantize_blockwise`` and its signed / unsigned dynamic
+maps (the format of bitsandbytes' own 8-bit blockwise Adam). Each step dequantises, updates in
+fp32, takes the step from the fp32 values and re-quantises, as bitsandbytes' kernel does. Like
+bitsandbytes, moments with fewer than ``min_8bit_size`` elements stay fp32. ``is_paged`` allocates
+moments of >= 1e5 elements in bitsandbytes' paged (CUDA unified) memory; on CPU it warns and uses
+ordinary tensors.
+
+Distributed (TP slices, ZeRO chunks, both): every quantity the algorithm reads is of the full
+matrix.
+
+* Refresh steps: the full gradients of the refreshing parameters are gathered (one bucketed
+  ``comm.gather_full``), each SVD is computed by one owner rank (``work.assign_owners`` over the
+  TP x ZeRO/data-parallel ranks that hold the matrix) and the projectors are shared with
+  ``comm.share_owned`` (one all-gather per group).
+* Every step: the projection is a sum over the projected dim. Each rank multiplies the pieces of
+  ``G`` it holds (a TP slice, or the <= 3 rectangles a flat ZeRO chunk covers: a partial first row,
+  whole rows, a partial last row) with the matching rows/cols of the projector, adds them into a
+  zero low-rank tensor of the full shape, and the partial sums of all parameters go through one
+  :class:`~dist_optim.comm.SumBucket` (one all-reduce per group). The low-rank moments are then the
+  same full tensors on every rank (replicated, layout-independent state), and the back-projection
+  gives each rank exactly its own elements. No full gradient is gathered between refreshes.
+
+Deviations from galore_torch (all deliberate):
+
+* ``rank`` larger than ``min(M, N)`` raises (galore_torch silently uses ``min(M, N)``).
+* ``reverse_std`` on an ``M < N`` matrix with ``rank == M`` back-projects on the side it
+  projected (galore_torch picks the side from the low-rank shape and fails with a shape error).
+* 8-bit mode quantises only the low-rank moments; plain-AdamW params keep fp32 moments (their
+  states are sharded by ZeRO, and block-wise quantisation of a shard would depend on the layout).
+  bitsandbytes' GaLoreAdamW8bit quantises them too.
+* The projector is kept in the gradient's dtype (as galore_torch), the SVD is done in fp32.
+* State is tensors only (``proj_left`` / ``proj_right`` instead of a projector object; low-rank
+  moments as ``low_rank_exp_avg`` / ``low_rank_exp_avg_sq``, with ``*_absmax`` in 8-bit mode) so it
+  can be checkpointed and does not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import comm
+from .base import DistOptimizer, check_range
+from .layout import ParamLayout
+from .registry import Conversion, register
+from .work import assign_owners
+
+__all__ = ["DistributedGaLore", "galore_param_groups"]
+
+PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
+ADAM_STYLES = ("hf", "bnb")
+#: bitsandbytes' 8-bit optimizers quantise in blocks of 256 values.
+BLOCKSIZE = 256
+#: bitsandbytes pages optimizer states of at least this many elements.
+PAGED_MIN_NUMEL = 100_000
+#: Defaults the paper (and ColossalAI) use for GaLore groups that do not set them.
+GROUP_DEFAULTS: dict[str, Any] = {"update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+_OPTIMIZER_WIDE = ("optim_bits", "min_8bit_size", "is_paged", "adam_style")
+
+
+# ---- geometry --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """A dense rectangle of the full matrix held by this rank.
+
+    ``local[offset : offset + rows * cols].view(rows, cols)`` of the flat local tensor (or the
+    whole local matrix when ``offset`` is None) is ``full[row0 : row0 + rows, col0 : col0 + cols]``.
+    """
+
+    offset: int | None
+    rows: int
+    cols: int
+    row0: int
+    col0: int
+
+
+@functools.lru_cache(maxsize=4096)
+def matrix_pieces(layout: ParamLayout) -> tuple[Piece, ...]:
+    """The rectangles of the full 2-D matrix that this rank's tensor holds.
+
+    A TP slice (or a whole matrix) is one rectangle. A flat ZeRO chunk ``[s, e)`` of the
+    (TP-local) ``m x n`` matrix is at most three: the tail of row ``s // n``, the whole rows after
+    it, and the head of the row where the chunk ends; padding and empty chunks give none.
+    """
+    if layout.ndim != 2:
+        raise ValueError(f"matrix_pieces: expected a 2-D layout, got full shape {layout.full_shape}")
+    m, n = layout.local_shape
+    row_off = layout.tp_offset if layout.is_split_along(0) else 0
+    col_off = layout.tp_offset if layout.is_split_along(1) else 0
+    if layout.zero is None:
+        return (Piece(None, m, n, row_off, col_off),) if m * n else ()
+    start, stop = layout.chunk_range
+    stop = min(stop, layout.local_numel)
+    pieces: list[Piece] = []
+    pos = start
+    while pos < stop:
+        row, col = divmod(pos, n)
+        if col or stop - pos < n:  # a partial row
+            cols = min(n - col, stop - pos)
+            pieces.append(Piece(pos - start, 1, cols, row + row_off, col + col_off))
+            pos += cols
+        else:  # whole rows
+            rows = (stop - pos) // n
+            pieces.append(Piece(pos - start, rows, n, row + row_off, col_off))
+            pos += rows * n
+    return tuple(pieces)
+
+
+def _view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    if piece.offset is None:
+        return tensor.view(piece.rows, piece.cols)
+    return tensor.view(-1)[piece.offset : piece.offset + piece.rows * piece.cols].view(piece.rows, piece.cols)
+
+
+def projection_side(shape: tuple[int, ...], proj_type: str) -> str:
+    """``left``, ``right`` or ``full``: which singular vectors galore_torch's projector keeps."""
+    m, n = shape
+    if proj_type == "std":
+        return "right" if m >= n else "left"
+    if proj_type == "reverse_std":
+        return "left" if m >= n else "right"
+    if proj_type in ("left", "right", "full"):
+        return proj_type
+    raise ValueError(f"proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
+
+
+def low_rank_shape(shape: tuple[int, ...], side: str, rank: int) -> tuple[int, int]:
+    m, n = shape
+    return {"left": (rank, n), "right": (m, rank), "full": (rank, rank)}[side]
+
+
+# ---- 8-bit helpers (bitsandbytes) ------------------------------------------------------------
+_QMAPS: dict[tuple[bool, str], torch.Tensor] = {}
+
+
+def _qmap(signed: bool, device: torch.device) -> torch.Tensor:
+    """bitsandbytes' dynamic quantisation map (signed for exp_avg, unsigned for exp_avg_sq)."""
+    key = (signed, str(device))
+    if key not in _QMAPS:
+        import bitsandbytes.functional as bnbf
+
+        _QMAPS[key] = bnbf.create_dynamic_map(signed=signed).to(device)
+    return _QMAPS[key]
+
+
+def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_blockwise(codes, absmax=absmax, code=_qmap(signed, codes.device), blocksize=BLOCKSIZE).view(
+        codes.shape
+    )
+
+
+def _quantize_into(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
+    import bitsandbytes.functional as bnbf
+
+    out, qstate = bnbf.quantize_blockwise(
+        values.float().contiguous(), code=_qmap(signed, values.device), blocksize=BLOCKSIZE
+    )
+    codes.copy_(out.view(codes.shape))
+    absmax.copy_(qstate.absmax)
+
+
+def _quant_args(args: Any) -> dict[str, Any]:
+    """Read bitsandbytes-style quantisation arguments (a MockArgs object or a dict).
+
+    ColossalAI's ``cast_to_distributed`` passes ``args=optim.args`` for its GaLoreAdamW8bit:
+    bitsandbytes' ``MockArgs`` with ``optim_bits``, ``min_8bit_size`` and, depending on the
+    bitsandbytes version, ``percentile_clipping``, ``block_wise``, ``max_unorm``, ``skip_zeros``.
+    Options we cannot honour raise ValueError."""
+    get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
+    out: dict[str, Any] = {}
+    if get("optim_bits") is not None:
+        out["optim_bits"] = int(get("optim_bits"))
+    if get("min_8bit_size") is not None:
+        out["min_8bit_size"] = int(get("min_8bit_size"))
+    bad = []
+    if get("percentile_clipping", 100) != 100:
+        bad.append(f"percentile_clipping={get('percentile_clipping')!r}")
+    if not get("block_wise", True):
+        bad.append("block_wise=False")
+    if get("max_unorm", 0.0):
+        bad.append(f"max_unorm={get('max_unorm')!r}")
+    if get("skip_zeros", False):
+        bad.append("skip_zeros=True")
+    if bad:
+        raise ValueError(
+            "DistributedGaLore: bitsandbytes option(s) " + ", ".join(bad) + " are not supported "
+            "(only percentile_clipping=100, block_wise=True, max_unorm=0, skip_zeros=False)"
+        )
+    return out
+
+
+# ---- the optimizer ---------------------------------------------------------------------------
+class DistributedGaLore(DistOptimizer):
+    """GaLore AdamW (optionally with 8-bit moments), exact under TP and ZeRO (module docstring).
+
+    Args:
+        params: parameters or groups. Groups with a ``rank`` key are GaLore groups (2-D params
+            only) and may set ``update_proj_gap`` (default 200), ``scale`` (0.25) and
+            ``proj_type`` (``std``); see :func:`galore_param_groups`.
+        lr: learning rate.
+        betas: moment coefficients in [0, 1).
+        eps: added to the denominator (where: see ``adam_style``).
+        weight_decay: decoupled weight decay.
+        correct_bias: bias-correct the moments (bitsandbytes always does: its conversions set True).
+        optim_bits: 32 (fp32 moments) or 8 (8-bit block-wise low-rank moments).
+        min_8bit_size: low-rank moments with fewer elements stay fp32 (bitsandbytes' rule).
+        is_paged: paged moment memory (CUDA only; bitsandbytes).
+        adam_style: ``"hf"`` (galore_torch.GaLoreAdamW) or ``"bnb"`` (the bitsandbytes-based
+            GaLoreAdamW8bit); defaults to ``"bnb"`` when ``args`` is given, else ``"hf"``.
+        args: bitsandbytes quantisation arguments (``optim_bits``, ``min_8bit_size``, ...) that
+            override the keyword ones, as bitsandbytes' ``args``; ColossalAI passes them.
+    """
+
+    #: Moments of plain-AdamW params are param-shaped; GaLore params' states are full-form.
+    _sharded_state = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        correct_bias: bool = True,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
+        is_paged: bool = False,
+        adam_style: str | None = None,
+        args: Any = None,
+    ) -> None:
+        if args is not None:
+            quant = _quant_args(args)
+            optim_bits = quant.get("optim_bits", optim_bits)
+            min_8bit_size = quant.get("min_8bit_size", min_8bit_size)
+        if adam_style is None:
+            adam_style = "bnb" if args is not None else "hf"
+        if optim_bits not in (8, 32):
+            raise ValueError(f"optim_bits must be 8 or 32, got {optim_bits!r}")
+        check_range("min_8bit_size", min_8bit_size, 0)
+        if adam_style not in ADAM_STYLES:
+            raise ValueError(f"adam_style must be one of {ADAM_STYLES}, got {adam_style!r}")
+        _validate(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.optim_bits = int(optim_bits)
+        self.min_8bit_size = int(min_8bit_size)
+        self.is_paged = bool(is_paged)
+        self.adam_style = adam_style
+        #: Bytes this rank moved per collective kind (gather at refresh, share of projectors,
+        #: all-reduce of low-rank partial sums) and the number of refresh steps.
+        self.comm_stats: collections.Counter[str] = collections.Counter()
+        self._shapes_checked = False
+        self._warned_paged = False
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, correct_bias=bool(correct_bias))
+        super().__init__(params, defaults)
+        if not any("rank" in g for g in self.param_groups):
+            warnings.warn(
+                "DistributedGaLore: no parameter group has a 'rank', so GaLore is not applied (plain AdamW); "
+                "build the groups with dist_optim.galore_param_groups(model, rank=...)",
+                stacklevel=2,
+            )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        for key in _OPTIMIZER_WIDE:
+            # Optimizer-wide options may arrive in groups (from a conversion): they must agree.
+            if key in param_group:
+                value = param_group.pop(key)
+                if value != getattr(self, key):
+                    raise ValueError(
+                        f"DistributedGaLore: {key} is optimizer-wide; a param group sets {key}={value!r} "
+                        f"but the optimizer has {getattr(self, key)!r}"
+                    )
+        _validate(**{k: param_group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in param_group})
+        if "rank" in param_group:
+            for key, value in GROUP_DEFAULTS.items():
+                param_group.setdefault(key, value)
+            _validate_galore_group(param_group)
+            self._shapes_checked = False
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            for p in params:
+                # TP slices keep their dims and ZeRO chunks are 1-D: a param with more than two
+                # dims is never a matrix. Full shapes are checked again at bind / first step.
+                if p.dim() > 2:
+                    raise ValueError(
+                        f"DistributedGaLore: a GaLore group (rank={param_group['rank']}) holds a "
+                        f"{p.dim()}-D parameter of shape {tuple(p.shape)}; GaLore projects 2-D matrices only, "
+                        "put other parameters in a group without 'rank'"
+                    )
+        super().add_param_group(param_group)
+
+    # ---- validation against full shapes ---------------------------------------------------
+    def _on_bind(self) -> None:
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            if "rank" not in group:
+                continue
+            for p in group["params"]:
+                layout = self.layout(p)
+                shape = layout.full_shape
+                if len(shape) != 2:
+                    raise ValueError(
+                        f"DistributedGaLore: param group {gi} (rank={group['rank']}) holds a parameter of full "
+                        f"shape {shape}; GaLore projects 2-D matrices only, put it in a group without 'rank'"
+                    )
+                if group["rank"] > min(shape):
+                    raise ValueError(
+                        f"DistributedGaLore: rank={group['rank']} exceeds min{shape} = {min(shape)} for a "
+                        f"parameter in param group {gi}; use rank <= {min(shape)}"
+                    )
+        self._shapes_checked = True
+
+    # ---- the step -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_unbound_in_job()
+        if not self._shapes_checked:
+            self._check_shapes()
+
+        items: list[_Item] = []
+        for group in self.param_groups:
+            params, grads = self._grads(group)
+            if not params:
+                continue
+            if "rank" not in group:
+                self._plain_adamw(group, params, grads)
+                continue
+            for p, g in zip(params, grads):
+                items.append(self._item(group, p, g))
+
+        if not items:
+            return loss
+        refresh = [it for it in items if it.refresh]
+        if refresh:
+            self._refresh(refresh)
+
+        bucket = comm.SumBucket()
+        for it in items:
+            it.low = self._project(it)
+            if it.layout.sum_groups:
+                bucket.add(it.low, it.layout.sum_groups)
+                self.comm_stats["sum_bytes"] += it.low.numel() * it.low.element_size()
+        bucket.flush()
+
+        for it in items:
+            self._galore_update(it)
+        return loss
+
+    # ---- GaLore params --------------------------------------------------------------------
+    def _item(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor) -> _Item:
+        layout = self.layout(p)
+        side = projection_side(layout.full_shape, group["proj_type"])
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        step = int(state["step"])
+        has_proj = ("proj_left" in state) or ("proj_right" in state)
+        refresh = (not has_proj) or step % int(group["update_proj_gap"]) == 0
+        return _Item(group, p, grad, layout, side, state, refresh)
+
+    def _refresh(self, items: list[_Item]) -> None:
+        """New projectors from the SVDs of the full gradients: gather, owners compute, share."""
+        gathered = comm.gather_full([(it.layout, it.grad) for it in items])
+        self.comm_stats["refresh_steps"] += 1
+        for it, full in zip(items, gathered):
+            if not it.layout.is_local:
+                self.comm_stats["gather_bytes"] += full.numel() * full.element_size()
+            it.full_grad = full
+
+        # Owners over the ranks that hold the matrix: TP rank (fastest) x ZeRO / data-parallel rank.
+        keyed: dict[tuple[int, int], list[_Item]] = collections.defaultdict(list)
+        groups_of: dict[tuple[int, int], tuple[Any, Any]] = {}
+        for it in items:
+            tp_group = it.layout.tp.group if it.layout.tp is not None else None
+            dp_group = self._work_group(it.layout)
+            key = (id(tp_group) if it.layout.tp is not None else 0, id(dp_group) if dp_group is not _NONE else 0)
+            keyed[key].append(it)
+            groups_of[key] = (tp_group if it.layout.tp is not None else _NONE, dp_group)
+
+        stage_tp: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
+        stage_dp: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
+        for key, its in keyed.items():
+            tp_group, dp_group = groups_of[key]
+            tp_size, tp_rank = _size_rank(tp_group)
+            dp_size, dp_rank = _size_rank(dp_group)
+            costs = [_svd_cost(it.layout.full_shape) for it in its]
+            owners = assign_owners(costs, tp_size * dp_size)
+            for it, owner in zip(its, owners):
+                o_tp, o_dp = owner % tp_size, owner // tp_size
+                tensors = self._new_projectors(it, compute=(o_tp == tp_rank and o_dp == dp_rank))
+                if tp_size > 1 and o_dp == dp_rank:
+                    entry = stage_tp.setdefault(id(tp_group), (tp_group, [], []))
+                    entry[1].extend(tensors)
+                    entry[2].extend([o_tp] * len(tensors))
+                if dp_size > 1:
+                    entry = stage_dp.setdefault(id(dp_group), (dp_group, [], []))
+                    entry[1].extend(tensors)
+                    entry[2].extend([o_dp] * len(tensors))
+        # Stage 1 within each TP group (its members share the data-parallel coordinate, as the
+        # axes of ColossalAI's process-group mesh do), stage 2 across the data-parallel group.
+        for stage in (stage_tp, stage_dp):
+            for group, tensors, owners in stage.values():
+                comm.share_owned(tensors, owners, group)
+                self.comm_stats["share_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+        for it in items:
+            it.full_grad = None
+
+    def _work_group(self, layout: ParamLayout) -> Any:
+        """The group over which the full matrix is available besides TP: ZeRO's, else the
+        data-parallel replicas (``_NONE`` when there is none)."""
+        if layout.zero is not None:
+            return layout.zero.group
+        if self.dp_group is not None:
+            return self.dp_group
+        return _NONE
+
+    def _new_projectors(self, it: _Item, compute: bool) -> list[torch.Tensor]:
+        """Allocate (and on the owner, compute) the item's projectors; stored in its state."""
+        m, n = it.layout.full_shape
+        rank = int(it.group["rank"])
+        dtype = it.grad.dtype
+        device = it.grad.device
+        out: list[torch.Tensor] = []
+        if compute:
+            assert it.full_grad is not None
+            matrix = it.full_grad.float()
+            u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
+        if it.side in ("left", "full"):
+            left = u[:, :rank].to(dtype) if compute else torch.empty((m, rank), dtype=dtype, device=device)
+            it.state["proj_left"] = left
+            out.append(left)
+        if it.side in ("right", "full"):
+            right = vh[:rank, :].to(dtype) if compute else torch.empty((rank, n), dtype=dtype, device=device)
+            it.state["proj_right"] = right
+            out.append(right)
+        return out
+
+    def _project(self, it: _Item) -> torch.Tensor:
+        """This rank's share of the low-rank gradient (the whole of it when the layout is local)."""
+        left = it.state.get("proj_left")
+        right = it.state.get("proj_right")
+        pieces = matrix_pieces(it.layout)
+        if len(pieces) == 1 and it.layout.is_local:
+            g = _view(it.grad, pieces[0])
+            if it.side == "left":
+                return torch.matmul(left.t(), g)
+            if it.side == "right":
+                return torch.matmul(g, right.t())
+            return torch.matmul(left.t(), g) @ right.t()
+        shape = low_rank_shape(it.layout.full_shape, it.side, int(it.group["rank"]))
+        low = torch.zeros(shape, dtype=it.grad.dtype, device=it.grad.device)
+        for pc in pieces:
+            g = _view(it.grad, pc)
+            rows = slice(pc.row0, pc.row0 + pc.rows)
+            cols = slice(pc.col0, pc.col0 + pc.cols)
+            if it.side == "left":
+                low[:, cols] += torch.matmul(left[rows].t(), g)
+            elif it.side == "right":
+                low[rows] += torch.matmul(g, right[:, cols].t())
+            else:
+                low += torch.matmul(left[rows].t(), g) @ right[:, cols].t()
+        return low
+
+    def _project_back(self, it: _Item, norm: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of ``scale * back_projection(norm)``, in the param's local form."""
+        left = it.state.get("proj_left")
+        right = it.state.get("proj_right")
+        scale = it.group["scale"]
+        pieces = matrix_pieces(it.layout)
+
+        def block(pc: Piece) -> torch.Tensor:
+            rows = slice(pc.row0, pc.row0 + pc.rows)
+            cols = slice(pc.col0, pc.col0 + pc.cols)
+            if it.side == "left":
+                return torch.matmul(left[rows], norm[:, cols])
+            if it.side == "right":
+                return torch.matmul(norm[rows], right[:, cols])
+            return torch.matmul(left[rows], norm) @ right[:, cols]
+
+        if len(pieces) == 1 and pieces[0].offset is None:
+            return (block(pieces[0]) * scale).view_as(it.param)
+        update = torch.zeros_like(it.param)
+        for pc in pieces:
+            _view(update, pc).copy_(block(pc) * scale)
+        return update
+
+    def _galore_update(self, it: _Item) -> None:
+        group, state, low = it.group, it.state, it.low
+        beta1, beta2 = group["betas"]
+        eight_bit = self.optim_bits == 8 and low.numel() >= self.min_8bit_size
+        if "low_rank_exp_avg" not in state:
+            self._init_low_rank_state(state, low, eight_bit)
+        state["step"] += 1
+        t = float(state["step"])
+        if eight_bit:
+            self._prefetch(state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"])
+            exp_avg = _dequantize(state["low_rank_exp_avg"], state["low_rank_exp_avg_absmax"], True)
+            exp_avg_sq = _dequantize(state["low_rank_exp_avg_sq"], state["low_rank_exp_avg_sq_absmax"], False)
+            exp_avg, exp_avg_sq = exp_avg.to(low.dtype), exp_avg_sq.to(low.dtype)
+        else:
+            exp_avg, exp_avg_sq = state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"]
+            self._prefetch(exp_avg, exp_avg_sq)
+        exp_avg.mul_(beta1).add_(low, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(low, low, value=1.0 - beta2)
+        step_size, denom = self._step_size_and_denom(group, exp_avg_sq, t)
+        norm = exp_avg / denom
+        if eight_bit:
+            _quantize_into(exp_avg, state["low_rank_exp_avg"], state["low_rank_exp_avg_absmax"], True)
+            _quantize_into(exp_avg_sq, state["low_rank_exp_avg_sq"], state["low_rank_exp_avg_sq_absmax"], False)
+        update = self._project_back(it, norm)
+        it.param.add_(update, alpha=-step_size)
+        if group["weight_decay"] > 0.0:
+            it.param.add_(it.param, alpha=-group["lr"] * group["weight_decay"])
+        it.low = None
+
+    def _step_size_and_denom(
+        self, group: dict[str, Any], exp_avg_sq: torch.Tensor, t: float
+    ) -> tuple[float, torch.Tensor]:
+        beta1, beta2 = group["betas"]
+        if self.adam_style == "hf":
+            denom = exp_avg_sq.sqrt().add_(group["eps"])
+            step_size = group["lr"]
+            if group["correct_bias"]:
+                step_size = step_size * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
+            return step_size, denom
+        c1, c2 = (1.0 - beta1**t, math.sqrt(1.0 - beta2**t)) if group["correct_bias"] else (1.0, 1.0)
+        denom = (exp_avg_sq.sqrt() / c2).add_(group["eps"])
+        return group["lr"] / c1, denom
+
+    def _init_low_rank_state(self, state: dict[str, Any], low: torch.Tensor, eight_bit: bool) -> None:
+        if eight_bit:
+            blocks = -(-low.numel() // BLOCKSIZE)
+            state["low_rank_exp_avg"] = self._buffer(low.shape, torch.uint8, low.device)
+            state["low_rank_exp_avg_sq"] = self._buffer(low.shape, torch.uint8, low.device)
+            # Zero moments as bitsandbytes starts them: any code with absmax 0 dequantises to 0.
+            state["low_rank_exp_avg_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=low.device)
+            state["low_rank_exp_avg_sq_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=low.device)
+        else:
+            state["low_rank_exp_avg"] = self._buffer(low.shape, low.dtype, low.device)
+            state["low_rank_exp_avg_sq"] = self._buffer(low.shape, low.dtype, low.device)
+
+    def _buffer(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        if self.is_paged and device.type == "cuda" and numel >= PAGED_MIN_NUMEL:
+            import bitsandbytes.functional as bnbf
+
+            buf = bnbf.get_paged(*shape, dtype=dtype, device=device)
+            buf.zero_()
+            return buf
+        if self.is_paged and device.type != "cuda" and not self._warned_paged:
+            self._warned_paged = True
+            warnings.warn(
+                "DistributedGaLore: is_paged=True needs CUDA (bitsandbytes' paged memory); on "
+                f"{device.type} the states are ordinary tensors",
+                stacklevel=4,
+            )
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def _prefetch(self, *tensors: torch.Tensor) -> None:
+        if not self.is_paged:
+            return
+        for t in tensors:
+            if getattr(t, "is_paged", False):
+                import bitsandbytes.functional as bnbf
+
+                bnbf.prefetch_tensor(t)
+
+    # ---- plain AdamW params ---------------------------------------------------------------
+    def _plain_adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        wd, lr = group["weight_decay"], group["lr"]
+        if self.adam_style == "bnb" and wd > 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        for p, grad, state, m, v in zip(params, grads, states, exp_avgs, exp_avg_sqs):
+            state["step"] += 1
+            m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            step_size, denom = self._step_size_and_denom(group, v, float(state["step"]))
+            p.addcdiv_(m, denom, value=-step_size)
+        if self.adam_style == "hf" and wd > 0.0:
+            torch._foreach_add_(params, params, alpha=-lr * wd)
+
+
+class _NoGroup:
+    def __repr__(self) -> str:
+        return "no group"
+
+
+#: "No such group" (``None`` means the world group to torch.distributed).
+_NONE: Any = _NoGroup()
+
+
+def _size_rank(group: Any) -> tuple[int, int]:
+    if group is _NONE:
+        return 1, 0
+    return comm.group_size(group), comm.group_rank(group)
+
+
+def _svd_cost(shape: tuple[int, ...]) -> float:
+    m, n = shape
+    return float(m) * n * min(m, n)
+
+
+class _Item:
+    """One GaLore parameter in one step."""
+
+    __slots__ = ("group", "param", "grad", "layout", "side", "state", "refresh", "full_grad", "low")
+
+    def __init__(
+        self,
+        group: dict[str, Any],
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        layout: ParamLayout,
+        side: str,
+        state: dict[str, Any],
+        refresh: bool,
+    ) -> None:
+        self.group = group
+        self.param = param
+        self.grad = grad
+        self.layout = layout
+        self.side = side
+        self.state = state
+        self.refresh = refresh
+        self.full_grad: torch.Tensor | None = None
+        self.low: torch.Tensor | None = None
+
+
+def _validate(**options: Any) -> None:
+    if "lr" in options:
+        check_range("lr", options["lr"], 0.0)
+    if "betas" in options:
+        betas = options["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        check_range("betas[0]", betas[0], 0.0, 1.0)
+        check_range("betas[1]", betas[1], 0.0, 1.0)
+    if "eps" in options:
+        check_range("eps", options["eps"], 0.0)
+    if "weight_decay" in options:
+        check_range("weight_decay", options["weight_decay"], 0.0)
+
+
+def _validate_galore_group(group: Mapping[str, Any]) -> None:
+    rank = group["rank"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"DistributedGaLore: rank must be a positive int, got {rank!r}")
+    gap = group["update_proj_gap"]
+    if not isinstance(gap, int) or isinstance(gap, bool) or gap < 1:
+        raise ValueError(f"DistributedGaLore: update_proj_gap must be a positive int, got {gap!r}")
+    if not isinstance(group["scale"], (int, float)) or isinstance(group["scale"], bool):
+        raise ValueError(f"DistributedGaLore: scale must be a number, got {group['scale']!r}")
+    if group["proj_type"] not in PROJ_TYPES:
+        raise ValueError(f"DistributedGaLore: proj_type must be one of {PROJ_TYPES}, got {group['proj_type']!r}")
+
+
+# ---- building GaLore groups from a model ------------------------------------------------------
+#: Module-name fragments of attention and MLP blocks (Llama, GPT-2, BERT, OPT, Mistral, ...).
+DEFAULT_TARGETS = (r"attn", r"attention", r"mlp", r"ffn", r"feed_forward", r"intermediate", r"output\.dense")
+
+
+def galore_param_groups(
+    model: torch.nn.Module,
+    rank: int,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    proj_type: str = "std",
+    weight_decay: float = 0.0,
+    targets: Iterable[str] = DEFAULT_TARGETS,
+    no_decay: Iterable[str] = ("bias", "norm"),
+) -> list[dict[str, Any]]:
+    """Parameter groups for :class:`DistributedGaLore` (or galore_torch) from a model.
+
+    The 2-D ``weight`` of every module whose qualified name matches one of ``targets`` (regular
+    expressions; attention and MLP blocks by default) goes into the GaLore group; embeddings, the
+    LM head and other matrices get plain AdamW with ``weight_decay``; parameters whose name contains
+    one of ``no_decay`` (biases, norms) get plain AdamW without weight decay. Empty groups are
+    dropped. Use it before the model is sharded (as the optimizer is built in ColossalAI).
+    """
+    patterns = [re.compile(t) for t in targets]
+    no_decay = tuple(s.lower() for s in no_decay)
+    galore, decay, plain = [], [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        if any(s in name.lower() for s in no_decay):
+            plain.append(param)
+        elif leaf == "weight" and param.dim() == 2 and any(p.search(module_name) for p in patterns):
+            if rank > min(param.shape):
+                raise ValueError(f"galore_param_groups: rank={rank} exceeds min{tuple(param.shape)} of {name}")
+            galore.append(param)
+        else:
+            decay.append(param)
+    groups = [
+        {
+            "params": galore,
+            "rank": rank,
+            "update_proj_gap": update_proj_gap,
+            "scale": scale,
+            "proj_type": proj_type,
+            "weight_decay": weight_decay,
+        },
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": plain, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+# ---- conversions from the GaLore optimizers users have ----------------------------------------
+_GALORE_KEYS = ("rank", "update_proj_gap", "scale", "proj_type")
+
+
+def _galore_keys(g: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    if "rank" not in g:
+        return {}
+    out = {"rank": g["rank"]}
+    for key in _GALORE_KEYS[1:]:
+        if key in g:
+            out[key] = g[key]
+        elif key in defaults:
+            out[key] = defaults[key]
+        else:
+            raise ValueError(f"convert: GaLore group with rank={g['rank']} has no {key!r}")
+    _validate_galore_group(out)
+    return out
+
+
+def _galore_torch_adamw(opt: torch.optim.Optimizer, g: Mapping[str, Any]) -> dict[str, Any]:
+    # galore_torch.GaLoreAdamW reads group["update_proj_gap"] etc. with no default.
+    return dict(
+        lr=g["lr"],
+        betas=tuple(g["betas"]),
+        eps=g["eps"],
+        weight_decay=g["weight_decay"],
+        correct_bias=bool(g["correct_bias"]),
+        optim_bits=32,
+        adam_style="hf",
+        **_galore_keys(g, {}),
+    )
+
+
+def _bnb_galore(opt: torch.optim.Optimizer, g: Mapping[str, Any], positional_shift: bool) -> dict[str, Any]:
+    args = getattr(opt, "args", None)
+    if positional_shift and args is not None:
+        # galore_torch.GaLoreAdamW8bit passes (min_8bit_size, percentile_clipping, block_wise)
+        # positionally; on bitsandbytes >= 0.45 those land in (min_8bit_size, max_unorm,
+        # skip_zeros). Read them back as what the user wrote.
+        args = {
+            "optim_bits": getattr(args, "optim_bits", 8),
+            "min_8bit_size": getattr(args, "min_8bit_size", 4096),
+            "percentile_clipping": getattr(args, "max_unorm", 100),
+            "block_wise": getattr(args, "skip_zeros", True),
+        }
+    quant = _quant_args(args) if args is not None else {}
+    if "weight_decay_saved" in g:
+        raise ValueError("convert: the optimizer is in the middle of a step (weight_decay_saved is set)")
+    return dict(
+        lr=g["lr"],
+        betas=tuple(g["betas"][:2]),
+        eps=g["eps"],
+        weight_decay=g["weight_decay"],
+        correct_bias=True,
+        optim_bits=quant.get("optim_bits", 8),
+        min_8bit_size=quant.get("min_8bit_size", 4096),
+        is_paged=bool(getattr(opt, "is_paged", False)),
+        adam_style="bnb",
+        **_galore_keys(g, GROUP_DEFAULTS),
+    )
+
+
+def _galore_torch_8bit(opt: torch.optim.Optimizer, g: Mapping[str, Any]) -> dict[str, Any]:
+    import inspect
+
+    from bitsandbytes.optim.optimizer import Optimizer2State
+
+    shifted = "percentile_clipping" not in inspect.signature(Optimizer2State.__init__).parameters
+    return _bnb_galore(opt, g, positional_shift=shifted)
+
+
+def _colossal_galore_8bit(opt: torch.optim.Optimizer, g: Mapping[str, Any]) -> dict[str, Any]:
+    return _bnb_galore(opt, g, positional_shift=False)
+
+
+_HF_READS = frozenset({"lr", "betas", "eps", "weight_decay", "correct_bias", *_GALORE_KEYS})
+_BNB_READS = frozenset({"lr", "betas", "eps", "weight_decay", *_GALORE_KEYS})
+# bitsandbytes' AdEMAMix options in Optimizer2State's defaults: only their "off" values convert.
+_BNB_NEUTRAL = {"alpha": 0.0, "t_alpha": None, "t_beta3": None}
+
+register(Conversion("galore_torch.adamw.AdamW", DistributedGaLore, _galore_torch_adamw, _HF_READS))
+register(
+    Conversion("galore_torch.adamw8bit.AdamW8bit", DistributedGaLore, _galore_torch_8bit, _BNB_READS, _BNB_NEUTRAL)
+)
+for _path in (
+    "colossalai.nn.optimizer.galore.GaLoreAdamW8bit",
+    "colossalai.nn.optimizer.distributed_galore.DistGaloreAwamW",
+):
+    register(Conversion(_path, DistributedGaLore, _colossal_galore_8bit, _BNB_READS, _BNB_NEUTRAL))
+del _path
