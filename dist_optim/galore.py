@@ -147,9 +147,10 @@ def matrix_pieces(layout: ParamLayout) -> tuple[Piece, ...]:
 
 
 def _view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The piece of ``tensor`` (a view when ``tensor`` is contiguous)."""
     if piece.offset is None:
-        return tensor.view(piece.rows, piece.cols)
-    return tensor.view(-1)[piece.offset : piece.offset + piece.rows * piece.cols].view(piece.rows, piece.cols)
+        return tensor.reshape(piece.rows, piece.cols)
+    return tensor.reshape(-1)[piece.offset : piece.offset + piece.rows * piece.cols].view(piece.rows, piece.cols)
 
 
 def projection_side(shape: tuple[int, ...], proj_type: str) -> str:
@@ -328,6 +329,28 @@ class DistributedGaLore(DistOptimizer):
                         "put other parameters in a group without 'rank'"
                     )
         super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader casts every floating param's state tensors to the param's dtype: that would
+        turn 8-bit codes into floats and round fp32 absmax to bf16. Those entries keep their dtype
+        (moved to the param's device)."""
+        kept: dict[Any, dict[str, torch.Tensor]] = {}
+        states: dict[Any, Any] = {}
+        for pid, st in state_dict["state"].items():
+            st = dict(st)
+            for key in list(st):
+                value = st[key]
+                if isinstance(value, torch.Tensor) and (value.dtype == torch.uint8 or key.endswith("_absmax")):
+                    kept.setdefault(pid, {})[key] = st.pop(key)
+            states[pid] = st
+        super().load_state_dict({**state_dict, "state": states})
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        by_id = dict(zip(saved_ids, params))
+        for pid, entries in kept.items():
+            p = by_id[pid]
+            for key, value in entries.items():
+                self.state[p][key] = value.to(device=p.device, copy=True)
 
     # ---- validation against full shapes ---------------------------------------------------
     def _on_bind(self) -> None:
@@ -524,8 +547,8 @@ class DistributedGaLore(DistOptimizer):
             return torch.matmul(left[rows], norm) @ right[:, cols]
 
         if len(pieces) == 1 and pieces[0].offset is None:
-            return (block(pieces[0]) * scale).view_as(it.param)
-        update = torch.zeros_like(it.param)
+            return (block(pieces[0]) * scale).view(it.param.shape)
+        update = torch.zeros(it.param.shape, dtype=it.param.dtype, device=it.param.device)  # contiguous
         for pc in pieces:
             _view(update, pc).copy_(block(pc) * scale)
         return update

@@ -195,6 +195,38 @@ def test_8bit_matches_bitsandbytes_galore(monkeypatch: pytest.MonkeyPatch) -> No
             _assert_bnb_close(y, x, states)
 
 
+@pytest.mark.parametrize("optim_bits", [32, 8])
+def test_state_dict_round_trip(optim_bits: int) -> None:
+    """A reloaded optimizer continues exactly; 8-bit codes stay uint8, absmax stays fp32."""
+    shapes = [(12, 8), (6,)]
+
+    def make(params: list[torch.Tensor]) -> DistributedGaLore:
+        groups = [{"params": params[:1], "rank": 3, "update_proj_gap": 3}, {"params": params[1:]}]
+        return DistributedGaLore(groups, lr=1e-2, optim_bits=optim_bits, min_8bit_size=0)
+
+    init = [torch.randn(s, generator=torch.Generator().manual_seed(5)).bfloat16() for s in shapes]
+    a = [p.clone() for p in init]
+    b = [p.clone() for p in init]
+    opt_a = make(a)
+    opt_b = make(b)
+    for step in range(4):
+        for x, y, g in zip(a, b, _grads(step, shapes)):
+            x.grad, y.grad = g.bfloat16(), g.bfloat16()
+        opt_a.step()
+        opt_b.step()
+        if step == 1:
+            saved = opt_b.state_dict()
+            opt_b = make(b)
+            opt_b.load_state_dict(saved)
+            st = opt_b.state[b[0]]
+            if optim_bits == 8:
+                assert st["low_rank_exp_avg"].dtype == torch.uint8
+                assert st["low_rank_exp_avg_absmax"].dtype == torch.float32
+            assert isinstance(st["proj_right"], torch.Tensor)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 def test_convert_galore_torch_8bit_reads_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
     from galore_torch import GaLoreAdamW8bit
 
