@@ -47,7 +47,7 @@ __all__ = [
     "approx_inv_sqrt",
     "queue_sumsq",
     "rms",
-    "clip_by_rms_",
+    "clip_factor",
     "low_precision_copy",
     "check_floating",
 ]
@@ -187,6 +187,10 @@ class Item:
     fac: FactoredLayout | None
     grad: torch.Tensor  # fp32, local form, sign applied (maximize)
     sums: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A param-sized temporary whose values are spent (the squares behind ``sums``): reused as the
+    # next result's buffer, since on the CPU allocating (page-faulting) a large tensor costs more
+    # than the arithmetic on it.
+    scratch: torch.Tensor | None = None
     update: torch.Tensor | None = None
     sumsq: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -200,22 +204,24 @@ def init_second_moment(state: dict[str, Any], item_param: torch.Tensor, fac: Fac
         state["variance"] = torch.zeros_like(item_param, dtype=torch.float32, memory_format=torch.preserve_format)
 
 
-def queue_factored_sums(
-    bucket: SumBucket, fac: FactoredLayout, layout: ParamLayout, values: torch.Tensor, eps_add: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queue the full row/column sums of ``values + eps_add`` (local form) in ``bucket``; they are
-    complete after ``bucket.flush()``."""
+def queue_factored_sums(bucket: SumBucket, item: Item, values: torch.Tensor, eps_add: float = 0.0) -> None:
+    """Queue the full row/column sums of ``values + eps_add`` (a temporary in local form, which
+    becomes ``item.scratch``) in ``bucket`` as ``item.sums``; complete after ``bucket.flush()``."""
+    fac = item.fac
+    assert fac is not None, "only factored parameters have row/column sums"
     if eps_add:
         # Added before the work form, so the block's filler (other ranks' elements) stays zero.
-        values = values + eps_add
+        values.add_(eps_add)
     rows, cols = fac.partial_sums(fac.to_work(values))
-    groups = layout.sum_groups
-    return bucket.add(rows, groups), bucket.add(cols, groups)
+    groups = item.layout.sum_groups
+    item.sums = (bucket.add(rows, groups), bucket.add(cols, groups))
+    item.scratch = values
 
 
 def ema_(avg: torch.Tensor, new: torch.Tensor, beta: float) -> None:
-    """``avg <- beta avg + (1 - beta) new``, written as transformers/came_pytorch do."""
-    avg.mul_(beta).add_(new, alpha=1.0 - beta)
+    """``avg <- beta avg + (1 - beta) new`` in one pass (transformers/came_pytorch write it as
+    ``mul_`` then ``add_``: the same value up to fp32 rounding)."""
+    avg.lerp_(new, 1.0 - beta)
 
 
 def approx_inv_sqrt(
@@ -225,19 +231,26 @@ def approx_inv_sqrt(
     values: torch.Tensor,
     eps_mode: str = EPS_ADD,
     eps1: float = 0.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``values * V^-1/2`` (local form) where ``V`` is the rank-1 estimate from full row/column
-    statistics ``row``, ``col``; see :data:`EPS_ADD` / :data:`EPS_CLAMP`."""
+    statistics ``row``, ``col``; see :data:`EPS_ADD` / :data:`EPS_CLAMP`. ``out`` (optional, a
+    contiguous local-form tensor that is not ``values``) receives the result when the work form is
+    a view (no ZeRO)."""
+    w = fac.to_work(values)
+    buf = fac.to_work(out) if out is not None and not fac.zero else None
     if eps_mode == EPS_ADD:
-        # transformers' _approx_sq_grad: rsqrt(R / mean_rows(R)) * rsqrt(C), on the small full vectors.
+        # transformers' _approx_sq_grad: rsqrt(R / mean_rows(R)) * rsqrt(C), on the small full vectors;
+        # then G * r * c, one broadcast at a time (cheaper than materialising the outer product r c).
         r_factor = (row / row.mean(dim=-2, keepdim=True)).rsqrt_()
         c_factor = col.rsqrt()
         r, c = fac.expand(r_factor, c_factor)
-        return fac.from_work((r * c).mul_(fac.to_work(values)))
+        return fac.from_work(torch.mul(w, r, out=buf).mul_(c) if buf is not None else (w * r).mul_(c))
     # torch: V = R C / max(mean_rows(R), eps1); U = G / max(sqrt(V), eps1).
     scaled_col = col / row.mean(dim=-2, keepdim=True).clamp(min=eps1)
     r, c = fac.expand(row, scaled_col)
-    return fac.from_work((r * c).clamp_(min=eps1 * eps1).rsqrt_().mul_(fac.to_work(values)))
+    v = torch.mul(r, c, out=buf) if buf is not None else r * c
+    return fac.from_work(v.clamp_(min=eps1 * eps1).rsqrt_().mul_(w))
 
 
 def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> torch.Tensor:
@@ -249,7 +262,7 @@ def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> t
         rows, cols = item.sums
         ema_(state["row_var"], rows.div_(item.fac.cols_full), beta)
         ema_(state["col_var"], cols.div_(item.fac.rows_full), beta)
-        return approx_inv_sqrt(item.fac, state["row_var"], state["col_var"], g, eps_mode, eps1)
+        return approx_inv_sqrt(item.fac, state["row_var"], state["col_var"], g, eps_mode, eps1, out=item.scratch)
     variance = state["variance"]
     sq = g * g
     if eps_mode == EPS_ADD:
@@ -261,7 +274,8 @@ def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> t
 
 def queue_sumsq(bucket: SumBucket, layout: ParamLayout, t: torch.Tensor) -> torch.Tensor:
     """Queue the full tensor's sum of squares (ZeRO padding is zero, so it adds nothing)."""
-    return bucket.add(t.float().square().sum().reshape(1), layout.sum_groups)
+    # One pass, no temporary of t's size.
+    return bucket.add(torch.linalg.vector_norm(t, dtype=torch.float32).square().reshape(1), layout.sum_groups)
 
 
 def rms(sumsq: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
@@ -269,9 +283,10 @@ def rms(sumsq: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
     return (sumsq / layout.full_numel).sqrt_()
 
 
-def clip_by_rms_(update: torch.Tensor, sumsq: torch.Tensor, layout: ParamLayout, threshold: float) -> torch.Tensor:
-    """``update / max(1, RMS(update) / threshold)`` in place, with the full tensor's RMS."""
-    return update.div_((rms(sumsq, layout) / threshold).clamp_(min=1.0))
+def clip_factor(sumsq: torch.Tensor, layout: ParamLayout, threshold: float) -> torch.Tensor:
+    """``1 / max(1, RMS(update) / threshold)`` (a 1-element tensor) from the update's reduced sum
+    of squares: update clipping, to be folded into the step's other scalar factors."""
+    return (rms(sumsq, layout) / threshold).clamp_(min=1.0).reciprocal_()
 
 
 def low_precision_copy(p: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,8 @@ from ._factored import (
     FactoredLayout,
     Item,
     check_floating,
-    clip_by_rms_,
+    clip_factor,
+    ema_,
     fold_second_moment,
     init_second_moment,
     low_precision_copy,
@@ -201,7 +202,7 @@ class DistributedAdafactor(DistOptimizer):
                 state["step"] += 1
                 if fac is not None:
                     eps_add = eps1 if group["variant"] == "transformers" else 0.0
-                    item.sums = queue_factored_sums(stats, fac, item.layout, g * g, eps_add)
+                    queue_factored_sums(stats, item, g * g, eps_add)
                 if group["scale_parameter"]:
                     item.sumsq["param"] = queue_sumsq(stats, item.layout, p)
                 items.append(item)
@@ -243,17 +244,18 @@ class DistributedAdafactor(DistOptimizer):
             scale = rms(item.sumsq["param"], item.layout).clamp_(min=group["eps"][1]) * rho
         else:
             scale = torch.full((1,), rho, dtype=torch.float32, device=item.param.device)
-        update = clip_by_rms_(item.update, item.sumsq["update"], item.layout, group["clip_threshold"]).mul_(scale)
+        # Clipping and step size in one pass over the update.
+        update = item.update.mul_(clip_factor(item.sumsq["update"], item.layout, group["clip_threshold"]) * scale)
         if group["beta1"] is not None:
             exp_avg = state["exp_avg"]
-            exp_avg.mul_(group["beta1"]).add_(update, alpha=1.0 - group["beta1"])
+            ema_(exp_avg, update, group["beta1"])
             update = exp_avg
         p = item.param
         w = low_precision_copy(p)
         wd = group["weight_decay"]
         if wd != 0:
             if group["variant"] == "transformers":
-                w.add_(w * (scale * -wd))
+                w.mul_(1.0 - wd * scale)
             else:
                 w.mul_(1.0 - float(group["lr"]) * wd)
         w.sub_(update)

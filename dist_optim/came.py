@@ -40,7 +40,7 @@ from ._factored import (
     Item,
     approx_inv_sqrt,
     check_floating,
-    clip_by_rms_,
+    clip_factor,
     ema_,
     fold_second_moment,
     init_second_moment,
@@ -134,7 +134,7 @@ class DistributedCAME(DistOptimizer):
                         state["res_col_var"] = torch.zeros_like(state["col_var"])
                 state["step"] += 1
                 if fac is not None:
-                    item.sums = queue_factored_sums(stats, fac, item.layout, g * g, group["eps"][0])
+                    queue_factored_sums(stats, item, g * g, group["eps"][0])
                 items.append(item)
         stats.flush()
 
@@ -150,13 +150,13 @@ class DistributedCAME(DistOptimizer):
             group = item.group
             assert item.update is not None
             beta1 = group["betas"][0]
-            update = clip_by_rms_(item.update, item.sumsq["update"], item.layout, group["clip_threshold"])
+            update = item.update.mul_(clip_factor(item.sumsq["update"], item.layout, group["clip_threshold"]))
             exp_avg = item.state["exp_avg"]
             ema_(exp_avg, update, beta1)
             if item.fac is not None:
                 # Instability of the update w.r.t. its running mean: the statistic CAME factors.
                 res = (update - exp_avg).square_()
-                item.sums = queue_factored_sums(confidence, item.fac, item.layout, res, group["eps"][1])
+                queue_factored_sums(confidence, item, res, group["eps"][1])
         confidence.flush()
 
         for item in items:
@@ -168,7 +168,7 @@ class DistributedCAME(DistOptimizer):
                 beta3 = group["betas"][2]
                 ema_(state["res_row_var"], rows.div_(item.fac.cols_full), beta3)
                 ema_(state["res_col_var"], cols.div_(item.fac.rows_full), beta3)
-                step = approx_inv_sqrt(item.fac, state["res_row_var"], state["res_col_var"], exp_avg)
+                step = approx_inv_sqrt(item.fac, state["res_row_var"], state["res_col_var"], exp_avg, out=item.scratch)
             else:
                 step = exp_avg
             p = item.param
