@@ -490,18 +490,31 @@ class DistributedGaLore(DistOptimizer):
         dtype = it.grad.dtype
         device = it.grad.device
         out: list[torch.Tensor] = []
+        u = vh = None
         if compute:
             assert it.full_grad is not None
-            matrix = it.full_grad.float()
-            u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
-        if it.side in ("left", "full"):
-            left = u[:, :rank].to(dtype) if compute else torch.empty((m, rank), dtype=dtype, device=device)
-            it.state["proj_left"] = left
-            out.append(left)
-        if it.side in ("right", "full"):
-            right = vh[:rank, :].to(dtype) if compute else torch.empty((rank, n), dtype=dtype, device=device)
-            it.state["proj_right"] = right
-            out.append(right)
+            try:
+                u, _, vh = torch.linalg.svd(it.full_grad.float(), full_matrices=False)
+            except torch.linalg.LinAlgError as exc:
+                # Raising here would leave the other ranks waiting in share_owned: keep the previous
+                # projector (NaN if there is none, which the NaN gradient has earned), as ColossalAI does.
+                warnings.warn(f"DistributedGaLore: SVD failed ({exc}); keeping the previous projector", stacklevel=4)
+        for key, side, shape, take in (
+            ("proj_left", ("left", "full"), (m, rank), lambda: u[:, :rank]),
+            ("proj_right", ("right", "full"), (rank, n), lambda: vh[:rank, :]),
+        ):
+            if it.side not in side:
+                continue
+            if compute and u is not None:
+                tensor = take().to(dtype)
+            elif compute and key in it.state:
+                tensor = it.state[key].clone()
+            elif compute:
+                tensor = torch.full(shape, float("nan"), dtype=dtype, device=device)
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            it.state[key] = tensor
+            out.append(tensor)
         return out
 
     def _project(self, it: _Item) -> torch.Tensor:

@@ -353,6 +353,23 @@ def test_bad_input() -> None:
         DistributedGaLore([torch.randn(3)])
 
 
+def test_failed_svd_keeps_previous_projector(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = torch.randn(6, 4)
+    opt = DistributedGaLore([{"params": [p], "rank": 2, "update_proj_gap": 1}])
+    p.grad = torch.randn(6, 4)
+    opt.step()
+    before = opt.state[p]["proj_right"].clone()
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise torch.linalg.LinAlgError("did not converge")
+
+    monkeypatch.setattr(torch.linalg, "svd", fail)
+    p.grad = torch.randn(6, 4)
+    with pytest.warns(UserWarning, match="SVD failed"):
+        opt.step()
+    assert torch.equal(opt.state[p]["proj_right"], before)
+
+
 def test_paged_on_cpu_warns() -> None:
     p = torch.randn(4, 5)
     opt = DistributedGaLore([{"params": [p], "rank": 2}], is_paged=True)
