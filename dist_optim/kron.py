@@ -635,6 +635,12 @@ class DistributedKron(DistOptimizer):
         (parameter-shaped) and the factors ``Q_0, Q_1, ...`` (shared from their owners).
         Collective when bound."""
         out = super().full_state()
+        for p, entry in zip(self._all_params(), out):
+            momentum = entry.get("momentum_buffer")
+            if momentum is not None and momentum.data_ptr() == self.state[p]["momentum_buffer"].data_ptr():
+                # comm.gather_full hands a whole local tensor back as is: copy it, so that the
+                # returned state does not change with the next step
+                entry["momentum_buffer"] = momentum.clone()
         entries: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         where: list[int] = []
         params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
@@ -656,16 +662,34 @@ class DistributedKron(DistOptimizer):
                 out[i][f"Q_{k}"] = t
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus the step counters and generator states (``"kron"``). Factors
-        are in the owner's state only; use :meth:`full_state` for a layout-independent copy."""
-        sd = super().state_dict()
-        sd["kron"] = {
+    def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """For ``load_full_state``: only the owner keeps a parameter's factors."""
+        if self._mine(param):
+            return state
+        return {k: v for k, v in state.items() if not k.startswith("Q_")}
+
+    def extra_state(self) -> dict[str, Any]:
+        """The step counters of the update decision and the generator states (the same on every
+        rank): with :meth:`full_state` they resume the same trajectory under any layout."""
+        return {
             "prob_step": self._prob_step,
             "update_counter": self._update_counter,
             "balance_rng": self._balance_rng.getstate(),
             "generators": {str(d): g.get_state() for d, g in self._generators.items()},
         }
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        self._prob_step = int(extra["prob_step"])
+        self._update_counter = int(extra["update_counter"])
+        self._balance_rng.setstate(extra["balance_rng"])
+        for name, st in extra["generators"].items():
+            self._generator(torch.device(name)).set_state(st)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus :meth:`extra_state` under ``"kron"``. Factors are in the owner's
+        state only; :meth:`full_state` is the layout-independent form."""
+        sd = super().state_dict()
+        sd["kron"] = self.extra_state()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -673,11 +697,7 @@ class DistributedKron(DistOptimizer):
         extra = state_dict.pop("kron", None)
         super().load_state_dict(state_dict)
         if extra is not None:
-            self._prob_step = int(extra["prob_step"])
-            self._update_counter = int(extra["update_counter"])
-            self._balance_rng.setstate(extra["balance_rng"])
-            for name, st in extra["generators"].items():
-                self._generator(torch.device(name)).set_state(st)
+            self.load_extra_state(extra)
 
 
 # ---- helpers and validation ----------------------------------------------------------------------
