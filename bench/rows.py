@@ -76,3 +76,24 @@ for _pf in (1, 10, 100):
     )
 _add("dist_optim Kron", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0))
 _add("kron_torch Kron", "kron", lambda p: _cls("kron_torch.Kron")(p, lr=3e-4), "kron_torch")
+
+
+def _galore_groups(params: list[torch.Tensor], rank: int = 128, gap: int = 200) -> list[dict[str, Any]]:
+    """GaLore on the matrices that have both dims >= rank (the attention/MLP weights of the set)."""
+    mats = [p for p in params if p.dim() == 2 and min(p.shape) >= rank and p.shape[0] != 8192]
+    others = [p for p in params if all(p is not m for m in mats)]
+    return [{"params": others}, {"params": mats, "rank": rank, "update_proj_gap": gap, "scale": 0.25}]
+
+
+_add("dist_optim GaLore 32-bit", "galore", lambda p: _dist("DistributedGaLore")(_galore_groups(p), lr=1e-3))
+_add(
+    "dist_optim GaLore 8-bit",
+    "galore",
+    lambda p: _dist("DistributedGaLore")(_galore_groups(p), lr=1e-3, optim_bits=8),
+)
+_add(
+    "galore_torch GaLoreAdamW",
+    "galore",
+    lambda p: _cls("galore_torch.GaLoreAdamW")(_galore_groups(p), lr=1e-3),
+    "galore_torch",
+)

@@ -195,11 +195,14 @@ class DistOptimizer(torch.optim.Optimizer):
     def _grads(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Parameters of ``group`` that have a gradient, and their gradients."""
         params, grads = [], []
-        for p in group["params"]:
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                raise TypeError(
+                    f"{type(self).__name__} does not support sparse gradients (param #{i} of its group, shape "
+                    f"{tuple(p.shape)}); use a dense embedding (sparse=False) or torch.optim.SparseAdam for it"
+                )
             params.append(p)
             grads.append(p.grad)
         return params, grads
@@ -229,6 +232,50 @@ class DistOptimizer(torch.optim.Optimizer):
                 else:
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
             out.append(entry)
-        for (i, key), full in zip(where, gather_full(items)):
-            out[i][key] = full
+        for (i, key), (_, local), full in zip(where, items, gather_full(items)):
+            # gather_full hands a whole, local tensor back as it is: copy it, or the returned
+            # state would change with the next step.
+            out[i][key] = full.clone() if full.data_ptr() == local.data_ptr() else full
         return out
+
+    def load_full_state(self, states: list[dict[str, Any]]) -> None:
+        """Inverse of :meth:`full_state`: replace every parameter's state from full-tensor form.
+
+        ``states`` is in ``param_groups`` order. Everything is checked before anything is
+        replaced, so a mismatched state leaves the optimizer as it was. Not collective: every
+        rank takes its own pieces (its TP slice / ZeRO chunk, the blocks it owns)."""
+        params = self._all_params()
+        if len(states) != len(params):
+            raise ValueError(f"load_full_state: {len(states)} parameter states for {len(params)} parameters")
+        new: dict[torch.Tensor, dict[str, Any]] = {}
+        for i, (p, full) in enumerate(zip(params, states)):
+            layout = self.layout(p)
+            entry: dict[str, Any] = {}
+            for key, value in full.items():
+                if key in self._sharded_state and isinstance(value, torch.Tensor):
+                    if tuple(value.shape) != layout.full_shape:
+                        raise ValueError(
+                            f"load_full_state: parameter #{i} state {key!r} has shape {tuple(value.shape)}, "
+                            f"the parameter's full shape is {layout.full_shape}"
+                        )
+                    local = layout.take_local(value.to(p.device))
+                    entry[key] = local.view_as(p) if layout.zero is None else local
+                else:
+                    entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            if entry:
+                new[p] = self._localize_state(p, entry)
+        self.state.clear()
+        self.state.update(new)
+
+    def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """Hook for :meth:`load_full_state`: keep what this rank holds of a full-form state (e.g.
+        only the preconditioner blocks it owns). Element-wise optimizers keep everything."""
+        return state
+
+    def extra_state(self) -> dict[str, Any]:
+        """Optimizer-level state beyond per-parameter state (e.g. random generators); saved in
+        checkpoints next to :meth:`full_state`."""
+        return {}
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        """Inverse of :meth:`extra_state`."""

@@ -24,6 +24,7 @@ process follows, so collectives on overlapping groups cannot deadlock.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,8 @@ __all__ = [
     "gather_full",
     "broadcast_from",
     "share_owned",
+    "all_gather_objects",
+    "barrier",
     "group_size",
     "group_rank",
 ]
@@ -178,7 +181,9 @@ def gather_full(
                 groups[id(part.group)] = part.group
         for group in _ordered(groups.values()):
             idx = pending[id(group)]
-            comm_dtype = dtype or results[idx[0]].dtype
+            # Without an explicit communication dtype, the widest of the bucket: never round a
+            # tensor through a narrower neighbour's dtype.
+            comm_dtype = dtype or functools.reduce(torch.promote_types, (results[i].dtype for i in idx))
             flat = torch.cat([results[i].reshape(-1).to(comm_dtype) for i in idx])
             gathered = _all_gather_flat(flat, group)
             offset = 0
@@ -239,7 +244,7 @@ def share_owned(
         return
     if len(tensors) != len(owners):
         raise ValueError("share_owned: one owner per tensor")
-    comm_dtype = dtype or tensors[0].dtype
+    comm_dtype = dtype or functools.reduce(torch.promote_types, (t.dtype for t in tensors))
     per_rank: list[list[int]] = [[] for _ in range(size)]
     for i, owner in enumerate(owners):
         per_rank[owner].append(i)
@@ -261,3 +266,19 @@ def share_owned(
             n = tensors[i].numel()
             tensors[i].copy_(gathered[rank, offset : offset + n].view_as(tensors[i]))
             offset += n
+
+
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's picklable ``obj`` (checkpoint metadata, not tensors on a hot path)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    COUNTS["all_gather_object"] += 1
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: Any = None) -> None:
+    if dist.is_available() and dist.is_initialized():
+        COUNTS["barrier"] += 1
+        dist.barrier(group=group)

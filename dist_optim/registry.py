@@ -14,6 +14,7 @@ test case (tests/test_registry.py checks that).
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,7 +128,14 @@ def convert(optimizer: torch.optim.Optimizer, *, strict: bool = True) -> torch.o
         known = ", ".join(sorted(_REGISTRY)) or "none"
         raise TypeError(f"convert: no dist_optim equivalent for {class_path(type(optimizer))} (registered: {known})")
     groups = [{"params": list(g["params"]), **_convert_group(conv, optimizer, g)} for g in optimizer.param_groups]
-    defaults = _convert_group(conv, optimizer, optimizer.defaults)
+    # The new optimizer's defaults (used by add_param_group later) come from the source's
+    # defaults; converting them must not warn twice or refuse a default no group uses.
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            defaults = _convert_group(conv, optimizer, optimizer.defaults)
+    except (ValueError, KeyError, TypeError):
+        defaults = {k: v for k, v in groups[0].items() if k != "params"} if groups else {}
     new = conv.target(groups, **{k: v for k, v in defaults.items() if k in _init_args(conv.target)})
     if optimizer.state:
         if conv.state is None:

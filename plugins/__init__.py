@@ -28,7 +28,8 @@ from dist_optim.base import DistOptimizer
 from dist_optim.layout import local_layout
 from dist_optim.registry import class_path, convert
 
-from .colossal import as_colossal_optimizer, bind_from_wrapper, world_group
+from .checkpoint import DistOptimCheckpointMixin
+from .colossal import as_colossal_optimizer, bind_from_wrapper, record_param_names, world_group
 
 __all__ = ["HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin", "swap_optimizer"]
 
@@ -63,10 +64,26 @@ def _configure(
 ) -> tuple[Any, ...]:
     optimizer = swap_optimizer(optimizer, lr_scheduler)
     out = parent_configure(model, optimizer, criterion, dataloader, lr_scheduler)
-    wrapper = out[1]
+    model, wrapper = out[0], out[1]
     if wrapper is not None and isinstance(getattr(wrapper, "optim", None), DistOptimizer):
         bind(wrapper)
+        record_param_names(wrapper, model)
     return out
+
+
+def _with_dist_optim_checkpoints(io: Any, writer: Callable[[], bool]) -> Any:
+    """ColossalAI's checkpoint IO of a plugin, with our optimizers saved in the layout-independent
+    format (see plugins/checkpoint.py); everything else is unchanged."""
+    cls = type(io)
+    sub = type(cls.__name__, (DistOptimCheckpointMixin, cls), {"__module__": __name__})
+    wrapped = object.__new__(sub)
+    wrapped.__dict__.update(io.__dict__)
+    wrapped._dist_optim_is_writer = writer
+    return wrapped
+
+
+def _rank0(*groups: Any) -> Callable[[], bool]:
+    return lambda: all(g is None or torch.distributed.get_rank(g) == 0 for g in groups)
 
 
 class HybridParallelPlugin(_HybridParallelPlugin):
@@ -91,6 +108,10 @@ class HybridParallelPlugin(_HybridParallelPlugin):
             lr_scheduler,
         )
 
+    def get_checkpoint_io(self) -> Any:
+        sp = self.sp_group if self.sp_group is not self.tp_group else None
+        return _with_dist_optim_checkpoints(super().get_checkpoint_io(), _rank0(self.tp_group, self.dp_group, sp))
+
 
 class LowLevelZeroPlugin(_LowLevelZeroPlugin):
     """``colossalai.booster.plugin.LowLevelZeroPlugin`` that swaps and binds dist_optim optimizers."""
@@ -114,6 +135,9 @@ class LowLevelZeroPlugin(_LowLevelZeroPlugin):
             lr_scheduler,
         )
 
+    def get_checkpoint_io(self) -> Any:
+        return _with_dist_optim_checkpoints(super().get_checkpoint_io(), _rank0(world_group()))
+
 
 class TorchDDPPlugin(_TorchDDPPlugin):
     """``colossalai.booster.plugin.TorchDDPPlugin`` that swaps dist_optim optimizers in.
@@ -135,3 +159,6 @@ class TorchDDPPlugin(_TorchDDPPlugin):
             optim.bind({p: local_layout(p) for g in optim.param_groups for p in g["params"]}, dp_group=world_group())
 
         return _configure(self, super().configure, bind, model, optimizer, criterion, dataloader, lr_scheduler)
+
+    def get_checkpoint_io(self) -> Any:
+        return _with_dist_optim_checkpoints(super().get_checkpoint_io(), _rank0(world_group()))

@@ -21,7 +21,7 @@ from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
 from dist_optim.base import DistOptimizer
 from dist_optim.layout import register_tp_reader
 
-__all__ = ["tp_dim_of", "bind_from_wrapper", "as_colossal_optimizer"]
+__all__ = ["tp_dim_of", "bind_from_wrapper", "as_colossal_optimizer", "record_param_names"]
 
 
 def tp_dim_of(working: torch.Tensor) -> int | None:
@@ -100,3 +100,19 @@ def as_colossal_optimizer(optimizer: DistOptimizer) -> DistOptimizer:
 
 def world_group() -> Any:
     return dist.group.WORLD
+
+
+def record_param_names(wrapper: OptimizerWrapper, model: Any) -> None:
+    """Give the optimizer the model name of every tensor it steps (masters and shards included):
+    checkpoints key state by name, which does not depend on the parallel layout."""
+    optim = wrapper.optim
+    module = model.unwrap() if hasattr(model, "unwrap") else model
+    names = {id(p): n for n, p in module.named_parameters()}
+    to_working = wrapper.get_master_to_working_map() if hasattr(wrapper, "get_master_to_working_map") else None
+    out: dict[torch.Tensor, str] = {}
+    for group in optim.param_groups:
+        for p in group["params"]:
+            working = to_working.get(id(p), p) if to_working else p
+            if id(working) in names:
+                out[p] = names[id(working)]
+    optim.param_names = out

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tests._colossal_cpu import install, quiet_colossal
 
-BATCH_PER_RANK = 2
+GLOBAL_BATCH = 4  # sequences per step, split over data-parallel ranks (dp in 1, 2, 4)
 SEQ = 16
 VOCAB = 256
 
@@ -37,14 +37,43 @@ def tiny_llama(hidden: int = 64, inter: int = 128, layers: int = 2, vocab: int =
     return LlamaForCausalLM(config)
 
 
-def make_optimizer(path: str, params: Any, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+def make_optimizer(path: str, model: torch.nn.Module, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """``path(model.parameters(), **kwargs)``; a ``galore`` entry in kwargs instead builds GaLore
+    param groups (attention and MLP weights, the format galore_torch and ours share)."""
     module, name = path.rsplit(".", 1)
-    return getattr(importlib.import_module(module), name)(params, **kwargs)
+    kwargs = dict(kwargs)
+    galore = kwargs.pop("galore", None)
+    if galore is not None:
+        from dist_optim import galore_param_groups
+
+        return getattr(importlib.import_module(module), name)(galore_param_groups(model, **galore), **kwargs)
+    return getattr(importlib.import_module(module), name)(model.parameters(), **kwargs)
 
 
-def global_batch(step: int, dp_size: int) -> torch.Tensor:
+def global_batch(step: int) -> torch.Tensor:
+    """The same batch at a step whatever the layout, so runs at different dp sizes compare."""
     gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (dp_size * BATCH_PER_RANK, SEQ), generator=gen)
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
+
+
+def rank_batch(step: int, dp_size: int, dp_rank: int) -> torch.Tensor:
+    per = GLOBAL_BATCH // dp_size
+    return global_batch(step)[dp_rank * per : (dp_rank + 1) * per]
+
+
+def dp_coords(plugin: Any) -> tuple[int, int]:
+    group = getattr(plugin, "dp_group", None)
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def train_boosted(booster: Any, model: Any, wrapper: Any, plugin: Any, steps: range) -> None:
+    dp_size, dp_rank = dp_coords(plugin)
+    for step in steps:
+        x = rank_batch(step, dp_size, dp_rank)
+        loss = model(input_ids=x, labels=x).loss
+        booster.backward(loss, wrapper)
+        wrapper.step()
+        wrapper.zero_grad()
 
 
 def master_weights(model: Any, wrapper: Any) -> dict[str, torch.Tensor]:
@@ -64,7 +93,7 @@ def master_weights(model: Any, wrapper: Any) -> dict[str, torch.Tensor]:
 
 
 def reference_run(
-    opt_path: str, opt_kwargs: dict[str, Any], steps: int, dp_size: int, low_precision: torch.dtype | None = None
+    opt_path: str, opt_kwargs: dict[str, Any], steps: int, low_precision: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     import dist_optim
 
@@ -74,11 +103,11 @@ def reference_run(
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.to(low_precision).float())
-    opt = dist_optim.convert(make_optimizer(opt_path, model.parameters(), opt_kwargs))
+    opt = dist_optim.convert(make_optimizer(opt_path, model, opt_kwargs))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "stepping unbound in a multi-process job": on purpose
         for step in range(steps):
-            x = global_batch(step, dp_size)
+            x = global_batch(step)
             model(input_ids=x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad()
@@ -98,24 +127,16 @@ def booster_parity(
     with quiet_colossal():
         model = tiny_llama()
         init = {n: p.detach().clone() for n, p in model.named_parameters()}
-        optimizer = make_optimizer(opt_path, model.parameters(), opt_kwargs)
+        optimizer = make_optimizer(opt_path, model, opt_kwargs)
         plugin = getattr(plugins, plugin_name)(**plugin_kwargs)
         booster = Booster(plugin=plugin)
         model, wrapper, *_ = booster.boost(model, optimizer)
-        dp_group = getattr(plugin, "dp_group", None)
-        dp_size = dist.get_world_size(dp_group)
-        dp_rank = dist.get_rank(dp_group)
-        for step in range(steps):
-            x = global_batch(step, dp_size)[dp_rank * BATCH_PER_RANK : (dp_rank + 1) * BATCH_PER_RANK]
-            loss = model(input_ids=x, labels=x).loss
-            booster.backward(loss, wrapper)
-            wrapper.step()
-            wrapper.zero_grad()
+        train_boosted(booster, model, wrapper, plugin, range(steps))
         got = master_weights(model, wrapper)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plugin_kwargs.get("precision", "fp32"))
     if plugin_name == "LowLevelZeroPlugin" and "precision" not in plugin_kwargs:
         low = torch.float16
-    expected = reference_run(opt_path, opt_kwargs, steps, dp_size, low)
+    expected = reference_run(opt_path, opt_kwargs, steps, low)
     opt = wrapper.optim
     errors = {}
     for name, ref in expected.items():

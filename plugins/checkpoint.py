@@ -1,0 +1,259 @@
+"""Layout-independent optimizer checkpoints for dist_optim optimizers behind a ColossalAI booster.
+
+ColossalAI's checkpoint IO assumes every optimizer state tensor has the parameter's (or the ZeRO
+shard's) shape; factored statistics, preconditioner blocks and projectors do not, and ZeRO's IO
+reshapes them into the parameter's shape. For our optimizers ``booster.save_optimizer`` /
+``load_optimizer`` therefore use this format instead:
+
+* the state of every parameter in **full-tensor form** (``DistOptimizer.full_state()``), keyed by
+  the parameter's **name** in the model, plus each param group's hyperparameters and names, and
+  the optimizer's extra state (e.g. random generators);
+* ``shard=False``: one file (``torch.save``); ``shard=True``: a folder of files of at most
+  ``size_per_shard`` MB and an index ``dist_optim_optimizer.index.json``.
+
+Nothing in it depends on TP, ZeRO or pipeline layout, so a run saved at tp=2 x zero=2 resumes at
+tp=1 x dp=4, on one process, or with another plugin. Files are written to a temporary name and
+renamed, so a failed save does not destroy the previous checkpoint; a load validates everything
+before it changes the optimizer. Other optimizers keep ColossalAI's own format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+from colossalai.interface.optimizer import OptimizerWrapper
+
+from dist_optim import comm
+from dist_optim.base import DistOptimizer
+from dist_optim.registry import class_path
+
+__all__ = ["FORMAT", "INDEX_NAME", "DistOptimCheckpointMixin", "is_dist_optim_checkpoint"]
+
+FORMAT = "dist_optim.optimizer/1"
+INDEX_NAME = "dist_optim_optimizer.index.json"
+
+
+def _inner(optimizer: Any) -> Any:
+    return optimizer.optim if isinstance(optimizer, OptimizerWrapper) else optimizer
+
+
+def _names(optim: DistOptimizer) -> list[str]:
+    names = getattr(optim, "param_names", None)
+    params = [p for g in optim.param_groups for p in g["params"]]
+    if not names or any(p not in names for p in params):
+        raise ValueError(
+            "dist_optim checkpoint: the optimizer's parameters have no names; boost the model with a "
+            "dist_optim.plugins plugin, which records them"
+        )
+    return [names[p] for p in params]
+
+
+def _group_meta(optim: DistOptimizer, names: list[str]) -> list[dict[str, Any]]:
+    out, i = [], 0
+    for group in optim.param_groups:
+        n = len(group["params"])
+        meta = {k: v for k, v in group.items() if k != "params"}
+        meta["params"] = names[i : i + n]
+        out.append(meta)
+        i += n
+    return out
+
+
+def is_dist_optim_checkpoint(path: str) -> bool:
+    if os.path.isdir(path):
+        return os.path.exists(os.path.join(path, INDEX_NAME))
+    return os.path.isfile(path) and not path.endswith(".json")
+
+
+class DistOptimCheckpointMixin:
+    """Mixed into a ColossalAI ``CheckpointIO``: our optimizers get the layout-independent format.
+
+    ``writer`` says whether this rank writes its pipeline stage's part (one rank per stage: the
+    states are replicated over TP and ZeRO after ``full_state()``).
+    """
+
+    def _dist_optim_is_writer(self) -> bool:
+        return True
+
+    # ---- save ---------------------------------------------------------------------------------
+    def save_optimizer(
+        self,
+        optimizer: Any,
+        checkpoint: str,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+    ) -> None:
+        optim = _inner(optimizer)
+        if not isinstance(optim, DistOptimizer):
+            return super().save_optimizer(  # type: ignore[misc]
+                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async
+            )
+        names = _names(optim)
+        states = optim.full_state()  # collective over TP / ZeRO / work groups
+        writer = self._dist_optim_is_writer()
+        part = {
+            "groups": _group_meta(optim, names),
+            "state": {n: _cpu(s) for n, s in zip(names, states) if s},
+            "extra": optim.extra_state(),
+        } if writer else None  # fmt: skip
+        parts = [p for p in comm.all_gather_objects(part) if p is not None] if shard is False else None
+        if shard:
+            self._save_sharded(optim, checkpoint, part, size_per_shard)
+        elif torch.distributed.get_rank() == 0:
+            payload = {
+                "format": FORMAT,
+                "optimizer": class_path(type(optim)),
+                "groups": [p["groups"] for p in parts],  # one list per pipeline stage
+                "state": {k: v for p in parts for k, v in p["state"].items()},
+                "extra": parts[0]["extra"],
+            }
+            tmp = f"{checkpoint}.tmp-{os.getpid()}"
+            os.makedirs(os.path.dirname(os.path.abspath(checkpoint)), exist_ok=True)
+            torch.save(payload, tmp)
+            os.replace(tmp, checkpoint)
+        comm.barrier()
+
+    def _save_sharded(self, optim: DistOptimizer, checkpoint: str, part: dict[str, Any] | None, mb: int) -> None:
+        rank = torch.distributed.get_rank()
+        tmp = f"{checkpoint.rstrip('/')}.tmp-dist_optim"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        comm.barrier()
+        files: dict[str, str] = {}
+        if part is not None:
+            limit = max(1, mb) * 1024 * 1024
+            chunk: dict[str, Any] = {}
+            size = 0
+            k = 0
+            for name, state in part["state"].items():
+                nbytes = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+                if chunk and size + nbytes > limit:
+                    k = _flush(tmp, rank, k, chunk, files)
+                    chunk, size = {}, 0
+                chunk[name] = state
+                size += nbytes
+            if chunk:
+                _flush(tmp, rank, k, chunk, files)
+        info = comm.all_gather_objects(
+            None if part is None else {"files": files, "groups": part["groups"], "extra": part["extra"]}
+        )
+        if rank == 0:
+            parts = [p for p in info if p is not None]
+            # Hyperparameters (tuples, dtypes, grafting configs) and extra state keep their Python
+            # types in a torch file; the JSON index only says where each parameter's state is.
+            index = {
+                "format": FORMAT,
+                "optimizer": class_path(type(optim)),
+                "weight_map": {n: f for p in parts for n, f in p["files"].items()},
+                "meta_file": "meta.bin",
+            }
+            torch.save(
+                {"groups": [p["groups"] for p in parts], "extra": parts[0]["extra"]}, os.path.join(tmp, "meta.bin")
+            )
+            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+                json.dump(index, f, indent=1)
+            if os.path.isdir(checkpoint):
+                shutil.rmtree(checkpoint)
+            elif os.path.exists(checkpoint):
+                os.remove(checkpoint)
+            os.replace(tmp, checkpoint)
+        comm.barrier()
+
+    # ---- load ---------------------------------------------------------------------------------
+    def load_optimizer(self, optimizer: Any, checkpoint: str, *args: Any, **kwargs: Any) -> None:
+        optim = _inner(optimizer)
+        if not isinstance(optim, DistOptimizer):
+            return super().load_optimizer(optimizer, checkpoint, *args, **kwargs)  # type: ignore[misc]
+        payload = _read(checkpoint)
+        names = _names(optim)
+        saved_cls = payload["optimizer"]
+        if saved_cls.rsplit(".", 1)[-1] != type(optim).__name__:
+            raise ValueError(
+                f"optimizer checkpoint {checkpoint} holds {saved_cls} state; it cannot be loaded into "
+                f"{type(optim).__name__}"
+            )
+        groups = _match_groups(payload["groups"], optim, names, checkpoint)
+        states = [payload["state"].get(n, {}) for n in names]
+        optim.load_full_state(states)  # validates shapes before replacing anything
+        for group, meta in zip(optim.param_groups, groups):
+            for key, value in meta.items():
+                if key != "params":
+                    group[key] = value
+        optim.load_extra_state(payload["extra"])
+
+
+def _match_groups(stages: list[list[dict[str, Any]]], optim: DistOptimizer, names: list[str], path: str) -> list:
+    """The saved hyperparameters of each local param group (matched by group index and names)."""
+    mine: list[dict[str, Any]] = []
+    i = 0
+    for gi, group in enumerate(optim.param_groups):
+        local = names[i : i + len(group["params"])]
+        i += len(group["params"])
+        found = None
+        for stage in stages:
+            if gi < len(stage) and set(local) <= set(stage[gi]["params"]):
+                found = stage[gi]
+                break
+        if found is None:
+            raise ValueError(
+                f"optimizer checkpoint {path}: param group {gi} of this optimizer ({len(local)} params, e.g. "
+                f"{local[:2]}) does not match the checkpoint's groups; was it saved from another model or grouping?"
+            )
+        mine.append(found)
+    return mine
+
+
+def _cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
+def _flush(folder: str, rank: int, k: int, chunk: dict[str, Any], files: dict[str, str]) -> int:
+    name = f"optim-r{rank:05d}-{k:05d}.bin"
+    torch.save(chunk, os.path.join(folder, name))
+    for param in chunk:
+        files[param] = name
+    return k + 1
+
+
+def _read(checkpoint: str) -> dict[str, Any]:
+    try:
+        if os.path.isdir(checkpoint):
+            index_path = os.path.join(checkpoint, INDEX_NAME)
+            if not os.path.exists(index_path):
+                raise ValueError(
+                    f"{checkpoint} is not a dist_optim optimizer checkpoint (no {INDEX_NAME}); it was saved "
+                    "for another optimizer or by another plugin"
+                )
+            with open(index_path) as f:
+                index = json.load(f)
+            _check_format(index, checkpoint)
+            state: dict[str, Any] = {}
+            for file in sorted(set(index["weight_map"].values())):
+                state.update(torch.load(os.path.join(checkpoint, file), map_location="cpu", weights_only=False))
+            meta = torch.load(os.path.join(checkpoint, index["meta_file"]), map_location="cpu", weights_only=False)
+            return {"optimizer": index["optimizer"], "groups": meta["groups"], "state": state, "extra": meta["extra"]}
+        payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user-facing error
+        raise ValueError(f"cannot read optimizer checkpoint {checkpoint}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise ValueError(f"{checkpoint} is not a dist_optim optimizer checkpoint")
+    _check_format(payload, checkpoint)
+    return payload
+
+
+def _check_format(payload: dict[str, Any], path: str) -> None:
+    if payload.get("format") != FORMAT:
+        raise ValueError(
+            f"{path} is not a dist_optim optimizer checkpoint (format {payload.get('format')!r}, expected {FORMAT!r}); "
+            "it was saved for another optimizer or by another plugin"
+        )

@@ -1,0 +1,100 @@
+"""booster.save_optimizer / load_optimizer for our optimizers: exact resume on the same layout,
+resume after resharding to another layout/plugin, layout-independent files, clear errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from plugins.checkpoint import _read
+from tests import ckpt
+from tests._check import max_rel_err
+
+OPTIMIZERS = {
+    "lamb": ("colossalai.nn.optimizer.Lamb", dict(lr=1e-2, weight_decay=1e-2)),
+    "adafactor": (
+        "transformers.optimization.Adafactor",
+        dict(lr=1e-2, relative_step=False, scale_parameter=False, beta1=0.9),
+    ),
+    # CAME moves every weight by ~lr per step whatever its scale; at lr >= 1e-3 the tiny Llama's
+    # trajectory amplifies 1-ulp differences of gradient averaging (see test_adafactor_came.py).
+    "came": ("came_pytorch.CAME", dict(lr=1e-4)),
+}
+
+HP_TP2 = ("HybridParallelPlugin", dict(tp_size=2, pp_size=1, zero_stage=0, precision="fp32"))
+LLZ_FP32 = ("LowLevelZeroPlugin", dict(stage=2, precision="fp32", overlap_communication=False))
+DDP = ("TorchDDPPlugin", dict())
+HP_TP2_ZERO2 = (
+    "HybridParallelPlugin",
+    dict(tp_size=2, pp_size=1, zero_stage=2, precision="bf16", overlap_communication=False),
+)
+LLZ_BF16 = ("LowLevelZeroPlugin", dict(stage=1, precision="bf16", overlap_communication=False))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("shard", [False, True], ids=["file", "sharded"])
+def test_exact_resume_same_layout(name, shard, pool4, tmp_path) -> None:
+    """5 steps + save + load + 5 steps == 10 uninterrupted steps, bit for bit (fp32)."""
+    opt = OPTIMIZERS[name]
+    path = str(tmp_path)
+    pool4.run(ckpt.train_and_save, *HP_TP2, *opt, 5, path, shard)
+    resumed = pool4.run(ckpt.load_and_train, *HP_TP2, *opt, 5, 5, path, shard)[0]
+    straight = pool4.run(ckpt.uninterrupted, *HP_TP2, *opt, 10)[0]
+    for key, value in straight.items():
+        assert torch.equal(resumed[key], value), key
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_resume_after_resharding(name, pool4, pool2, tmp_path) -> None:
+    """Saved at tp=2 x dp=2, resumed with ZeRO-2 on 4 ranks and with DDP on 2 ranks: the same
+    trajectory as 10 steps on one process."""
+    opt = OPTIMIZERS[name]
+    path = str(tmp_path)
+    pool4.run(ckpt.train_and_save, *HP_TP2, *opt, 5, path, True)
+    expected = pool4.run(ckpt.single_process, *opt, 10)[0]
+    for pool, target in ((pool4, LLZ_FP32), (pool2, DDP)):
+        got = pool.run(ckpt.load_and_train, *target, *opt, 5, 5, path, True)[0]
+        for key, value in expected.items():
+            assert max_rel_err(got[key], value) <= 1e-5, (target[0], key, max_rel_err(got[key], value))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_files_do_not_depend_on_layout(name, pool4, tmp_path) -> None:
+    """State saved at tp=2 x ZeRO-2 (bf16) and re-saved after loading with ZeRO-1 on 4 ranks is
+    identical: the format holds full tensors keyed by parameter name."""
+    opt = OPTIMIZERS[name]
+    path = str(tmp_path)
+    pool4.run(ckpt.train_and_save, *HP_TP2_ZERO2, *opt, 3, path, True)
+    resave = os.path.join(path, "resaved.pt")
+    pool4.run(ckpt.load_and_train, *LLZ_BF16, *opt, 3, 0, path, True, resave)
+    a, b = _read(os.path.join(path, "optim")), _read(resave)
+    assert set(a["state"]) == set(b["state"]) and a["state"]
+    for pname, state in a["state"].items():
+        assert set(state) == set(b["state"][pname])
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, b["state"][pname][key]), (pname, key)
+            else:
+                assert value == b["state"][pname][key], (pname, key)
+
+
+def test_bad_checkpoints_are_refused(pool4, tmp_path) -> None:
+    path = str(tmp_path)
+    with open(os.path.join(path, "corrupted.pt"), "wb") as f:
+        f.write(b"this is not a checkpoint")
+    torch.save({"state": {}, "param_groups": []}, os.path.join(path, "foreign.pt"))  # a plain torch state dict
+    os.makedirs(os.path.join(path, "not_a_checkpoint"))
+    for res in pool4.run(ckpt.bad_loads, *HP_TP2, *OPTIMIZERS["lamb"], path):
+        assert "cannot read optimizer checkpoint" in res["corrupted"], res
+        assert "not a dist_optim optimizer checkpoint" in res["foreign"], res
+        assert "not a dist_optim optimizer checkpoint" in res["folder"], res
+        assert res["unchanged"] == "True"
+
+
+def test_checkpoint_of_another_optimizer_is_refused(pool4, tmp_path) -> None:
+    path = str(tmp_path)
+    pool4.run(ckpt.train_and_save, *HP_TP2, *OPTIMIZERS["lamb"], 1, path, False)
+    with pytest.raises(AssertionError, match="cannot be loaded into DistributedAdafactor"):
+        pool4.run(ckpt.load_and_train, *HP_TP2, *OPTIMIZERS["adafactor"], 1, 1, path, False)
