@@ -686,6 +686,37 @@ class DistributedShampoo(DistOptimizer):
                         self.state[p][key] = value.detach().clone().to(device=p.device)
         self._plans = {}
 
+    def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """Keep the blocks this rank owns of a full-form state (:meth:`load_full_state`), after
+        checking that every owned block has all its entries with the shapes this optimizer's
+        blocking gives (a checkpoint saved with other blocking options is refused)."""
+        self._ensure_plans()
+        plan = self._plans[param]
+        group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
+        me = self._my_rank(plan.work_group)
+        out = {k: v for k, v in state.items() if not k.startswith("block")}
+        for b, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
+            if owner != me:
+                continue
+            for name, shape, _ in self._block_spec(block, group, param.dtype):
+                key = f"block{b}.{name}"
+                value = state.get(key)
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                    raise ValueError(
+                        f"load_full_state: state {key!r} of a parameter of full shape {plan.full_shape} should be a "
+                        f"tensor of shape {tuple(shape)}, got {got!r}; was it saved with other blocking options "
+                        "(max_preconditioner_dim, merge_small_dims, eigenvalue_correction, grafting)?"
+                    )
+                out[key] = value.to(param.device)
+        return out
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes of optimizer state held by this rank: ``preconditioner`` (factors, roots, bases)
         and ``other`` (moments, grafting state, momentum)."""
