@@ -506,7 +506,9 @@ class DistributedGaLore(DistOptimizer):
             if it.side not in side:
                 continue
             if compute and u is not None:
-                tensor = take().to(dtype)
+                # A contiguous copy: the slice of u / vh is strided, and the ranks that receive the
+                # projector hold a contiguous one; matmuls on both must round identically.
+                tensor = take().to(dtype).contiguous()
             elif compute and key in it.state:
                 tensor = it.state[key].clone()
             elif compute:

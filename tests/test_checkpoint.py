@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from dist_optim import AdamGraftingConfig
 from plugins.checkpoint import _read
 from tests import ckpt
 from tests._check import max_rel_err
@@ -21,7 +22,32 @@ OPTIMIZERS = {
     # CAME moves every weight by ~lr per step whatever its scale; at lr >= 1e-3 the tiny Llama's
     # trajectory amplifies 1-ulp differences of gradient averaging (see test_adafactor_came.py).
     "came": ("came_pytorch.CAME", dict(lr=1e-4)),
+    # owner-held preconditioner factors, random generators and update counters
+    "kron": ("kron_torch.Kron", dict(lr=3e-3, weight_decay=1e-2)),
+    # per-block factors, roots and grafting state held by owner ranks
+    "shampoo": (
+        "dist_optim.DistributedShampoo",
+        dict(
+            lr=1e-3,
+            epsilon=1e-4,
+            max_preconditioner_dim=64,
+            precondition_frequency=2,
+            momentum=0.5,
+            grafting_config=AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+        ),
+    ),
+    # the projector computed at step 1 must be restored, not recomputed (a second refresh is too
+    # sensitive to reduction order to compare across layouts: see test_booster.py)
+    "galore": (
+        "galore_torch.GaLoreAdamW",
+        dict(lr=1e-3, eps=1e-3, galore=dict(rank=8, update_proj_gap=100, scale=0.25)),
+    ),
 }
+
+# Resharding changes the order of the TP/DP reductions; Shampoo's preconditioner amplifies those
+# 1e-7 gradient differences (measured on one process, see tests/test_shampoo.py's booster notes):
+# observed 5.5e-5 of the weights' scale after 10 steps. Every other optimizer stays within 1e-5.
+RESHARD_RTOL = {"shampoo": 1e-4}
 
 HP_TP2 = ("HybridParallelPlugin", dict(tp_size=2, pp_size=1, zero_stage=0, precision="fp32"))
 LLZ_FP32 = ("LowLevelZeroPlugin", dict(stage=2, precision="fp32", overlap_communication=False))
@@ -56,8 +82,9 @@ def test_resume_after_resharding(name, pool4, pool2, tmp_path) -> None:
     expected = pool4.run(ckpt.single_process, *opt, 10)[0]
     for pool, target in ((pool4, LLZ_FP32), (pool2, DDP)):
         got = pool.run(ckpt.load_and_train, *target, *opt, 5, 5, path, True)[0]
+        rtol = RESHARD_RTOL.get(name, 1e-5)
         for key, value in expected.items():
-            assert max_rel_err(got[key], value) <= 1e-5, (target[0], key, max_rel_err(got[key], value))
+            assert max_rel_err(got[key], value) <= rtol, (target[0], key, max_rel_err(got[key], value))
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

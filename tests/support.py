@@ -1,0 +1,98 @@
+"""The README's support table, generated from what the tests cover.
+
+``python -m tests.support`` prints it; tests/test_support_table.py fails when the README's copy
+differs, so the table can only claim what a test in this suite runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Booster layouts, in the order of the table's columns: (plugin, tp, ZeRO stage, precision).
+COLUMNS: list[tuple[str, int, int, str]] = [
+    ("HybridParallelPlugin", 2, 0, "fp32"),
+    ("HybridParallelPlugin", 2, 0, "bf16"),
+    ("HybridParallelPlugin", 2, 1, "bf16"),
+    ("HybridParallelPlugin", 2, 2, "bf16"),
+    ("LowLevelZeroPlugin", 1, 1, "bf16"),
+    ("LowLevelZeroPlugin", 1, 2, "fp32"),
+    ("TorchDDPPlugin", 1, 0, "fp32"),
+]
+
+OPTIMIZERS = ["LAMB", "Adafactor", "CAME", "GaLore", "Shampoo", "Kron"]
+
+
+def _key(plugin: str, kwargs: dict[str, Any]) -> tuple[str, int, int, str]:
+    plugin = kwargs.get("_plugin", plugin)
+    if plugin == "HybridParallelPlugin":
+        return plugin, kwargs.get("tp_size", 1), kwargs.get("zero_stage", 0), kwargs.get("precision", "fp16")
+    if plugin == "LowLevelZeroPlugin":
+        return plugin, 1, kwargs.get("stage", 1), kwargs.get("precision", "fp16")
+    return plugin, 1, 0, "fp32"
+
+
+def booster_coverage() -> dict[str, set[tuple[str, int, int, str]]]:
+    """Optimizer -> the booster layouts a test trains it under (ordinary optimizer in, parity out)."""
+    from tests import test_adafactor_came, test_booster, test_kron, test_shampoo
+
+    cov: dict[str, set[tuple[str, int, int, str]]] = {name: set() for name in OPTIMIZERS}
+    cov["LAMB"] |= {_key(c[0], c[1]) for c in test_booster.CONFIGS}
+    cov["GaLore"] |= {_key(c[0], c[1]) for c in test_booster.GALORE_CONFIGS}
+    cov["Shampoo"] |= {_key(c[0], c[1]) for c in test_shampoo.BOOSTER_CONFIGS}
+    cov["Kron"] |= {_key(c[0], c[1]) for c in test_kron.BOOSTER_CONFIGS}
+    ids = {p.id: "Adafactor" if p.id == "hf" else "CAME" for p in test_adafactor_came.BOOSTER_OPTIMIZERS}
+    for opt in ids.values():
+        cov[opt] |= {_key("HybridParallelPlugin", p.values[0]) for p in test_adafactor_came.BOOSTER_CONFIGS}
+    return cov
+
+
+def checkpoint_coverage() -> set[str]:
+    from tests import test_checkpoint
+
+    names = {"lamb": "LAMB", "adafactor": "Adafactor", "came": "CAME", "galore": "GaLore", "kron": "Kron"}
+    names["shampoo"] = "Shampoo"
+    return {names[k] for k in test_checkpoint.OPTIMIZERS}
+
+
+def parity_coverage() -> set[str]:
+    from tests.cases import PARITY_CASES
+
+    names = {
+        "DistributedLamb": "LAMB",
+        "DistributedAdafactor": "Adafactor",
+        "DistributedCAME": "CAME",
+        "DistributedGaLore": "GaLore",
+        "DistributedShampoo": "Shampoo",
+        "DistributedKron": "Kron",
+    }
+    return {names[c.cls.__name__] for c in PARITY_CASES}
+
+
+def _header(col: tuple[str, int, int, str]) -> str:
+    plugin, tp, zero, precision = col
+    short = {"HybridParallelPlugin": "Hybrid", "LowLevelZeroPlugin": "LowLevelZero", "TorchDDPPlugin": "TorchDDP"}
+    parts = [short[plugin]]
+    if plugin == "HybridParallelPlugin":
+        parts.append(f"tp={tp}")
+    if plugin != "TorchDDPPlugin":
+        parts.append(f"ZeRO-{zero}")
+    parts.append(precision)
+    return " ".join(parts)
+
+
+def markdown() -> str:
+    cov = booster_coverage()
+    ckpt = checkpoint_coverage()
+    grid = parity_coverage()
+    header = ["optimizer", "parity grid"] + [_header(c) for c in COLUMNS] + ["checkpoint resume / reshard"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for opt in OPTIMIZERS:
+        cells = [opt, "✔" if opt in grid else "—"]
+        cells += ["✔" if col in cov[opt] else "—" for col in COLUMNS]
+        cells.append("✔" if opt in ckpt else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())
