@@ -456,7 +456,9 @@ class DistributedGaLore(DistOptimizer):
             owners = assign_owners(costs, tp_size * dp_size)
             for it, owner in zip(its, owners):
                 o_tp, o_dp = owner % tp_size, owner // tp_size
-                tensors = self._new_projectors(it, compute=(o_tp == tp_rank and o_dp == dp_rank))
+                tensors = self._new_projectors(
+                    it, compute=(o_tp == tp_rank and o_dp == dp_rank), shared=tp_size * dp_size > 1
+                )
                 if tp_size > 1 and o_dp == dp_rank:
                     entry = stage_tp.setdefault(id(tp_group), (tp_group, [], []))
                     entry[1].extend(tensors)
@@ -483,8 +485,12 @@ class DistributedGaLore(DistOptimizer):
             return self.dp_group
         return _NONE
 
-    def _new_projectors(self, it: _Item, compute: bool) -> list[torch.Tensor]:
-        """Allocate (and on the owner, compute) the item's projectors; stored in its state."""
+    def _new_projectors(self, it: _Item, compute: bool, shared: bool) -> list[torch.Tensor]:
+        """Allocate (and on the owner, compute) the item's projectors; stored in its state.
+
+        A projector shared with other ranks is stored contiguous on its owner too: the slice of
+        U / V^T is strided, the receivers' copies are not, and matmuls on the two round
+        differently. Unshared, the strided slice is kept, as galore_torch keeps it (same rounding)."""
         m, n = it.layout.full_shape
         rank = int(it.group["rank"])
         dtype = it.grad.dtype
@@ -506,9 +512,8 @@ class DistributedGaLore(DistOptimizer):
             if it.side not in side:
                 continue
             if compute and u is not None:
-                # A contiguous copy: the slice of u / vh is strided, and the ranks that receive the
-                # projector hold a contiguous one; matmuls on both must round identically.
-                tensor = take().to(dtype).contiguous()
+                tensor = take().to(dtype)
+                tensor = tensor.contiguous() if shared else tensor
             elif compute and key in it.state:
                 tensor = it.state[key].clone()
             elif compute:

@@ -66,25 +66,6 @@ PARITY_CASES += [
     ),
 ]
 
-# DistributedKron: preconditioners of the full tensors on owner ranks. Default (probability 1 for
-# the grid's 6 steps, triangular factors, "conv" merged to 12x3); one_diag with weight decay;
-# a constant probability 0.5 (updates every 2nd step), all-diagonal factors fitted to the raw grad.
-PARITY_CASES += [
-    Case("kron", dist_optim.DistributedKron, dict(lr=1e-2)),
-    Case("kron-one_diag-wd", dist_optim.DistributedKron, dict(lr=1e-2, weight_decay=1e-2, memory_save_mode="one_diag")),
-    Case(
-        "kron-p0.5-all_diag-grad",
-        dist_optim.DistributedKron,
-        dict(
-            lr=2e-2,
-            preconditioner_update_probability=0.5,
-            memory_save_mode="all_diag",
-            momentum_into_precond_update=False,
-            seed=7,
-        ),
-    ),
-]
-
 # DistributedAdafactor / DistributedCAME: factored statistics of the full matrix under every layout.
 PARITY_CASES += [
     Case("adafactor-relative", dist_optim.DistributedAdafactor, dict()),
@@ -137,5 +118,24 @@ PARITY_CASES += [
         "galore-left-8bit",
         dist_optim.DistributedGaLore,
         dict(lr=1e-2, optim_bits=8, min_8bit_size=0, _matrix_group=dict(_GALORE, proj_type="left")),
+    ),
+]
+
+# DistributedKron: preconditioners of the full tensors on owner ranks. Default (probability 1 for
+# the grid's 6 steps, triangular factors, "conv" merged to 12x3); one_diag with weight decay;
+# a constant probability 0.5 (updates every 2nd step), all-diagonal factors fitted to the raw grad.
+PARITY_CASES += [
+    Case("kron", dist_optim.DistributedKron, dict(lr=1e-2)),
+    Case("kron-one_diag-wd", dist_optim.DistributedKron, dict(lr=1e-2, weight_decay=1e-2, memory_save_mode="one_diag")),
+    Case(
+        "kron-p0.5-all_diag-grad",
+        dist_optim.DistributedKron,
+        dict(
+            lr=2e-2,
+            preconditioner_update_probability=0.5,
+            memory_save_mode="all_diag",
+            momentum_into_precond_update=False,
+            seed=7,
+        ),
     ),
 ]

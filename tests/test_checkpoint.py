@@ -45,9 +45,10 @@ OPTIMIZERS = {
 }
 
 # Resharding changes the order of the TP/DP reductions; Shampoo's preconditioner amplifies those
-# 1e-7 gradient differences (measured on one process, see tests/test_shampoo.py's booster notes):
-# observed 5.5e-5 of the weights' scale after 10 steps. Every other optimizer stays within 1e-5.
-RESHARD_RTOL = {"shampoo": 1e-4}
+# 1e-7 gradient differences (see tests/test_shampoo.py's booster notes): 10 *uninterrupted* steps
+# differ from one process by 1.7e-4 (ZeRO-2 x4) and 3.1e-4 (tp=2 x dp=2) of the weights' scale
+# (measured), and the resumed runs by as much. Every other optimizer stays within 1e-5.
+RESHARD_RTOL = {"shampoo": 1e-3}
 
 HP_TP2 = ("HybridParallelPlugin", dict(tp_size=2, pp_size=1, zero_stage=0, precision="fp32"))
 LLZ_FP32 = ("LowLevelZeroPlugin", dict(stage=2, precision="fp32", overlap_communication=False))
