@@ -63,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="ZeRO stage")
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 with ZeRO")
     ap.add_argument("--optimizer", default="colossalai.nn.optimizer.Lamb")
+    ap.add_argument(
+        "--optimizer-args",
+        type=json.loads,
+        default={},
+        help="extra keyword arguments for the optimizer as JSON, e.g. '{\"relative_step\": false}'",
+    )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine decay")
     ap.add_argument("--steps", type=int, default=200)
@@ -136,15 +142,18 @@ def build_model(preset: str, seed: int) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def build_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(
+    name: str, model: torch.nn.Module, lr: float, extra: dict[str, Any] | None = None
+) -> torch.optim.Optimizer:
+    extra = dict(extra or {})
     if name in OURS:
         path, kwargs = OURS[name]
         if name == "galore":
             from dist_optim import galore_param_groups
 
-            return _import(path)(galore_param_groups(model, rank=8, update_proj_gap=50), lr=lr)
-        return _import(path)(model.parameters(), lr=lr, **kwargs)
-    return _import(name)(model.parameters(), lr=lr)
+            return _import(path)(galore_param_groups(model, rank=8, update_proj_gap=50), lr=lr, **extra)
+        return _import(path)(model.parameters(), lr=lr, **{**kwargs, **extra})
+    return _import(name)(model.parameters(), lr=lr, **extra)
 
 
 def _import(path: str) -> Any:
@@ -270,7 +279,7 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
 
     device = launch(args.seed) if not dist.is_initialized() else _current_device()
     model = build_model(args.preset, args.seed)
-    optimizer = build_optimizer(args.optimizer, model, args.lr)
+    optimizer = build_optimizer(args.optimizer, model, args.lr, args.optimizer_args)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
     plugin = build_plugin(args)
     booster = Booster(plugin=plugin)
