@@ -82,7 +82,10 @@ def _galore_groups(params: list[torch.Tensor], rank: int = 128, gap: int = 200) 
     """GaLore on the matrices that have both dims >= rank (the attention/MLP weights of the set)."""
     mats = [p for p in params if p.dim() == 2 and min(p.shape) >= rank and p.shape[0] != 8192]
     others = [p for p in params if all(p is not m for m in mats)]
-    return [{"params": others}, {"params": mats, "rank": rank, "update_proj_gap": gap, "scale": 0.25}]
+    return [
+        {"params": others},
+        {"params": mats, "rank": rank, "update_proj_gap": gap, "scale": 0.25, "proj_type": "std"},
+    ]
 
 
 _add("dist_optim GaLore 32-bit", "galore", lambda p: _dist("DistributedGaLore")(_galore_groups(p), lr=1e-3))

@@ -49,6 +49,8 @@ class DistributedLamb(DistOptimizer):
         bias_correction: scale the step by ``sqrt(1 - b2^t) / (1 - b1^t)``.
         adam: use a trust ratio of 1 (Adam with LAMB's update form), for comparisons.
         clamp_value: if set, ``||w||`` is clamped to ``[0, clamp_value]`` before the ratio.
+        foreach: multi-tensor (foreach) kernels; ``None`` (default) uses them on accelerators and a
+            per-tensor loop on the CPU, as torch's optimizers do. The result is the same.
     """
 
     _sharded_state = ("exp_avg", "exp_avg_sq")
@@ -63,6 +65,7 @@ class DistributedLamb(DistOptimizer):
         bias_correction: bool = True,
         adam: bool = False,
         clamp_value: float | None = None,
+        foreach: bool | None = None,
     ) -> None:
         _validate(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value)
         defaults = dict(
@@ -73,6 +76,7 @@ class DistributedLamb(DistOptimizer):
             bias_correction=bool(bias_correction),
             adam=bool(adam),
             clamp_value=clamp_value,
+            foreach=foreach,
         )
         super().__init__(params, defaults)
 
@@ -108,24 +112,10 @@ class DistributedLamb(DistOptimizer):
             exp_avg_sqs = [s["exp_avg_sq"] for s in states]
             steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1.0)
-
-            torch._foreach_mul_(exp_avgs, beta1)
-            torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
-            denom = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_add_(denom, group["eps"])
-            updates = torch._foreach_div(exp_avgs, denom)
-            del denom
-            if group["weight_decay"] != 0:
-                torch._foreach_add_(updates, params, alpha=group["weight_decay"])
-
-            # Row 0: sum of squares of the param, row 1: of the update; one column per param.
-            sq = (
-                torch.stack([torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates))])
-                .float()
-                .square_()
-            )
+            on_cpu = params[0].device.type == "cpu"
+            use_foreach = group["foreach"] if group["foreach"] is not None else not on_cpu
+            compute = _updates_foreach if use_foreach else _updates_per_tensor
+            updates, sq = compute(params, grads, exp_avgs, exp_avg_sqs, group)
             parts = []
             by_groups: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
             group_objs: dict[tuple[int, ...], tuple[Any, ...]] = {}
@@ -161,9 +151,63 @@ class DistributedLamb(DistOptimizer):
             else:
                 coef = torch.ones(len(steps), dtype=torch.float64)
             scale = (-group["lr"] * coef).to(ratio) * ratio
-            torch._foreach_mul_(updates, list(scale.to(updates[0].dtype).unbind()))
-            torch._foreach_add_(params, updates)
+            if params[0].device.type != "cpu":
+                torch._foreach_mul_(updates, list(scale.to(updates[0].dtype).unbind()))
+                torch._foreach_add_(params, updates)
+            else:
+                # On the CPU a scalar read is no device sync; one fused pass per tensor.
+                for p, u, c in zip(params, updates, scale.tolist()):
+                    p.add_(u, alpha=c)
         return loss
+
+
+def _updates_foreach(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    group: dict[str, Any],
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Moments, updates and the local sums of squares ([2, n]: params, updates), multi-tensor."""
+    beta1, beta2 = group["betas"]
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denom, group["eps"])
+    updates = torch._foreach_div(exp_avgs, denom)
+    del denom
+    if group["weight_decay"] != 0:
+        torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+    norms = [torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates))]
+    return updates, torch.stack(norms).float().square_()
+
+
+def _updates_per_tensor(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    group: dict[str, Any],
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The same math one tensor at a time: on the CPU every op then works on a tensor that is
+    still in cache, where multi-tensor ops stream all parameters through memory once per op
+    (torch's own optimizers choose the same way)."""
+    beta1, beta2 = group["betas"]
+    updates = []
+    sq = torch.empty((2, len(params)), dtype=torch.float32)
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        u = v.sqrt().add_(group["eps"])
+        torch.div(m, u, out=u)
+        if group["weight_decay"] != 0:
+            u.add_(p, alpha=group["weight_decay"])
+        sq[0, i] = torch.linalg.vector_norm(p, dtype=torch.float32)
+        sq[1, i] = torch.linalg.vector_norm(u, dtype=torch.float32)
+        updates.append(u)
+    return updates, sq.square_()
 
 
 def _validate(**options: Any) -> None:

@@ -18,6 +18,7 @@ class Case:
 PARITY_CASES: list[Case] = [
     Case("lamb", dist_optim.DistributedLamb, dict(lr=1e-2, weight_decay=1e-2)),
     Case("lamb-nobc-clamp", dist_optim.DistributedLamb, dict(lr=2e-2, bias_correction=False, clamp_value=0.8)),
+    Case("lamb-foreach", dist_optim.DistributedLamb, dict(lr=1e-2, weight_decay=1e-2, foreach=True)),
 ]
 
 # DistributedShampoo: blocks of 3 cut every test param of the grid into several blocks.

@@ -61,13 +61,19 @@ def _make(path: str, params, kwargs):
     return getattr(__import__(module, fromlist=[name]), name)(params, **kwargs)
 
 
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "foreach"])
 @pytest.mark.parametrize("path,kwargs,ours", REFERENCES, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(REFERENCES)])
-def test_unbound_matches_reference(path, kwargs, ours) -> None:
+def test_unbound_matches_reference(path, kwargs, ours, foreach) -> None:
     ref_model = _model()
     our_model = copy.deepcopy(ref_model)
     ref = _make(path, ref_model.parameters(), kwargs)
     mine = DistributedLamb(
-        our_model.parameters(), lr=kwargs["lr"], weight_decay=kwargs.get("weight_decay", 0.0), eps=1e-6, **ours
+        our_model.parameters(),
+        lr=kwargs["lr"],
+        weight_decay=kwargs.get("weight_decay", 0.0),
+        eps=1e-6,
+        foreach=foreach,
+        **ours,
     )
     _train(ref_model, ref)
     _train(our_model, mine)
