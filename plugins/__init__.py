@@ -19,19 +19,28 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from colossalai.booster.plugin import GeminiPlugin as _GeminiPlugin
 from colossalai.booster.plugin import HybridParallelPlugin as _HybridParallelPlugin
 from colossalai.booster.plugin import LowLevelZeroPlugin as _LowLevelZeroPlugin
 from colossalai.booster.plugin import TorchDDPPlugin as _TorchDDPPlugin
+from colossalai.booster.plugin import TorchFSDPPlugin as _TorchFSDPPlugin
 from colossalai.logging import get_dist_logger
 
 from dist_optim.base import DistOptimizer
 from dist_optim.layout import local_layout
-from dist_optim.registry import class_path, convert
+from dist_optim.registry import class_path, convert, lookup
 
 from .checkpoint import DistOptimCheckpointMixin
 from .colossal import as_colossal_optimizer, bind_from_wrapper, record_param_names, world_group
 
-__all__ = ["HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin", "swap_optimizer"]
+__all__ = [
+    "HybridParallelPlugin",
+    "LowLevelZeroPlugin",
+    "TorchDDPPlugin",
+    "GeminiPlugin",
+    "TorchFSDPPlugin",
+    "swap_optimizer",
+]
 
 
 def swap_optimizer(optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None) -> Any:
@@ -162,3 +171,50 @@ class TorchDDPPlugin(_TorchDDPPlugin):
 
     def get_checkpoint_io(self) -> Any:
         return _with_dist_optim_checkpoints(super().get_checkpoint_io(), _rank0(world_group()))
+
+
+def _refuse(plugin: str, optimizer: torch.optim.Optimizer | None, why: str) -> None:
+    """Fail at boost, before anything is wrapped, when ``optimizer`` needs layout-aware math that
+    ``plugin`` cannot give it."""
+    if optimizer is None:
+        return
+    if isinstance(optimizer, DistOptimizer) or lookup(optimizer) is not None:
+        ours = type(optimizer).__name__ if isinstance(optimizer, DistOptimizer) else lookup(optimizer).target.__name__
+        raise ValueError(
+            f"{plugin} cannot run {class_path(type(optimizer))} correctly: {why} {ours} needs to know how each "
+            "parameter is split. Use dist_optim.plugins.LowLevelZeroPlugin (ZeRO-1/2 sharding), "
+            "HybridParallelPlugin (tensor parallelism + ZeRO) or TorchDDPPlugin instead."
+        )
+
+
+class GeminiPlugin(_GeminiPlugin):
+    """``colossalai.booster.plugin.GeminiPlugin`` that refuses, at boost, optimizers whose math is
+    not element-wise (they would silently see chunks of parameters); other optimizers behave as
+    with ColossalAI's plugin (which itself accepts only its own Adam classes)."""
+
+    def configure(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, ...]:
+        _refuse("GeminiPlugin", optimizer, "Gemini packs parameters into flat chunks and never binds optimizers;")
+        return super().configure(model, optimizer, criterion, dataloader, lr_scheduler)
+
+
+class TorchFSDPPlugin(_TorchFSDPPlugin):
+    """``colossalai.booster.plugin.TorchFSDPPlugin`` that refuses, at boost, optimizers whose math
+    is not element-wise (FSDP hands them flat shards and no layout)."""
+
+    def configure(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, ...]:
+        _refuse("TorchFSDPPlugin", optimizer, "FSDP flattens and shards parameters and never binds optimizers;")
+        return super().configure(model, optimizer, criterion, dataloader, lr_scheduler)

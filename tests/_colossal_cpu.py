@@ -2,7 +2,8 @@
 
 ColossalAI's ``CpuAccelerator`` raises on calls that its plugins make (seeding, device count,
 streams, memory statistics), ZeRO asserts a CUDA/NPU accelerator, and pipeline p2p probes
-``torch.distributed.is_hccl_available``, which CPU builds lack (DESIGN.md §5). None of this
+``torch.distributed.is_hccl_available`` and ``Backend.HCCL``, which builds without HCCL lack
+(DESIGN.md §5). None of this
 belongs in the library: the plugins run unchanged on GPUs.
 """
 
@@ -103,6 +104,11 @@ def install() -> None:
     LowLevelZeroOptimizer._sanity_checks = _sanity_checks
     if not hasattr(dist, "is_hccl_available"):
         dist.is_hccl_available = lambda: False  # type: ignore[attr-defined]
+    # Pipeline p2p asks whether the group is NCCL/HCCL by comparing with Backend.HCCL, which torch
+    # builds without HCCL lack; on gloo the answer is simply no.
+    import colossalai.pipeline.p2p as p2p
+
+    p2p._check_for_nccl_hccl_backend = lambda group: dist.get_backend(group) == "nccl"
     _INSTALLED = True
 
 

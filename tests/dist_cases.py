@@ -145,3 +145,28 @@ def colossal_reader() -> list[Any]:
     rows = shard_rowwise(torch.randn(4, 6), tg)
     cols = shard_colwise(torch.randn(4, 6), tg)
     return [read_tp_dim(rows), read_tp_dim(cols), read_tp_dim(torch.randn(3)), tuple(rows.shape), tuple(cols.shape)]
+
+
+def refusals() -> dict[str, str]:
+    """Gemini and FSDP refuse layout-dependent optimizers at boost, with what to use instead."""
+    from tests._colossal_cpu import install
+
+    install()
+    from colossalai.booster import Booster
+    from colossalai.nn.optimizer import Lamb
+
+    from dist_optim import plugins
+
+    out = {}
+    for name in ("GeminiPlugin", "TorchFSDPPlugin"):
+        for label, make in (
+            ("ordinary", lambda m: Lamb(m.parameters(), lr=1e-3)),
+            ("ours", lambda m: dist_optim.DistributedShampoo(m.parameters(), lr=1e-3)),
+        ):
+            model = torch.nn.Linear(4, 4)
+            try:
+                Booster(plugin=getattr(plugins, name)()).boost(model, make(model))
+                out[f"{name}-{label}"] = "no error"
+            except ValueError as e:
+                out[f"{name}-{label}"] = str(e)
+    return out

@@ -6,43 +6,31 @@ differs, so the table can only claim what a test in this suite runs.
 
 from __future__ import annotations
 
-from typing import Any
-
-# Booster layouts, in the order of the table's columns: (plugin, tp, ZeRO stage, precision).
-COLUMNS: list[tuple[str, int, int, str]] = [
-    ("HybridParallelPlugin", 2, 0, "fp32"),
-    ("HybridParallelPlugin", 2, 0, "bf16"),
-    ("HybridParallelPlugin", 2, 1, "bf16"),
-    ("HybridParallelPlugin", 2, 2, "bf16"),
-    ("LowLevelZeroPlugin", 1, 1, "bf16"),
-    ("LowLevelZeroPlugin", 1, 2, "fp32"),
-    ("TorchDDPPlugin", 1, 0, "fp32"),
+# Booster layouts, in the order of the table's columns: (plugin, tp, pp, ZeRO stage, precision).
+COLUMNS: list[tuple[str, int, int, int, str]] = [
+    ("HybridParallelPlugin", 2, 1, 0, "fp32"),
+    ("HybridParallelPlugin", 2, 1, 0, "bf16"),
+    ("HybridParallelPlugin", 2, 1, 1, "bf16"),
+    ("HybridParallelPlugin", 2, 1, 2, "bf16"),
+    ("HybridParallelPlugin", 2, 1, 1, "fp16"),
+    ("HybridParallelPlugin", 2, 2, 0, "fp32"),
+    ("HybridParallelPlugin", 1, 2, 1, "bf16"),
+    ("LowLevelZeroPlugin", 1, 1, 1, "bf16"),
+    ("LowLevelZeroPlugin", 1, 1, 2, "fp32"),
+    ("TorchDDPPlugin", 1, 1, 0, "fp32"),
 ]
 
 OPTIMIZERS = ["LAMB", "Adafactor", "CAME", "GaLore", "Shampoo", "Kron"]
 
 
-def _key(plugin: str, kwargs: dict[str, Any]) -> tuple[str, int, int, str]:
-    plugin = kwargs.get("_plugin", plugin)
-    if plugin == "HybridParallelPlugin":
-        return plugin, kwargs.get("tp_size", 1), kwargs.get("zero_stage", 0), kwargs.get("precision", "fp16")
-    if plugin == "LowLevelZeroPlugin":
-        return plugin, 1, kwargs.get("stage", 1), kwargs.get("precision", "fp16")
-    return plugin, 1, 0, "fp32"
+def booster_coverage() -> dict[str, set[tuple[str, int, int, int, str]]]:
+    """Optimizer -> the booster layouts tests/test_booster.py trains it under."""
+    from tests import test_booster
 
-
-def booster_coverage() -> dict[str, set[tuple[str, int, int, str]]]:
-    """Optimizer -> the booster layouts a test trains it under (ordinary optimizer in, parity out)."""
-    from tests import test_adafactor_came, test_booster, test_kron, test_shampoo
-
-    cov: dict[str, set[tuple[str, int, int, str]]] = {name: set() for name in OPTIMIZERS}
-    cov["LAMB"] |= {_key(c[0], c[1]) for c in test_booster.CONFIGS}
-    cov["GaLore"] |= {_key(c[0], c[1]) for c in test_booster.GALORE_CONFIGS}
-    cov["Shampoo"] |= {_key(c[0], c[1]) for c in test_shampoo.BOOSTER_CONFIGS}
-    cov["Kron"] |= {_key(c[0], c[1]) for c in test_kron.BOOSTER_CONFIGS}
-    ids = {p.id: "Adafactor" if p.id == "hf" else "CAME" for p in test_adafactor_came.BOOSTER_OPTIMIZERS}
-    for opt in ids.values():
-        cov[opt] |= {_key("HybridParallelPlugin", p.values[0]) for p in test_adafactor_came.BOOSTER_CONFIGS}
+    cov: dict[str, set[tuple[str, int, int, int, str]]] = {name: set() for name in OPTIMIZERS}
+    for case in test_booster.CASES:
+        name, col = case.values
+        cov[name].add(col)
     return cov
 
 
@@ -68,12 +56,14 @@ def parity_coverage() -> set[str]:
     return {names[c.cls.__name__] for c in PARITY_CASES}
 
 
-def _header(col: tuple[str, int, int, str]) -> str:
-    plugin, tp, zero, precision = col
+def _header(col: tuple[str, int, int, int, str]) -> str:
+    plugin, tp, pp, zero, precision = col
     short = {"HybridParallelPlugin": "Hybrid", "LowLevelZeroPlugin": "LowLevelZero", "TorchDDPPlugin": "TorchDDP"}
     parts = [short[plugin]]
     if plugin == "HybridParallelPlugin":
         parts.append(f"tp={tp}")
+        if pp > 1:
+            parts.append(f"pp={pp}")
     if plugin != "TorchDDPPlugin":
         parts.append(f"ZeRO-{zero}")
     parts.append(precision)

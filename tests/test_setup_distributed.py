@@ -35,3 +35,9 @@ def test_bind_errors() -> None:
         opt.bind({a: ParamLayout((8, 6), TPSplit(0, 2, 0)), b: ParamLayout((4,))})
     opt.bind({a: ParamLayout((8, 6), TPSplit(0, 2, 1)), b: ParamLayout((3,))})
     assert opt.layout(a).tp_offset == 4
+
+
+def test_gemini_and_fsdp_refuse_layout_dependent_optimizers(pool2) -> None:
+    for res in pool2.run(dist_cases.refusals):
+        for key, msg in res.items():
+            assert "cannot run" in msg and "LowLevelZeroPlugin" in msg, (key, msg)
