@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .base import DistOptimizer
 from .comm import SumBucket
 from .layout import ParamLayout
 
@@ -300,3 +301,21 @@ def check_floating(params: Any, name: str) -> None:
     for i, p in enumerate(params):
         if not p.is_floating_point():
             raise TypeError(f"{name}: parameter #{i} has dtype {p.dtype}; only floating-point parameters are supported")
+
+
+class FactoredOptimizer(DistOptimizer):
+    """Base of the factored optimizers (Adafactor, CAME): caches each parameter's
+    :class:`FactoredLayout` (``None`` for vectors), rebuilt when the optimizer is re-bound."""
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        self._factored: dict[torch.Tensor, FactoredLayout | None] = {}
+        super().__init__(params, defaults)
+
+    def _on_bind(self) -> None:
+        self._factored.clear()
+
+    def _fac(self, p: torch.Tensor) -> FactoredLayout | None:
+        if p not in self._factored:
+            layout = self.layout(p)
+            self._factored[p] = FactoredLayout(layout, p.device) if layout.ndim >= 2 else None
+        return self._factored[p]

@@ -56,7 +56,7 @@ import torch
 from ._factored import (
     EPS_ADD,
     EPS_CLAMP,
-    FactoredLayout,
+    FactoredOptimizer,
     Item,
     check_floating,
     clip_factor,
@@ -68,7 +68,7 @@ from ._factored import (
     queue_sumsq,
     rms,
 )
-from .base import DistOptimizer, check_range
+from .base import check_range
 from .comm import SumBucket
 from .registry import ANY, Conversion, register
 
@@ -77,7 +77,7 @@ __all__ = ["DistributedAdafactor"]
 VARIANTS = ("transformers", "torch")
 
 
-class DistributedAdafactor(DistOptimizer):
+class DistributedAdafactor(FactoredOptimizer):
     """Adafactor with exact factored statistics under TP and ZeRO (see the module docstring).
 
     Args:
@@ -146,7 +146,6 @@ class DistributedAdafactor(DistOptimizer):
         )
         _validate(defaults)
         super().__init__(params, defaults)
-        self._factored: dict[torch.Tensor, FactoredLayout | None] = {}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -165,22 +164,9 @@ class DistributedAdafactor(DistOptimizer):
                 stacklevel=3,
             )
 
-    def _on_bind(self) -> None:
-        self._factored.clear()
-
-    def _fac(self, p: torch.Tensor) -> FactoredLayout | None:
-        if p not in self._factored:
-            layout = self.layout(p)
-            self._factored[p] = FactoredLayout(layout, p.device) if layout.ndim >= 2 else None
-        return self._factored[p]
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_unbound_in_job()
+        loss = self._begin_step(closure)
 
         items: list[Item] = []
         stats = SumBucket()

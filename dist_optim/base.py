@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .comm import gather_full, group_rank, group_size
 from .layout import ParamLayout, TPSplit, ZeroShard, local_layout, read_tp_dim
 
-__all__ = ["DistOptimizer", "check_range"]
+__all__ = ["DistOptimizer", "check_range", "check_adam_options"]
 
 
 def check_range(name: str, value: float, low: float, high: float | None = None, *, closed_high: bool = False) -> None:
@@ -39,6 +39,23 @@ def check_range(name: str, value: float, low: float, high: float | None = None, 
     if not ok:
         bound = f"[{low}, {high}{']' if closed_high else ')'}" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def check_adam_options(**options: Any) -> None:
+    """Validate the Adam-family options present in ``options`` (lr, betas, eps, weight_decay),
+    raising a ValueError that names the option."""
+    if "lr" in options:
+        check_range("lr", options["lr"], 0.0)
+    if "betas" in options:
+        betas = options["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        check_range("betas[0]", betas[0], 0.0, 1.0)
+        check_range("betas[1]", betas[1], 0.0, 1.0)
+    if "eps" in options:
+        check_range("eps", options["eps"], 0.0)
+    if "weight_decay" in options:
+        check_range("weight_decay", options["weight_decay"], 0.0)
 
 
 class DistOptimizer(torch.optim.Optimizer):
@@ -180,6 +197,16 @@ class DistOptimizer(torch.optim.Optimizer):
         self.bind(layouts, dp_group=dp_group)
 
     # ---- iteration ----------------------------------------------------------------------
+    def _begin_step(self, closure: Callable[[], Any] | None) -> Any:
+        """Start of every ``step``: evaluate the closure (with grad enabled) and warn once if an
+        unbound optimizer steps in a multi-process job. Returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_unbound_in_job()
+        return loss
+
     def _check_unbound_in_job(self) -> None:
         if self._warned_unbound or self.is_bound:
             return

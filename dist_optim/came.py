@@ -36,7 +36,7 @@ import torch
 
 from ._factored import (
     EPS_ADD,
-    FactoredLayout,
+    FactoredOptimizer,
     Item,
     approx_inv_sqrt,
     check_floating,
@@ -48,14 +48,14 @@ from ._factored import (
     queue_factored_sums,
     queue_sumsq,
 )
-from .base import DistOptimizer, check_range
+from .base import check_range
 from .comm import SumBucket
 from .registry import Conversion, register
 
 __all__ = ["DistributedCAME"]
 
 
-class DistributedCAME(DistOptimizer):
+class DistributedCAME(FactoredOptimizer):
     """CAME with exact factored statistics under TP and ZeRO (see the module docstring).
 
     Args:
@@ -87,7 +87,6 @@ class DistributedCAME(DistOptimizer):
         )
         _validate(defaults)
         super().__init__(params, defaults)
-        self._factored: dict[torch.Tensor, FactoredLayout | None] = {}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -99,22 +98,9 @@ class DistributedCAME(DistOptimizer):
             self.param_groups.pop()
             raise
 
-    def _on_bind(self) -> None:
-        self._factored.clear()
-
-    def _fac(self, p: torch.Tensor) -> FactoredLayout | None:
-        if p not in self._factored:
-            layout = self.layout(p)
-            self._factored[p] = FactoredLayout(layout, p.device) if layout.ndim >= 2 else None
-        return self._factored[p]
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_unbound_in_job()
+        loss = self._begin_step(closure)
 
         items: list[Item] = []
         stats = SumBucket()

@@ -80,7 +80,7 @@ from typing import Any
 import torch
 
 from . import comm
-from .base import DistOptimizer, check_range
+from .base import DistOptimizer, check_adam_options, check_range
 from .layout import ParamLayout
 from .registry import Conversion, register
 from .work import assign_owners
@@ -282,7 +282,7 @@ class DistributedGaLore(DistOptimizer):
         check_range("min_8bit_size", min_8bit_size, 0)
         if adam_style not in ADAM_STYLES:
             raise ValueError(f"adam_style must be one of {ADAM_STYLES}, got {adam_style!r}")
-        _validate(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        check_adam_options(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.optim_bits = int(optim_bits)
         self.min_8bit_size = int(min_8bit_size)
         self.is_paged = bool(is_paged)
@@ -311,7 +311,7 @@ class DistributedGaLore(DistOptimizer):
                         f"DistributedGaLore: {key} is optimizer-wide; a param group sets {key}={value!r} "
                         f"but the optimizer has {getattr(self, key)!r}"
                     )
-        _validate(**{k: param_group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in param_group})
+        check_adam_options(**{k: param_group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in param_group})
         if "rank" in param_group:
             for key, value in GROUP_DEFAULTS.items():
                 param_group.setdefault(key, value)
@@ -378,11 +378,7 @@ class DistributedGaLore(DistOptimizer):
     # ---- the step -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_unbound_in_job()
+        loss = self._begin_step(closure)
         if not self._shapes_checked:
             self._check_shapes()
 
@@ -723,21 +719,6 @@ class _Item:
         self.refresh = refresh
         self.full_grad: torch.Tensor | None = None
         self.low: torch.Tensor | None = None
-
-
-def _validate(**options: Any) -> None:
-    if "lr" in options:
-        check_range("lr", options["lr"], 0.0)
-    if "betas" in options:
-        betas = options["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        check_range("betas[0]", betas[0], 0.0, 1.0)
-        check_range("betas[1]", betas[1], 0.0, 1.0)
-    if "eps" in options:
-        check_range("eps", options["eps"], 0.0)
-    if "weight_decay" in options:
-        check_range("weight_decay", options["weight_decay"], 0.0)
 
 
 def _validate_galore_group(group: Mapping[str, Any]) -> None:

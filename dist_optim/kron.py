@@ -521,11 +521,7 @@ class DistributedKron(DistOptimizer):
     # ---- the step --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_unbound_in_job()
+        loss = self._begin_step(closure)
         do_update, balance = self._decide()
 
         work: list[tuple[dict[str, Any], torch.Tensor]] = []

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .base import DistOptimizer, check_range
+from .base import DistOptimizer, check_adam_options, check_range
 from .comm import SumBucket
 from .registry import Conversion, register
 
@@ -88,11 +88,7 @@ class DistributedLamb(DistOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_unbound_in_job()
+        loss = self._begin_step(closure)
 
         bucket = SumBucket()
         pending = []
@@ -211,18 +207,7 @@ def _updates_per_tensor(
 
 
 def _validate(**options: Any) -> None:
-    if "lr" in options:
-        check_range("lr", options["lr"], 0.0)
-    if "betas" in options:
-        betas = options["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        check_range("betas[0]", betas[0], 0.0, 1.0)
-        check_range("betas[1]", betas[1], 0.0, 1.0)
-    if "eps" in options:
-        check_range("eps", options["eps"], 0.0)
-    if "weight_decay" in options:
-        check_range("weight_decay", options["weight_decay"], 0.0)
+    check_adam_options(**options)
     if options.get("clamp_value") is not None:
         check_range("clamp_value", options["clamp_value"], 0.0)
 

@@ -408,11 +408,7 @@ class DistributedShampoo(DistOptimizer):
     # ---- the step --------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_unbound_in_job()
+        loss = self._begin_step(closure)
         self._ensure_plans()
 
         entries: list[tuple[dict[str, Any], int, torch.Tensor]] = []

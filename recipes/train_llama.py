@@ -335,6 +335,7 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
         history.append(entry)
         if writer is not None:
             writer.writerow([entry["step"], f"{loss_value:.6f}", f"{entry['lr']:.6g}", f"{seconds:.4f}"])
+            f.flush()  # a log that can be followed while the run goes on
         if progress is not None:
             progress.set_postfix(loss=f"{loss_value:.4f}")
             progress.update(1)
