@@ -61,25 +61,6 @@ def swap_optimizer(optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = 
     return swapped
 
 
-def _configure(
-    plugin: Any,
-    parent_configure: Callable[..., tuple[Any, ...]],
-    bind: Callable[[Any], None],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    criterion: Any,
-    dataloader: Any,
-    lr_scheduler: Any,
-) -> tuple[Any, ...]:
-    optimizer = swap_optimizer(optimizer, lr_scheduler)
-    out = parent_configure(model, optimizer, criterion, dataloader, lr_scheduler)
-    model, wrapper = out[0], out[1]
-    if wrapper is not None and isinstance(getattr(wrapper, "optim", None), DistOptimizer):
-        bind(wrapper)
-        record_param_names(wrapper, model)
-    return out
-
-
 def _with_dist_optim_checkpoints(io: Any, writer: Callable[[], bool]) -> Any:
     """ColossalAI's checkpoint IO of a plugin, with our optimizers saved in the layout-independent
     format (see plugins/checkpoint.py); everything else is unchanged."""
@@ -95,82 +76,65 @@ def _rank0(*groups: Any) -> Callable[[], bool]:
     return lambda: all(g is None or torch.distributed.get_rank(g) == 0 for g in groups)
 
 
-class HybridParallelPlugin(_HybridParallelPlugin):
+class _SwapAndBind:
+    """What every drop-in plugin adds to ColossalAI's: swap the optimizer before ColossalAI wraps
+    it, bind it to the real layouts after, and save it in the layout-independent format."""
+
+    def _bind(self, wrapper: Any) -> None:
+        raise NotImplementedError
+
+    def _checkpoint_writer(self) -> Callable[[], bool]:
+        return _rank0(world_group())
+
+    def configure(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, ...]:
+        optimizer = swap_optimizer(optimizer, lr_scheduler)
+        out = super().configure(model, optimizer, criterion, dataloader, lr_scheduler)  # type: ignore[misc]
+        model, wrapper = out[0], out[1]
+        if wrapper is not None and isinstance(getattr(wrapper, "optim", None), DistOptimizer):
+            self._bind(wrapper)
+            record_param_names(wrapper, model)
+        return out
+
+    def get_checkpoint_io(self) -> Any:
+        return _with_dist_optim_checkpoints(super().get_checkpoint_io(), self._checkpoint_writer())  # type: ignore[misc]
+
+
+class HybridParallelPlugin(_SwapAndBind, _HybridParallelPlugin):
     """``colossalai.booster.plugin.HybridParallelPlugin`` that swaps and binds dist_optim optimizers."""
 
-    def configure(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, ...]:
-        return _configure(
-            self,
-            super().configure,
-            lambda w: bind_from_wrapper(w, self.tp_group, self.dp_group),
-            model,
-            optimizer,
-            criterion,
-            dataloader,
-            lr_scheduler,
-        )
+    def _bind(self, wrapper: Any) -> None:
+        bind_from_wrapper(wrapper, self.tp_group, self.dp_group)
 
-    def get_checkpoint_io(self) -> Any:
+    def _checkpoint_writer(self) -> Callable[[], bool]:
+        # One writer per pipeline stage: after full_state() the state is replicated over TP, DP, SP.
         sp = self.sp_group if self.sp_group is not self.tp_group else None
-        return _with_dist_optim_checkpoints(super().get_checkpoint_io(), _rank0(self.tp_group, self.dp_group, sp))
+        return _rank0(self.tp_group, self.dp_group, sp)
 
 
-class LowLevelZeroPlugin(_LowLevelZeroPlugin):
+class LowLevelZeroPlugin(_SwapAndBind, _LowLevelZeroPlugin):
     """``colossalai.booster.plugin.LowLevelZeroPlugin`` that swaps and binds dist_optim optimizers."""
 
-    def configure(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, ...]:
-        return _configure(
-            self,
-            super().configure,
-            lambda w: bind_from_wrapper(w, None, world_group()),
-            model,
-            optimizer,
-            criterion,
-            dataloader,
-            lr_scheduler,
-        )
-
-    def get_checkpoint_io(self) -> Any:
-        return _with_dist_optim_checkpoints(super().get_checkpoint_io(), _rank0(world_group()))
+    def _bind(self, wrapper: Any) -> None:
+        bind_from_wrapper(wrapper, None, world_group())
 
 
-class TorchDDPPlugin(_TorchDDPPlugin):
+class TorchDDPPlugin(_SwapAndBind, _TorchDDPPlugin):
     """``colossalai.booster.plugin.TorchDDPPlugin`` that swaps dist_optim optimizers in.
 
     Parameters are whole and replicated under DDP; the optimizer is bound with the world as its
     data-parallel group so that optimizers which split per-parameter work can share it out.
     """
 
-    def configure(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, ...]:
-        def bind(wrapper: Any) -> None:
-            optim = wrapper.optim
-            optim.bind({p: local_layout(p) for g in optim.param_groups for p in g["params"]}, dp_group=world_group())
-
-        return _configure(self, super().configure, bind, model, optimizer, criterion, dataloader, lr_scheduler)
-
-    def get_checkpoint_io(self) -> Any:
-        return _with_dist_optim_checkpoints(super().get_checkpoint_io(), _rank0(world_group()))
+    def _bind(self, wrapper: Any) -> None:
+        optim = wrapper.optim
+        optim.bind({p: local_layout(p) for g in optim.param_groups for p in g["params"]}, dp_group=world_group())
 
 
 def _refuse(plugin: str, optimizer: torch.optim.Optimizer | None, why: str) -> None:
@@ -187,34 +151,33 @@ def _refuse(plugin: str, optimizer: torch.optim.Optimizer | None, why: str) -> N
         )
 
 
-class GeminiPlugin(_GeminiPlugin):
+class _Refuses:
+    """Plugins that hand optimizers flat chunks without a layout: refuse ours at boost."""
+
+    _why = ""
+
+    def configure(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, ...]:
+        _refuse(type(self).__name__, optimizer, self._why)
+        return super().configure(model, optimizer, criterion, dataloader, lr_scheduler)  # type: ignore[misc]
+
+
+class GeminiPlugin(_Refuses, _GeminiPlugin):
     """``colossalai.booster.plugin.GeminiPlugin`` that refuses, at boost, optimizers whose math is
     not element-wise (they would silently see chunks of parameters); other optimizers behave as
     with ColossalAI's plugin (which itself accepts only its own Adam classes)."""
 
-    def configure(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, ...]:
-        _refuse("GeminiPlugin", optimizer, "Gemini packs parameters into flat chunks and never binds optimizers;")
-        return super().configure(model, optimizer, criterion, dataloader, lr_scheduler)
+    _why = "Gemini packs parameters into flat chunks and never binds optimizers;"
 
 
-class TorchFSDPPlugin(_TorchFSDPPlugin):
+class TorchFSDPPlugin(_Refuses, _TorchFSDPPlugin):
     """``colossalai.booster.plugin.TorchFSDPPlugin`` that refuses, at boost, optimizers whose math
     is not element-wise (FSDP hands them flat shards and no layout)."""
 
-    def configure(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, ...]:
-        _refuse("TorchFSDPPlugin", optimizer, "FSDP flattens and shards parameters and never binds optimizers;")
-        return super().configure(model, optimizer, criterion, dataloader, lr_scheduler)
+    _why = "FSDP flattens and shards parameters and never binds optimizers;"

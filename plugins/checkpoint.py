@@ -34,6 +34,7 @@ from dist_optim.registry import class_path
 __all__ = ["FORMAT", "INDEX_NAME", "DistOptimCheckpointMixin", "is_dist_optim_checkpoint"]
 
 FORMAT = "dist_optim.optimizer/1"
+MASTER_KEY = "__master__"  # a parameter's fp32 master weight, next to its state in sharded files
 INDEX_NAME = "dist_optim_optimizer.index.json"
 
 
@@ -97,11 +98,13 @@ class DistOptimCheckpointMixin:
             )
         names = _names(optim)
         states = optim.full_state()  # collective over TP / ZeRO / work groups
+        masters = _full_masters(optim, names)  # collective too
         writer = self._dist_optim_is_writer()
         part = {
             "groups": _group_meta(optim, names),
             "state": {n: _cpu(s) for n, s in zip(names, states) if s},
             "extra": optim.extra_state(),
+            "masters": masters,
         } if writer else None  # fmt: skip
         parts = [p for p in comm.all_gather_objects(part) if p is not None] if shard is False else None
         if shard:
@@ -113,6 +116,7 @@ class DistOptimCheckpointMixin:
                 "groups": [p["groups"] for p in parts],  # one list per pipeline stage
                 "state": {k: v for p in parts for k, v in p["state"].items()},
                 "extra": parts[0]["extra"],
+                "masters": {k: v for p in parts for k, v in p["masters"].items()},
             }
             tmp = f"{checkpoint}.tmp-{os.getpid()}"
             os.makedirs(os.path.dirname(os.path.abspath(checkpoint)), exist_ok=True)
@@ -134,6 +138,8 @@ class DistOptimCheckpointMixin:
             size = 0
             k = 0
             for name, state in part["state"].items():
+                if name in part["masters"]:
+                    state = {**state, MASTER_KEY: part["masters"][name]}
                 nbytes = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
                 if chunk and size + nbytes > limit:
                     k = _flush(tmp, rank, k, chunk, files)
@@ -182,7 +188,11 @@ class DistOptimCheckpointMixin:
             )
         groups = _match_groups(payload["groups"], optim, names, checkpoint)
         states = [payload["state"].get(n, {}) for n in names]
+        masters = _local_masters(optim, names, payload.get("masters", {}), checkpoint)
         optim.load_full_state(states)  # validates shapes before replacing anything
+        with torch.no_grad():
+            for p, value in masters:
+                p.copy_(value)
         for group, meta in zip(optim.param_groups, groups):
             for key, value in meta.items():
                 if key != "params":
@@ -209,6 +219,39 @@ def _match_groups(stages: list[list[dict[str, Any]]], optim: DistOptimizer, name
             )
         mine.append(found)
     return mine
+
+
+def _full_masters(optim: DistOptimizer, names: list[str]) -> dict[str, torch.Tensor]:
+    """Full fp32 master weights by name when the optimizer steps copies of the working params."""
+    if not getattr(optim, "separate_masters", False):
+        return {}
+    params = [p for g in optim.param_groups for p in g["params"]]
+    fulls = comm.gather_full([(optim.layout(p), p.detach()) for p in params])
+    return {n: f.cpu().clone() for n, f in zip(names, fulls)}
+
+
+def _local_masters(
+    optim: DistOptimizer, names: list[str], masters: dict[str, torch.Tensor], path: str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's pieces of the saved masters, checked before anything is written: after
+    ``booster.load_model`` ZeRO's masters hold the bf16/fp16 working weights upcast, and the
+    checkpoint's exact fp32 values replace them (so load the model first, then the optimizer)."""
+    if not getattr(optim, "separate_masters", False) or not masters:
+        return []
+    out = []
+    params = [p for g in optim.param_groups for p in g["params"]]
+    for p, name in zip(params, names):
+        if name not in masters:
+            continue
+        layout = optim.layout(p)
+        full = masters[name]
+        if tuple(full.shape) != layout.full_shape:
+            raise ValueError(
+                f"optimizer checkpoint {path}: master weight {name!r} has shape {tuple(full.shape)}, the model's is "
+                f"{layout.full_shape}; was it saved from another model?"
+            )
+        out.append((p, layout.take_local(full.to(p.device, p.dtype)).view_as(p)))
+    return out
 
 
 def _cpu(state: dict[str, Any]) -> dict[str, Any]:
@@ -238,8 +281,15 @@ def _read(checkpoint: str) -> dict[str, Any]:
             state: dict[str, Any] = {}
             for file in sorted(set(index["weight_map"].values())):
                 state.update(torch.load(os.path.join(checkpoint, file), map_location="cpu", weights_only=False))
+            masters = {n: st.pop(MASTER_KEY) for n, st in state.items() if MASTER_KEY in st}
             meta = torch.load(os.path.join(checkpoint, index["meta_file"]), map_location="cpu", weights_only=False)
-            return {"optimizer": index["optimizer"], "groups": meta["groups"], "state": state, "extra": meta["extra"]}
+            return {
+                "optimizer": index["optimizer"],
+                "groups": meta["groups"],
+                "state": state,
+                "extra": meta["extra"],
+                "masters": masters,
+            }
         payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
     except ValueError:
         raise

@@ -116,3 +116,6 @@ def record_param_names(wrapper: OptimizerWrapper, model: Any) -> None:
             if id(working) in names:
                 out[p] = names[id(working)]
     optim.param_names = out
+    # fp32 masters that are not the working params (ZeRO shards, mixed-precision copies): their
+    # full precision exists nowhere else, so optimizer checkpoints carry them.
+    optim.separate_masters = bool(to_working)

@@ -1,0 +1,68 @@
+"""A rank killed mid-run: the job exits non-zero within a bounded time, and resuming from the last
+checkpoint continues exactly the trajectory of an uninterrupted run."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 8
+
+
+def _cmd(ckpt: str, log: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "recipes/train_llama.py",
+        "--plugin", "hybrid", "--tp", "2", "--zero", "1", "--optimizer", "colossalai.nn.optimizer.Lamb",
+        "--lr", "1e-2", "--steps", str(STEPS), "--no-progress", "--ckpt-dir", ckpt, "--ckpt-every", "2",
+        "--log-csv", log, *extra,
+    ]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+
+
+def _losses(path: str) -> dict[int, str]:
+    with open(path) as f:
+        return {int(r["step"]): r["loss"] for r in csv.DictReader(f)}
+
+
+def test_killed_rank_fails_the_job_and_resume_continues_the_trajectory(tmp_path) -> None:
+    straight_log = str(tmp_path / "straight.csv")
+    subprocess.run(_cmd(str(tmp_path / "ck0"), straight_log), cwd=ROOT, env=_env(), check=True, capture_output=True)
+
+    ckpt, log = str(tmp_path / "ck1"), str(tmp_path / "killed.csv")
+    proc = subprocess.Popen(_cmd(ckpt, log), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # wait for a checkpoint (step 2 or 4), then kill one worker
+        if os.path.exists(os.path.join(ckpt, "latest")) and os.path.exists(log) and len(_losses(log)) >= 4:
+            break
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        time.sleep(0.2)
+    workers = [
+        c for c in psutil.Process(proc.pid).children(recursive=True) if "train_llama.py" in " ".join(c.cmdline())
+    ]
+    assert len(workers) == 4
+    killed_at = time.time()
+    os.kill(workers[1].pid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert time.time() - killed_at < 120
+
+    with open(os.path.join(ckpt, "latest")) as f:
+        resumed_from = int(f.read().strip().split("_")[1])
+    subprocess.run(_cmd(ckpt, log, "--resume"), cwd=ROOT, env=_env(), check=True, capture_output=True)
+    straight, resumed = _losses(straight_log), _losses(log)
+    for step in range(resumed_from + 1, STEPS + 1):
+        assert resumed[step] == straight[step], (step, resumed[step], straight[step])
