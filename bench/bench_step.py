@@ -212,6 +212,66 @@ def run_dist(steps: int) -> None:
         print(f"| {k} | {slowest[k]:.1f} | {slowest[k] / base:.2f}x | {res[0][k]['collectives']:.0f} |")
 
 
+# ---- split preconditioner work ---------------------------------------------------------------
+def _split_worker(shapes: list[tuple[int, ...]], steps: int, pf: int) -> dict[str, Any]:
+    """CPU seconds of DistributedShampoo steps on this rank, working alone (dp=1) and sharing the
+    block work with the 4 data-parallel ranks (replicated params, as under DDP)."""
+    import torch.distributed as dist
+
+    import dist_optim
+    from dist_optim import comm
+    from dist_optim.layout import local_layout
+
+    torch.manual_seed(0)
+    base = [torch.randn(s) * 0.02 for s in shapes]
+    grads = [torch.randn(s) * 1e-3 for s in shapes]
+    alone = dist.new_group([dist.get_rank()])
+    out: dict[str, Any] = {}
+    for label, group in (("dp1", alone), ("dp4", dist.group.WORLD)):
+        params = [torch.nn.Parameter(b.clone()) for b in base]
+        opt = dist_optim.DistributedShampoo(
+            params,
+            lr=1e-3,
+            precondition_frequency=pf,
+            start_preconditioning_step=pf,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+        )
+        opt.bind({p: local_layout(p) for p in params}, dp_group=group)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()  # warm-up (first preconditioner refresh at step pf)
+        comm.reset_counts()
+        dist.barrier()
+        t0 = time.process_time()
+        for _ in range(steps):
+            opt.step()
+        out[label] = time.process_time() - t0
+        out[label + "_bytes"] = opt.state_bytes()["preconditioner"]
+        out[label + "_collectives"] = sum(comm.COUNTS.values()) / steps
+    return out
+
+
+def run_split(steps: int, pf: int) -> None:
+    from tests._dist import DistPool
+
+    shapes = llama_like(512, 1376, 2, 4096)
+    pool = DistPool(4)
+    try:
+        res = pool.run(_split_worker, shapes, steps, pf)
+    finally:
+        pool.close()
+    dp1 = max(r["dp1"] for r in res)
+    dp4 = max(r["dp4"] for r in res)
+    print(f"\nShampoo block work split over 4 data-parallel ranks ({steps} steps, precondition_frequency={pf})")
+    print("| | max CPU s per rank | preconditioner bytes per rank (max) | collectives per step |")
+    print("|---|---:|---:|---:|")
+    print(f"| dp=1 (each rank alone) | {dp1:.2f} | {max(r['dp1_bytes'] for r in res):,} | 0 |")
+    print(
+        f"| dp=4 (work split) | {dp4:.2f} ({dp4 / dp1:.2f}x) | {max(r['dp4_bytes'] for r in res):,} "
+        f"| {res[0]['dp4_collectives']:.0f} |"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", help="groups to run (baseline always runs)")
@@ -220,9 +280,14 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a 4x smaller parameter set (quick check)")
     ap.add_argument("--dist", action="store_true", help="distributed boosted-step benchmark on 4 processes")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--split", action="store_true", help="Shampoo per-rank work at dp=4 vs dp=1 (4 processes)")
+    ap.add_argument("--pf", type=int, default=10, help="precondition_frequency for --split")
     args = ap.parse_args()
     if args.dist:
         run_dist(args.steps)
+        return
+    if args.split:
+        run_split(args.steps, args.pf)
         return
     from bench.rows import rows
 
