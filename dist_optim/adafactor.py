@@ -58,7 +58,6 @@ from ._factored import (
     EPS_CLAMP,
     FactoredOptimizer,
     Item,
-    check_floating,
     clip_factor,
     ema_,
     fold_second_moment,
@@ -147,15 +146,12 @@ class DistributedAdafactor(FactoredOptimizer):
         _validate(defaults)
         super().__init__(params, defaults)
 
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        _validate(group)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        try:
-            check_floating(group["params"], type(self).__name__)
-            _validate(group)
-        except (ValueError, TypeError):
-            self.param_groups.pop()
-            raise
         if group["variant"] == "transformers" and group["relative_step"] and group["lr"] is not None:
             # transformers ignores a group's lr under relative_step; say so rather than stay silent.
             warnings.warn(

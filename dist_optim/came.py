@@ -39,7 +39,6 @@ from ._factored import (
     FactoredOptimizer,
     Item,
     approx_inv_sqrt,
-    check_floating,
     clip_factor,
     ema_,
     fold_second_moment,
@@ -88,15 +87,8 @@ class DistributedCAME(FactoredOptimizer):
         _validate(defaults)
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            check_floating(group["params"], type(self).__name__)
-            _validate(group)
-        except (ValueError, TypeError):
-            self.param_groups.pop()
-            raise
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        _validate(group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
