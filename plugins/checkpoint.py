@@ -31,7 +31,7 @@ from dist_optim import comm
 from dist_optim.base import DistOptimizer
 from dist_optim.registry import class_path
 
-__all__ = ["FORMAT", "INDEX_NAME", "DistOptimCheckpointMixin", "is_dist_optim_checkpoint"]
+__all__ = ["FORMAT", "INDEX_NAME", "DistOptimCheckpointMixin"]
 
 FORMAT = "dist_optim.optimizer/1"
 MASTER_KEY = "__master__"  # a parameter's fp32 master weight, next to its state in sharded files
@@ -62,12 +62,6 @@ def _group_meta(optim: DistOptimizer, names: list[str]) -> list[dict[str, Any]]:
         out.append(meta)
         i += n
     return out
-
-
-def is_dist_optim_checkpoint(path: str) -> bool:
-    if os.path.isdir(path):
-        return os.path.exists(os.path.join(path, INDEX_NAME))
-    return os.path.isfile(path) and not path.endswith(".json")
 
 
 class DistOptimCheckpointMixin:
