@@ -44,7 +44,9 @@ __all__ = [
     "EPS_CLAMP",
     "init_second_moment",
     "queue_factored_sums",
+    "fold_sums",
     "fold_second_moment",
+    "preconditioned",
     "approx_inv_sqrt",
     "queue_sumsq",
     "rms",
@@ -179,7 +181,14 @@ class FactoredLayout:
 # ---- shared step pieces -------------------------------------------------------------------------
 @dataclass
 class Item:
-    """One parameter's data during a step (local tensors; fp32 math)."""
+    """One parameter's data during a step (local tensors; fp32 math).
+
+    A factored parameter keeps no param-sized tensor between the phases of a step: its
+    preconditioned gradient is recomputed from ``grad`` and the small row/column statistics when a
+    phase needs it (two elementwise passes), in the optimizer's workspace. Holding it instead would
+    keep a gradient-sized temporary per parameter alive across the step's collectives, and on the
+    CPU a fresh large tensor costs more in page faults than the two passes it saves.
+    """
 
     param: torch.Tensor
     group: dict[str, Any]
@@ -188,11 +197,7 @@ class Item:
     fac: FactoredLayout | None
     grad: torch.Tensor  # fp32, local form, sign applied (maximize)
     sums: tuple[torch.Tensor, torch.Tensor] | None = None
-    # A param-sized temporary whose values are spent (the squares behind ``sums``): reused as the
-    # next result's buffer, since on the CPU allocating (page-faulting) a large tensor costs more
-    # than the arithmetic on it.
-    scratch: torch.Tensor | None = None
-    update: torch.Tensor | None = None
+    update: torch.Tensor | None = None  # vectors only: the preconditioned gradient
     sumsq: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -205,18 +210,31 @@ def init_second_moment(state: dict[str, Any], item_param: torch.Tensor, fac: Fac
         state["variance"] = torch.zeros_like(item_param, dtype=torch.float32, memory_format=torch.preserve_format)
 
 
-def queue_factored_sums(bucket: SumBucket, item: Item, values: torch.Tensor, eps_add: float = 0.0) -> None:
-    """Queue the full row/column sums of ``values + eps_add`` (a temporary in local form, which
-    becomes ``item.scratch``) in ``bucket`` as ``item.sums``; complete after ``bucket.flush()``."""
+def queue_factored_sums(bucket: SumBucket, item: Item, values: torch.Tensor) -> None:
+    """Queue the full row/column sums of ``values`` (local form; may be the workspace, which is
+    free again on return) in ``bucket`` as ``item.sums``; complete after ``bucket.flush()``."""
     fac = item.fac
     assert fac is not None, "only factored parameters have row/column sums"
-    if eps_add:
-        # Added before the work form, so the block's filler (other ranks' elements) stays zero.
-        values.add_(eps_add)
     rows, cols = fac.partial_sums(fac.to_work(values))
     groups = item.layout.sum_groups
     item.sums = (bucket.add(rows, groups), bucket.add(cols, groups))
-    item.scratch = values
+
+
+def fold_sums(item: Item, row_key: str, col_key: str, beta: float, eps_add: float = 0.0) -> None:
+    """``state[row_key]``/``state[col_key]`` <- EMA with the reduced means of this step's
+    ``item.sums``. ``eps_add`` is the epsilon the references add to every squared element before
+    the means: added to the means instead (the same value in exact arithmetic, and no pass over
+    the elements)."""
+    fac = item.fac
+    assert fac is not None and item.sums is not None, "queue the factored sums before folding them"
+    rows, cols = item.sums
+    rows = rows.div_(fac.cols_full)
+    cols = cols.div_(fac.rows_full)
+    if eps_add:
+        rows.add_(eps_add)
+        cols.add_(eps_add)
+    ema_(item.state[row_key], rows, beta)
+    ema_(item.state[col_key], cols, beta)
 
 
 def ema_(avg: torch.Tensor, new: torch.Tensor, beta: float) -> None:
@@ -233,44 +251,61 @@ def approx_inv_sqrt(
     eps_mode: str = EPS_ADD,
     eps1: float = 0.0,
     out: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``values * V^-1/2`` (local form) where ``V`` is the rank-1 estimate from full row/column
-    statistics ``row``, ``col``; see :data:`EPS_ADD` / :data:`EPS_CLAMP`. ``out`` (optional, a
-    contiguous local-form tensor that is not ``values``) receives the result when the work form is
-    a view (no ZeRO)."""
+    """``values * V^-1/2`` (times ``scale``, a 1-element tensor, if given), in local form, where
+    ``V`` is the rank-1 estimate from full row/column statistics ``row``, ``col``; see
+    :data:`EPS_ADD` / :data:`EPS_CLAMP`. ``out`` (optional, a contiguous local-form tensor that
+    is not ``values``) receives the result when the work form is a view (no ZeRO)."""
     w = fac.to_work(values)
     buf = fac.to_work(out) if out is not None and not fac.zero else None
     if eps_mode == EPS_ADD:
         # transformers' _approx_sq_grad: rsqrt(R / mean_rows(R)) * rsqrt(C), on the small full vectors;
         # then G * r * c, one broadcast at a time (cheaper than materialising the outer product r c).
+        # A scalar factor rides on the small row vector for free.
         r_factor = (row / row.mean(dim=-2, keepdim=True)).rsqrt_()
-        c_factor = col.rsqrt()
-        r, c = fac.expand(r_factor, c_factor)
+        if scale is not None:
+            r_factor.mul_(scale)
+        r, c = fac.expand(r_factor, col.rsqrt())
         return fac.from_work(torch.mul(w, r, out=buf).mul_(c) if buf is not None else (w * r).mul_(c))
     # torch: V = R C / max(mean_rows(R), eps1); U = G / max(sqrt(V), eps1).
     scaled_col = col / row.mean(dim=-2, keepdim=True).clamp(min=eps1)
     r, c = fac.expand(row, scaled_col)
     v = torch.mul(r, c, out=buf) if buf is not None else r * c
-    return fac.from_work(v.clamp_(min=eps1 * eps1).rsqrt_().mul_(w))
+    v = v.clamp_(min=eps1 * eps1).rsqrt_().mul_(w)
+    if scale is not None:
+        v.mul_(scale)
+    return fac.from_work(v)
 
 
-def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> torch.Tensor:
-    """Fold this step's (reduced) statistics into the state with decay ``beta`` and return the
-    preconditioned gradient ``G V^-1/2`` in local form."""
+def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> None:
+    """Fold this step's (reduced) statistics into the second moment with decay ``beta``; for a
+    vector, also compute its preconditioned gradient (``item.update``)."""
     state, g = item.state, item.grad
     if item.fac is not None:
-        assert item.sums is not None, "queue the factored sums before folding them"
-        rows, cols = item.sums
-        ema_(state["row_var"], rows.div_(item.fac.cols_full), beta)
-        ema_(state["col_var"], cols.div_(item.fac.rows_full), beta)
-        return approx_inv_sqrt(item.fac, state["row_var"], state["col_var"], g, eps_mode, eps1, out=item.scratch)
+        fold_sums(item, "row_var", "col_var", beta, eps1 if eps_mode == EPS_ADD else 0.0)
+        return
     variance = state["variance"]
     sq = g * g
     if eps_mode == EPS_ADD:
         ema_(variance, sq.add_(eps1), beta)
-        return variance.rsqrt().mul_(g)
+        item.update = variance.rsqrt().mul_(g)
+        return
     ema_(variance, sq, beta)
-    return variance.clamp(min=eps1 * eps1).rsqrt_().mul_(g)
+    item.update = variance.clamp(min=eps1 * eps1).rsqrt_().mul_(g)
+
+
+def preconditioned(
+    item: Item, eps_mode: str, eps1: float, out: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``G V^-1/2`` (times ``scale``) in local form, after :func:`fold_second_moment`: for a
+    factored parameter computed afresh into ``out`` (the workspace); for a vector, the update kept
+    from the fold (scaled in place)."""
+    if item.fac is None:
+        assert item.update is not None, "fold the second moment first"
+        return item.update if scale is None else item.update.mul_(scale)
+    state = item.state
+    return approx_inv_sqrt(item.fac, state["row_var"], state["col_var"], item.grad, eps_mode, eps1, out, scale)
 
 
 def queue_sumsq(bucket: SumBucket, layout: ParamLayout, t: torch.Tensor) -> torch.Tensor:
@@ -309,6 +344,7 @@ class FactoredOptimizer(DistOptimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         self._factored: dict[torch.Tensor, FactoredLayout | None] = {}
+        self._scratch = torch.empty(0, dtype=torch.float32)
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -328,6 +364,20 @@ class FactoredOptimizer(DistOptimizer):
 
     def _on_bind(self) -> None:
         self._factored.clear()
+
+    def _workspace(self, like: torch.Tensor) -> torch.Tensor:
+        """An fp32 scratch tensor of ``like``'s shape, free between uses within a step phase.
+
+        On the CPU it is a view of one buffer kept across steps (grown to the largest parameter):
+        freshly allocated large tensors are page-faulted in on every step there, which costs more
+        than the arithmetic on them. Elsewhere the allocator caches blocks, so a new tensor is free.
+        """
+        if like.device.type != "cpu":
+            return torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        n = like.numel()
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.float32)
+        return self._scratch[:n].view(like.shape)
 
     def _fac(self, p: torch.Tensor) -> FactoredLayout | None:
         if p not in self._factored:

@@ -63,6 +63,7 @@ from ._factored import (
     fold_second_moment,
     init_second_moment,
     low_precision_copy,
+    preconditioned,
     queue_factored_sums,
     queue_sumsq,
     rms,
@@ -183,8 +184,7 @@ class DistributedAdafactor(FactoredOptimizer):
                         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["step"] += 1
                 if fac is not None:
-                    eps_add = eps1 if group["variant"] == "transformers" else 0.0
-                    queue_factored_sums(stats, item, g * g, eps_add)
+                    queue_factored_sums(stats, item, torch.mul(g, g, out=self._workspace(g)))
                 if group["scale_parameter"]:
                     item.sumsq["param"] = queue_sumsq(stats, item.layout, p)
                 items.append(item)
@@ -192,26 +192,29 @@ class DistributedAdafactor(FactoredOptimizer):
 
         norms = SumBucket()
         for item in items:
-            group = item.group
             t = float(item.state["step"])  # a CPU scalar: no device sync
-            if group["variant"] == "transformers":
-                beta2 = 1.0 - math.pow(t, group["decay_rate"])
-                item.update = fold_second_moment(item, beta2, EPS_ADD, group["eps"][0])
-            else:
-                eps1 = group["eps"][0]
-                eps1 = torch.finfo(item.param.dtype).eps if eps1 is None else eps1
-                beta2 = 1.0 - t ** group["decay_rate"]
-                item.update = fold_second_moment(item, beta2, EPS_CLAMP, eps1)
-            item.sumsq["update"] = queue_sumsq(norms, item.layout, item.update)
+            # Both variants' beta2_t is 1 - t^decay_rate.
+            eps_mode, eps1 = self._eps(item)
+            fold_second_moment(item, 1.0 - math.pow(t, item.group["decay_rate"]), eps_mode, eps1)
+            update = preconditioned(item, eps_mode, eps1, self._workspace(item.grad))
+            item.sumsq["update"] = queue_sumsq(norms, item.layout, update)
         norms.flush()
 
         for item in items:
             self._apply(item)
         return loss
 
+    @staticmethod
+    def _eps(item: Item) -> tuple[str, float]:
+        """The epsilon placement and eps1 of the item's variant (torch's None: the dtype's eps)."""
+        group = item.group
+        if group["variant"] == "transformers":
+            return EPS_ADD, group["eps"][0]
+        eps1 = group["eps"][0]
+        return EPS_CLAMP, torch.finfo(item.param.dtype).eps if eps1 is None else eps1
+
     def _apply(self, item: Item) -> None:
         group, state = item.group, item.state
-        assert item.update is not None
         t = float(state["step"])
         # Step size: rho_t (a Python float) times the parameter scale (a tensor, from the reduced RMS).
         if group["relative_step"]:
@@ -226,8 +229,10 @@ class DistributedAdafactor(FactoredOptimizer):
             scale = rms(item.sumsq["param"], item.layout).clamp_(min=group["eps"][1]) * rho
         else:
             scale = torch.full((1,), rho, dtype=torch.float32, device=item.param.device)
-        # Clipping and step size in one pass over the update.
-        update = item.update.mul_(clip_factor(item.sumsq["update"], item.layout, group["clip_threshold"]) * scale)
+        # Clipping and step size ride on the recomputed update's small row factor.
+        eps_mode, eps1 = self._eps(item)
+        k = clip_factor(item.sumsq["update"], item.layout, group["clip_threshold"]) * scale
+        update = preconditioned(item, eps_mode, eps1, self._workspace(item.grad), k)
         if group["beta1"] is not None:
             exp_avg = state["exp_avg"]
             ema_(exp_avg, update, group["beta1"])

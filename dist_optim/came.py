@@ -42,8 +42,10 @@ from ._factored import (
     clip_factor,
     ema_,
     fold_second_moment,
+    fold_sums,
     init_second_moment,
     low_precision_copy,
+    preconditioned,
     queue_factored_sums,
     queue_sumsq,
 )
@@ -94,6 +96,7 @@ class DistributedCAME(FactoredOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
 
+        # Phase 1: this step's second-moment statistics of every parameter, one flush.
         items: list[Item] = []
         stats = SumBucket()
         for group in self.param_groups:
@@ -112,48 +115,50 @@ class DistributedCAME(FactoredOptimizer):
                         state["res_col_var"] = torch.zeros_like(state["col_var"])
                 state["step"] += 1
                 if fac is not None:
-                    queue_factored_sums(stats, item, g * g, group["eps"][0])
+                    queue_factored_sums(stats, item, torch.mul(g, g, out=self._workspace(g)))
                 items.append(item)
         stats.flush()
 
+        # Phase 2: RMS of every U = G V^-1/2, one flush.
         norms = SumBucket()
         for item in items:
-            _, beta2, _ = item.group["betas"]
-            item.update = fold_second_moment(item, beta2, EPS_ADD, item.group["eps"][0])
-            item.sumsq["update"] = queue_sumsq(norms, item.layout, item.update)
+            eps1 = item.group["eps"][0]
+            fold_second_moment(item, item.group["betas"][1], EPS_ADD, eps1)
+            update = preconditioned(item, EPS_ADD, eps1, self._workspace(item.grad))
+            item.sumsq["update"] = queue_sumsq(norms, item.layout, update)
         norms.flush()
 
+        # Phase 3: first moment of the clipped U, and the confidence statistics of U - m, one flush.
         confidence = SumBucket()
         for item in items:
             group = item.group
-            assert item.update is not None
             beta1 = group["betas"][0]
-            update = item.update.mul_(clip_factor(item.sumsq["update"], item.layout, group["clip_threshold"]))
+            clip = clip_factor(item.sumsq["update"], item.layout, group["clip_threshold"])
+            update = preconditioned(item, EPS_ADD, group["eps"][0], self._workspace(item.grad), clip)
             exp_avg = item.state["exp_avg"]
             ema_(exp_avg, update, beta1)
             if item.fac is not None:
                 # Instability of the update w.r.t. its running mean: the statistic CAME factors.
-                res = (update - exp_avg).square_()
-                queue_factored_sums(confidence, item, res, group["eps"][1])
+                queue_factored_sums(confidence, item, update.sub_(exp_avg).square_())
+
         confidence.flush()
 
+        # Phase 4: the step, m preconditioned by the confidence statistics.
         for item in items:
             group, state = item.group, item.state
             exp_avg = state["exp_avg"]
-            if item.fac is not None:
-                assert item.sums is not None
-                rows, cols = item.sums
-                beta3 = group["betas"][2]
-                ema_(state["res_row_var"], rows.div_(item.fac.cols_full), beta3)
-                ema_(state["res_col_var"], cols.div_(item.fac.rows_full), beta3)
-                step = approx_inv_sqrt(item.fac, state["res_row_var"], state["res_col_var"], exp_avg, out=item.scratch)
-            else:
-                step = exp_avg
             p = item.param
             w = low_precision_copy(p)
             lr = group["lr"]
             if group["weight_decay"] != 0:
                 w.add_(w, alpha=-group["weight_decay"] * lr)
+            if item.fac is not None:
+                fold_sums(item, "res_row_var", "res_col_var", group["betas"][2], group["eps"][1])
+                step = approx_inv_sqrt(
+                    item.fac, state["res_row_var"], state["res_col_var"], exp_avg, out=self._workspace(exp_avg)
+                )
+            else:
+                step = exp_avg
             w.add_(step, alpha=-lr)
             if w is not p:
                 p.copy_(w)
