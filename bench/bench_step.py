@@ -141,15 +141,27 @@ def _instrument(
     inner.step = step
 
 
-def _dist_worker(steps: int) -> dict[str, Any]:
+#: --dist families: the ordinary optimizer a user passes (swapped for ours by dist_optim.plugins) and
+#: ColossalAI's own distributed class (run on ColossalAI's plugin), with the same options.
+DIST_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "lamb": ("colossalai.nn.optimizer.Lamb", "colossalai.nn.optimizer.DistributedLamb", dict(lr=1e-3)),
+    "adafactor": (
+        "transformers.optimization.Adafactor",
+        "colossalai.nn.optimizer.DistributedAdaFactor",
+        # The defaults (relative step, parameter scaling): ColossalAI's class fails on an explicit lr.
+        dict(lr=None),
+    ),
+    "came": ("came_pytorch.CAME", "colossalai.nn.optimizer.DistributedCAME", dict(lr=2e-4)),
+}
+
+
+def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from tests._colossal_cpu import install, quiet_colossal
 
     install()
     from colossalai.booster import Booster
-    from colossalai.nn.optimizer import DistributedLamb as ColossalDistributedLamb
-    from colossalai.nn.optimizer import Lamb
 
     from dist_optim import comm, plugins
     from tests.booster import tiny_llama
@@ -165,51 +177,83 @@ def _dist_worker(steps: int) -> dict[str, Any]:
 
         return wrapped
 
-    for label, plugin_cls, make in (
-        ("dist_optim DistributedLamb (swapped from colossalai Lamb)", plugins.HybridParallelPlugin, Lamb),
-        (
-            "colossalai DistributedLamb",
-            _cls("colossalai.booster.plugin.HybridParallelPlugin"),
-            ColossalDistributedLamb,
-        ),
-    ):
+    runs = []
+    for fam in families:
+        ordinary, theirs, options = DIST_FAMILIES[fam]
+        runs.append(
+            (
+                fam,
+                f"dist_optim (swapped from {ordinary.rsplit('.', 1)[1]})",
+                plugins.HybridParallelPlugin,
+                ordinary,
+                options,
+            )
+        )
+        runs.append(
+            (
+                fam,
+                f"colossalai {theirs.rsplit('.', 1)[1]}",
+                _cls("colossalai.booster.plugin.HybridParallelPlugin"),
+                theirs,
+                options,
+            )
+        )
+    for fam, label, plugin_cls, make, options in runs:
         with quiet_colossal():
             torch.manual_seed(0)
             model = tiny_llama(hidden=256, inter=688, layers=2, vocab=1024)
-            opt = make(model.parameters(), lr=1e-3)
-            plugin = plugin_cls(tp_size=2, pp_size=1, zero_stage=1, precision="bf16", overlap_communication=False)
+            opt = _cls(make)(model.parameters(), **options)
+            plugin = plugin_cls(
+                tp_size=2, pp_size=1, zero_stage=zero_stage, precision=precision, overlap_communication=False
+            )
             booster = Booster(plugin=plugin)
-            model, wrapper, *_ = booster.boost(model, opt)
-            inner = wrapper.optim
-            times: list[float] = []
-            counts: list[int] = []
-            _instrument(inner, times, counts, calls, real, counting)
-            x = torch.randint(0, 1024, (2, 32))
-            for _ in range(steps + 2):
-                loss = model(input_ids=x, labels=x).loss
-                booster.backward(loss, wrapper)
-                wrapper.step()
-                wrapper.zero_grad()
-            out[label] = dict(ms=1e3 * statistics.median(times[2:]), collectives=statistics.median(counts[2:]))
+            try:
+                model, wrapper, *_ = booster.boost(model, opt)
+                inner = wrapper.optim
+                times: list[float] = []
+                counts: list[int] = []
+                _instrument(inner, times, counts, calls, real, counting)
+                x = torch.randint(0, 1024, (2, 32))
+                for _ in range(steps + 2):
+                    loss = model(input_ids=x, labels=x).loss
+                    booster.backward(loss, wrapper)
+                    wrapper.step()
+                    wrapper.zero_grad()
+            except Exception as exc:  # noqa: BLE001 - a peer that crashes on this layout is reported
+                out[label] = dict(family=fam, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+                continue
+            out[label] = dict(
+                family=fam, ms=1e3 * statistics.median(times[2:]), collectives=statistics.median(counts[2:])
+            )
     comm.reset_counts()
     return out
 
 
-def run_dist(steps: int) -> None:
+def run_dist(steps: int, families: list[str], zero_stage: int, precision: str) -> None:
     from tests._dist import DistPool
 
     pool = DistPool(4)
     try:
-        res = pool.run(_dist_worker, steps)
+        res = pool.run(_dist_worker, steps, families, zero_stage, precision)
     finally:
         pool.close()
-    slowest = {k: max(r[k]["ms"] for r in res) for k in res[0]}
-    base = slowest["colossalai DistributedLamb"]
-    print("\nBoosted optimizer step at tp=2 x dp=2 (HybridParallelPlugin, ZeRO-1, bf16), 4 CPU processes")
+    print(
+        f"\nBoosted optimizer step at tp=2 x dp=2 (HybridParallelPlugin, ZeRO-{zero_stage}, {precision}), "
+        "4 CPU processes"
+    )
     print("| optimizer | step (ms, slowest rank) | vs colossalai | collectives per step |")
     print("|---|---:|---:|---:|")
-    for k in res[0]:
-        print(f"| {k} | {slowest[k]:.1f} | {slowest[k] / base:.2f}x | {res[0][k]['collectives']:.0f} |")
+    for fam in families:
+        labels = [k for k in res[0] if res[0][k]["family"] == fam]
+        failed = {k: next((r[k]["error"] for r in res if "error" in r[k]), None) for k in labels}
+        slowest = {k: max(r[k]["ms"] for r in res) for k in labels if failed[k] is None}
+        base = next((slowest[k] for k in labels if k.startswith("colossalai") and k in slowest), None)
+        for k in labels:
+            if failed[k] is not None:
+                print(f"| {k} | fails: {failed[k]} | | |")
+                continue
+            vs = f"{slowest[k] / base:.2f}x" if base else "n/a"
+            print(f"| {k} | {slowest[k]:.1f} | {vs} | {res[0][k]['collectives']:.0f} |")
 
 
 # ---- split preconditioner work ---------------------------------------------------------------
@@ -278,13 +322,20 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--small", action="store_true", help="a 4x smaller parameter set (quick check)")
-    ap.add_argument("--dist", action="store_true", help="distributed boosted-step benchmark on 4 processes")
+    ap.add_argument(
+        "--dist",
+        nargs="*",
+        choices=sorted(DIST_FAMILIES),
+        help="distributed boosted-step benchmark on 4 processes for these families (none named: all)",
+    )
+    ap.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage for --dist")
+    ap.add_argument("--precision", default="bf16", help="precision for --dist (fp32, bf16, fp16)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--split", action="store_true", help="Shampoo per-rank work at dp=4 vs dp=1 (4 processes)")
     ap.add_argument("--pf", type=int, default=10, help="precondition_frequency for --split")
     args = ap.parse_args()
-    if args.dist:
-        run_dist(args.steps)
+    if args.dist is not None:
+        run_dist(args.steps, args.dist or sorted(DIST_FAMILIES), args.zero_stage, args.precision)
         return
     if args.split:
         run_split(args.steps, args.pf)
