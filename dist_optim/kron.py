@@ -62,8 +62,10 @@ Deviations from ``kron_torch.kron.Kron``:
 * kron_torch mutates ``p.grad`` in place (adds the probe noise) with
   ``momentum_into_precond_update=False``; we do not touch gradients. kron_torch prints buffer
   sizes on the first step; we do not.
-* The contractions are written as matrix products along one dim at a time instead of einsum:
-  the same math, fp32 rounding differs (~1e-7 relative).
+* The contractions are written as matrix products along one dim at a time instead of einsum,
+  and they skip what the structure makes known (:mod:`dist_optim._structured`: the zero half of
+  the upper-triangular factors, the mirrored half of the Gram matrices): the same math, fp32
+  rounding differs (~1e-7 relative), about a third of the multiply-adds of a large factor.
 * ``clip_update_rms`` (default True) can switch the RMS clipping off, as in kron_torch's
   DistributedKron.
 
@@ -100,6 +102,7 @@ from typing import Any
 
 import torch
 
+from ._structured import gram, matmul_triangular, upper_times_upper
 from .base import DistOptimizer, check_range
 from .comm import gather_full, group_rank, group_size, share_owned
 from .registry import Conversion, register
@@ -226,7 +229,10 @@ def _scale_along(t: torch.Tensor, dim: int, vec: torch.Tensor) -> torch.Tensor:
 def _apply_factors(t: torch.Tensor, factors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``(Q_1 (x) ... (x) Q_d) t``: each factor applied to the vectors along its dim."""
     for dim, q in enumerate(factors):
-        t = _scale_along(t, dim, q) if q.dim() < 2 else _along(t, dim, lambda rows, q=q: rows @ q.T)
+        if q.dim() < 2:
+            t = _scale_along(t, dim, q)
+        else:
+            t = _along(t, dim, lambda rows, q=q: matmul_triangular(rows, q.T, upper=False))
     return t
 
 
@@ -249,7 +255,7 @@ def _gram(t: torch.Tensor, dim: int, diagonal: bool) -> torch.Tensor:
     """Contraction of ``t`` with itself over every dim but ``dim``: the matrix ``T T^T`` of its
     mode-``dim`` unfolding ``T``, or only its diagonal."""
     rows = t.movedim(dim, 0).reshape(t.shape[dim], -1)
-    return (rows * rows).sum(1) if diagonal else rows @ rows.T
+    return (rows * rows).sum(1) if diagonal else gram(rows)
 
 
 def _spectral_lower_bound(sym: torch.Tensor, max_abs: torch.Tensor) -> torch.Tensor:
@@ -279,7 +285,8 @@ def _update_factors(
             q.sub_(diff * q / max_abs.clamp(min=tiny))
         else:
             bound = torch.where(max_abs > 0, _spectral_lower_bound(total, max_abs), max_abs).clamp(min=tiny)
-            q.sub_((torch.triu(diff) / bound) @ q)
+            # Only diff's upper triangle enters: triu(diff) @ Q with Q upper triangular.
+            q.sub_(upper_times_upper(diff.div_(bound), q))
 
 
 def _update_scalar_factor(
@@ -306,7 +313,7 @@ def _precondition(factors: Sequence[torch.Tensor], g: torch.Tensor) -> torch.Ten
         if q.dim() < 2:
             g = _scale_along(g, dim, q * q)
         else:
-            g = _along(g, dim, lambda rows, q=q: (rows @ q.T) @ q)
+            g = _along(g, dim, lambda rows, q=q: matmul_triangular(matmul_triangular(rows, q.T, upper=False), q))
     return g.contiguous()
 
 

@@ -1,0 +1,67 @@
+"""The structured products of dist_optim._structured against plain matrix products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_optim import _structured
+from dist_optim._structured import gram, matmul_triangular, triangular_matmul, upper_times_upper
+
+SIZES = [1, 2, 5, 13, 37, 64]  # odd sizes cut unevenly at every level of the recursion
+
+
+def _junk_below(t: torch.Tensor, upper: bool) -> torch.Tensor:
+    """A triangular matrix with garbage in its other triangle, which must never be read."""
+    junk = torch.full_like(t, float("nan"))
+    return t.triu() + junk.tril(-1) if upper else t.tril() + junk.triu(1)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("min_size", [1, 3, 256])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("upper", [True, False])
+def test_triangular_products(n: int, upper: bool, min_size: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    t = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    exact = t.triu() if upper else t.tril()
+    f = torch.randn(7, n, generator=gen, dtype=torch.float64)
+    _close(matmul_triangular(f, _junk_below(t, upper), upper, min_size), f @ exact)
+    g = torch.randn(n, 9, generator=gen, dtype=torch.float64)
+    _close(triangular_matmul(_junk_below(t, upper), g, upper, min_size), exact @ g)
+
+
+@pytest.mark.parametrize("min_size", [1, 3, 256])
+@pytest.mark.parametrize("n", SIZES)
+def test_upper_times_upper_is_upper_with_exact_zeros(n: int, min_size: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    a = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    b = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    out = upper_times_upper(_junk_below(a, True), _junk_below(b, True), min_size)
+    _close(out, a.triu() @ b.triu())
+    assert torch.equal(out.tril(-1), torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("min_size", [1, 3, 256])
+@pytest.mark.parametrize("n", SIZES)
+def test_gram(n: int, min_size: int) -> None:
+    rows = torch.randn(n, 11, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    _close(gram(rows, min_size), rows @ rows.T)
+
+
+def test_min_size_is_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = torch.addmm
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(_structured, "MIN_SIZE", 4)
+    monkeypatch.setattr(torch, "addmm", counting)
+    f, t = torch.randn(3, 16), torch.randn(16, 16)
+    torch.testing.assert_close(matmul_triangular(f, t), f @ t.triu())
+    assert calls, "a lowered MIN_SIZE must make the product recurse"
