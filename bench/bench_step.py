@@ -257,12 +257,31 @@ def run_dist(steps: int, families: list[str], zero_stage: int, precision: str) -
 
 
 # ---- split preconditioner work ---------------------------------------------------------------
-def _split_worker(shapes: list[tuple[int, ...]], steps: int, pf: int) -> dict[str, Any]:
-    """CPU seconds of DistributedShampoo steps on this rank, working alone (dp=1) and sharing the
-    block work with the 4 data-parallel ranks (replicated params, as under DDP)."""
+def _split_optimizer(name: str, params: list[torch.Tensor], pf: int) -> Any:
+    import dist_optim
+
+    if name == "shampoo":
+        return dist_optim.DistributedShampoo(
+            params,
+            lr=1e-3,
+            precondition_frequency=pf,
+            start_preconditioning_step=pf,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+        )
+    return dist_optim.DistributedKron(params, lr=3e-4, seed=0)
+
+
+def _preconditioner_bytes(opt: Any) -> int:
+    if hasattr(opt, "state_bytes"):
+        return int(opt.state_bytes()["preconditioner"])
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k.startswith("Q_"))
+
+
+def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int) -> dict[str, Any]:
+    """CPU seconds of the optimizer's steps on this rank, working alone (dp=1) and sharing the
+    preconditioner work with the 4 data-parallel ranks (replicated params, as under DDP)."""
     import torch.distributed as dist
 
-    import dist_optim
     from dist_optim import comm
     from dist_optim.layout import local_layout
 
@@ -273,40 +292,35 @@ def _split_worker(shapes: list[tuple[int, ...]], steps: int, pf: int) -> dict[st
     out: dict[str, Any] = {}
     for label, group in (("dp1", alone), ("dp4", dist.group.WORLD)):
         params = [torch.nn.Parameter(b.clone()) for b in base]
-        opt = dist_optim.DistributedShampoo(
-            params,
-            lr=1e-3,
-            precondition_frequency=pf,
-            start_preconditioning_step=pf,
-            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
-        )
+        opt = _split_optimizer(name, params, pf)
         opt.bind({p: local_layout(p) for p in params}, dp_group=group)
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        opt.step()  # warm-up (first preconditioner refresh at step pf)
+        opt.step()  # warm-up (Shampoo: first preconditioner refresh at step pf)
         comm.reset_counts()
         dist.barrier()
         t0 = time.process_time()
         for _ in range(steps):
             opt.step()
         out[label] = time.process_time() - t0
-        out[label + "_bytes"] = opt.state_bytes()["preconditioner"]
+        out[label + "_bytes"] = _preconditioner_bytes(opt)
         out[label + "_collectives"] = sum(comm.COUNTS.values()) / steps
     return out
 
 
-def run_split(steps: int, pf: int) -> None:
+def run_split(name: str, steps: int, pf: int, layers: int) -> None:
     from tests._dist import DistPool
 
-    shapes = llama_like(512, 1376, 2, 4096)
+    shapes = llama_like(512, 1376, layers, 4096)
     pool = DistPool(4)
     try:
-        res = pool.run(_split_worker, shapes, steps, pf)
+        res = pool.run(_split_worker, name, shapes, steps, pf)
     finally:
         pool.close()
     dp1 = max(r["dp1"] for r in res)
     dp4 = max(r["dp4"] for r in res)
-    print(f"\nShampoo block work split over 4 data-parallel ranks ({steps} steps, precondition_frequency={pf})")
+    setting = f", precondition_frequency={pf}" if name == "shampoo" else ""
+    print(f"\n{name} preconditioner work split over 4 data-parallel ranks ({layers} layers, {steps} steps{setting})")
     print("| | max CPU s per rank | preconditioner bytes per rank (max) | collectives per step |")
     print("|---|---:|---:|---:|")
     print(f"| dp=1 (each rank alone) | {dp1:.2f} | {max(r['dp1_bytes'] for r in res):,} | 0 |")
@@ -331,14 +345,19 @@ def main() -> None:
     ap.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage for --dist")
     ap.add_argument("--precision", default="bf16", help="precision for --dist (fp32, bf16, fp16)")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--split", action="store_true", help="Shampoo per-rank work at dp=4 vs dp=1 (4 processes)")
+    ap.add_argument(
+        "--split",
+        choices=("shampoo", "kron"),
+        help="per-rank preconditioner work at dp=4 vs dp=1 for this optimizer (4 processes)",
+    )
     ap.add_argument("--pf", type=int, default=10, help="precondition_frequency for --split")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the --split parameter set")
     args = ap.parse_args()
     if args.dist is not None:
         run_dist(args.steps, args.dist or sorted(DIST_FAMILIES), args.zero_stage, args.precision)
         return
     if args.split:
-        run_split(args.steps, args.pf)
+        run_split(args.split, args.steps, args.pf, args.layers)
         return
     from bench.rows import rows
 
