@@ -44,10 +44,14 @@ Update decision (as kron_torch 0.3.3, not the seed's coin flip): the probability
 :func:`precond_update_prob_schedule`: 1.0 for 500 steps, then ``exp(-0.001 (n - 500))`` down to
 0.03) drives a counter: the preconditioner is updated when the number of steps since the last
 update reaches ``1 / p``. This is deterministic, so every rank takes the same decision without
-communicating. Randomness: the probe vectors ``V`` come from a ``torch.Generator`` seeded with
-``seed`` and drawn for every parameter with a gradient, in ``param_groups`` order, on every rank
-(non-owners draw and discard), so every rank's generator stays in step; the balancing draw
-comes from ``random.Random(seed)``, drawn once per step as kron_torch does.
+communicating. Randomness: by default (``probe_rng="sequential"``) the probe vectors ``V`` come
+from a ``torch.Generator`` seeded with ``seed`` and drawn for every parameter with a gradient, in
+``param_groups`` order, on every rank (non-owners draw and discard), so every rank's generator
+stays in step. That stream depends on which parameters an optimizer holds, so a pipeline stage
+would draw other numbers than a single device: ``probe_rng="per_parameter"`` seeds each probe
+from ``(seed, parameter name, parameter step)`` instead (the dist_optim plugins switch to it
+under pipeline parallelism). The balancing draw comes from ``random.Random(seed)``, drawn once
+per step as kron_torch does (every stage takes the same decisions).
 
 Deviations from ``kron_torch.kron.Kron``:
 
@@ -94,6 +98,7 @@ the plain data-parallel group, which spans different experts (pass ``zero_group_
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
@@ -111,6 +116,7 @@ from .work import assign_owners
 __all__ = ["DistributedKron", "ProbabilitySchedule", "precond_update_prob_schedule", "precond_cost"]
 
 MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
+PROBE_RNGS = ("sequential", "per_parameter")
 _BALANCE_PROBABILITY = 0.01
 _CLIP_RMS = 1.1
 
@@ -360,6 +366,13 @@ class DistributedKron(DistOptimizer):
         seed: seed of the generators (probe vectors and balancing). Every rank must use the same.
         communication_dtype: precision of the gathers and shares when bound (default fp32 =
             exact; ``torch.bfloat16`` halves the bytes at bf16 rounding of momenta and directions).
+        probe_rng: where the probe vectors come from. ``"sequential"`` (default, kron_torch's):
+            one generator drawn for every parameter with a gradient in ``param_groups`` order,
+            on every rank. ``"per_parameter"``: each probe from a generator seeded by ``(seed,
+            parameter key, the parameter's step)``, where the key is the parameter's name in
+            ``param_names`` (set by the dist_optim plugins at boost) or else its position in
+            ``param_groups``: the same probes whatever subset of the model an optimizer holds, so
+            a pipeline stage reproduces the single-device run, and only owners draw.
     """
 
     _sharded_state = ("momentum_buffer",)
@@ -383,7 +396,10 @@ class DistributedKron(DistOptimizer):
         clip_update_rms: bool = True,
         seed: int = 42,
         communication_dtype: torch.dtype | None = None,
+        probe_rng: str = "sequential",
     ) -> None:
+        if probe_rng not in PROBE_RNGS:
+            raise ValueError(f"probe_rng must be one of {PROBE_RNGS}, got {probe_rng!r}")
         if preconditioner_update_probability is None:
             preconditioner_update_probability = precond_update_prob_schedule()
         defaults = dict(
@@ -410,6 +426,8 @@ class DistributedKron(DistOptimizer):
         super().__init__(params, defaults)
         self.seed = seed
         self.communication_dtype = communication_dtype
+        self.probe_rng = probe_rng
+        self.param_names: dict[torch.Tensor, str] = {}
         self._prob_step = 0
         self._update_counter = 0
         self._balance_rng = random.Random(seed)
@@ -513,6 +531,26 @@ class DistributedKron(DistOptimizer):
             self._generators[device] = gen
         return gen
 
+    def use_layout_independent_randomness(self) -> None:
+        """Switch to ``probe_rng="per_parameter"`` (see the class docstring)."""
+        self.probe_rng = "per_parameter"
+
+    def _probe_generator(self, p: torch.Tensor, device: torch.device) -> torch.Generator:
+        if self.probe_rng == "sequential":
+            return self._generator(device)
+        key = self.param_names.get(p) or self._position(p)
+        digest = hashlib.blake2b(f"{self.seed}|{key}|{int(self.state[p]['step'])}".encode(), digest_size=8).digest()
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+        return gen
+
+    def _position(self, p: torch.Tensor) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    return f"{gi}.{pi}"
+        raise KeyError("parameter is not in this optimizer")
+
     def _decide(self) -> tuple[bool, bool]:
         """(update the preconditioners?, balance them first?) for this step; same on every rank."""
         prob = self.param_groups[0]["preconditioner_update_probability"]
@@ -564,9 +602,12 @@ class DistributedKron(DistOptimizer):
             plan = self._plan(p, group)
             precond_dtype = group["precond_dtype"] or torch.float32
             probe = None
-            if do_update:
+            if do_update and (self.probe_rng == "sequential" or self._mine(p)):
                 probe = torch.randn(
-                    plan.shape, generator=self._generator(full_m.device), dtype=precond_dtype, device=full_m.device
+                    plan.shape,
+                    generator=self._probe_generator(p, full_m.device),
+                    dtype=precond_dtype,
+                    device=full_m.device,
                 )
             if self._mine(p):
                 u = self._owner_direction(p, group, plan, full_m, full_g, probe, balance)

@@ -15,6 +15,7 @@ element-wise and already exact under TP/ZeRO) pass through unchanged.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,26 @@ __all__ = [
     "GeminiPlugin",
     "TorchFSDPPlugin",
     "swap_optimizer",
+    "options_summary",
 ]
+
+
+def _log(message: str) -> None:
+    get_dist_logger().info(f"dist_optim: {message}", ranks=[0])
+
+
+def options_summary(optimizer: torch.optim.Optimizer) -> str:
+    """The options every parameter group runs with, as the swap log shows them (what the
+    conversion made of the user's settings, e.g. transformers' relative_step)."""
+    parts = []
+    for i, group in enumerate(optimizer.param_groups):
+        opts = ", ".join(
+            f"{k}={v.__name__ if inspect.isfunction(v) or inspect.isbuiltin(v) else repr(v)}"
+            for k, v in group.items()
+            if k != "params"
+        )
+        parts.append(f"group {i} ({len(group['params'])} params): {opts}")
+    return "; ".join(parts)
 
 
 def swap_optimizer(optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None) -> Any:
@@ -50,10 +70,7 @@ def swap_optimizer(optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = 
         return None
     swapped = convert(optimizer, strict=False)
     if swapped is not optimizer:
-        get_dist_logger().info(
-            f"dist_optim: swapped {class_path(type(optimizer))} for {class_path(type(swapped))}",
-            ranks=[0],
-        )
+        _log(f"swapped {class_path(type(optimizer))} for {class_path(type(swapped))}; {options_summary(swapped)}")
         if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is optimizer:
             lr_scheduler.optimizer = swapped
     if isinstance(swapped, DistOptimizer):
@@ -111,6 +128,11 @@ class HybridParallelPlugin(_SwapAndBind, _HybridParallelPlugin):
 
     def _bind(self, wrapper: Any) -> None:
         bind_from_wrapper(wrapper, self.tp_group, self.dp_group)
+        if self.pp_size > 1:
+            optim = wrapper.optim
+            optim.use_layout_independent_randomness()
+            if getattr(optim, "probe_rng", None) == "per_parameter":
+                _log(f"{type(optim).__name__}: pipeline parallelism, probe vectors drawn per parameter name")
 
     def _checkpoint_writer(self) -> Callable[[], bool]:
         # One writer per pipeline stage: after full_state() the state is replicated over TP, DP, SP.

@@ -100,8 +100,14 @@ def master_weights(model: Any, wrapper: Any) -> dict[str, torch.Tensor]:
 
 
 def reference_run(
-    opt_path: str, opt_kwargs: dict[str, Any], steps: int, low_precision: torch.dtype | None = None
+    opt_path: str,
+    opt_kwargs: dict[str, Any],
+    steps: int,
+    low_precision: torch.dtype | None = None,
+    pipeline: bool = False,
 ) -> dict[str, torch.Tensor]:
+    """The single-process run. ``pipeline``: with the randomness the plugins choose under pipeline
+    parallelism (layout-independent), parameters known by their model names as the plugins do."""
     import dist_optim
 
     model = tiny_llama()
@@ -111,6 +117,9 @@ def reference_run(
             for p in model.parameters():
                 p.copy_(p.to(low_precision).float())
     opt = dist_optim.convert(make_optimizer(opt_path, model, opt_kwargs))
+    opt.param_names = {p: n for n, p in model.named_parameters()}
+    if pipeline:
+        opt.use_layout_independent_randomness()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "stepping unbound in a multi-process job": on purpose
         for step in range(steps):
@@ -143,7 +152,7 @@ def booster_parity(
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plugin_kwargs.get("precision", "fp32"))
     if plugin_name == "LowLevelZeroPlugin" and "precision" not in plugin_kwargs:
         low = torch.float16
-    expected = reference_run(opt_path, opt_kwargs, steps, low)
+    expected = reference_run(opt_path, opt_kwargs, steps, low, pipeline=plugin_kwargs.get("pp_size", 1) > 1)
     opt = wrapper.optim
     errors = {}
     # Under pipeline parallelism a rank holds its stage's parameters only.
