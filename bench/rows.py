@@ -16,6 +16,9 @@ class Row:
     group: str  # the optimizer family it is compared within
     factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     requires: str | None = None  # import name of an optional package
+    # Steps between expensive refreshes that the first step also does (GaLore's SVDs): the
+    # amortised step is (first step + (refresh_every - 1) x median step) / refresh_every.
+    refresh_every: int | None = None
 
 
 _ROWS: list[Row] = []
@@ -31,8 +34,14 @@ def _cls(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _add(name: str, group: str, factory: Callable[[list[torch.Tensor]], Any], requires: str | None = None) -> None:
-    _ROWS.append(Row(name, group, factory, requires))
+def _add(
+    name: str,
+    group: str,
+    factory: Callable[[list[torch.Tensor]], Any],
+    requires: str | None = None,
+    refresh_every: int | None = None,
+) -> None:
+    _ROWS.append(Row(name, group, factory, requires, refresh_every))
 
 
 def _dist(name: str) -> Any:
@@ -88,15 +97,23 @@ def _galore_groups(params: list[torch.Tensor], rank: int = 128, gap: int = 200) 
     ]
 
 
-_add("dist_optim GaLore 32-bit", "galore", lambda p: _dist("DistributedGaLore")(_galore_groups(p), lr=1e-3))
+_GAP = 200
+_add(
+    "dist_optim GaLore 32-bit",
+    "galore",
+    lambda p: _dist("DistributedGaLore")(_galore_groups(p), lr=1e-3),
+    refresh_every=_GAP,
+)
 _add(
     "dist_optim GaLore 8-bit",
     "galore",
     lambda p: _dist("DistributedGaLore")(_galore_groups(p), lr=1e-3, optim_bits=8),
+    refresh_every=_GAP,
 )
 _add(
     "galore_torch GaLoreAdamW",
     "galore",
     lambda p: _cls("galore_torch.GaLoreAdamW")(_galore_groups(p), lr=1e-3),
     "galore_torch",
+    refresh_every=_GAP,
 )
