@@ -38,6 +38,7 @@ __all__ = [
     "COUNTS",
     "reset_counts",
     "SumBucket",
+    "MaxBucket",
     "gather_full",
     "broadcast_from",
     "share_owned",
@@ -122,16 +123,28 @@ class SumBucket:
                     if g is group:
                         by_dtype[tensor.dtype].append(tensor)
                 for dtype in sorted(by_dtype, key=str):
-                    _all_reduce_many(by_dtype[dtype], group)
+                    _all_reduce_many(by_dtype[dtype], group, self._op)
+
+    #: The reduction (a class attribute so subclasses pick another one).
+    _op = "sum"
 
 
-def _all_reduce_many(tensors: list[torch.Tensor], group: Any) -> None:
+@dataclass
+class MaxBucket(SumBucket):
+    """:class:`SumBucket` with an element-wise maximum instead of a sum (block-wise absmax of
+    tensors whose pieces live on several ranks)."""
+
+    _op = "max"
+
+
+def _all_reduce_many(tensors: list[torch.Tensor], group: Any, op: str = "sum") -> None:
     COUNTS["all_reduce"] += 1
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     if len(tensors) == 1 and tensors[0].is_contiguous():
-        dist.all_reduce(tensors[0], group=group)
+        dist.all_reduce(tensors[0], op=reduce_op, group=group)
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    dist.all_reduce(flat, op=reduce_op, group=group)
     offset = 0
     for t in tensors:
         n = t.numel()

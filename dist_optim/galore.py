@@ -57,9 +57,11 @@ Deviations from galore_torch (all deliberate):
 * ``rank`` larger than ``min(M, N)`` raises (galore_torch silently uses ``min(M, N)``).
 * ``reverse_std`` on an ``M < N`` matrix with ``rank == M`` back-projects on the side it
   projected (galore_torch picks the side from the low-rank shape and fails with a shape error).
-* 8-bit mode quantises only the low-rank moments; plain-AdamW params keep fp32 moments (their
-  states are sharded by ZeRO, and block-wise quantisation of a shard would depend on the layout).
-  bitsandbytes' GaLoreAdamW8bit quantises them too.
+* 8-bit mode quantises the plain-AdamW params' moments too (as bitsandbytes' GaLoreAdamW8bit),
+  in blocks of the *full* flattened parameter (``_Blocks``): a ZeRO chunk or TP slice holds
+  pieces of blocks, whose absmax is max-reduced over its holders (one collective per group and
+  step), so the states are the same on every layout. The codes are computed in torch with the
+  nearest-value rule of bitsandbytes' kernel (the two can differ only at exact ties).
 * The projector is kept in the gradient's dtype (as galore_torch), the SVD is done in fp32.
 * State is tensors only (``proj_left`` / ``proj_right`` instead of a projector object; low-rank
   moments as ``low_rank_exp_avg`` / ``low_rank_exp_avg_sq``, with ``*_absmax`` in 8-bit mode) so it
@@ -653,26 +655,130 @@ class DistributedGaLore(DistOptimizer):
     # ---- plain AdamW params ---------------------------------------------------------------
     def _plain_adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
-        for p in params:
+        eight = [self.optim_bits == 8 and self.layout(p).full_numel >= self.min_8bit_size for p in params]
+        for p, e in zip(params, eight):
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        states = [self.state[p] for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+                if e:
+                    blocks = -(-self.layout(p).full_numel // BLOCKSIZE)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = self._buffer(p.shape, torch.uint8, p.device)
+                        state[f"{key}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                else:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         wd, lr = group["weight_decay"], group["lr"]
         if self.adam_style == "bnb" and wd > 0.0:
             torch._foreach_mul_(params, 1.0 - lr * wd)
-        for p, grad, state, m, v in zip(params, grads, states, exp_avgs, exp_avg_sqs):
+
+        # 8-bit moments of a parameter held in pieces: the absmax of every quantisation block of
+        # the full tensor first (the new moments are recomputed below rather than held), in one
+        # max-reduction per process group for the whole parameter group.
+        absmax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        maxes = comm.MaxBucket()
+        for i, (p, grad, e) in enumerate(zip(params, grads, eight)):
+            layout = self.layout(p)
+            if e and not layout.is_local:
+                blocks = _Blocks(layout, p.device)
+                m, v = self._plain_moments_8bit(self.state[p], grad, blocks, beta1, beta2)
+                absmax[i] = (maxes.add(blocks.amax(m), layout.sum_groups), maxes.add(blocks.amax(v), layout.sum_groups))
+        maxes.flush()
+
+        for i, (p, grad, e) in enumerate(zip(params, grads, eight)):
+            state = self.state[p]
             state["step"] += 1
-            m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            if e:
+                blocks = _Blocks(self.layout(p), p.device)
+                m, v = self._plain_moments_8bit(state, grad, blocks, beta1, beta2)
+                m_max, v_max = absmax.get(i) or (blocks.amax(m), blocks.amax(v))
+            else:
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
             step_size, denom = self._step_size_and_denom(group, v, float(state["step"]))
-            p.addcdiv_(m, denom, value=-step_size)
+            p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-step_size)
+            if e:
+                blocks.quantize_into(m, m_max, state["exp_avg"], state["exp_avg_absmax"], signed=True)
+                blocks.quantize_into(v, v_max, state["exp_avg_sq"], state["exp_avg_sq_absmax"], signed=False)
         if self.adam_style == "hf" and wd > 0.0:
             torch._foreach_add_(params, params, alpha=-lr * wd)
+
+    @staticmethod
+    def _plain_moments_8bit(
+        state: dict[str, Any], grad: torch.Tensor, blocks: _Blocks, beta1: float, beta2: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's fp32 moments of a plain parameter from its 8-bit state (not stored)."""
+        g = grad.float()
+        m = blocks.dequantize(state["exp_avg"], state["exp_avg_absmax"], signed=True)
+        v = blocks.dequantize(state["exp_avg_sq"], state["exp_avg_sq_absmax"], signed=False)
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        return m, v
+
+
+class _Blocks:
+    """8-bit block-wise quantisation of a plain parameter's moments with blocks of ``BLOCKSIZE``
+    consecutive elements of the *full* flattened tensor (bitsandbytes' blocks on one device), so
+    that codes and absmax do not depend on how the parameter is split: a TP slice or a ZeRO chunk
+    holds pieces of blocks, whose absmax is max-reduced over the ranks that hold them. The absmax
+    of all blocks is kept (replicated; 1/256 of the parameter's elements).
+
+    Codes come from bitsandbytes' own ``quantize_blockwise`` (its nearest-code search is not an
+    exact nearest, so we do not reimplement it): a piece of a block is quantised in a 256-slot
+    buffer whose slots this rank does not hold carry the block's global absmax, so bitsandbytes
+    computes exactly that absmax and gives every held element the code it gives on one device.
+    """
+
+    def __init__(self, layout: ParamLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.n = -(-layout.full_numel // BLOCKSIZE)
+        self.ids: torch.Tensor | None = None
+        if not layout.is_local:
+            flat = layout.full_flat_index(device=device)
+            # ZeRO padding (index -1) goes to an extra block whose absmax is 0.
+            self.ids = torch.where(flat < 0, self.n, torch.div(flat, BLOCKSIZE, rounding_mode="floor"))
+            self.slot = torch.where(flat < 0, 0, flat % BLOCKSIZE)
+
+    def dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+        if self.ids is None:
+            return _dequantize(codes.reshape(-1), absmax, signed).view(codes.shape)
+        per_element = torch.cat([absmax, absmax.new_zeros(1)])[self.ids]
+        values = _qmap(signed, codes.device)[codes.reshape(-1).long()]
+        return values.mul_(per_element).view(codes.shape)
+
+    def amax(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the block absmax (zeros for blocks it holds nothing of)."""
+        flat = values.detach().reshape(-1)
+        if self.ids is None:
+            # max |x| per block without a temporary of the tensor's size (inf-norm of each row)
+            whole = flat.numel() // BLOCKSIZE
+            out = flat.new_empty(self.n)
+            torch.linalg.vector_norm(
+                flat[: whole * BLOCKSIZE].view(whole, BLOCKSIZE), float("inf"), dim=1, out=out[:whole]
+            )
+            if whole < self.n:
+                out[whole] = flat[whole * BLOCKSIZE :].abs().max()
+            return out
+        flat = flat.abs()
+        out = flat.new_zeros(self.n + 1)
+        return out.scatter_reduce_(0, self.ids, flat, reduce="amax")[: self.n].contiguous()
+
+    def quantize_into(
+        self, values: torch.Tensor, absmax: torch.Tensor, codes: torch.Tensor, absmax_out: torch.Tensor, signed: bool
+    ) -> None:
+        absmax_out.copy_(absmax)
+        if self.ids is None:  # bitsandbytes' absmax of each block is the one computed above
+            _quantize_into(values.reshape(-1), codes.view(-1), absmax_out, signed)
+            return
+        # Local elements come in increasing full index (row-major slices, contiguous chunks).
+        blocks, row = torch.unique_consecutive(self.ids, return_inverse=True)
+        full_absmax = torch.cat([absmax, absmax.new_zeros(1)])
+        buf = full_absmax[blocks].unsqueeze(1).repeat(1, BLOCKSIZE)
+        buf[row, self.slot] = values.reshape(-1).float()
+        out = torch.empty(buf.shape, dtype=torch.uint8, device=buf.device)
+        _quantize_into(buf.view(-1), out.view(-1), full_absmax.new_empty(blocks.numel()), signed)
+        codes.copy_(out[row, self.slot].view(codes.shape))
 
 
 class _NoGroup:

@@ -195,6 +195,72 @@ def test_8bit_matches_bitsandbytes_galore(monkeypatch: pytest.MonkeyPatch) -> No
             _assert_bnb_close(y, x, states)
 
 
+def test_8bit_plain_params_match_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parameters outside GaLore groups: bitsandbytes' 8-bit blockwise Adam (through
+    galore_torch.GaLoreAdamW8bit, which is bitsandbytes' AdamW8bit for them), including a tensor
+    whose size is not a multiple of the 256-element block and one below min_8bit_size."""
+    import bitsandbytes.functional as bnbf
+    from galore_torch import GaLoreAdamW8bit
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    shapes = [(64, 48), (30, 50), (700,), (40,)]
+    init = [torch.randn(s, generator=torch.Generator().manual_seed(7 + i)) * 0.1 for i, s in enumerate(shapes)]
+    a = [p.clone() for p in init]
+    b = [p.clone() for p in init]
+    ref = GaLoreAdamW8bit([{"params": a}], lr=1e-3, weight_decay=1e-2, min_8bit_size=100)
+    ours = DistributedGaLore(
+        [{"params": b}], lr=1e-3, eps=1e-8, weight_decay=1e-2, optim_bits=8, min_8bit_size=100, adam_style="bnb"
+    )
+    for step in range(12):
+        for x, y, g in zip(a, b, _grads(step, shapes, 0.01)):
+            x.grad, y.grad = g.clone(), g.clone()
+        ref.step()
+        ours.step()
+        for x, y in zip(a, b):
+            r, s = ref.state[x], ours.state[y]
+            if x.numel() < 100:
+                assert s["exp_avg"].dtype == torch.float32 and r["state1"].dtype == torch.float32
+                states = [(s["exp_avg"], r["state1"]), (s["exp_avg_sq"], r["state2"])]
+            else:
+                assert s["exp_avg"].dtype == torch.uint8
+                states = []
+                for name, key, qmap, absmax in (
+                    ("exp_avg", "state1", "qmap1", "absmax1"),
+                    ("exp_avg_sq", "state2", "qmap2", "absmax2"),
+                ):
+                    s_ref = bnbf.dequantize_blockwise(r[key], absmax=r[absmax], code=r[qmap], blocksize=256)
+                    s_ours = bnbf.dequantize_blockwise(
+                        s[name].reshape(-1),
+                        absmax=s[f"{name}_absmax"],
+                        code=bnbf.create_dynamic_map(signed=name == "exp_avg"),
+                        blocksize=256,
+                    )
+                    states.append((s_ours.view(x.shape), s_ref.view(x.shape)))
+            _assert_bnb_close(y, x, states)
+
+
+def test_8bit_moments_are_a_quarter_of_32bit() -> None:
+    """Codes (1 byte) plus one fp32 absmax per 256 values instead of fp32 moments, for GaLore and
+    plain parameters alike (the projectors are the same in both modes and left out)."""
+    shapes = [(512, 256), (256, 512), (300, 7), (256,)]
+
+    def state_bytes(bits: int) -> int:
+        params = [torch.zeros(s, requires_grad=True) for s in shapes]
+        groups = [{"params": params[:2], "rank": 16}, {"params": params[2:]}]
+        opt = DistributedGaLore(groups, lr=1e-3, optim_bits=bits, min_8bit_size=0)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return sum(
+            v.numel() * v.element_size()
+            for st in opt.state.values()
+            for k, v in st.items()
+            if not k.startswith("proj") and k != "step"
+        )
+
+    assert state_bytes(8) <= (1 + 4 / 256) / 4 * state_bytes(32) + 64  # + rounding up to whole blocks
+
+
 @pytest.mark.parametrize("optim_bits", [32, 8])
 def test_state_dict_round_trip(optim_bits: int) -> None:
     """A reloaded optimizer continues exactly; 8-bit codes stay uint8, absmax stays fp32."""
