@@ -571,6 +571,28 @@ class DistributedGaLore(DistOptimizer):
             _view(update, pc).copy_(block(pc) * scale)
         return update
 
+    def _add_back_projection(self, it: _Item, norm: torch.Tensor, alpha: float) -> None:
+        """``param += alpha * scale * back_projection(norm)`` on this rank's elements. Each piece's
+        product is accumulated straight into the parameter (``addmm_``): no temporary of the
+        parameter's size, which on the CPU costs more in page faults than the update itself."""
+        p = it.param
+        if p.dtype != norm.dtype or not p.is_contiguous():
+            p.add_(self._project_back(it, norm).to(p.dtype), alpha=alpha)
+            return
+        left = it.state.get("proj_left")
+        right = it.state.get("proj_right")
+        coef = alpha * it.group["scale"]
+        for pc in matrix_pieces(it.layout):
+            rows = slice(pc.row0, pc.row0 + pc.rows)
+            cols = slice(pc.col0, pc.col0 + pc.cols)
+            target = _view(p, pc)
+            if it.side == "left":
+                target.addmm_(left[rows], norm[:, cols], alpha=coef)
+            elif it.side == "right":
+                target.addmm_(norm[rows], right[:, cols], alpha=coef)
+            else:
+                target.addmm_(torch.matmul(left[rows], norm), right[:, cols], alpha=coef)
+
     def _galore_update(self, it: _Item) -> None:
         group, state, low = it.group, it.state, it.low
         beta1, beta2 = group["betas"]
@@ -594,8 +616,7 @@ class DistributedGaLore(DistOptimizer):
         if eight_bit:
             _quantize_into(exp_avg, state["low_rank_exp_avg"], state["low_rank_exp_avg_absmax"], True)
             _quantize_into(exp_avg_sq, state["low_rank_exp_avg_sq"], state["low_rank_exp_avg_sq_absmax"], False)
-        update = self._project_back(it, norm)
-        it.param.add_(update, alpha=-step_size)
+        self._add_back_projection(it, norm, -step_size)
         if group["weight_decay"] > 0.0:
             it.param.add_(it.param, alpha=-group["lr"] * group["weight_decay"])
         it.low = None

@@ -350,7 +350,9 @@ def _tiny_llama_loss(optim_bits: int, steps: int = 50) -> float:
     )
     model = transformers.LlamaForCausalLM(config)
     groups = galore_param_groups(model, rank=16, update_proj_gap=10, scale=1.0, weight_decay=0.0)
-    opt = DistributedGaLore(groups, lr=5e-3, optim_bits=optim_bits, min_8bit_size=0)
+    # lr 2e-3: at 5e-3 this run is chaotic (final losses 8% apart across seeds, and a rounding-level
+    # change of the arithmetic moves one by 3%), so a 2% criterion would measure noise.
+    opt = DistributedGaLore(groups, lr=2e-3, optim_bits=optim_bits, min_8bit_size=0)
     gen = torch.Generator().manual_seed(1)
     # Learnable data: each sequence repeats a random 4-token pattern.
     base = torch.randint(0, 256, (64, 4), generator=gen)
@@ -368,7 +370,7 @@ def _tiny_llama_loss(optim_bits: int, steps: int = 50) -> float:
 def test_8bit_tiny_llama_within_2_percent_of_32bit() -> None:
     loss32 = _tiny_llama_loss(32)
     loss8 = _tiny_llama_loss(8)
-    assert loss32 < 5.0  # it learned something (log(256) = 5.55)
+    assert loss32 < 3.5  # it learned something (log(256) = 5.55)
     assert abs(loss8 - loss32) / loss32 < 0.02, (loss8, loss32)
 
 
