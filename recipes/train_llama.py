@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --ckpt-dir")
     ap.add_argument("--log-csv", default=None, help="write step, loss, lr, step time (rank 0)")
+    ap.add_argument("--tensorboard", default=None, help="TensorBoard log directory for loss, lr and step time (rank 0)")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -307,6 +308,11 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
         writer = csv.writer(f)
         if not args.resume:
             writer.writerow(["step", "loss", "lr", "seconds"])
+    board = None
+    if args.tensorboard and is_main():
+        from torch.utils.tensorboard import SummaryWriter
+
+        board = SummaryWriter(args.tensorboard, purge_step=start + 1 if args.resume else None)
     progress = None
     if is_main() and not args.no_progress:
         from tqdm import tqdm
@@ -336,6 +342,9 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
         if writer is not None:
             writer.writerow([entry["step"], f"{loss_value:.6f}", f"{entry['lr']:.6g}", f"{seconds:.4f}"])
             f.flush()  # a log that can be followed while the run goes on
+        if board is not None:
+            for key in ("loss", "lr", "seconds"):
+                board.add_scalar(f"train/{key}", entry[key], entry["step"])
         if progress is not None:
             progress.set_postfix(loss=f"{loss_value:.4f}")
             progress.update(1)
@@ -345,6 +354,8 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
         progress.close()
     if writer is not None:
         f.close()
+    if board is not None:
+        board.close()
     if history:
         log(f"final loss {history[-1]['loss']:.4f} after {history[-1]['step']} steps")
     return history

@@ -20,8 +20,9 @@ def _torchrun(script: str, *args: str) -> str:
 
 
 def test_train_llama_checkpoint_and_resume(tmp_path) -> None:
-    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "train.csv")
+    ckpt, log, board = str(tmp_path / "ckpt"), str(tmp_path / "train.csv"), str(tmp_path / "tb")
     common = ["--plugin", "hybrid", "--tp", "2", "--zero", "1", "--no-progress", "--ckpt-dir", ckpt, "--log-csv", log]
+    common += ["--tensorboard", board]
     common += ["--optimizer", "transformers.optimization.Adafactor", "--lr", "1e-2"]
     common += ["--optimizer-args", '{"relative_step": false, "scale_parameter": false}']
     out = _torchrun("recipes/train_llama.py", *common, "--steps", "2", "--ckpt-every", "2")
@@ -34,6 +35,13 @@ def test_train_llama_checkpoint_and_resume(tmp_path) -> None:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
     assert all(float(r["loss"]) > 0 for r in rows)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(board)
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == [1, 2, 3]
+    assert all(abs(e.value - float(r["loss"])) < 1e-5 for e, r in zip(losses, rows))  # fp32 vs 6 decimals
 
 
 def test_compare_optimizers_writes_the_plot(tmp_path) -> None:
