@@ -66,6 +66,8 @@ class DistOptimizer(torch.optim.Optimizer):
         self._layouts: dict[torch.Tensor, ParamLayout] = {}
         self.dp_group: Any = None
         self._warned_unbound = False
+        # Set by dist_optim.plugins while ColossalAI configures (see setup_distributed).
+        self._plugin_binds = False
 
     # ---- binding ------------------------------------------------------------------------
     @property
@@ -144,6 +146,11 @@ class DistOptimizer(torch.optim.Optimizer):
             zero_group_of: the group that really sharded a working param (defaults to
                 ``dp_group``); e.g. dp×sp under sequence parallelism, the MoE dp group for experts.
         """
+        if self._plugin_binds:
+            # A dist_optim plugin is configuring: it binds from ColossalAI's wrapper right after this
+            # positional call, with the groups that really sharded each parameter (ColossalAI passes
+            # its dp group even when ZeRO ran over dp x sp).
+            return
         tp_size = group_size(tp_group) if tp_group is not None else 1
         shard_to_working_param = shard_to_working_param or {}
         padding_map = padding_map or {}

@@ -112,7 +112,14 @@ class _SwapAndBind:
         lr_scheduler: Any = None,
     ) -> tuple[Any, ...]:
         optimizer = swap_optimizer(optimizer, lr_scheduler)
-        out = super().configure(model, optimizer, criterion, dataloader, lr_scheduler)  # type: ignore[misc]
+        ours = isinstance(optimizer, DistOptimizer)
+        if ours:
+            optimizer._plugin_binds = True
+        try:
+            out = super().configure(model, optimizer, criterion, dataloader, lr_scheduler)  # type: ignore[misc]
+        finally:
+            if ours:
+                optimizer._plugin_binds = False
         model, wrapper = out[0], out[1]
         if wrapper is not None and isinstance(getattr(wrapper, "optim", None), DistOptimizer):
             self._bind(wrapper)

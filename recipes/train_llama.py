@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plugin", choices=["hybrid", "zero", "ddp"], default="hybrid")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (hybrid)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (hybrid)")
+    ap.add_argument(
+        "--sp", type=int, default=1, help="sequence-parallel size, 'all_to_all' mode (hybrid; ZeRO runs over dp x sp)"
+    )
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="ZeRO stage")
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 with ZeRO")
     ap.add_argument("--optimizer", default="colossalai.nn.optimizer.Lamb")
@@ -87,8 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.precision is None:
         args.precision = "bf16" if args.zero > 0 else "fp32"
-    if args.plugin != "hybrid" and (args.tp > 1 or args.pp > 1):
-        ap.error("--tp/--pp need --plugin hybrid")
+    if args.plugin != "hybrid" and (args.tp > 1 or args.pp > 1 or args.sp > 1):
+        ap.error("--tp/--pp/--sp need --plugin hybrid")
+    if args.sp > 1 and args.pp > 1:
+        ap.error("--sp with --pp is not supported by this recipe")
     if args.plugin == "zero" and args.zero == 0:
         args.zero = 1
     return args
@@ -179,6 +184,11 @@ def build_plugin(args: argparse.Namespace) -> Any:
             microbatch_size=1 if args.pp > 1 else None,
             initial_scale=2**16,
             overlap_communication=not cpu,
+            **(
+                dict(sp_size=args.sp, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
+                if args.sp > 1
+                else {}
+            ),
         )
     if args.plugin == "zero":
         return plugins.LowLevelZeroPlugin(
@@ -287,7 +297,7 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     log(
         f"model: llama-{args.preset} ({sum(p.numel() for p in model.unwrap().parameters()) / 1e6:.2f}M local params), "
-        f"plugin: {type(plugin).__name__} tp={args.tp} pp={args.pp} zero={args.zero} {args.precision}, "
+        f"plugin: {type(plugin).__name__} tp={args.tp} pp={args.pp} sp={args.sp} zero={args.zero} {args.precision}, "
         f"optimizer: {type(optimizer.optim).__module__}.{type(optimizer.optim).__name__}, device: {device}"
     )
     dp_size, dp_rank = dp_coords(plugin)
@@ -328,7 +338,9 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
             )
             loss = out["loss"]
         else:
-            loss = model(input_ids=x, labels=x).loss
+            # Under sequence parallelism transformers 4.51 needs an explicit mask (see the README).
+            mask = {"attention_mask": torch.ones_like(x)} if args.sp > 1 else {}
+            loss = model(input_ids=x, labels=x, **mask).loss
             booster.backward(loss, optimizer)
         if args.plugin == "ddp" and args.grad_clip > 0:
             optimizer.clip_grad_by_norm(args.grad_clip)

@@ -109,7 +109,35 @@ def install() -> None:
     import colossalai.pipeline.p2p as p2p
 
     p2p._check_for_nccl_hccl_backend = lambda group: dist.get_backend(group) == "nccl"
+    # gloo has no all_to_all (sequence parallelism "all_to_all" uses it): one gather per rank.
+    import colossalai.shardformer.layer._operation as operation
+
+    operation.dist = _GlooAllToAll(dist)
     _INSTALLED = True
+
+
+class _GlooAllToAll:
+    """``torch.distributed`` with ``all_to_all`` emulated by gathers (for gloo process groups)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], group: Any = None) -> None:
+        real = self._real
+        if real.get_backend(group) != "gloo":
+            real.all_to_all(output_list, input_list, group=group)
+            return
+        me = real.get_rank(group)
+        for dst in range(real.get_world_size(group)):
+            # Rank ``dst`` receives input_list[dst] of every rank, in rank order.
+            gathered = [torch.empty_like(output_list[i]) for i in range(len(output_list))] if me == dst else None
+            real.gather(input_list[dst].contiguous(), gathered, dst=real.get_global_rank(group, dst), group=group)
+            if me == dst:
+                for out, got in zip(output_list, gathered):
+                    out.copy_(got)
 
 
 @contextlib.contextmanager

@@ -77,7 +77,12 @@ def train_boosted(booster: Any, model: Any, wrapper: Any, plugin: Any, steps: ra
                 iter([{"input_ids": x, "labels": x}]), model, lambda out, batch: out.loss, wrapper, return_loss=True
             )
         else:
-            loss = model(input_ids=x, labels=x).loss
+            extra = {}
+            if getattr(plugin, "enable_sequence_parallelism", False):
+                # Without a mask transformers 4.51 builds a causal mask one key longer than the
+                # sequence (its own attention slices it), which ColossalAI's SP attention rejects.
+                extra["attention_mask"] = torch.ones_like(x)
+            loss = model(input_ids=x, labels=x, **extra).loss
             booster.backward(loss, wrapper)
         wrapper.step()
         wrapper.zero_grad()
@@ -171,6 +176,7 @@ def booster_parity(
         "is_dist_optim": isinstance(opt, dist_optim.DistOptimizer),
         "tp_bound": sum(opt.layout(p).tp is not None for p in masters),
         "zero_bound": sum(opt.layout(p).zero is not None for p in masters),
+        "zero_sizes": sorted({opt.layout(p).zero.size for p in masters if opt.layout(p).zero is not None}),
         "errors": errors,
         "all_names": sorted(expected),
     }

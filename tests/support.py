@@ -6,8 +6,10 @@ differs, so the table can only claim what a test in this suite runs.
 
 from __future__ import annotations
 
-# Booster layouts, in the order of the table's columns: (plugin, tp, pp, ZeRO stage, precision).
-COLUMNS: list[tuple[str, int, int, int, str]] = [
+# Booster layouts, in the order of the table's columns: (plugin, tp, pp, ZeRO stage, precision)
+# and, for sequence parallelism, a sixth entry: the "all_to_all" SP size (ZeRO then shards over
+# dp x sp, not over the dp group ColossalAI hands to setup_distributed).
+COLUMNS: list[tuple] = [
     ("HybridParallelPlugin", 2, 1, 0, "fp32"),
     ("HybridParallelPlugin", 2, 1, 0, "bf16"),
     ("HybridParallelPlugin", 2, 1, 1, "bf16"),
@@ -15,6 +17,7 @@ COLUMNS: list[tuple[str, int, int, int, str]] = [
     ("HybridParallelPlugin", 2, 1, 1, "fp16"),
     ("HybridParallelPlugin", 2, 2, 0, "fp32"),
     ("HybridParallelPlugin", 1, 2, 1, "bf16"),
+    ("HybridParallelPlugin", 1, 1, 1, "bf16", 2),
     ("LowLevelZeroPlugin", 1, 1, 1, "bf16"),
     ("LowLevelZeroPlugin", 1, 1, 2, "fp32"),
     ("TorchDDPPlugin", 1, 1, 0, "fp32"),
@@ -23,11 +26,11 @@ COLUMNS: list[tuple[str, int, int, int, str]] = [
 OPTIMIZERS = ["LAMB", "Adafactor", "CAME", "GaLore", "Shampoo", "Kron"]
 
 
-def booster_coverage() -> dict[str, set[tuple[str, int, int, int, str]]]:
+def booster_coverage() -> dict[str, set[tuple]]:
     """Optimizer -> the booster layouts tests/test_booster.py trains it under."""
     from tests import test_booster
 
-    cov: dict[str, set[tuple[str, int, int, int, str]]] = {name: set() for name in OPTIMIZERS}
+    cov: dict[str, set[tuple]] = {name: set() for name in OPTIMIZERS}
     for case in test_booster.CASES:
         name, col = case.values
         cov[name].add(col)
@@ -56,14 +59,16 @@ def parity_coverage() -> set[str]:
     return {names[c.cls.__name__] for c in PARITY_CASES}
 
 
-def _header(col: tuple[str, int, int, int, str]) -> str:
-    plugin, tp, pp, zero, precision = col
+def _header(col: tuple) -> str:
+    plugin, tp, pp, zero, precision, *sp = col
     short = {"HybridParallelPlugin": "Hybrid", "LowLevelZeroPlugin": "LowLevelZero", "TorchDDPPlugin": "TorchDDP"}
     parts = [short[plugin]]
     if plugin == "HybridParallelPlugin":
         parts.append(f"tp={tp}")
         if pp > 1:
             parts.append(f"pp={pp}")
+        if sp:
+            parts.append(f"sp={sp[0]} all_to_all")
     if plugin != "TorchDDPPlugin":
         parts.append(f"ZeRO-{zero}")
     parts.append(precision)
