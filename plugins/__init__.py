@@ -23,6 +23,7 @@ import torch
 from colossalai.booster.plugin import GeminiPlugin as _GeminiPlugin
 from colossalai.booster.plugin import HybridParallelPlugin as _HybridParallelPlugin
 from colossalai.booster.plugin import LowLevelZeroPlugin as _LowLevelZeroPlugin
+from colossalai.booster.plugin import MoeHybridParallelPlugin as _MoeHybridParallelPlugin
 from colossalai.booster.plugin import TorchDDPPlugin as _TorchDDPPlugin
 from colossalai.booster.plugin import TorchFSDPPlugin as _TorchFSDPPlugin
 from colossalai.logging import get_dist_logger
@@ -36,6 +37,7 @@ from .colossal import as_colossal_optimizer, bind_from_wrapper, record_param_nam
 
 __all__ = [
     "HybridParallelPlugin",
+    "MoeHybridParallelPlugin",
     "LowLevelZeroPlugin",
     "TorchDDPPlugin",
     "GeminiPlugin",
@@ -145,6 +147,13 @@ class HybridParallelPlugin(_SwapAndBind, _HybridParallelPlugin):
         # One writer per pipeline stage: after full_state() the state is replicated over TP, DP, SP.
         sp = self.sp_group if self.sp_group is not self.tp_group else None
         return _rank0(self.tp_group, self.dp_group, sp)
+
+
+class MoeHybridParallelPlugin(HybridParallelPlugin, _MoeHybridParallelPlugin):
+    """``colossalai.booster.plugin.MoeHybridParallelPlugin`` that swaps and binds dist_optim
+    optimizers. Expert parameters are ZeRO-sharded over the MoE data-parallel group; the binding
+    reads each parameter's group from ColossalAI's optimizer wrapper, so their statistics are
+    reduced over the ranks that hold pieces of the same expert."""
 
 
 class LowLevelZeroPlugin(_SwapAndBind, _LowLevelZeroPlugin):

@@ -109,15 +109,26 @@ def install() -> None:
     import colossalai.pipeline.p2p as p2p
 
     p2p._check_for_nccl_hccl_backend = lambda group: dist.get_backend(group) == "nccl"
-    # gloo has no all_to_all (sequence parallelism "all_to_all" uses it): one gather per rank.
+    # gloo has no all_to_all / all_to_all_single (sequence parallelism "all_to_all" and MoE
+    # dispatch use them): point-to-point sends and receives instead.
+    import colossalai.moe._operation as moe_operation
     import colossalai.shardformer.layer._operation as operation
+    import colossalai.shardformer.modeling.mixtral as mixtral
 
-    operation.dist = _GlooAllToAll(dist)
+    shim = _GlooAllToAll(dist)
+    for module in (operation, moe_operation, mixtral):
+        module.dist = shim
     _INSTALLED = True
 
 
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
 class _GlooAllToAll:
-    """``torch.distributed`` with ``all_to_all`` emulated by gathers (for gloo process groups)."""
+    """``torch.distributed`` with ``all_to_all`` and ``all_to_all_single`` emulated by
+    point-to-point messages on gloo process groups (which have neither)."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
@@ -125,19 +136,53 @@ class _GlooAllToAll:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], group: Any = None) -> None:
+    def _exchange(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: Any) -> None:
+        real = self._real
+        me = real.get_rank(group)
+        requests = []
+        for peer in range(real.get_world_size(group)):
+            if peer == me:
+                outputs[peer].copy_(inputs[peer])
+                continue
+            target = real.get_global_rank(group, peer) if group is not None else peer
+            requests.append(real.isend(inputs[peer].contiguous(), target, group=group))
+            requests.append(real.irecv(outputs[peer], target, group=group))
+        for request in requests:
+            request.wait()
+
+    def all_to_all(
+        self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], group: Any = None, async_op: bool = False
+    ) -> Any:
+        if self._real.get_backend(group) != "gloo":
+            return self._real.all_to_all(output_list, input_list, group=group, async_op=async_op)
+        received = [torch.empty_like(t) for t in output_list]
+        self._exchange(received, list(input_list), group)
+        for out, got in zip(output_list, received):
+            out.copy_(got)
+        return _Done() if async_op else None
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 - torch's name
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         real = self._real
         if real.get_backend(group) != "gloo":
-            real.all_to_all(output_list, input_list, group=group)
-            return
-        me = real.get_rank(group)
-        for dst in range(real.get_world_size(group)):
-            # Rank ``dst`` receives input_list[dst] of every rank, in rank order.
-            gathered = [torch.empty_like(output_list[i]) for i in range(len(output_list))] if me == dst else None
-            real.gather(input_list[dst].contiguous(), gathered, dst=real.get_global_rank(group, dst), group=group)
-            if me == dst:
-                for out, got in zip(output_list, gathered):
-                    out.copy_(got)
+            return real.all_to_all_single(
+                output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+            )
+        world = real.get_world_size(group)
+        out_sizes = output_split_sizes or [output.shape[0] // world] * world
+        in_sizes = input_split_sizes or [input.shape[0] // world] * world
+        received = [torch.empty((n, *output.shape[1:]), dtype=output.dtype) for n in out_sizes]
+        self._exchange(received, list(torch.split(input, in_sizes)), group)
+        if received:
+            output.copy_(torch.cat(received))
+        return _Done() if async_op else None
 
 
 @contextlib.contextmanager

@@ -37,6 +37,32 @@ def tiny_llama(hidden: int = 64, inter: int = 128, layers: int = 2, vocab: int =
     return LlamaForCausalLM(config)
 
 
+def tiny_mixtral(hidden: int = 64, inter: int = 96, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
+    """A tiny Mixtral (4 experts, top-2) for MoeHybridParallelPlugin."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return MixtralForCausalLM(config)
+
+
+def model_for(plugin_name: str) -> torch.nn.Module:
+    return tiny_mixtral() if plugin_name.startswith("Moe") else tiny_llama()
+
+
 def make_optimizer(path: str, model: torch.nn.Module, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
     """``path(model.parameters(), **kwargs)``; a ``galore`` entry in kwargs instead builds GaLore
     param groups (attention and MLP weights, the format galore_torch and ours share)."""
@@ -110,12 +136,13 @@ def reference_run(
     steps: int,
     low_precision: torch.dtype | None = None,
     pipeline: bool = False,
+    plugin_name: str = "HybridParallelPlugin",
 ) -> dict[str, torch.Tensor]:
     """The single-process run. ``pipeline``: with the randomness the plugins choose under pipeline
     parallelism (layout-independent), parameters known by their model names as the plugins do."""
     import dist_optim
 
-    model = tiny_llama()
+    model = model_for(plugin_name)
     if low_precision is not None:
         # The booster's fp32 masters start from the low-precision working weights.
         with torch.no_grad():
@@ -135,29 +162,56 @@ def reference_run(
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def booster_parity(
-    plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any], steps: int = 5
-) -> dict[str, Any]:
-    """Train through the booster; return errors against the single-process run (rank-local)."""
-    install()
+def _boosted_run(
+    plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any], steps: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, Any]:
+    """(initial weights, full fp32 weights of this rank's parameters after training, wrapper,
+    plugin)."""
     from colossalai.booster import Booster
 
-    import dist_optim
     from dist_optim import plugins
 
     with quiet_colossal():
-        model = tiny_llama()
+        model = model_for(plugin_name)
         init = {n: p.detach().clone() for n, p in model.named_parameters()}
         optimizer = make_optimizer(opt_path, model, opt_kwargs)
         plugin = getattr(plugins, plugin_name)(**plugin_kwargs)
         booster = Booster(plugin=plugin)
         model, wrapper, *_ = booster.boost(model, optimizer)
         train_boosted(booster, model, wrapper, plugin, range(steps))
-        got = master_weights(model, wrapper)
+        return init, master_weights(model, wrapper), wrapper, plugin
+
+
+def _experts_on_moe_group(opt: Any, plugin: Any) -> bool | None:
+    """Whether every expert parameter's ZeRO group is the MoE data-parallel group (the ranks that
+    hold the same experts) and every other parameter's is not; None without MoE."""
+    moe_group = getattr(plugin, "moe_dp_group", None)
+    if moe_group is None:
+        return None
+    moe_ranks = dist.get_process_group_ranks(moe_group)
+    ok = True
+    # param_names (recorded by the plugin) maps each fp32 master to its model name
+    for master, name in opt.param_names.items():
+        ranks = dist.get_process_group_ranks(opt.layout(master).zero.group)
+        ok &= (ranks == moe_ranks) == (".experts." in name)
+    return ok and bool(opt.param_names)
+
+
+def booster_parity(
+    plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any], steps: int = 5
+) -> dict[str, Any]:
+    """Train through the booster; return errors against the single-process run (rank-local), and
+    for MoE whether every expert parameter is bound to the MoE data-parallel group."""
+    install()
+    import dist_optim
+
+    init, got, wrapper, plugin = _boosted_run(plugin_name, plugin_kwargs, opt_path, opt_kwargs, steps)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plugin_kwargs.get("precision", "fp32"))
     if plugin_name == "LowLevelZeroPlugin" and "precision" not in plugin_kwargs:
         low = torch.float16
-    expected = reference_run(opt_path, opt_kwargs, steps, low, pipeline=plugin_kwargs.get("pp_size", 1) > 1)
+    expected = reference_run(
+        opt_path, opt_kwargs, steps, low, pipeline=plugin_kwargs.get("pp_size", 1) > 1, plugin_name=plugin_name
+    )
     opt = wrapper.optim
     errors = {}
     # Under pipeline parallelism a rank holds its stage's parameters only.
@@ -177,6 +231,7 @@ def booster_parity(
         "tp_bound": sum(opt.layout(p).tp is not None for p in masters),
         "zero_bound": sum(opt.layout(p).zero is not None for p in masters),
         "zero_sizes": sorted({opt.layout(p).zero.size for p in masters if opt.layout(p).zero is not None}),
+        "experts_on_moe_group": _experts_on_moe_group(opt, plugin),
         "errors": errors,
         "all_names": sorted(expected),
     }

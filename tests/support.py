@@ -18,6 +18,8 @@ COLUMNS: list[tuple] = [
     ("HybridParallelPlugin", 2, 2, 0, "fp32"),
     ("HybridParallelPlugin", 1, 2, 1, "bf16"),
     ("HybridParallelPlugin", 1, 1, 1, "bf16", 2),
+    # A tiny Mixtral, experts split over ep=2 and ZeRO-sharded over the MoE data-parallel group.
+    ("MoeHybridParallelPlugin", 1, 1, 1, "bf16"),
     ("LowLevelZeroPlugin", 1, 1, 1, "bf16"),
     ("LowLevelZeroPlugin", 1, 1, 2, "fp32"),
     ("TorchDDPPlugin", 1, 1, 0, "fp32"),
@@ -61,7 +63,12 @@ def parity_coverage() -> set[str]:
 
 def _header(col: tuple) -> str:
     plugin, tp, pp, zero, precision, *sp = col
-    short = {"HybridParallelPlugin": "Hybrid", "LowLevelZeroPlugin": "LowLevelZero", "TorchDDPPlugin": "TorchDDP"}
+    short = {
+        "HybridParallelPlugin": "Hybrid",
+        "MoeHybridParallelPlugin": "MoeHybrid ep=2",
+        "LowLevelZeroPlugin": "LowLevelZero",
+        "TorchDDPPlugin": "TorchDDP",
+    }
     parts = [short[plugin]]
     if plugin == "HybridParallelPlugin":
         parts.append(f"tp={tp}")

@@ -85,6 +85,9 @@ SPECS = {
 }
 
 
+MOE_UPDATE_RTOL = 0.35
+
+
 def plugin_config(col: tuple) -> tuple[str, dict, int]:
     """(plugin class name, constructor kwargs, processes) for a support-table column."""
     plugin, tp, pp, zero, precision, *sp = col
@@ -99,6 +102,9 @@ def plugin_config(col: tuple) -> tuple[str, dict, int]:
         if precision == "fp16":
             kwargs["initial_scale"] = 2**16  # 2**32 overflows every step
         return plugin, kwargs, 4
+    if plugin == "MoeHybridParallelPlugin":
+        kwargs = dict(tp_size=tp, pp_size=pp, ep_size=2, zero_stage=zero, precision=precision)
+        return plugin, dict(kwargs, overlap_communication=False), 4
     if plugin == "LowLevelZeroPlugin":
         return plugin, dict(stage=zero, precision=precision, overlap_communication=False), 4
     return plugin, {}, 2
@@ -140,6 +146,15 @@ def test_booster_parity(name, col, pool4, pool2) -> None:
             # passed to setup_distributed
             assert res["zero_sizes"] == [world // (kwargs["tp_size"] * kwargs["pp_size"])], res["zero_sizes"]
         key, tol = spec.fp32 if precision == "fp32" else ("update_rel", spec.low_precision_update_rtol)
+        if plugin == "MoeHybridParallelPlugin":
+            # experts over the MoE data-parallel group (4 / ep ranks, those holding the same experts),
+            # everything else over all 4 ranks
+            assert res["zero_sizes"] == [2, 4], res["zero_sizes"]
+            assert res["experts_on_moe_group"], f"rank {rank}: expert parameters bound to the wrong group"
+            # A bf16 Mixtral differs from one fp32 process by 15-25% of the 5-step update whatever the
+            # layout (measured the same at ep = 1, 2, 4: near-tie top-2 routing decisions flip under
+            # bf16). A wrongly grouped reduction of expert statistics mixes experts: ~100%.
+            tol = MOE_UPDATE_RTOL
         bad = {n: e for n, e in res["errors"].items() if e[key] > tol}
         assert not bad, f"rank {rank}: {key} > {tol}: {bad}"
 
