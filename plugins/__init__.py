@@ -155,6 +155,13 @@ class MoeHybridParallelPlugin(HybridParallelPlugin, _MoeHybridParallelPlugin):
     reads each parameter's group from ColossalAI's optimizer wrapper, so their statistics are
     reduced over the ranks that hold pieces of the same expert."""
 
+    def _checkpoint_writer(self) -> Callable[[], bool]:
+        # After full_state() expert state is replicated over the MoE data-parallel group only: one
+        # writer per set of experts (and pipeline stage); the shared parameters' state is written by
+        # each of them, identically, and merged by name.
+        sp = self.sp_group if self.sp_group is not self.tp_group else None
+        return _rank0(self.tp_group, self.moe_dp_group, sp)
+
 
 class LowLevelZeroPlugin(_SwapAndBind, _LowLevelZeroPlugin):
     """``colossalai.booster.plugin.LowLevelZeroPlugin`` that swaps and binds dist_optim optimizers."""

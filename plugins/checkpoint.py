@@ -195,18 +195,20 @@ class DistOptimCheckpointMixin:
 
 
 def _match_groups(stages: list[list[dict[str, Any]]], optim: DistOptimizer, names: list[str], path: str) -> list:
-    """The saved hyperparameters of each local param group (matched by group index and names)."""
+    """The saved hyperparameters of each local param group, matched by group index and names.
+
+    Each writer (pipeline stage, MoE expert set) saved its own list of groups; group ``gi`` of the
+    model is the union of every writer's group ``gi``, so a rank may hold parameters that several
+    writers saved (a run saved with pp=2 or ep=2 loads without them)."""
     mine: list[dict[str, Any]] = []
     i = 0
     for gi, group in enumerate(optim.param_groups):
         local = names[i : i + len(group["params"])]
         i += len(group["params"])
-        found = None
-        for stage in stages:
-            if gi < len(stage) and set(local) <= set(stage[gi]["params"]):
-                found = stage[gi]
-                break
-        if found is None:
+        saved = [stage[gi] for stage in stages if gi < len(stage)]
+        union = set().union(*(s["params"] for s in saved)) if saved else set()
+        found = next((s for s in saved if set(local) & set(s["params"])), None) if local else (saved or [None])[0]
+        if found is None or not set(local) <= union:
             raise ValueError(
                 f"optimizer checkpoint {path}: param group {gi} of this optimizer ({len(local)} params, e.g. "
                 f"{local[:2]}) does not match the checkpoint's groups; was it saved from another model or grouping?"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests._colossal_cpu import install, quiet_colossal
-from tests.booster import make_optimizer, master_weights, tiny_llama, train_boosted
+from tests.booster import make_optimizer, master_weights, model_for, train_boosted
 
 
 def _boost(plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any]) -> tuple:
@@ -20,7 +20,7 @@ def _boost(plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_k
 
     from dist_optim import plugins
 
-    model = tiny_llama()
+    model = model_for(plugin_name)
     optimizer = make_optimizer(opt_path, model, opt_kwargs)
     plugin = getattr(plugins, plugin_name)(**plugin_kwargs)
     booster = Booster(plugin=plugin)

@@ -59,13 +59,19 @@ HP_TP2_ZERO2 = (
     dict(tp_size=2, pp_size=1, zero_stage=2, precision="bf16", overlap_communication=False),
 )
 LLZ_BF16 = ("LowLevelZeroPlugin", dict(stage=1, precision="bf16", overlap_communication=False))
+# A tiny Mixtral: 4 experts over ep=2 (expert state on the MoE data-parallel group), and ep=1.
+MOE_EP2 = (
+    "MoeHybridParallelPlugin",
+    dict(tp_size=1, pp_size=1, ep_size=2, zero_stage=1, precision="bf16", overlap_communication=False),
+)
+MOE_EP1 = ("MoeHybridParallelPlugin", dict(MOE_EP2[1], ep_size=1))
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize(
     "layout,shard",
-    [(HP_TP2, False), (HP_TP2, True), (HP_TP2_ZERO2, True)],
-    ids=["tp2-fp32-file", "tp2-fp32-sharded", "tp2-zero2-bf16-sharded"],
+    [(HP_TP2, False), (HP_TP2, True), (HP_TP2_ZERO2, True), (MOE_EP2, True)],
+    ids=["tp2-fp32-file", "tp2-fp32-sharded", "tp2-zero2-bf16-sharded", "moe-ep2-bf16-sharded"],
 )
 def test_exact_resume_same_layout(name, layout, shard, pool4, tmp_path) -> None:
     """5 steps + save + load + 5 steps == 10 uninterrupted steps, bit for bit. Under bf16 ZeRO the
@@ -96,14 +102,18 @@ def test_resume_after_resharding(name, pool4, pool2, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_files_do_not_depend_on_layout(name, pool4, tmp_path) -> None:
+@pytest.mark.parametrize(
+    "saved,loaded", [(HP_TP2_ZERO2, LLZ_BF16), (MOE_EP2, MOE_EP1)], ids=["tp2-to-llz", "moe-ep2-to-ep1"]
+)
+def test_files_do_not_depend_on_layout(name, saved, loaded, pool4, tmp_path) -> None:
     """State saved at tp=2 x ZeRO-2 (bf16) and re-saved after loading with ZeRO-1 on 4 ranks is
-    identical: the format holds full tensors keyed by parameter name."""
+    identical: the format holds full tensors keyed by parameter name. The same from expert
+    parallelism (experts split over 2 rank pairs, each writing its experts) to none."""
     opt = OPTIMIZERS[name]
     path = str(tmp_path)
-    pool4.run(ckpt.train_and_save, *HP_TP2_ZERO2, *opt, 3, path, True)
+    pool4.run(ckpt.train_and_save, *saved, *opt, 3, path, True)
     resave = os.path.join(path, "resaved.pt")
-    pool4.run(ckpt.load_and_train, *LLZ_BF16, *opt, 3, 0, path, True, resave)
+    pool4.run(ckpt.load_and_train, *loaded, *opt, 3, 0, path, True, resave)
     a, b = _read(os.path.join(path, "optim")), _read(resave)
     assert set(a["state"]) == set(b["state"]) and a["state"]
     for pname, state in a["state"].items():
