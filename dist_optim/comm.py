@@ -69,16 +69,13 @@ def group_rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
-_RANKS_CACHE: dict[int, tuple[int, ...]] = {}
-
-
 def _group_key(group: Any) -> tuple[int, ...]:
-    """A key that orders groups identically on every process: their global member ranks."""
-    key = _RANKS_CACHE.get(id(group))
-    if key is None:
-        key = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
-        _RANKS_CACHE[id(group)] = key
-    return key
+    """A key that orders groups identically on every process: their global member ranks.
+
+    Not cached by ``id(group)``: a destroyed group's id can be reused by a new group with other
+    members (several boosters in one process), and a stale key orders collectives differently on
+    different ranks, which deadlocks. The lookup is a dict access in torch.distributed."""
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
 
 
 def _ordered(groups: Iterable[Any]) -> list[Any]:
