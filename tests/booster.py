@@ -18,10 +18,12 @@ SEQ = 16
 VOCAB = 256
 
 
-def tiny_llama(hidden: int = 64, inter: int = 128, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny_causal_lm(
+    config_cls: str, model_cls: str, hidden: int, inter: int, layers: int, vocab: int, **extra: Any
+) -> Any:
+    import transformers
 
-    config = LlamaConfig(
+    config = getattr(transformers, config_cls)(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=inter,
@@ -31,32 +33,22 @@ def tiny_llama(hidden: int = 64, inter: int = 128, layers: int = 2, vocab: int =
         max_position_embeddings=64,
         tie_word_embeddings=False,
         use_cache=False,
+        **extra,
     )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return getattr(transformers, model_cls)(config)
+
+
+def tiny_llama(hidden: int = 64, inter: int = 128, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
+    return _tiny_causal_lm("LlamaConfig", "LlamaForCausalLM", hidden, inter, layers, vocab)
 
 
 def tiny_mixtral(hidden: int = 64, inter: int = 96, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
     """A tiny Mixtral (4 experts, top-2) for MoeHybridParallelPlugin."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        use_cache=False,
+    return _tiny_causal_lm(
+        "MixtralConfig", "MixtralForCausalLM", hidden, inter, layers, vocab, num_local_experts=4, num_experts_per_tok=2
     )
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return MixtralForCausalLM(config)
 
 
 def model_for(plugin_name: str) -> torch.nn.Module:

@@ -153,11 +153,40 @@ def _assert_bnb_close(p1: torch.Tensor, p2: torch.Tensor, states: list[tuple[tor
     assert (~torch.isclose(p1, p2, atol=1e-5, rtol=1e-3)).sum().item() <= 5
 
 
+def _lockstep(ref: Any, ours: Any, a: list, b: list, shapes: list, steps: int = 12) -> Any:
+    """Step both optimizers on the same gradients; after each step yield every (ref, our) param."""
+    for step in range(steps):
+        for x, y, g in zip(a, b, _grads(step, shapes, 0.01)):
+            x.grad, y.grad = g.clone(), g.clone()
+        ref.step()
+        ours.step()
+        yield from zip(a, b)
+
+
+def _dequantized_pairs(ours: dict, ref: dict, prefix: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(ours, bitsandbytes') dequantised first and second moments: our ``{prefix}exp_avg[_sq]``
+    codes and absmax, bitsandbytes' ``state1/2``, ``absmax1/2``, ``qmap1/2``."""
+    import bitsandbytes.functional as bnbf
+
+    pairs = []
+    for i, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
+        theirs = bnbf.dequantize_blockwise(
+            ref[f"state{i}"], absmax=ref[f"absmax{i}"], code=ref[f"qmap{i}"], blocksize=256
+        )
+        mine = bnbf.dequantize_blockwise(
+            ours[prefix + name].reshape(-1),
+            absmax=ours[f"{prefix}{name}_absmax"],
+            code=bnbf.create_dynamic_map(signed=name == "exp_avg"),
+            blocksize=256,
+        )
+        pairs.append((mine.view(theirs.shape), theirs))
+    return pairs
+
+
 def test_8bit_matches_bitsandbytes_galore(monkeypatch: pytest.MonkeyPatch) -> None:
     """galore_torch.GaLoreAdamW8bit runs bitsandbytes' 8-bit blockwise Adam (its CPU kernel here)
     on the projected gradients; ours quantises the low-rank moments with bitsandbytes'
     quantize_blockwise and the same dynamic maps."""
-    import bitsandbytes.functional as bnbf
     from galore_torch import GaLoreAdamW8bit
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # galore_torch calls it
@@ -173,33 +202,16 @@ def test_8bit_matches_bitsandbytes_galore(monkeypatch: pytest.MonkeyPatch) -> No
     ours = DistributedGaLore(
         groups(b), lr=1e-3, eps=1e-8, weight_decay=1e-2, optim_bits=8, min_8bit_size=0, adam_style="bnb"
     )
-    for step in range(12):
-        for x, y, g in zip(a, b, _grads(step, shapes, 0.01)):
-            x.grad, y.grad = g.clone(), g.clone()
-        ref.step()
-        ours.step()
-        for x, y in zip(a, b):
-            r, s = ref.state[x], ours.state[y]
-            assert s["low_rank_exp_avg"].dtype == torch.uint8
-            states = []
-            for name, qmap, absmax in (("exp_avg", "qmap1", "absmax1"), ("exp_avg_sq", "qmap2", "absmax2")):
-                key = "state1" if name == "exp_avg" else "state2"
-                s_ref = bnbf.dequantize_blockwise(r[key], absmax=r[absmax], code=r[qmap], blocksize=256)
-                s_ours = bnbf.dequantize_blockwise(
-                    s[f"low_rank_{name}"],
-                    absmax=s[f"low_rank_{name}_absmax"],
-                    code=bnbf.create_dynamic_map(signed=name == "exp_avg"),
-                    blocksize=256,
-                )
-                states.append((s_ours, s_ref))
-            _assert_bnb_close(y, x, states)
+    for x, y in _lockstep(ref, ours, a, b, shapes):
+        r, s = ref.state[x], ours.state[y]
+        assert s["low_rank_exp_avg"].dtype == torch.uint8
+        _assert_bnb_close(y, x, _dequantized_pairs(s, r, "low_rank_"))
 
 
 def test_8bit_plain_params_match_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Parameters outside GaLore groups: bitsandbytes' 8-bit blockwise Adam (through
     galore_torch.GaLoreAdamW8bit, which is bitsandbytes' AdamW8bit for them), including a tensor
     whose size is not a multiple of the 256-element block and one below min_8bit_size."""
-    import bitsandbytes.functional as bnbf
     from galore_torch import GaLoreAdamW8bit
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -211,32 +223,15 @@ def test_8bit_plain_params_match_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -
     ours = DistributedGaLore(
         [{"params": b}], lr=1e-3, eps=1e-8, weight_decay=1e-2, optim_bits=8, min_8bit_size=100, adam_style="bnb"
     )
-    for step in range(12):
-        for x, y, g in zip(a, b, _grads(step, shapes, 0.01)):
-            x.grad, y.grad = g.clone(), g.clone()
-        ref.step()
-        ours.step()
-        for x, y in zip(a, b):
-            r, s = ref.state[x], ours.state[y]
-            if x.numel() < 100:
-                assert s["exp_avg"].dtype == torch.float32 and r["state1"].dtype == torch.float32
-                states = [(s["exp_avg"], r["state1"]), (s["exp_avg_sq"], r["state2"])]
-            else:
-                assert s["exp_avg"].dtype == torch.uint8
-                states = []
-                for name, key, qmap, absmax in (
-                    ("exp_avg", "state1", "qmap1", "absmax1"),
-                    ("exp_avg_sq", "state2", "qmap2", "absmax2"),
-                ):
-                    s_ref = bnbf.dequantize_blockwise(r[key], absmax=r[absmax], code=r[qmap], blocksize=256)
-                    s_ours = bnbf.dequantize_blockwise(
-                        s[name].reshape(-1),
-                        absmax=s[f"{name}_absmax"],
-                        code=bnbf.create_dynamic_map(signed=name == "exp_avg"),
-                        blocksize=256,
-                    )
-                    states.append((s_ours.view(x.shape), s_ref.view(x.shape)))
-            _assert_bnb_close(y, x, states)
+    for x, y in _lockstep(ref, ours, a, b, shapes):
+        r, s = ref.state[x], ours.state[y]
+        if x.numel() < 100:
+            assert s["exp_avg"].dtype == torch.float32 and r["state1"].dtype == torch.float32
+            states = [(s["exp_avg"], r["state1"]), (s["exp_avg_sq"], r["state2"])]
+        else:
+            assert s["exp_avg"].dtype == torch.uint8
+            states = [(o.view(x.shape), t.view(x.shape)) for o, t in _dequantized_pairs(s, r, "")]
+        _assert_bnb_close(y, x, states)
 
 
 def test_8bit_moments_are_a_quarter_of_32bit() -> None:
