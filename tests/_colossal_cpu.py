@@ -109,8 +109,8 @@ def install() -> None:
     import colossalai.pipeline.p2p as p2p
 
     p2p._check_for_nccl_hccl_backend = lambda group: dist.get_backend(group) == "nccl"
-    # gloo has no all_to_all / all_to_all_single (sequence parallelism "all_to_all" and MoE
-    # dispatch use them): point-to-point sends and receives instead.
+    # gloo has no all_to_all / all_to_all_single / reduce_scatter (sequence parallelism and MoE
+    # dispatch use them): emulated, see _GlooAllToAll.
     import colossalai.moe._operation as moe_operation
     import colossalai.shardformer.layer._operation as operation
     import colossalai.shardformer.modeling.mixtral as mixtral
@@ -127,8 +127,8 @@ class _Done:
 
 
 class _GlooAllToAll:
-    """``torch.distributed`` with ``all_to_all`` and ``all_to_all_single`` emulated by
-    point-to-point messages on gloo process groups (which have neither)."""
+    """``torch.distributed`` with ``all_to_all`` / ``all_to_all_single`` (point-to-point messages)
+    and ``reduce_scatter`` (an all-reduce) emulated on gloo process groups, which have none."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
@@ -159,6 +159,25 @@ class _GlooAllToAll:
         self._exchange(received, list(input_list), group)
         for out, got in zip(output_list, received):
             out.copy_(got)
+        return _Done() if async_op else None
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: Any = None,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        real = self._real
+        op = real.ReduceOp.SUM if op is None else op
+        if real.get_backend(group) != "gloo":
+            return real.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        flat = torch.cat([t.reshape(-1) for t in input_list])
+        real.all_reduce(flat, op=op, group=group)
+        n = output.numel()
+        me = real.get_rank(group)
+        output.copy_(flat[me * n : (me + 1) * n].view_as(output))
         return _Done() if async_op else None
 
     def all_to_all_single(

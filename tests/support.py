@@ -7,8 +7,9 @@ differs, so the table can only claim what a test in this suite runs.
 from __future__ import annotations
 
 # Booster layouts, in the order of the table's columns: (plugin, tp, pp, ZeRO stage, precision)
-# and, for sequence parallelism, a sixth entry: the "all_to_all" SP size (ZeRO then shards over
-# dp x sp, not over the dp group ColossalAI hands to setup_distributed).
+# and, for sequence parallelism, a sixth entry: the SP mode. "all_to_all" runs on its own sp=2
+# axis, and ZeRO then shards over dp x sp (not over the dp group ColossalAI hands to
+# setup_distributed); "split_gather" splits the sequence over the TP group.
 COLUMNS: list[tuple] = [
     ("HybridParallelPlugin", 2, 1, 0, "fp32"),
     ("HybridParallelPlugin", 2, 1, 0, "bf16"),
@@ -17,7 +18,8 @@ COLUMNS: list[tuple] = [
     ("HybridParallelPlugin", 2, 1, 1, "fp16"),
     ("HybridParallelPlugin", 2, 2, 0, "fp32"),
     ("HybridParallelPlugin", 1, 2, 1, "bf16"),
-    ("HybridParallelPlugin", 1, 1, 1, "bf16", 2),
+    ("HybridParallelPlugin", 1, 1, 1, "bf16", "all_to_all"),
+    ("HybridParallelPlugin", 2, 1, 1, "bf16", "split_gather"),
     # A tiny Mixtral, experts split over ep=2 and ZeRO-sharded over the MoE data-parallel group.
     ("MoeHybridParallelPlugin", 1, 1, 1, "bf16"),
     ("LowLevelZeroPlugin", 1, 1, 1, "bf16"),
@@ -75,7 +77,7 @@ def _header(col: tuple) -> str:
         if pp > 1:
             parts.append(f"pp={pp}")
         if sp:
-            parts.append(f"sp={sp[0]} all_to_all")
+            parts.append(f"sp={2 if sp[0] == 'all_to_all' else tp} {sp[0]}")
     if plugin != "TorchDDPPlugin":
         parts.append(f"ZeRO-{zero}")
     parts.append(precision)
