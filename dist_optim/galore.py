@@ -28,8 +28,9 @@ Parameters in groups without ``rank`` get plain AdamW with the same update rule.
   Adam kernel): ``denom = sqrt(v) / sqrt(1 - b2^t) + eps``, ``step = lr / (1 - b1^t)``; GaLore
   params are decayed after their update (galore_torch), plain params before it (bitsandbytes).
 
-8-bit states (``optim_bits=8``): the low-rank ``exp_avg`` / ``exp_avg_sq`` are stored as uint8
-codes plus one fp32 absmax per block of 256 values, quantised with bitsandbytes'
+8-bit states (``optim_bits=8``): the moments (low-rank ``low_rank_exp_avg[_sq]`` of GaLore params,
+``exp_avg[_sq]`` of plain params, as bitsandbytes' GaLoreAdamW8bit) are stored as uint8 codes plus
+one fp32 absmax per block of 256 values, quantised with bitsandbytes'
 ``functional.quantize_blockwise`` / ``dequantize_blockwise`` and its signed / unsigned dynamic
 maps (the format of bitsandbytes' own 8-bit blockwise Adam). Each step dequantises, updates in
 fp32, takes the step from the fp32 values and re-quantises, as bitsandbytes' kernel does. Like
@@ -57,11 +58,11 @@ Deviations from galore_torch (all deliberate):
 * ``rank`` larger than ``min(M, N)`` raises (galore_torch silently uses ``min(M, N)``).
 * ``reverse_std`` on an ``M < N`` matrix with ``rank == M`` back-projects on the side it
   projected (galore_torch picks the side from the low-rank shape and fails with a shape error).
-* 8-bit mode quantises the plain-AdamW params' moments too (as bitsandbytes' GaLoreAdamW8bit),
-  in blocks of the *full* flattened parameter (``_Blocks``): a ZeRO chunk or TP slice holds
-  pieces of blocks, whose absmax is max-reduced over its holders (one collective per group and
-  step), so the states are the same on every layout. The codes are computed in torch with the
-  nearest-value rule of bitsandbytes' kernel (the two can differ only at exact ties).
+* 8-bit plain-param moments are quantised in blocks of the *full* flattened parameter
+  (``_Blocks``), as on one device: a ZeRO chunk or TP slice holds pieces of blocks, whose absmax
+  is max-reduced over its holders (one collective per group and step) and forced on
+  bitsandbytes' quantiser, so codes and absmax are the same on every layout. Between the two
+  passes this needs, the new moments are recomputed rather than held.
 * The projector is kept in the gradient's dtype (as galore_torch), the SVD is done in fp32.
 * State is tensors only (``proj_left`` / ``proj_right`` instead of a projector object; low-rank
   moments as ``low_rank_exp_avg`` / ``low_rank_exp_avg_sq``, with ``*_absmax`` in 8-bit mode) so it
