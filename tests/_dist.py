@@ -152,3 +152,18 @@ def grid_groups(tp: int, dp: int) -> tuple[Any, Any]:
                 mine_dp = g
     _GROUP_CACHE[key] = (mine_tp, mine_dp)
     return mine_tp, mine_dp
+
+
+def zero_chunks(fulls: list[torch.Tensor], group: Any) -> tuple[list[torch.Tensor], dict[torch.Tensor, Any]]:
+    """This rank's ZeRO chunks of full tensors sharded over ``group`` (padded as ZeRO pads), and
+    their layouts: what a test binds an optimizer with to run it as ZeRO would."""
+    from dist_optim.layout import ParamLayout, ZeroShard
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    params, layouts = [], {}
+    for full in fulls:
+        layout = ParamLayout(tuple(full.shape), zero=ZeroShard(size, rank, (-full.numel()) % size, group))
+        p = layout.take_local(full)
+        params.append(p)
+        layouts[p] = layout
+    return params, layouts

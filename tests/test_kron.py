@@ -371,10 +371,9 @@ def _full_grads(shapes, step: int) -> list[torch.Tensor]:
 
 def _work_worker(shapes, steps: int) -> dict:
     """dp=4 replicated (plain data parallel, owner split over dp) and dp=4 ZeRO chunks."""
-    from tests._dist import grid_groups
+    from tests._dist import grid_groups, zero_chunks
 
     _, dp_group = grid_groups(1, 4)
-    rank = dist.get_rank(dp_group)
     out: dict = {}
     ref_params = _local_params(shapes)
     ref = DistributedKron(ref_params, lr=1e-2, weight_decay=1e-2)
@@ -386,17 +385,11 @@ def _work_worker(shapes, steps: int) -> dict:
 
     for mode in ("replicated", "zero"):
         fulls = _local_params(shapes)
-        params, layouts = [], {}
-        for full in fulls:
-            if mode == "zero":
-                pad = (-full.numel()) % 4
-                layout = ParamLayout(tuple(full.shape), zero=ZeroShard(4, rank, pad, dp_group))
-                p = layout.take_local(full)
-            else:
-                layout = ParamLayout(tuple(full.shape))
-                p = full.clone()
-            params.append(p)
-            layouts[p] = layout
+        if mode == "zero":
+            params, layouts = zero_chunks(fulls, dp_group)
+        else:
+            params = [full.clone() for full in fulls]
+            layouts = {p: ParamLayout(tuple(p.shape)) for p in params}
         opt = DistributedKron(params, lr=1e-2, weight_decay=1e-2)
         opt.bind(layouts, dp_group=dp_group)
         out[f"work_{mode}"] = opt.precond_work()
@@ -495,10 +488,9 @@ def test_fp32_communication_is_exact_under_tp_and_zero(pool4) -> None:
 def _resume_worker(shapes, steps: int, split: int) -> float:
     """The unbound run saved (full_state + extra_state) after ``split`` steps resumes at dp=4 ZeRO
     with the same trajectory as the uninterrupted unbound run."""
-    from tests._dist import grid_groups
+    from tests._dist import grid_groups, zero_chunks
 
     _, dp_group = grid_groups(1, 4)
-    rank = dist.get_rank(dp_group)
     ref_params = _local_params(shapes)
     ref = DistributedKron(ref_params, lr=1e-2, preconditioner_update_probability=0.5)
     saved = None
@@ -509,12 +501,7 @@ def _resume_worker(shapes, steps: int, split: int) -> float:
             p.grad = g
         ref.step()
     states, extra, fulls = saved
-    params, layouts = [], {}
-    for full in fulls:
-        layout = ParamLayout(tuple(full.shape), zero=ZeroShard(4, rank, (-full.numel()) % 4, dp_group))
-        p = layout.take_local(full)
-        params.append(p)
-        layouts[p] = layout
+    params, layouts = zero_chunks(fulls, dp_group)
     opt = DistributedKron(params, lr=1e-2, preconditioner_update_probability=0.5)
     opt.bind(layouts, dp_group=dp_group)
     opt.load_full_state(states)

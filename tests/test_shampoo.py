@@ -354,13 +354,10 @@ RESUME_KWARGS = dict(
 def _resume_worker(kwargs: dict, split: int = 3) -> float:
     """The unbound run saved (full_state + extra_state) after ``split`` steps resumes at dp=4 ZeRO
     with the same trajectory as the uninterrupted unbound run."""
-    import torch.distributed as dist
 
-    from dist_optim.layout import ParamLayout, ZeroShard
-    from tests._dist import grid_groups
+    from tests._dist import grid_groups, zero_chunks
 
     _, dp_group = grid_groups(1, 4)
-    rank = dist.get_rank(dp_group)
     ref_params = [p.clone() for p in parity.full_params("fp32")]
     ref = dist_optim.DistributedShampoo(ref_params, **kwargs)
     saved = None
@@ -373,12 +370,7 @@ def _resume_worker(kwargs: dict, split: int = 3) -> float:
                 p.grad = g
             ref.step()
     states, extra, fulls = saved
-    params, layouts = [], {}
-    for full in fulls:
-        layout = ParamLayout(tuple(full.shape), zero=ZeroShard(4, rank, (-full.numel()) % 4, dp_group))
-        p = layout.take_local(full)
-        params.append(p)
-        layouts[p] = layout
+    params, layouts = zero_chunks(fulls, dp_group)
     opt = dist_optim.DistributedShampoo(params, **kwargs)
     opt.bind(layouts, dp_group=dp_group)
     opt.load_full_state(states)
