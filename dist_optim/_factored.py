@@ -365,6 +365,32 @@ class FactoredOptimizer(DistOptimizer):
     def _on_bind(self) -> None:
         self._factored.clear()
 
+    def _init_state(self, item: Item) -> None:
+        """The state a parameter starts with besides ``step`` (called at its first step)."""
+        raise NotImplementedError
+
+    def _items(self, stats: SumBucket) -> list[Item]:
+        """The first phase of a step: every parameter with a gradient as an :class:`Item` (fp32
+        gradient, negated for ``maximize``), its state started and its step counted, and the
+        row/column sums of ``G^2`` of the factored ones queued in ``stats``."""
+        items: list[Item] = []
+        for group in self.param_groups:
+            params, grads = self._grads(group)
+            for p, grad in zip(params, grads):
+                g = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+                if group.get("maximize", False):
+                    g = -g
+                fac = self._fac(p)
+                item = Item(p, group, self.state[p], self.layout(p), fac, g)
+                if not item.state:
+                    item.state["step"] = torch.zeros((), dtype=torch.float32)
+                    self._init_state(item)
+                item.state["step"] += 1
+                if fac is not None:
+                    queue_factored_sums(stats, item, torch.mul(g, g, out=self._workspace(g)))
+                items.append(item)
+        return items
+
     def _workspace(self, like: torch.Tensor) -> torch.Tensor:
         """An fp32 scratch tensor of ``like``'s shape, free between uses within a step phase.
 

@@ -64,7 +64,6 @@ from ._factored import (
     init_second_moment,
     low_precision_copy,
     preconditioned,
-    queue_factored_sums,
     queue_sumsq,
     rms,
 )
@@ -165,29 +164,11 @@ class DistributedAdafactor(FactoredOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
 
-        items: list[Item] = []
         stats = SumBucket()
-        for group in self.param_groups:
-            params, grads = self._grads(group)
-            eps1 = group["eps"][0]
-            for p, grad in zip(params, grads):
-                g = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
-                if group["maximize"]:
-                    g = -g
-                fac = self._fac(p)
-                item = Item(p, group, self.state[p], self.layout(p), fac, g)
-                state = item.state
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    init_second_moment(state, p, fac)
-                    if group["beta1"] is not None:
-                        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                if fac is not None:
-                    queue_factored_sums(stats, item, torch.mul(g, g, out=self._workspace(g)))
-                if group["scale_parameter"]:
-                    item.sumsq["param"] = queue_sumsq(stats, item.layout, p)
-                items.append(item)
+        items = self._items(stats)
+        for item in items:
+            if item.group["scale_parameter"]:
+                item.sumsq["param"] = queue_sumsq(stats, item.layout, item.param)
         stats.flush()
 
         norms = SumBucket()
@@ -203,6 +184,11 @@ class DistributedAdafactor(FactoredOptimizer):
         for item in items:
             self._apply(item)
         return loss
+
+    def _init_state(self, item: Item) -> None:
+        init_second_moment(item.state, item.param, item.fac)
+        if item.group["beta1"] is not None:
+            item.state["exp_avg"] = torch.zeros_like(item.param, dtype=torch.float32)
 
     @staticmethod
     def _eps(item: Item) -> tuple[str, float]:

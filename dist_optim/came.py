@@ -92,31 +92,21 @@ class DistributedCAME(FactoredOptimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         _validate(group)
 
+    def _init_state(self, item: Item) -> None:
+        state = item.state
+        state["exp_avg"] = torch.zeros_like(item.param, dtype=torch.float32)
+        init_second_moment(state, item.param, item.fac)
+        if item.fac is not None:
+            state["res_row_var"] = torch.zeros_like(state["row_var"])
+            state["res_col_var"] = torch.zeros_like(state["col_var"])
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
 
         # Phase 1: this step's second-moment statistics of every parameter, one flush.
-        items: list[Item] = []
         stats = SumBucket()
-        for group in self.param_groups:
-            params, grads = self._grads(group)
-            for p, grad in zip(params, grads):
-                g = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
-                fac = self._fac(p)
-                item = Item(p, group, self.state[p], self.layout(p), fac, g)
-                state = item.state
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    init_second_moment(state, p, fac)
-                    if fac is not None:
-                        state["res_row_var"] = torch.zeros_like(state["row_var"])
-                        state["res_col_var"] = torch.zeros_like(state["col_var"])
-                state["step"] += 1
-                if fac is not None:
-                    queue_factored_sums(stats, item, torch.mul(g, g, out=self._workspace(g)))
-                items.append(item)
+        items = self._items(stats)
         stats.flush()
 
         # Phase 2: RMS of every U = G V^-1/2, one flush.
