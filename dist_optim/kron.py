@@ -862,22 +862,7 @@ register(
         "kron_torch.kron.Kron",
         DistributedKron,
         _kron_torch_kron,
-        frozenset(
-            {
-                "lr",
-                "b1",
-                "weight_decay",
-                "preconditioner_update_probability",
-                "max_size_triangular",
-                "min_ndim_triangular",
-                "memory_save_mode",
-                "momentum_into_precond_update",
-                "precond_lr",
-                "precond_init_scale",
-                "merge_dims",
-                "mu_dtype",
-                "precond_dtype",
-            }
-        ),
+        # kron_torch's options: the validated ones plus the two booleans
+        frozenset(_VALIDATED) | {"momentum_into_precond_update", "merge_dims"},
     )
 )
