@@ -697,23 +697,24 @@ class DistributedGaLore(DistOptimizer):
         # 8-bit moments of a parameter held in pieces: the absmax of every quantisation block of
         # the full tensor first (the new moments are recomputed below rather than held), in one
         # max-reduction per process group for the whole parameter group.
-        absmax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        sharded: dict[int, tuple[_Blocks, torch.Tensor, torch.Tensor]] = {}
         maxes = comm.MaxBucket()
         for i, (p, grad, e) in enumerate(zip(params, grads, eight)):
             layout = self.layout(p)
             if e and not layout.is_local:
                 blocks = _Blocks(layout, p.device)
                 m, v = self._plain_moments_8bit(self.state[p], grad, blocks, beta1, beta2)
-                absmax[i] = (maxes.add(blocks.amax(m), layout.sum_groups), maxes.add(blocks.amax(v), layout.sum_groups))
+                groups = layout.sum_groups
+                sharded[i] = (blocks, maxes.add(blocks.amax(m), groups), maxes.add(blocks.amax(v), groups))
         maxes.flush()
 
         for i, (p, grad, e) in enumerate(zip(params, grads, eight)):
             state = self.state[p]
             state["step"] += 1
             if e:
-                blocks = _Blocks(self.layout(p), p.device)
+                # A whole tensor: bitsandbytes computes each block's absmax itself (None here).
+                blocks, m_max, v_max = sharded.get(i) or (_Blocks(self.layout(p), p.device), None, None)
                 m, v = self._plain_moments_8bit(state, grad, blocks, beta1, beta2)
-                m_max, v_max = absmax.get(i) or (blocks.amax(m), blocks.amax(v))
             else:
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
@@ -770,29 +771,28 @@ class _Blocks:
         return values.mul_(per_element).view(codes.shape)
 
     def amax(self, values: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the block absmax (zeros for blocks it holds nothing of)."""
-        flat = values.detach().reshape(-1)
-        if self.ids is None:
-            # max |x| per block without a temporary of the tensor's size (inf-norm of each row)
-            whole = flat.numel() // BLOCKSIZE
-            out = flat.new_empty(self.n)
-            torch.linalg.vector_norm(
-                flat[: whole * BLOCKSIZE].view(whole, BLOCKSIZE), float("inf"), dim=1, out=out[:whole]
-            )
-            if whole < self.n:
-                out[whole] = flat[whole * BLOCKSIZE :].abs().max()
-            return out
-        flat = flat.abs()
+        """This rank's share of the block absmax of a tensor held in pieces (zeros for blocks it
+        holds nothing of)."""
+        assert self.ids is not None, "a whole tensor's absmax is bitsandbytes' to compute"
+        flat = values.detach().reshape(-1).abs()
         out = flat.new_zeros(self.n + 1)
         return out.scatter_reduce_(0, self.ids, flat, reduce="amax")[: self.n].contiguous()
 
     def quantize_into(
-        self, values: torch.Tensor, absmax: torch.Tensor, codes: torch.Tensor, absmax_out: torch.Tensor, signed: bool
+        self,
+        values: torch.Tensor,
+        absmax: torch.Tensor | None,
+        codes: torch.Tensor,
+        absmax_out: torch.Tensor,
+        signed: bool,
     ) -> None:
-        absmax_out.copy_(absmax)
-        if self.ids is None:  # bitsandbytes' absmax of each block is the one computed above
+        """Codes of ``values`` into ``codes`` and the block absmax into ``absmax_out``; ``absmax``
+        is the reduced absmax of a tensor held in pieces (None for a whole tensor)."""
+        if self.ids is None:
             _quantize_into(values.reshape(-1), codes.view(-1), absmax_out, signed)
             return
+        assert absmax is not None, "a tensor held in pieces needs its reduced absmax"
+        absmax_out.copy_(absmax)
         # Local elements come in increasing full index (row-major slices, contiguous chunks).
         blocks, row = torch.unique_consecutive(self.ids, return_inverse=True)
         full_absmax = torch.cat([absmax, absmax.new_zeros(1)])
