@@ -115,10 +115,12 @@ class DistOptimizer(torch.optim.Optimizer):
     def _on_bind(self) -> None:
         """Hook for optimizers that precompute per-layout data (e.g. work assignment)."""
 
-    def use_layout_independent_randomness(self) -> None:
+    def use_layout_independent_randomness(self) -> str | None:
         """Draw random numbers from sources that do not depend on which parameters this optimizer
-        holds (a pipeline stage holds a subset of the model). A no-op for the deterministic
-        optimizers; the plugins call it under pipeline parallelism."""
+        holds (a pipeline stage holds a subset of the model); returns what changed, for the log,
+        or None. A no-op for the deterministic optimizers; the plugins call it under pipeline
+        parallelism."""
+        return None
 
     def setup_distributed(
         self,

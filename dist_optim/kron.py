@@ -531,9 +531,12 @@ class DistributedKron(DistOptimizer):
             self._generators[device] = gen
         return gen
 
-    def use_layout_independent_randomness(self) -> None:
+    def use_layout_independent_randomness(self) -> str | None:
         """Switch to ``probe_rng="per_parameter"`` (see the class docstring)."""
+        if self.probe_rng == "per_parameter":
+            return None
         self.probe_rng = "per_parameter"
+        return 'probe_rng="per_parameter" (probe vectors seeded by parameter name and step)'
 
     def _probe_generator(self, p: torch.Tensor, device: torch.device) -> torch.Generator:
         if self.probe_rng == "sequential":

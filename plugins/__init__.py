@@ -138,15 +138,19 @@ class HybridParallelPlugin(_SwapAndBind, _HybridParallelPlugin):
     def _bind(self, wrapper: Any) -> None:
         bind_from_wrapper(wrapper, self.tp_group, self.dp_group)
         if self.pp_size > 1:
-            optim = wrapper.optim
-            optim.use_layout_independent_randomness()
-            if getattr(optim, "probe_rng", None) == "per_parameter":
-                _log(f"{type(optim).__name__}: pipeline parallelism, probe vectors drawn per parameter name")
+            changed = wrapper.optim.use_layout_independent_randomness()
+            if changed:
+                _log(f"{type(wrapper.optim).__name__} under pipeline parallelism: {changed}")
+
+    def _state_replicas(self) -> Any:
+        """The data-parallel group over which full_state() is replicated."""
+        return self.dp_group
 
     def _checkpoint_writer(self) -> Callable[[], bool]:
-        # One writer per pipeline stage: after full_state() the state is replicated over TP, DP, SP.
+        # One writer per pipeline stage: after full_state() the state is replicated over TP, the
+        # data-parallel replicas and SP.
         sp = self.sp_group if self.sp_group is not self.tp_group else None
-        return _rank0(self.tp_group, self.dp_group, sp)
+        return _rank0(self.tp_group, self._state_replicas(), sp)
 
 
 class MoeHybridParallelPlugin(HybridParallelPlugin, _MoeHybridParallelPlugin):
@@ -155,12 +159,11 @@ class MoeHybridParallelPlugin(HybridParallelPlugin, _MoeHybridParallelPlugin):
     reads each parameter's group from ColossalAI's optimizer wrapper, so their statistics are
     reduced over the ranks that hold pieces of the same expert."""
 
-    def _checkpoint_writer(self) -> Callable[[], bool]:
-        # After full_state() expert state is replicated over the MoE data-parallel group only: one
-        # writer per set of experts (and pipeline stage); the shared parameters' state is written by
-        # each of them, identically, and merged by name.
-        sp = self.sp_group if self.sp_group is not self.tp_group else None
-        return _rank0(self.tp_group, self.moe_dp_group, sp)
+    def _state_replicas(self) -> Any:
+        # Expert state is replicated over the MoE data-parallel group only: one writer per set of
+        # experts (and pipeline stage); the shared parameters' state is written by each of them,
+        # identically, and merged by name.
+        return self.moe_dp_group
 
 
 class LowLevelZeroPlugin(_SwapAndBind, _LowLevelZeroPlugin):
