@@ -51,12 +51,28 @@ def llama_like(hidden: int = 1024, inter: int = 2752, layers: int = 2, vocab: in
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    total = 0
-    for state in opt.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
-    return total
+    """Bytes of every tensor in the optimizer state, also inside containers and objects
+    (galore_torch keeps its projector in a GaLoreProjector object), each storage counted once."""
+    seen: set[int] = set()
+
+    def count(v: Any, depth: int = 0) -> int:
+        if isinstance(v, torch.Tensor):
+            key = v.untyped_storage().data_ptr()
+            if key in seen:
+                return 0
+            seen.add(key)
+            return v.numel() * v.element_size()
+        if depth > 3:
+            return 0
+        if isinstance(v, dict):
+            return sum(count(x, depth + 1) for x in v.values())
+        if isinstance(v, (list, tuple)):
+            return sum(count(x, depth + 1) for x in v)
+        if hasattr(v, "__dict__") and not isinstance(v, type):
+            return sum(count(x, depth + 1) for x in vars(v).values())
+        return 0
+
+    return sum(count(state) for state in opt.state.values())
 
 
 def run_bench(shapes: list[tuple[int, ...]], selected: list[Any], warmup: int, repeats: int) -> list[dict[str, Any]]:
