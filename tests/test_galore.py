@@ -93,6 +93,41 @@ def test_matches_galore_torch(proj_type: str, correct_bias: bool) -> None:
             assert _rel(s["exp_avg_sq"], r["exp_avg_sq"]) <= RTOL
 
 
+@pytest.mark.parametrize("style", ["hf", "bnb"])
+@pytest.mark.parametrize("correct_bias", [True, False])
+def test_plain_params_match_their_adamw(style: str, correct_bias: bool) -> None:
+    """Plain params (the fused-kernel path, and the per-op path when uncorrected) against the
+    AdamW each style follows: transformers' (through galore_torch.GaLoreAdamW) for "hf", torch's
+    for "bnb"; weight decay on, and a param whose grad is None at one step so the params of a
+    group hold different step counts. eps is large so that where it enters counts."""
+    from galore_torch import GaLoreAdamW
+
+    if style == "bnb" and not correct_bias:
+        pytest.skip("bitsandbytes always bias-corrects")
+    shapes = [(9, 7), (33,), (4, 5)]
+    init = [torch.randn(s, generator=torch.Generator().manual_seed(20 + i)) for i, s in enumerate(shapes)]
+    ref_params = [p.clone() for p in init]
+    our_params = [p.clone() for p in init]
+    if style == "hf":
+        ref: torch.optim.Optimizer = GaLoreAdamW(
+            ref_params, lr=1e-2, eps=0.1, weight_decay=0.1, correct_bias=correct_bias, no_deprecation_warning=True
+        )
+    else:
+        ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, eps=0.1, foreach=False)
+    with pytest.warns(UserWarning, match="no parameter group has a 'rank'"):
+        ours = DistributedGaLore(
+            our_params, lr=1e-2, eps=0.1, weight_decay=0.1, correct_bias=correct_bias, adam_style=style
+        )
+    _train(ref, ref_params, shapes, STEPS)
+    _train(ours, our_params, shapes, STEPS)
+    for i, (p, q) in enumerate(zip(our_params, ref_params)):
+        assert _rel(p, q) <= RTOL
+        s, r = ours.state[p], ref.state[q]
+        assert int(s["step"]) == int(r["step"]) == (STEPS - 1 if i == 0 else STEPS)
+        assert _rel(s["exp_avg"], r["exp_avg"]) <= RTOL
+        assert _rel(s["exp_avg_sq"], r["exp_avg_sq"]) <= RTOL
+
+
 def test_projector_refreshes_on_schedule() -> None:
     """>= 2 refreshes within the run: the projector changes exactly at steps 0, gap, 2*gap."""
     p = torch.randn(10, 6)
@@ -236,7 +271,7 @@ def test_8bit_plain_params_match_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -
 
 def test_8bit_moments_are_a_quarter_of_32bit() -> None:
     """Codes (1 byte) plus one fp32 absmax per 256 values instead of fp32 moments, for GaLore and
-    plain parameters alike (the projectors are the same in both modes and left out)."""
+    plain parameters alike (projectors left out: the next test counts them)."""
     shapes = [(512, 256), (256, 512), (300, 7), (256,)]
 
     def state_bytes(bits: int) -> int:
@@ -254,6 +289,54 @@ def test_8bit_moments_are_a_quarter_of_32bit() -> None:
         )
 
     assert state_bytes(8) <= (1 + 4 / 256) / 4 * state_bytes(32) + 64  # + rounding up to whole blocks
+
+
+def test_8bit_state_is_under_30_percent_of_32bit_galore() -> None:
+    """All optimizer state, projectors included, on the benchmark's Llama-like set scaled down 4x
+    (hidden 256, intermediate 688, vocabulary 2048, 2 layers; rank 32 = hidden / 8 as rank 128 at
+    hidden 1024): the 8-bit moments are a quarter, the projectors are stored in fp16."""
+    hidden, inter, vocab = 256, 688, 2048
+    shapes = [(vocab, hidden)]
+    for _ in range(2):
+        shapes += [(hidden, hidden)] * 4 + [(inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
+
+    def state_bytes(**kw: Any) -> tuple[int, int]:
+        params = [torch.zeros(s, requires_grad=True) for s in shapes]
+        mats = [p for p in params[1:] if p.dim() == 2]
+        groups = [{"params": [p for p in params if all(p is not m for m in mats)]}, {"params": mats, "rank": 32}]
+        opt = DistributedGaLore(groups, lr=1e-3, **kw)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+        opt.step()
+        sizes = [(k, v.numel() * v.element_size()) for st in opt.state.values() for k, v in st.items()]
+        return sum(n for _, n in sizes), sum(n for k, n in sizes if k.startswith("proj"))
+
+    total32, proj32 = state_bytes()
+    total8, proj8 = state_bytes(optim_bits=8)
+    assert proj8 * 2 == proj32
+    assert total8 <= 0.30 * total32, total8 / total32
+    fp32_projectors, _ = state_bytes(optim_bits=8, projector_dtype=torch.float32)
+    assert fp32_projectors == total8 + proj32 // 2
+
+
+def test_projector_dtype_option() -> None:
+    """Defaults (fp16 storage in 8-bit mode, the gradient's dtype otherwise), an explicit choice,
+    multiplication in the gradient's dtype, and a clear error for a non-float dtype."""
+    for bits, chosen, expected in (
+        (32, None, torch.float32),
+        (8, None, torch.float16),
+        (8, torch.float32, torch.float32),
+    ):
+        p = torch.zeros(16, 8, requires_grad=True)
+        opt = DistributedGaLore(
+            [{"params": [p], "rank": 2}], lr=1e-3, optim_bits=bits, min_8bit_size=0, projector_dtype=chosen
+        )
+        p.grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+        opt.step()
+        assert opt.state[p]["proj_right"].dtype == expected
+        assert p.dtype == torch.float32 and torch.isfinite(p).all()
+    with pytest.raises(TypeError, match="projector_dtype must be None or one of"):
+        DistributedGaLore([{"params": [torch.zeros(4, 4, requires_grad=True)], "rank": 2}], projector_dtype=torch.int8)
 
 
 @pytest.mark.parametrize("optim_bits", [32, 8])
@@ -283,7 +366,7 @@ def test_state_dict_round_trip(optim_bits: int) -> None:
             if optim_bits == 8:
                 assert st["low_rank_exp_avg"].dtype == torch.uint8
                 assert st["low_rank_exp_avg_absmax"].dtype == torch.float32
-            assert isinstance(st["proj_right"], torch.Tensor)
+            assert st["proj_right"].dtype == (torch.float16 if optim_bits == 8 else torch.bfloat16)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
