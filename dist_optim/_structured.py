@@ -3,7 +3,9 @@
 BLAS exposes ``trmm`` (a triangular matrix times a general one) and ``syrk`` (``A A^T``), but
 torch has neither; a plain ``mm`` multiplies the zero half of a triangular operand and computes
 both halves of a symmetric result. Kron's factors are upper triangular and its statistics are
-Gram matrices, so these products dominate its step (a 4096-dim factor's update ``triu(D) @ Q`` is
+Gram matrices, and Shampoo's factor update ``L <- b L + a G G^T`` is a symmetric rank-k update
+(``gram_update_``, in place, without a temporary of L's size), so these products dominate their
+steps (a 4096-dim factor's update ``triu(D) @ Q`` is
 69 GMAC as an ``mm``). Here the structure is exploited by splitting in halves recursively: the
 diagonal blocks recurse, the off-diagonal block is one general ``mm``, and below ``min_size`` a
 plain ``mm`` takes over (its call overhead and BLAS efficiency win on small blocks). Measured on
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["matmul_triangular", "triangular_matmul", "upper_times_upper", "gram"]
+__all__ = ["matmul_triangular", "triangular_matmul", "upper_times_upper", "gram", "gram_update_"]
 
 #: Below this size a block is multiplied with one ``mm`` (read at call time, so tests can lower it).
 MIN_SIZE = 256
@@ -85,3 +87,34 @@ def gram(rows: torch.Tensor, min_size: int | None = None) -> torch.Tensor:
     out[:h, h:] = off
     out[h:, :h] = off.T
     return out
+
+
+def gram_update_(
+    c: torch.Tensor, rows: torch.Tensor, beta: float, alpha: float, min_size: int | None = None
+) -> torch.Tensor:
+    """``c <- beta * c + alpha * rows @ rows.T`` in place, for a symmetric ``c`` (BLAS ``syrk``):
+    each off-diagonal block is computed once (into the lower triangle) and mirrored exactly. ``c``
+    must be symmetric on entry. Inside the diagonal blocks below ``min_size`` a plain ``mm``
+    works, whose two halves may differ in the last bit (as ``rows @ rows.T`` does; ``eigh``
+    reads one triangle).
+
+    Each block is rounded as ``c * beta + (rows @ rows.T) * alpha`` is, not with ``addmm``'s fused
+    scaling, so that a block below ``min_size`` gets exactly the plain formula's bits: early
+    Shampoo factors of small blocks are nearly singular (rank-one sums plus a tiny epsilon), and
+    SOAP's eigenbasis of their null space is decided by the last bits of the factor."""
+    min_size = MIN_SIZE if min_size is None else min_size
+    n = c.shape[0]
+    if n <= min_size:
+        return _scaled_add_(c, rows @ rows.T, beta, alpha)
+    h = n // 2
+    gram_update_(c[:h, :h], rows[:h], beta, alpha, min_size)
+    gram_update_(c[h:, h:], rows[h:], beta, alpha, min_size)
+    lower = _scaled_add_(c[h:, :h], rows[h:] @ rows[:h].T, beta, alpha)
+    c[:h, h:].copy_(lower.T)
+    return c
+
+
+def _scaled_add_(c: torch.Tensor, product: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
+    if beta != 1.0:
+        c.mul_(beta)
+    return c.add_(product if alpha == 1.0 else product.mul_(alpha))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_optim import _structured
-from dist_optim._structured import gram, matmul_triangular, triangular_matmul, upper_times_upper
+from dist_optim._structured import gram, gram_update_, matmul_triangular, triangular_matmul, upper_times_upper
 
 SIZES = [1, 2, 5, 13, 37, 64]  # odd sizes cut unevenly at every level of the recursion
 
@@ -50,6 +50,28 @@ def test_upper_times_upper_is_upper_with_exact_zeros(n: int, min_size: int) -> N
 def test_gram(n: int, min_size: int) -> None:
     rows = torch.randn(n, 11, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
     _close(gram(rows, min_size), rows @ rows.T)
+
+
+@pytest.mark.parametrize("min_size", [1, 3, 256])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("beta,alpha", [(0.9, 0.1), (1.0, 1.0)])
+def test_gram_update_in_place(n: int, min_size: int, beta: float, alpha: float) -> None:
+    gen = torch.Generator().manual_seed(n)
+    a = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    c = a @ a.T
+    c = (c + c.T) / 2  # exactly symmetric
+    rows = torch.randn(n, 11, generator=gen, dtype=torch.float64)
+    expected = beta * c + alpha * (rows @ rows.T)
+    ptr = c.data_ptr()
+    out = gram_update_(c, rows, beta, alpha, min_size)
+    assert out.data_ptr() == ptr == c.data_ptr()
+    _close(c, expected)
+    if min_size == 1:  # every off-diagonal entry mirrored, none recomputed
+        assert torch.equal(c, c.T)
+    # Rows given as a transposed view (Shampoo's factor of a block's second dim).
+    cols = torch.randn(11, n, generator=gen, dtype=torch.float64)
+    c2 = torch.zeros(n, n, dtype=torch.float64)
+    _close(gram_update_(c2, cols.T, 1.0, 1.0, min_size), cols.T @ cols)
 
 
 def test_min_size_is_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
