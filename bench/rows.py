@@ -70,19 +70,25 @@ _add("torch Adafactor", "adafactor", lambda p: torch.optim.Adafactor(p, lr=1e-3)
 _add("dist_optim CAME", "came", lambda p: _dist("DistributedCAME")(p, lr=2e-4))
 _add("came_pytorch CAME", "came", lambda p: _cls("came_pytorch.CAME")(p, lr=2e-4), "came_pytorch")
 _add("colossalai CAME", "came", lambda p: _cls("colossalai.nn.optimizer.CAME")(p, lr=2e-4), "colossalai")
-for _pf in (1, 10, 100):
-    _add(
-        f"dist_optim Shampoo pf={_pf}",
-        "shampoo",
-        lambda p, pf=_pf: _dist("DistributedShampoo")(
-            p,
-            lr=1e-3,
-            max_preconditioner_dim=1024,
-            precondition_frequency=pf,
-            start_preconditioning_step=pf,
-            grafting_config=_dist("AdamGraftingConfig")(beta2=0.999, epsilon=1e-8),
-        ),
+
+
+# Preconditioned from the first step (start=1), so the median is a preconditioned step between
+# refreshes and "amortised" adds one root refresh (the first step's) per precondition_frequency
+# steps; "before start" is a step before start_preconditioning_step (statistics and grafting only).
+def _shampoo(pf: int, start: int) -> Callable[[list[torch.Tensor]], Any]:
+    return lambda p: _dist("DistributedShampoo")(
+        p,
+        lr=1e-3,
+        max_preconditioner_dim=1024,
+        precondition_frequency=pf,
+        start_preconditioning_step=start,
+        grafting_config=_dist("AdamGraftingConfig")(beta2=0.999, epsilon=1e-8),
     )
+
+
+for _pf in (1, 10, 100):
+    _add(f"dist_optim Shampoo pf={_pf}", "shampoo", _shampoo(_pf, 1), refresh_every=_pf)
+_add("dist_optim Shampoo before start", "shampoo", _shampoo(10_000, 10_000))
 _add("dist_optim Kron", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0))
 _add("kron_torch Kron", "kron", lambda p: _cls("kron_torch.Kron")(p, lr=3e-4), "kron_torch")
 

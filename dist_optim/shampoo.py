@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from . import _matrix
+from . import _matrix, _structured
 from .base import DistOptimizer, check_range
 from .comm import SumBucket, _ordered, gather_full, group_rank, group_size, share_owned
 from .work import assign_owners
@@ -210,7 +210,14 @@ def _apply_each_dim(x: torch.Tensor, mats: list[torch.Tensor], transpose: bool) 
     """``x x_0 m_0 x_1 m_1 ...``: contract dim k of x with dim 0 of m_k (``transpose``: dim 1).
 
     Contracting the leading dim and appending the result at the end brings every dim back to its
-    place after ``x.dim()`` contractions."""
+    place after ``x.dim()`` contractions. Matrices and vectors (nearly every block) take the same
+    contractions as ``m_0^T x m_1`` / ``m_0^T x`` products, which read transposed operands in place
+    where ``tensordot`` would first copy them."""
+    if x.dim() == 1 and len(mats) == 1:
+        return torch.mv(mats[0] if transpose else mats[0].T, x)
+    if x.dim() == 2 and len(mats) == 2:
+        m0, m1 = (mats[0], mats[1].T) if transpose else (mats[0].T, mats[1])
+        return torch.mm(torch.mm(m0, x), m1)
     for m in mats:
         x = torch.tensordot(x, m, dims=([0], [1 if transpose else 0]))
     return x
@@ -428,9 +435,12 @@ class DistributedShampoo(DistOptimizer):
             comm_dtype = None
         full_grads = gather_full(items, dtype=comm_dtype) if self.is_bound else [g.detach() for _, g in items]
 
-        finite = torch.stack([torch.isfinite(g).all() for g in full_grads])
-        if not bool(finite.all()):  # one host read per step; every rank sees the same full gradients
-            bad = int((~finite).nonzero()[0])
+        # One reduction pass and one host read per step (every rank sees the same full gradients):
+        # a NaN or Inf anywhere makes the sum non-finite. A finite gradient whose sum overflows
+        # fp32 only costs the exact per-element check below.
+        sums = torch.stack([g.sum(dtype=torch.float32) for g in full_grads])
+        if not bool(torch.isfinite(sums).all()) and not all(bool(torch.isfinite(g).all()) for g in full_grads):
+            bad = next(i for i, g in enumerate(full_grads) if not bool(torch.isfinite(g).all()))
             group, gi, p = entries[bad]
             if self.nonfinite_grad == "skip":
                 self.skipped_steps += 1
@@ -479,20 +489,27 @@ class DistributedShampoo(DistOptimizer):
                 share_owned(tensors, owners, wg, dtype=share_dtype)
 
         # Every rank applies its part of the full update.
+        # The directions are fresh tensors (see _block_direction), so they are updated in place.
         for group, p, plan, directions in pending:
-            full = directions[0].new_empty(plan.view_shape)
-            for block, d in zip(plan.blocks, directions):
-                full[block.slices] = d
+            if len(directions) == 1:
+                full = directions[0].reshape(plan.view_shape)
+            else:
+                full = directions[0].new_empty(plan.view_shape)
+                for block, d in zip(plan.blocks, directions):
+                    full[block.slices] = d
             update = self.layout(p).take_local(full.reshape(plan.full_shape)).to(p.dtype).view_as(p)
             wd = group["weight_decay"]
             if wd != 0 and group["use_decoupled_weight_decay"]:
-                update = update + p.detach() * wd
+                update.add_(p.detach(), alpha=wd)
             mom = group["momentum"]
             if mom > 0:
                 buf = self.state[p]["momentum_buffer"]
                 buf.mul_(mom).add_(update)
-                update = update + buf * mom if group["use_nesterov"] else buf.clone()
-            p.sub_(update * group["lr"])
+                if group["use_nesterov"]:
+                    update.add_(buf, alpha=mom)
+                else:
+                    update = buf
+            p.add_(update, alpha=-group["lr"])
         return loss
 
     @staticmethod
@@ -515,31 +532,38 @@ class DistributedShampoo(DistOptimizer):
         dtype = g.dtype
 
         # First moment.
+        # In-place updates and at most one temporary per quantity: on the CPU, block-sized
+        # temporaries cost page faults comparable to the arithmetic. Whatever is returned is a
+        # fresh tensor (never state or the gradient): the caller rounds and updates it in place.
         if b1 > 0:
             m = state[key + "exp_avg"]
-            m.mul_(b1).add_(g * (1 - b1))
+            m.mul_(b1).add_(g, alpha=1 - b1)
             mhat = m / (1 - b1**t) if bc else m
         else:
             mhat = g
 
         # Grafting direction.
         graft = group["grafting_config"]
-        if isinstance(graft, AdaGradGraftingConfig):
+        if isinstance(graft, (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)):
             v = state[key + "graft_sq"]
-            v.add_(g * g)
-            d = mhat / (v.sqrt() + graft.epsilon)
-        elif isinstance(graft, (RMSpropGraftingConfig, AdamGraftingConfig)):
-            v = state[key + "graft_sq"]
-            v.mul_(graft.beta2).add_(g * g * (1 - graft.beta2))
-            vhat = v / (1 - graft.beta2**t) if isinstance(graft, AdamGraftingConfig) else v
-            d = mhat / (vhat.sqrt() + graft.epsilon)
+            if isinstance(graft, AdaGradGraftingConfig):
+                v.addcmul_(g, g)
+            else:
+                v.mul_(graft.beta2).addcmul_(g, g, value=1 - graft.beta2)
+            denom = v.sqrt()
+            if isinstance(graft, AdamGraftingConfig):
+                denom.div_(math.sqrt(1 - graft.beta2**t))
+            d = torch.div(mhat, denom.add_(graft.epsilon), out=denom)
         else:
             d = mhat
+
+        def fresh(x: torch.Tensor) -> torch.Tensor:
+            return x.clone() if x is g or (b1 > 0 and x is state[key + "exp_avg"]) else x
 
         soap = group["eigenvalue_correction"]
         if not block.precondition:
             if not soap:
-                return d.clone() if d is g else d
+                return fresh(d)
             mats: list[torch.Tensor] = []
         else:
             order = len(block.shape)
@@ -549,11 +573,10 @@ class DistributedShampoo(DistOptimizer):
                 gp = g.to(pdt)
                 for k, factor in enumerate(factors):
                     gk = gp.movedim(k, 0).reshape(block.shape[k], -1)
-                    outer = gk @ gk.T
                     if b2 == 1:
-                        factor.add_(outer)
+                        _structured.gram_update_(factor, gk, 1.0, 1.0)
                     else:
-                        factor.mul_(b2).add_(outer * (1 - b2))
+                        _structured.gram_update_(factor, gk, b2, 1 - b2)
             n = t // scs  # factor updates so far
             start = max(1, group["start_preconditioning_step"])
             refresh = n > 0 and (t == start or (t > start and t % group["precondition_frequency"] == 0))
@@ -582,11 +605,11 @@ class DistributedShampoo(DistOptimizer):
                         failures.add_((~ok).to(failures.dtype))
             if not soap:
                 if t < start:
-                    return d.clone() if d is g else d
+                    return fresh(d)
                 mats = [state[f"{key}root{k}"] for k in range(order)]
                 p = _apply_each_dim(mhat.to(pdt), mats, transpose=False).to(dtype)
                 if graft is not None:
-                    p = p * (torch.linalg.vector_norm(d) / (torch.linalg.vector_norm(p) + 1e-16))
+                    p.mul_(torch.linalg.vector_norm(d) / (torch.linalg.vector_norm(p) + 1e-16))
                 return p
             mats = [state[f"{key}basis{k}"] for k in range(order)]
 
@@ -601,7 +624,7 @@ class DistributedShampoo(DistOptimizer):
         mr = _apply_each_dim(mhat.to(pdt), mats, transpose=False)
         p = _apply_each_dim(mr / (shat.sqrt() + eps), mats, transpose=True).to(dtype)
         if graft is not None:
-            p = p * (torch.linalg.vector_norm(d) / (torch.linalg.vector_norm(p) + 1e-16))
+            p.mul_(torch.linalg.vector_norm(d) / (torch.linalg.vector_norm(p) + 1e-16))
         return p
 
     def _refresh_bases(

@@ -124,6 +124,12 @@ SEMANTICS = {
 }
 # The iterative roots stop at an error of 1e-10 in float64; everything else is the same formula.
 TOLERANCE = {"coupled-newton": 1e-6, "higher-order": 1e-6}
+# The rest: the same formulas in float64, but the tiny model's factors are nearly singular in the
+# first steps (rank-one sums plus epsilon 1e-12), so inverse roots amplify rounding: the reference
+# itself moves by up to 6.6e-9 when its gradients get relative noise of 1e-15 (measured for
+# "sgd-blocks"). 1e-7 is above that and still 100x tighter than the fp32 parity standard; a
+# tighter bound would test the order of floating-point operations, not the semantics.
+DEFAULT_TOLERANCE = 1e-7
 
 
 @pytest.mark.parametrize("name", list(SEMANTICS))
@@ -136,7 +142,7 @@ def test_semantics_against_reference(name: str) -> None:
         k: v for k, v in kwargs.items() if k not in ("grafting_config", "root_inverse", "preconditioner_dtype")
     }
     ref = ReferenceShampoo(params, graft=_graft_tuple(kwargs.get("grafting_config")), **ref_kwargs)
-    tol = TOLERANCE.get(name, 1e-9)
+    tol = TOLERANCE.get(name, DEFAULT_TOLERANCE)
     for step in range(STEPS):
         idx, target = _batch(step)
         opt.zero_grad(set_to_none=True)
@@ -293,6 +299,17 @@ def test_nonfinite_grad_raises_naming_the_param() -> None:
     params[0].grad[0, 0] = float("inf")
     with pytest.raises(FloatingPointError, match="parameter 'w'"):
         named.step()
+
+
+def test_finite_grad_whose_sum_overflows_is_not_refused() -> None:
+    """The check sums each gradient first; a finite gradient whose fp32 sum overflows goes through
+    the exact per-element check and is stepped, not refused or skipped."""
+    params, opt = _simple(nonfinite_grad="skip")
+    _grads(params, 0)
+    params[1].grad.fill_(3e38)
+    assert not torch.isfinite(params[1].grad.sum())
+    opt.step()
+    assert opt.skipped_steps == 0 and int(opt.state[params[1]]["step"]) == 1
 
 
 def test_nonfinite_grad_skip_changes_nothing() -> None:
