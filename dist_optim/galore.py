@@ -673,13 +673,13 @@ class DistributedGaLore(DistOptimizer):
 
     def _buffer(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(shape)
-        if self.is_paged and device.type == "cuda" and numel >= PAGED_MIN_NUMEL:
+        if self.is_paged and _paging_supported(device) and numel >= PAGED_MIN_NUMEL:
             import bitsandbytes.functional as bnbf
 
             buf = bnbf.get_paged(*shape, dtype=dtype, device=device)
             buf.zero_()
             return buf
-        if self.is_paged and device.type != "cuda" and not self._warned_paged:
+        if self.is_paged and not _paging_supported(device) and not self._warned_paged:
             self._warned_paged = True
             warnings.warn(
                 "DistributedGaLore: is_paged=True needs CUDA (bitsandbytes' paged memory); on "
@@ -711,8 +711,9 @@ class DistributedGaLore(DistOptimizer):
                         state[key] = self._buffer(p.shape, torch.uint8, p.device)
                         state[f"{key}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
                 else:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = self._buffer(p.shape, p.dtype, p.device)
+                    state["exp_avg_sq"] = self._buffer(p.shape, p.dtype, p.device)
+        self._prefetch(*(self.state[p][key] for p in params for key in ("exp_avg", "exp_avg_sq")))
         wd, lr = group["weight_decay"], group["lr"]
         if not any(eight):
             fused = self._fused_plain_adamw(group, params, grads)
@@ -893,6 +894,11 @@ def _size_rank(group: Any) -> tuple[int, int]:
     if group is _NONE:
         return 1, 0
     return comm.group_size(group), comm.group_rank(group)
+
+
+def _paging_supported(device: torch.device) -> bool:
+    """bitsandbytes' paged (CUDA unified) memory exists on CUDA devices only."""
+    return device.type == "cuda"
 
 
 def _projectors(state: dict[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:

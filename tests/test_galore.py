@@ -524,6 +524,59 @@ def test_paged_on_cpu_warns() -> None:
         opt.step()
 
 
+@pytest.mark.parametrize("optim_bits", [32, 8])
+def test_paged_states_allocation_and_prefetch(monkeypatch: pytest.MonkeyPatch, optim_bits: int) -> None:
+    """The paged path without a GPU: bitsandbytes' paged allocator and prefetch are replaced by
+    recording fakes and paging is declared available on the CPU. Moments of >= 1e5 elements (GaLore
+    and plain) come from the paged allocator and are prefetched before every update, smaller ones
+    are ordinary tensors, and the run is identical to the unpaged one."""
+    import bitsandbytes.functional as bnbf
+
+    from dist_optim import galore as galore_mod
+
+    allocated: list[torch.Tensor] = []
+    prefetched: list[int] = []
+
+    def fake_get_paged(*shape: int, dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        t.is_paged = True  # what bitsandbytes marks its paged tensors with
+        allocated.append(t)
+        return t
+
+    monkeypatch.setattr(galore_mod, "_paging_supported", lambda device: True)
+    monkeypatch.setattr(bnbf, "get_paged", fake_get_paged)
+    monkeypatch.setattr(bnbf, "prefetch_tensor", lambda t, to_cpu=False: prefetched.append(t.data_ptr()))
+    shapes = [(512, 256), (400, 300), (64, 48), (700,)]  # big GaLore, big plain, small GaLore, small plain
+
+    def run(paged: bool) -> tuple[list[torch.Tensor], DistributedGaLore]:
+        params = [torch.randn(s, generator=torch.Generator().manual_seed(i)) * 0.1 for i, s in enumerate(shapes)]
+        groups = [
+            {"params": [params[0]], "rank": 256},
+            {"params": [params[2]], "rank": 8},
+            {"params": [params[1], params[3]]},
+        ]
+        opt = DistributedGaLore(groups, lr=1e-3, optim_bits=optim_bits, min_8bit_size=0, is_paged=paged)
+        for step in range(3):
+            for p, g in zip(params, _grads(step, shapes, 0.01)):
+                p.grad = g
+            opt.step()
+        return params, opt
+
+    ref_params, _ = run(False)
+    assert not allocated
+    params, opt = run(True)
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q)
+    paged_keys = {
+        (i, k) for i, p in enumerate(params) for k, v in opt.state[p].items() if getattr(v, "is_paged", False)
+    }
+    # GaLore (512, 256) at rank 256: low-rank moments of 512 x 256 = 131k elements; plain (400, 300).
+    low = "low_rank_exp_avg"
+    assert paged_keys == {(0, low), (0, low + "_sq"), (1, "exp_avg"), (1, "exp_avg_sq")}
+    assert len(allocated) == 4
+    assert set(prefetched) == {t.data_ptr() for t in allocated} and len(prefetched) == 4 * 3
+
+
 def test_matrix_pieces_cover_chunks() -> None:
     """The rectangles of the ZeRO chunks of a TP slice hold the right values and tile the slice
     exactly once (chunks that cut rows, padding, chunks of padding only)."""
