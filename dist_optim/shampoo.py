@@ -439,8 +439,10 @@ class DistributedShampoo(DistOptimizer):
         # a NaN or Inf anywhere makes the sum non-finite. A finite gradient whose sum overflows
         # fp32 only costs the exact per-element check below.
         sums = torch.stack([g.sum(dtype=torch.float32) for g in full_grads])
-        if not bool(torch.isfinite(sums).all()) and not all(bool(torch.isfinite(g).all()) for g in full_grads):
-            bad = next(i for i, g in enumerate(full_grads) if not bool(torch.isfinite(g).all()))
+        bad = None
+        if not bool(torch.isfinite(sums).all()):
+            bad = next((i for i, g in enumerate(full_grads) if not bool(torch.isfinite(g).all())), None)
+        if bad is not None:
             group, gi, p = entries[bad]
             if self.nonfinite_grad == "skip":
                 self.skipped_steps += 1
@@ -531,10 +533,11 @@ class DistributedShampoo(DistOptimizer):
         g = g.contiguous()
         dtype = g.dtype
 
-        # First moment.
         # In-place updates and at most one temporary per quantity: on the CPU, block-sized
         # temporaries cost page faults comparable to the arithmetic. Whatever is returned is a
         # fresh tensor (never state or the gradient): the caller rounds and updates it in place.
+
+        # First moment.
         if b1 > 0:
             m = state[key + "exp_avg"]
             m.mul_(b1).add_(g, alpha=1 - b1)
@@ -573,10 +576,7 @@ class DistributedShampoo(DistOptimizer):
                 gp = g.to(pdt)
                 for k, factor in enumerate(factors):
                     gk = gp.movedim(k, 0).reshape(block.shape[k], -1)
-                    if b2 == 1:
-                        _structured.gram_update_(factor, gk, 1.0, 1.0)
-                    else:
-                        _structured.gram_update_(factor, gk, b2, 1 - b2)
+                    _structured.gram_update_(factor, gk, b2, 1.0 if b2 == 1 else 1 - b2)
             n = t // scs  # factor updates so far
             start = max(1, group["start_preconditioning_step"])
             refresh = n > 0 and (t == start or (t > start and t % group["precondition_frequency"] == 0))
