@@ -295,10 +295,9 @@ def test_8bit_state_is_under_30_percent_of_32bit_galore() -> None:
     """All optimizer state, projectors included, on the benchmark's Llama-like set scaled down 4x
     (hidden 256, intermediate 688, vocabulary 2048, 2 layers; rank 32 = hidden / 8 as rank 128 at
     hidden 1024): the 8-bit moments are a quarter, the projectors are stored in fp16."""
-    hidden, inter, vocab = 256, 688, 2048
-    shapes = [(vocab, hidden)]
-    for _ in range(2):
-        shapes += [(hidden, hidden)] * 4 + [(inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
+    from bench.bench_step import llama_like
+
+    shapes = llama_like(hidden=256, inter=688, layers=2, vocab=2048)
 
     def state_bytes(**kw: Any) -> tuple[int, int]:
         params = [torch.zeros(s, requires_grad=True) for s in shapes]
