@@ -225,18 +225,19 @@ class ParamLayout:
         return tuple(s for d, s in enumerate(self.full_shape) if d not in drop)
 
     # ---- moving data between forms (no communication) -----------------------------------
-    def take_local(self, full: torch.Tensor) -> torch.Tensor:
-        """The part of a full tensor this rank holds, in the optimizer's form (a copy)."""
+    def take_local(self, full: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """The part of a full tensor this rank holds, in the optimizer's form: a copy, or with
+        ``copy=False`` a view of ``full`` where one exists (a caller that owns ``full``)."""
         if tuple(full.shape) != self.full_shape:
             raise ValueError(f"take_local: expected a tensor of shape {self.full_shape}, got {tuple(full.shape)}")
         local = full[self.tp_slices()]
         if self.zero is None:
-            return local.clone()
+            return local.clone() if copy else local
         flat = local.reshape(-1)
         if self.zero.padding:
             flat = torch.nn.functional.pad(flat, (0, self.zero.padding))
         start, stop = self.chunk_range
-        return flat[start:stop].clone()
+        return flat[start:stop].clone() if copy else flat[start:stop]
 
     def to_working_shape(self, padded_flat_working: torch.Tensor) -> torch.Tensor:
         """Strip ZeRO padding from a gathered flat working param and restore its shape."""

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from dist_optim import _structured
-from dist_optim._structured import gram, gram_update_, matmul_triangular, triangular_matmul, upper_times_upper
+from dist_optim._structured import (
+    gram,
+    gram_update_,
+    matmul_triangular,
+    symmetrize_,
+    triangular_matmul,
+    upper_times_upper,
+)
 
 SIZES = [1, 2, 5, 13, 37, 64]  # odd sizes cut unevenly at every level of the recursion
 
@@ -52,26 +59,41 @@ def test_gram(n: int, min_size: int) -> None:
     _close(gram(rows, min_size), rows @ rows.T)
 
 
-@pytest.mark.parametrize("min_size", [1, 3, 256])
+@pytest.mark.parametrize("min_size,panel", [(1, 1), (1, 3), (3, 2), (256, 128)])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("beta,alpha", [(0.9, 0.1), (1.0, 1.0)])
-def test_gram_update_in_place(n: int, min_size: int, beta: float, alpha: float) -> None:
+def test_gram_update_in_place(n: int, min_size: int, panel: int, beta: float, alpha: float) -> None:
     gen = torch.Generator().manual_seed(n)
     a = torch.randn(n, n, generator=gen, dtype=torch.float64)
     c = a @ a.T
     c = (c + c.T) / 2  # exactly symmetric
     rows = torch.randn(n, 11, generator=gen, dtype=torch.float64)
     expected = beta * c + alpha * (rows @ rows.T)
+    if n > min_size:  # above min_size only the lower triangle is read
+        c = c.tril() + torch.full_like(c, float("nan")).triu(1)
     ptr = c.data_ptr()
-    out = gram_update_(c, rows, beta, alpha, min_size)
+    out = gram_update_(c, rows, beta, alpha, min_size, panel)
     assert out.data_ptr() == ptr == c.data_ptr()
+    _close(c.tril(), expected.tril())
+    assert symmetrize_(c, min_size, panel).data_ptr() == ptr
     _close(c, expected)
-    if min_size == 1:  # every off-diagonal entry mirrored, none recomputed
+    if n > min_size:  # every strict-upper entry is a copy of its mirror
         assert torch.equal(c, c.T)
     # Rows given as a transposed view (Shampoo's factor of a block's second dim).
     cols = torch.randn(11, n, generator=gen, dtype=torch.float64)
     c2 = torch.zeros(n, n, dtype=torch.float64)
-    _close(gram_update_(c2, cols.T, 1.0, 1.0, min_size), cols.T @ cols)
+    gram_update_(c2, cols.T, 1.0, 1.0, min_size, panel)
+    _close(symmetrize_(c2, min_size, panel), cols.T @ cols)
+
+
+def test_gram_update_small_blocks_round_as_the_plain_formula() -> None:
+    """At or below min_size the update has exactly the bits of ``c * beta + (G G^T) * alpha``
+    (SOAP's eigenbases of nearly singular small factors depend on them)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(40, 7, generator=gen)
+    c = rows[:, :3] @ rows[:, :3].T
+    expected = c * 0.95 + (rows @ rows.T) * 0.05
+    assert torch.equal(gram_update_(c, rows, 0.95, 0.05), expected)
 
 
 def test_min_size_is_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
