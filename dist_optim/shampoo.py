@@ -64,6 +64,12 @@ rank then applies the part of the full update that it holds. Block state (factor
 moments, grafting state) lives only on its owner: memory of the preconditioners is divided across
 the group (:meth:`DistributedShampoo.state_bytes`); :meth:`full_state` gathers it back. TP ranks
 of one data-parallel position compute the same blocks (work is split over the dp group only).
+
+Cost (see the README's benchmark): factors larger than ``_structured.MIN_SIZE`` (256) are updated
+in their lower triangles only, ~0.56 of a full product's multiply-adds, and mirrored when a root
+is computed and by :meth:`state_dict` / :meth:`full_state`, so ``optimizer.state`` read directly
+between refreshes holds stale upper triangles there. Adam grafting's moments and direction come
+from torch's fused Adam kernel (not for SOAP, see :meth:`DistributedShampoo._moments`).
 """
 
 from __future__ import annotations

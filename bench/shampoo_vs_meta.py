@@ -1,0 +1,172 @@
+"""DistributedShampoo against Meta's ``distributed_shampoo`` (facebookresearch/optimizers), in one
+process, on the Llama-like set of ``bench_step.py`` (blocks of 1024, no merging, Adam grafting,
+epsilon 1e-12, betas (0.9, 0.999)): the issue's target settings.
+
+Meta's package is not on PyPI: install it from GitHub first (any version with the mid-2024 API:
+``DistributedShampoo(..., use_merge_dims=...)``, ``AdamGraftingConfig``), e.g.::
+
+    pip install "git+https://github.com/facebookresearch/optimizers.git@b91f46b"
+    python bench/shampoo_vs_meta.py [--repeats 7] [--pf10-steps 30]
+
+The figures in the README were measured against that version's single-process code, rebuilt file by
+file from the repository (this machine reaches PyPI only), without its distributed wrappers.
+
+Every optimizer works on its own copy of the parameters with fixed gradients; steps are timed
+round-robin (one step of each optimizer in turn), the first round dropped, medians kept:
+
+* "before start": ``start_preconditioning_step = precondition_frequency = 10000``: factor statistics
+  and Adam grafting only (the median step of a precondition_frequency=10 run with Meta's default
+  start is such a step until step 10).
+* "preconditioned": roots computed once in a warm-up step, then steps between refreshes. Meta's
+  requires start >= frequency, so it is built with start = frequency = 1, stepped once, and its
+  groups' ``precondition_frequency`` is then raised to 10**9 (read by every ``step()``).
+* "pf=10 run": fresh optimizers with precondition_frequency=10 and the default start (10),
+  ``--pf10-steps`` steps each, round-robin; median and mean (with the refreshes at steps 10, 20, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import dist_optim  # noqa: E402  (ours)
+from bench.bench_step import llama_like  # noqa: E402
+
+try:
+    import distributed_shampoo as meta
+except ImportError as exc:  # not on PyPI
+    raise SystemExit(
+        "bench/shampoo_vs_meta.py needs Meta's distributed_shampoo: "
+        'pip install "git+https://github.com/facebookresearch/optimizers.git@b91f46b"'
+    ) from exc
+
+logging.getLogger("distributed_shampoo").setLevel(logging.ERROR)  # Meta's start=-1 warning
+
+
+def _finite(opt: torch.optim.Optimizer) -> bool:
+    return all(bool(torch.isfinite(p).all()) for g in opt.param_groups for p in g["params"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--pf10-steps", type=int, default=30)
+    args = ap.parse_args()
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = llama_like()
+    base = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+
+    def params() -> list[torch.nn.Parameter]:
+        ps = [torch.nn.Parameter(b.clone()) for b in base]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        return ps
+
+    def ours(start: int | None, freq: int) -> torch.optim.Optimizer:
+        return dist_optim.DistributedShampoo(
+            params(),
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            epsilon=1e-12,
+            max_preconditioner_dim=1024,
+            precondition_frequency=freq,
+            start_preconditioning_step=start,
+            use_decoupled_weight_decay=True,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+        )
+
+    def metas(start: int, freq: int) -> torch.optim.Optimizer:
+        return meta.DistributedShampoo(
+            params(),
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            epsilon=1e-12,
+            max_preconditioner_dim=1024,
+            precondition_frequency=freq,
+            start_preconditioning_step=start,
+            use_decoupled_weight_decay=True,
+            grafting_config=meta.AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+            use_merge_dims=False,
+        )
+
+    # ---- before start / preconditioned, round-robin with AdamW ----
+    runs: dict[str, torch.optim.Optimizer] = {"torch AdamW (foreach)": torch.optim.AdamW(params(), foreach=True)}
+    runs["Meta, before start"] = metas(10_000, 10_000)
+    pre = metas(1, 1)
+    t0 = time.perf_counter()
+    pre.step()  # step == start: the first root refresh
+    warm_meta = time.perf_counter() - t0
+    for group in pre.param_groups:
+        group["precondition_frequency"] = 10**9  # no further refresh; read by step() each call
+    runs["Meta, preconditioned"] = pre
+    runs["ours, before start"] = ours(10_000, 10_000)
+    pre = ours(1, 10_000)
+    t0 = time.perf_counter()
+    pre.step()  # the first root refresh
+    warm_ours = time.perf_counter() - t0
+    runs["ours, preconditioned"] = pre
+    del pre
+
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(args.repeats + 1):
+        for name, opt in runs.items():  # round-robin, as bench_step.py / shampoo_vs_commit.py
+            t0 = time.perf_counter()
+            opt.step()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    finite = {k: _finite(o) for k, o in runs.items()}
+    del runs
+    gc.collect()
+
+    # ---- pf=10 run: fresh optimizers, default start, Meta and ours round-robin ----
+    pf10 = {"Meta, pf=10 run": metas(-1, 10), "ours, pf=10 run": ours(None, 10)}
+    for k in pf10:
+        times[k] = []
+    for _ in range(args.pf10_steps):
+        for name, opt in pf10.items():
+            t0 = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - t0)
+    finite.update({k: _finite(o) for k, o in pf10.items()})
+    del pf10
+    gc.collect()
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mean = {k: statistics.mean(v) for k, v in times.items()}
+    adamw = med["torch AdamW (foreach)"]
+    n = sum(torch.Size(s).numel() for s in shapes)
+    print(
+        f"\n{n / 1e6:.1f}M params, {torch.get_num_threads()} threads, {args.repeats} repeats, "
+        f"pf=10 run {args.pf10_steps} steps; "
+        f"first-refresh warm-up step: Meta {warm_meta:.2f} s, ours {warm_ours:.2f} s"
+    )
+    print("| step | median (ms) | mean (ms) | median / AdamW | ours / Meta (median) | ours / Meta (mean) | finite |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name in times:
+        r_med = r_mean = ""
+        if name.startswith("ours, "):
+            mode = name.split(", ", 1)[1]
+            other = f"Meta, {mode}"
+            r_med = f"{med[name] / med[other]:.2f}x"
+            r_mean = f"{mean[name] / mean[other]:.2f}x"
+        print(
+            f"| {name} | {1e3 * med[name]:.1f} | {1e3 * mean[name]:.1f} | {med[name] / adamw:.2f}x "
+            f"| {r_med} | {r_mean} | {finite.get(name, '')} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
