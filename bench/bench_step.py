@@ -17,7 +17,9 @@ default) and times the optimizer step, counts its collectives and the bytes they
 fails on the layout is reported as such.
 
 ``--split shampoo|kron`` measures the per-rank preconditioner work (CPU seconds) and bytes at
-dp=4 against dp=1 (``--layers`` sets the depth of the parameter set).
+dp=4 against dp=1 (``--layers`` sets the depth of the parameter set); for Shampoo also at tp=2 x
+dp=2 (matrices split by rows over TP), with blocks split over the TP x DP grid and, for
+comparison, over each TP rank's dp pair only.
 
 GaLore rows report the amortised step too: the first step computes every projector (the SVDs a
 refresh does), so ``(first + (gap - 1) x median) / gap``.
@@ -353,19 +355,43 @@ def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int)
     import torch.distributed as dist
 
     from dist_optim import comm
-    from dist_optim.layout import local_layout
+    from dist_optim.layout import ParamLayout, TPSplit, local_layout
+    from tests._dist import grid_groups
 
     torch.manual_seed(0)
     base = [torch.randn(s) * 0.02 for s in shapes]
     grads = [torch.randn(s) * 1e-3 for s in shapes]
     alone = dist.new_group([dist.get_rank()])
+    tp_group, dp_group = grid_groups(2, 2)
+    tp_rank = dist.get_rank(tp_group)
+
+    def tp_piece(t: torch.Tensor) -> torch.Tensor:  # matrices split by rows over TP, vectors whole
+        return t.chunk(2, dim=0)[tp_rank].clone() if t.dim() == 2 else t.clone()
+
     out: dict[str, Any] = {}
-    for label, group in (("dp1", alone), ("dp4", dist.group.WORLD)):
-        params = [torch.nn.Parameter(b.clone()) for b in base]
+    labels = [("dp1", alone), ("dp4", dist.group.WORLD)]
+    if name == "shampoo":
+        labels += [("tp2dp2_dponly", dp_group), ("tp2dp2", dp_group)]
+    for label, group in labels:
+        tp = label.startswith("tp")
+        params = [torch.nn.Parameter(tp_piece(b) if tp else b.clone()) for b in base]
         opt = _split_optimizer(name, params, pf)
-        opt.bind({p: local_layout(p) for p in params}, dp_group=group)
+        if tp:
+            split = TPSplit(0, 2, tp_rank, tp_group)
+            opt.bind(
+                {
+                    p: ParamLayout(tuple(b.shape), split, None) if b.dim() == 2 else local_layout(p)
+                    for p, b in zip(params, base)
+                },
+                dp_group=group,
+            )
+            if label == "tp2dp2_dponly":  # as before the TP x DP grid: each TP rank splits over its dp pair
+                opt._grids, opt._plans = {}, {}
+                opt._ensure_plans()
+        else:
+            opt.bind({p: local_layout(p) for p in params}, dp_group=group)
         for p, g in zip(params, grads):
-            p.grad = g.clone()
+            p.grad = tp_piece(g) if tp else g.clone()
         opt.step()  # warm-up (Shampoo: first preconditioner refresh at step pf)
         work = [0.0]
         real = getattr(opt, _OWNER_WORK[name])
@@ -413,6 +439,17 @@ def run_split(name: str, steps: int, pf: int, layers: int) -> None:
         f"| dp=4 (work split) | {w4:.2f} ({w4 / w1:.2f}x) | {dp4:.2f} ({dp4 / dp1:.2f}x) "
         f"| {max(r['dp4_bytes'] for r in res):,} | {res[0]['dp4_collectives']:.0f} |"
     )
+    for label, title in (
+        ("tp2dp2_dponly", "tp=2 x dp=2, split over each TP rank's dp pair"),
+        ("tp2dp2", "tp=2 x dp=2, split over the TP x DP grid"),
+    ):
+        if label not in res[0]:
+            continue
+        w, whole = (max(r[k] for r in res) for k in (label + "_work", label))
+        print(
+            f"| {title} | {w:.2f} ({w / w1:.2f}x) | {whole:.2f} ({whole / dp1:.2f}x) "
+            f"| {max(r[label + '_bytes'] for r in res):,} | {res[0][label + '_collectives']:.0f} |"
+        )
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "broadcast_from",
     "share_owned",
     "all_gather_objects",
+    "grid_groups",
     "barrier",
     "group_size",
     "group_rank",
@@ -276,6 +277,44 @@ def share_owned(
             n = tensors[i].numel()
             tensors[i].copy_(gathered[rank, offset : offset + n].view_as(tensors[i]))
             offset += n
+
+
+#: Grid groups made by :func:`grid_groups`, by their sorted member ranks (made once per job).
+_GRIDS: dict[tuple[int, ...], Any] = {}
+
+
+def grid_groups(tp_group: Any, bases: Sequence[Any]) -> list[Any]:
+    """For each group in ``bases`` (data-parallel groups of this process), the group of all ranks
+    of the grid it spans with ``tp_group``: the union of the TP groups of its members (the TP x DP
+    ranks of a pipeline stage), or None where the two are not orthogonal axes of one grid.
+
+    Making process groups is collective over the whole job in torch.distributed: every process
+    must call this at the same point (a plugin binding its optimizer), with its own groups. One
+    ``all_gather_object`` over the world tells every process every process's groups; all of them
+    then create every valid grid in one sorted order, once per job."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return [None] * len(bases)
+    tp = tuple(sorted(dist.get_process_group_ranks(tp_group)))
+    mine = [(tp, _group_key(b)) for b in bases]
+    every = all_gather_objects(mine)
+    tp_of = {r: pairs[0][0] for r, pairs in enumerate(every) if pairs}
+
+    def span(pair: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[int, ...] | None:
+        a, b = pair
+        if any(q not in tp_of for q in b):
+            return None
+        ranks = tuple(sorted({r for q in b for r in tp_of[q]}))
+        return ranks if len(ranks) == len(a) * len(b) else None
+
+    spans = [[span(pair) for pair in pairs] for pairs in every]
+    listed = [set(s for s in per_rank if s is not None) for per_rank in spans]
+    # A grid is made only if every member names it: then all of them agree on its members.
+    valid = sorted({s for per_rank in listed for s in per_rank if all(s in listed[q] for q in s)})
+    for ranks in valid:
+        if ranks not in _GRIDS:
+            _GRIDS[ranks] = dist.new_group(list(ranks))
+    me = dist.get_rank()
+    return [_GRIDS[s] if s in valid else None for s in spans[me]]
 
 
 def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:

@@ -55,15 +55,17 @@ Deviations, all stated:
 
 Distribution: blocks are defined on the *full* tensor, so TP and ZeRO do not change the math.
 Each step gathers the full gradients (one all_gather per TP/ZeRO group for all parameters, in
-``communication_dtype``), every block is owned by one rank of the data-parallel group (the ZeRO
-group of a ZeRO-sharded parameter) by a cost model ``sum_k d_k^3`` (:func:`work.assign_owners`),
+``communication_dtype``), every block is owned by one rank of its work group by a cost model
+``sum_k d_k^3`` (:func:`work.assign_owners`): the data-parallel group (the ZeRO group of a
+ZeRO-sharded parameter), or under TP the TP x DP grid that group spans with the TP group (every
+rank of the grid has the same full gradients; the grid group is made when the optimizer is bound,
+collectively over the job, by :func:`comm.grid_groups`),
 owners update their blocks' state and compute the block directions, and
 :func:`comm.share_owned` hands all directions to all ranks in one all_gather per group (in
 ``communication_dtype``; owners round their own results the same way so replicas agree). Each
 rank then applies the part of the full update that it holds. Block state (factors, roots, bases,
 moments, grafting state) lives only on its owner: memory of the preconditioners is divided across
-the group (:meth:`DistributedShampoo.state_bytes`); :meth:`full_state` gathers it back. TP ranks
-of one data-parallel position compute the same blocks (work is split over the dp group only).
+the group (:meth:`DistributedShampoo.state_bytes`); :meth:`full_state` gathers it back.
 
 Cost (see the README's benchmark): factors larger than ``_structured.MIN_SIZE`` (256) are updated
 in their lower triangles only, ~0.56 of a full product's multiply-adds, and mirrored when a root
@@ -84,7 +86,7 @@ import torch
 
 from . import _matrix, _structured
 from .base import DistOptimizer, check_range
-from .comm import SumBucket, _ordered, gather_full, group_rank, group_size, share_owned
+from .comm import SumBucket, _group_key, _ordered, gather_full, grid_groups, group_rank, group_size, share_owned
 from .work import assign_owners
 
 __all__ = [
@@ -341,6 +343,7 @@ class DistributedShampoo(DistOptimizer):
         #: Steps skipped because a gradient was not finite (``nonfinite_grad="skip"``).
         self.skipped_steps = 0
         self._plans: dict[torch.Tensor, _Plan] = {}
+        self._grids: dict[tuple[int, ...], Any] = {}  # data-parallel group -> TP x DP grid (see _on_bind)
         # One block's direction, reused across blocks that are applied as soon as computed.
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         super().__init__(params, defaults)
@@ -352,14 +355,34 @@ class DistributedShampoo(DistOptimizer):
 
     def _on_bind(self) -> None:
         self._plans = {}
+        self._grids = {}
+        tp = next((lay.tp.group for lay in map(self.layout, self._all_params()) if lay.tp is not None), None)
+        if tp is not None and group_size(tp) > 1:
+            # Under TP the blocks are split over the TP x data-parallel grid, not over each TP
+            # rank's data-parallel group alone: every rank of the grid gathers the same full
+            # gradients, so a TP rank need not repeat its TP peers' blocks. Collective over the job.
+            bases = _ordered(
+                {id(g): g for g in map(self._base_work_group, self._all_params()) if g is not None}.values()
+            )
+            for base, grid in zip(bases, grid_groups(tp, bases)):
+                if grid is not None:
+                    self._grids[_group_key(base)] = grid
         self._ensure_plans()
 
     # ---- planning --------------------------------------------------------------------------
-    def _work_group(self, p: torch.Tensor) -> Any:
+    def _base_work_group(self, p: torch.Tensor) -> Any:
         layout = self.layout(p)
         if layout.zero is not None:
             return layout.zero.group
         return self.dp_group
+
+    def _work_group(self, p: torch.Tensor) -> Any:
+        """The ranks that split ``p``'s blocks: its data-parallel (ZeRO) group, or under TP the
+        grid of that group and the TP group."""
+        base = self._base_work_group(p)
+        if base is None or not self._grids:
+            return base
+        return self._grids.get(_group_key(base), base)
 
     def _work_size(self, group: Any) -> int:
         if not self.is_bound or group is None:

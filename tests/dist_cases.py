@@ -63,6 +63,20 @@ def share_and_broadcast() -> dict[str, Any]:
     return dict(ok_share=ok_share, shared=shared, ok_bcast=ok_bcast)
 
 
+def grids() -> dict[str, Any]:
+    """comm.grid_groups on a 2 x 2 mesh: the TP x DP grid is the world; a group paired with itself
+    (not orthogonal) or with a world-sized base (larger than the grid) gets None."""
+    tg, dg = grid_groups(2, 2)
+    made = comm.grid_groups(tg, [dg, tg, dist.group.WORLD])
+    again = comm.grid_groups(tg, [dg])  # cached: no second group for the same ranks
+    return dict(
+        grid=None if made[0] is None else dist.get_process_group_ranks(made[0]),
+        self_pair=made[1],
+        world_base=made[2],
+        same=again[0] is made[0],
+    )
+
+
 def lamb_collectives(n: int) -> int:
     """All-reduces issued by one bound DistributedLamb step at tp=2 x dp=2 with ZeRO."""
     layouts, fulls = _layouts(n, 2, 2, True)

@@ -25,3 +25,10 @@ def test_lamb_collectives_per_step_are_constant(pool4) -> None:
     few = pool4.run(dist_cases.lamb_collectives, 4)
     many = pool4.run(dist_cases.lamb_collectives, 40)
     assert set(few) == set(many) == {2}  # <= 4 asked: one all-reduce per group per step
+
+
+def test_grid_groups(pool4) -> None:
+    for res in pool4.run(dist_cases.grids):
+        assert res["grid"] == [0, 1, 2, 3], res
+        assert res["self_pair"] is None and res["world_base"] is None, res
+        assert res["same"], res

@@ -549,11 +549,12 @@ def _bytes_worker() -> dict:
     opt, _, _ = parity.distributed(dist_optim.DistributedShampoo, BYTES_KWARGS, 1, 4, 1, "fp32")
     counts = dict(comm.COUNTS)
     comm.reset_counts()
-    parity.distributed(dist_optim.DistributedShampoo, BYTES_KWARGS, 2, 2, 2, "fp32")
+    opt222, _, _ = parity.distributed(dist_optim.DistributedShampoo, BYTES_KWARGS, 2, 2, 2, "fp32")
     counts222 = dict(comm.COUNTS)
     return dict(
         single=ref.state_bytes()["preconditioner"],
         per_rank=opt.state_bytes()["preconditioner"],
+        per_rank222=opt222.state_bytes()["preconditioner"],
         counts=counts,
         counts222=counts222,
     )
@@ -565,10 +566,17 @@ def test_memory_split_and_collectives_per_step(pool4) -> None:
     per_rank = [r["per_rank"] for r in results]
     assert sum(per_rank) == single  # every block lives on exactly one rank
     assert max(per_rank) <= 0.4 * single, (per_rank, single)
-    # Per step: one all_gather of the gradients per ZeRO/TP group, one to share directions.
+    # tp=2 x dp=2: the blocks are split over all 4 ranks of the grid, not over each TP rank's
+    # dp pair (which would put half of them on every rank).
+    per_rank222 = [r["per_rank222"] for r in results]
+    assert sum(per_rank222) == single, (per_rank222, single)
+    assert max(per_rank222) <= 0.4 * single, (per_rank222, single)
+    # Per step: one all_gather of the gradients per ZeRO/TP group, one to share directions; binding
+    # under TP gathers every rank's groups once to make the grid group.
     for r in results:
         assert r["counts"] == {"all_gather": 2 * parity.STEPS}, r["counts"]  # ZeRO gather + share
-        assert r["counts222"] == {"all_gather": 3 * parity.STEPS}, r["counts222"]  # ZeRO + TP + share
+        expected = {"all_gather": 3 * parity.STEPS, "all_gather_object": 1}  # ZeRO + TP + share; bind
+        assert r["counts222"] == expected, r["counts222"]
     assert math.isfinite(single)
 
 
