@@ -65,6 +65,7 @@ class DistOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._layouts: dict[torch.Tensor, ParamLayout] = {}
         self.dp_group: Any = None
+        self.tp_group: Any = None
         self._warned_unbound = False
         # Set by dist_optim.plugins while ColossalAI configures (see setup_distributed).
         self._plugin_binds = False
@@ -82,12 +83,14 @@ class DistOptimizer(torch.optim.Optimizer):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def bind(self, layouts: Mapping[torch.Tensor, ParamLayout], dp_group: Any = None) -> None:
+    def bind(self, layouts: Mapping[torch.Tensor, ParamLayout], dp_group: Any = None, tp_group: Any = None) -> None:
         """Give every parameter of this optimizer its layout.
 
         ``dp_group`` is the data-parallel group over which gradients are averaged; optimizers
-        that split per-parameter work (preconditioners, projections) across it use it. Every
-        parameter must have a layout whose local form matches the parameter's size.
+        that split per-parameter work (preconditioners, projections) across it use it.
+        ``tp_group`` is this process's TP group (default: the one of the TP-split layouts);
+        Shampoo splits its work over the grid of the two. Every parameter must have a layout
+        whose local form matches the parameter's size.
         """
         checked: dict[torch.Tensor, ParamLayout] = {}
         for i, p in enumerate(self._all_params()):
@@ -110,6 +113,9 @@ class DistOptimizer(torch.optim.Optimizer):
             checked[p] = layout
         self._layouts = checked
         self.dp_group = dp_group
+        if tp_group is None:
+            tp_group = next((lay.tp.group for lay in checked.values() if lay.tp is not None), None)
+        self.tp_group = tp_group
         self._on_bind()
 
     def _on_bind(self) -> None:
@@ -208,7 +214,7 @@ class DistOptimizer(torch.optim.Optimizer):
                 "through dist_optim.plugins, or pass master_to_working=...",
                 stacklevel=2,
             )
-        self.bind(layouts, dp_group=dp_group)
+        self.bind(layouts, dp_group=dp_group, tp_group=tp_group if tp_size > 1 else None)
 
     # ---- iteration ----------------------------------------------------------------------
     def _begin_step(self, closure: Callable[[], Any] | None) -> Any:

@@ -356,7 +356,7 @@ class DistributedShampoo(DistOptimizer):
     def _on_bind(self) -> None:
         self._plans = {}
         self._grids = {}
-        tp = next((lay.tp.group for lay in map(self.layout, self._all_params()) if lay.tp is not None), None)
+        tp = self.tp_group
         if tp is not None and group_size(tp) > 1:
             # Under TP the blocks are split over the TP x data-parallel grid, not over each TP
             # rank's data-parallel group alone: every rank of the grid gathers the same full
