@@ -593,8 +593,8 @@ class DistributedShampoo(DistOptimizer):
     ) -> torch.Tensor:
         """One block's state update and search direction ``P`` (before decoupled decay and
         momentum), written into ``out`` (a contiguous tensor of the block's shape and the
-        gradient's dtype, e.g. a slice of the parameter's direction; allocated when None) and
-        returned. ``out`` is never state or the gradient: the caller updates it in place."""
+        gradient's dtype, e.g. the optimizer's reused scratch; allocated when None) and returned.
+        ``out`` is never state or the gradient: the caller updates it in place."""
         b1, b2 = group["betas"]
         eps = group["epsilon"]
         pdt = group["preconditioner_dtype"]
