@@ -279,8 +279,9 @@ def share_owned(
             offset += n
 
 
-#: Grid groups made by :func:`grid_groups`, by their sorted member ranks (made once per job).
-_GRIDS: dict[tuple[int, ...], Any] = {}
+#: Grid groups made by :func:`grid_groups`, by their sorted member ranks (made once per job), with
+#: the default group they were made under: a re-initialised job makes them again.
+_GRIDS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
 
 def grid_groups(tp_group: Any, bases: Sequence[Any]) -> list[Any]:
@@ -310,11 +311,13 @@ def grid_groups(tp_group: Any, bases: Sequence[Any]) -> list[Any]:
     listed = [set(s for s in per_rank if s is not None) for per_rank in spans]
     # A grid is made only if every member names it: then all of them agree on its members.
     valid = sorted({s for per_rank in listed for s in per_rank if all(s in listed[q] for q in s)})
+    world = dist.group.WORLD
     for ranks in valid:
-        if ranks not in _GRIDS:
-            _GRIDS[ranks] = dist.new_group(list(ranks))
+        made = _GRIDS.get(ranks)
+        if made is None or made[0] is not world:
+            _GRIDS[ranks] = (world, dist.new_group(list(ranks)))
     me = dist.get_rank()
-    return [_GRIDS[s] if s in valid else None for s in spans[me]]
+    return [_GRIDS[s][1] if s in valid else None for s in spans[me]]
 
 
 def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
