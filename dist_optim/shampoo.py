@@ -273,6 +273,11 @@ class DistributedShampoo(DistOptimizer):
         inverse_failure_threshold: an iterative root with error above this counts as failed.
         higher_order_degree: order of the ``"higher_order"`` iteration (>= 3; 2 would be Newton).
         nonfinite_grad: ``"raise"`` or ``"skip"`` on a NaN/Inf gradient.
+        max_gather_bytes: when bound, gather full gradients in buckets of at most this many bytes
+            (a parameter larger than that is its own bucket) and finish each bucket before the
+            next: caps the transient memory of full gradients under ZeRO/TP, at the cost of
+            collectives per bucket and one all-reduce per group to check the gradients first.
+            None (default): all parameters at once, the fewest collectives.
     """
 
     _sharded_state = ("momentum_buffer",)
@@ -305,6 +310,7 @@ class DistributedShampoo(DistOptimizer):
         inverse_failure_threshold: float = 0.1,
         higher_order_degree: int = 3,
         nonfinite_grad: str = "raise",
+        max_gather_bytes: int | None = None,
     ) -> None:
         if start_preconditioning_step is None:
             start_preconditioning_step = precondition_frequency
@@ -338,7 +344,10 @@ class DistributedShampoo(DistOptimizer):
             raise ValueError(f"communication_dtype must be one of {_COMM_DTYPES}, got {communication_dtype!r}")
         if nonfinite_grad not in ("raise", "skip"):
             raise ValueError(f"nonfinite_grad must be 'raise' or 'skip', got {nonfinite_grad!r}")
+        if max_gather_bytes is not None:
+            _check_int("max_gather_bytes", max_gather_bytes, 1)
         self.communication_dtype = communication_dtype
+        self.max_gather_bytes = max_gather_bytes
         self.nonfinite_grad = nonfinite_grad
         #: Steps skipped because a gradient was not finite (``nonfinite_grad="skip"``).
         self.skipped_steps = 0
@@ -474,25 +483,57 @@ class DistributedShampoo(DistOptimizer):
         comm_dtype = self.communication_dtype if self.is_bound else None
         if comm_dtype is not None and all(g.dtype == comm_dtype for _, g in items):
             comm_dtype = None
-        full_grads = gather_full(items, dtype=comm_dtype) if self.is_bound else [g.detach() for _, g in items]
+        if not self.is_bound or self.max_gather_bytes is None:
+            full_grads = gather_full(items, dtype=comm_dtype) if self.is_bound else [g.detach() for _, g in items]
+            # One reduction pass and one host read per step (every rank sees the same full
+            # gradients): a NaN or Inf anywhere makes the sum non-finite. A finite gradient whose
+            # sum overflows fp32 only costs the exact per-element check below.
+            sums = torch.stack([g.sum(dtype=torch.float32) for g in full_grads])
+            bad = None
+            if not bool(torch.isfinite(sums).all()):
+                bad = next((i for i, g in enumerate(full_grads) if not bool(torch.isfinite(g).all())), None)
+            if bad is not None:
+                return self._nonfinite(entries[bad], loss)
+            self._update(entries, full_grads)
+            return loss
 
-        # One reduction pass and one host read per step (every rank sees the same full gradients):
-        # a NaN or Inf anywhere makes the sum non-finite. A finite gradient whose sum overflows
-        # fp32 only costs the exact per-element check below.
-        sums = torch.stack([g.sum(dtype=torch.float32) for g in full_grads])
-        bad = None
-        if not bool(torch.isfinite(sums).all()):
-            bad = next((i for i, g in enumerate(full_grads) if not bool(torch.isfinite(g).all())), None)
-        if bad is not None:
-            group, gi, p = entries[bad]
-            if self.nonfinite_grad == "skip":
-                self.skipped_steps += 1
-                return loss
-            raise FloatingPointError(
-                f"DistributedShampoo: the gradient of {self._param_name(group, gi, p)} contains NaN or Inf; "
-                "lower the learning rate, clip gradients, or pass nonfinite_grad='skip' to skip such steps"
-            )
+        # Buckets of at most max_gather_bytes of full gradients: the gradients are checked on the
+        # local pieces first (one all-reduce per group), so that a bad one anywhere stops the step
+        # before any bucket changes anything. Each flag is summed over the holders of the pieces
+        # and then over the work group, so every rank that takes part in a bucket's collectives
+        # takes the same decision (even if TP replicas of a parameter were to disagree).
+        flags = [(~torch.isfinite(g.detach())).any().to(torch.float32).reshape(1) for _, g in items]
+        check = SumBucket()
+        for (layout, _), flag, (_, _, p) in zip(items, flags, entries):
+            wg = self._plans[p].work_group
+            check.add(flag, (*layout.sum_groups, wg) if self._work_size(wg) > 1 else layout.sum_groups)
+        check.flush()
+        bad_flags = torch.cat(flags) > 0
+        if bool(bad_flags.any()):
+            return self._nonfinite(entries[int(bad_flags.nonzero()[0, 0])], loss)
+        start = 0
+        while start < len(items):
+            stop, size = start, 0
+            while stop < len(items) and (stop == start or size + _full_bytes(items[stop]) <= self.max_gather_bytes):
+                size += _full_bytes(items[stop])
+                stop += 1
+            self._update(entries[start:stop], gather_full(items[start:stop], dtype=comm_dtype))
+            start = stop
+        return loss
 
+    def _nonfinite(self, entry: tuple[dict[str, Any], int, torch.Tensor], loss: Any) -> Any:
+        group, gi, p = entry
+        if self.nonfinite_grad == "skip":
+            self.skipped_steps += 1
+            return loss
+        raise FloatingPointError(
+            f"DistributedShampoo: the gradient of {self._param_name(group, gi, p)} contains NaN or Inf; "
+            "lower the learning rate, clip gradients, or pass nonfinite_grad='skip' to skip such steps"
+        )
+
+    def _update(self, entries: list[tuple[dict[str, Any], int, torch.Tensor]], full_grads: list[torch.Tensor]) -> None:
+        """State updates, directions (owners), their sharing and the parameter updates for
+        ``entries``, given their full gradients."""
         # Owners compute their blocks' directions.
         shares: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
         pending = []
@@ -563,7 +604,6 @@ class DistributedShampoo(DistOptimizer):
                     full[block.slices] = d
             update = layout.take_local(full.reshape(plan.full_shape), copy=False).to(p.dtype).view_as(p)
             _apply_update(p.detach(), update, buf, group)
-        return loss
 
     def _scratch_for(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A contiguous tensor of ``shape`` over the reused scratch memory (grown as needed)."""
@@ -942,6 +982,11 @@ def _scale_direction(p: torch.Tensor, m_div: float, norm_d: torch.Tensor | None)
         return p.div_(m_div) if m_div != 1.0 else p
     norm_p = torch.linalg.vector_norm(p)
     return p.mul_(norm_d / (norm_p + 1e-16 * m_div))
+
+
+def _full_bytes(item: tuple[Any, torch.Tensor]) -> int:
+    layout, g = item
+    return layout.full_numel * g.element_size()
 
 
 def _apply_update(p: torch.Tensor, update: torch.Tensor, buf: torch.Tensor | None, group: dict[str, Any]) -> None:
