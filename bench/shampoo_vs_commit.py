@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.bench_step import llama_like  # noqa: E402
+from bench.bench_step import fixed_params, llama_like  # noqa: E402
 
 
 def _extract(commit: str, into: Path) -> Any:
@@ -55,16 +55,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         old = _extract(args.commit, Path(tmp))
-        gen = torch.Generator().manual_seed(0)
         shapes = llama_like()
-        base = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-        grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
-
-        def params() -> list[torch.nn.Parameter]:
-            ps = [torch.nn.Parameter(b.clone()) for b in base]
-            for p, g in zip(ps, grads):
-                p.grad = g.clone()
-            return ps
+        params = fixed_params(shapes)
 
         def shampoo(mod: Any, start: int) -> torch.optim.Optimizer:
             graft = mod.AdamGraftingConfig(beta2=0.999, epsilon=1e-8)

@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import dist_optim  # noqa: E402  (ours)
-from bench.bench_step import llama_like  # noqa: E402
+from bench.bench_step import fixed_params, llama_like  # noqa: E402
 
 try:
     import distributed_shampoo as meta
@@ -64,43 +65,28 @@ def main() -> None:
     ap.add_argument("--pf10-steps", type=int, default=30)
     args = ap.parse_args()
 
-    gen = torch.Generator().manual_seed(0)
     shapes = llama_like()
-    base = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    params = fixed_params(shapes)
 
-    def params() -> list[torch.nn.Parameter]:
-        ps = [torch.nn.Parameter(b.clone()) for b in base]
-        for p, g in zip(ps, grads):
-            p.grad = g.clone()
-        return ps
+    def shampoo(mod: Any, start: int | None, freq: int, **extra: Any) -> torch.optim.Optimizer:
+        return mod.DistributedShampoo(
+            params(),
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            epsilon=1e-12,
+            max_preconditioner_dim=1024,
+            precondition_frequency=freq,
+            start_preconditioning_step=start,
+            use_decoupled_weight_decay=True,
+            grafting_config=mod.AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+            **extra,
+        )
 
     def ours(start: int | None, freq: int) -> torch.optim.Optimizer:
-        return dist_optim.DistributedShampoo(
-            params(),
-            lr=1e-3,
-            betas=(0.9, 0.999),
-            epsilon=1e-12,
-            max_preconditioner_dim=1024,
-            precondition_frequency=freq,
-            start_preconditioning_step=start,
-            use_decoupled_weight_decay=True,
-            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
-        )
+        return shampoo(dist_optim, start, freq)
 
     def metas(start: int, freq: int) -> torch.optim.Optimizer:
-        return meta.DistributedShampoo(
-            params(),
-            lr=1e-3,
-            betas=(0.9, 0.999),
-            epsilon=1e-12,
-            max_preconditioner_dim=1024,
-            precondition_frequency=freq,
-            start_preconditioning_step=start,
-            use_decoupled_weight_decay=True,
-            grafting_config=meta.AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
-            use_merge_dims=False,
-        )
+        return shampoo(meta, start, freq, use_merge_dims=False)
 
     # ---- before start / preconditioned, round-robin with AdamW ----
     runs: dict[str, torch.optim.Optimizer] = {"torch AdamW (foreach)": torch.optim.AdamW(params(), foreach=True)}
