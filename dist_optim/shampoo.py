@@ -370,9 +370,7 @@ class DistributedShampoo(DistOptimizer):
             # Under TP the blocks are split over the TP x data-parallel grid, not over each TP
             # rank's data-parallel group alone: every rank of the grid gathers the same full
             # gradients, so a TP rank need not repeat its TP peers' blocks. Collective over the job.
-            bases = _ordered(
-                {id(g): g for g in map(self._base_work_group, self._all_params()) if g is not None}.values()
-            )
+            bases = _ordered(g for g in map(self._base_work_group, self._all_params()) if g is not None)
             for base, grid in zip(bases, grid_groups(tp, bases)):
                 if grid is not None:
                     self._grids[_group_key(base)] = grid
@@ -550,14 +548,12 @@ class DistributedShampoo(DistOptimizer):
             # A parameter held whole whose blocks are all this rank's is updated block by block as
             # the directions come, through one reused scratch tensor: fresh block-sized tensors
             # cost page faults on the CPU comparable to the arithmetic of the update.
-            if self._work_size(wg) == 1 and self.layout(p).is_local and p.is_contiguous():
-                pv = p.detach().view(plan.view_shape)
-                buf = state.get("momentum_buffer")
-                bv = None if buf is None else buf.view(plan.view_shape)
+            whole = self._whole_views(p, plan)
+            if self._work_size(wg) == 1 and whole is not None:
                 for i, block in enumerate(plan.blocks):
                     out = self._scratch_for(block.shape, g_full.dtype, g_full.device)
                     d = self._block_direction(state, f"block{i}.", block, g_view[block.slices], group, t, out)
-                    _apply_update(pv[block.slices], d.to(p.dtype), None if bv is None else bv[block.slices], group)
+                    _apply_block_update(*whole, block, d, group)
                 continue
             directions = []
             for i, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
@@ -588,13 +584,10 @@ class DistributedShampoo(DistOptimizer):
         # tensors (see _block_direction), so they are updated in place; a parameter held whole
         # takes them block by block, without assembling a parameter-sized direction.
         for group, p, plan, directions in pending:
-            buf = self.state[p].get("momentum_buffer")
-            layout = self.layout(p)
-            if layout.is_local and p.is_contiguous():
-                pv = p.detach().view(plan.view_shape)
-                bv = None if buf is None else buf.view(plan.view_shape)
+            whole = self._whole_views(p, plan)
+            if whole is not None:
                 for block, d in zip(plan.blocks, directions):
-                    _apply_update(pv[block.slices], d.to(p.dtype), None if bv is None else bv[block.slices], group)
+                    _apply_block_update(*whole, block, d, group)
                 continue
             if len(directions) == 1:
                 full = directions[0].reshape(plan.view_shape)
@@ -602,8 +595,16 @@ class DistributedShampoo(DistOptimizer):
                 full = directions[0].new_empty(plan.view_shape)
                 for block, d in zip(plan.blocks, directions):
                     full[block.slices] = d
-            update = layout.take_local(full.reshape(plan.full_shape), copy=False).to(p.dtype).view_as(p)
-            _apply_update(p.detach(), update, buf, group)
+            update = self.layout(p).take_local(full.reshape(plan.full_shape), copy=False).to(p.dtype).view_as(p)
+            _apply_update(p.detach(), update, self.state[p].get("momentum_buffer"), group)
+
+    def _whole_views(self, p: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``p`` and its momentum buffer viewed in the blocking's (merged) shape, where this rank
+        holds ``p`` whole and contiguous (its blocks' updates then apply slice by slice), else None."""
+        if not (self.layout(p).is_local and p.is_contiguous()):
+            return None
+        buf = self.state[p].get("momentum_buffer")
+        return p.detach().view(plan.view_shape), None if buf is None else buf.view(plan.view_shape)
 
     def _scratch_for(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A contiguous tensor of ``shape`` over the reused scratch memory (grown as needed)."""
@@ -987,6 +988,14 @@ def _scale_direction(p: torch.Tensor, m_div: float, norm_d: torch.Tensor | None)
 def _full_bytes(item: tuple[Any, torch.Tensor]) -> int:
     layout, g = item
     return layout.full_numel * g.element_size()
+
+
+def _apply_block_update(
+    pv: torch.Tensor, bv: torch.Tensor | None, block: _Block, d: torch.Tensor, group: dict[str, Any]
+) -> None:
+    """:func:`_apply_update` for one block of a parameter held whole (``pv``, ``bv``: the
+    parameter and its momentum buffer in the blocking's shape)."""
+    _apply_update(pv[block.slices], d.to(pv.dtype), None if bv is None else bv[block.slices], group)
 
 
 def _apply_update(p: torch.Tensor, update: torch.Tensor, buf: torch.Tensor | None, group: dict[str, Any]) -> None:
