@@ -592,6 +592,14 @@ def test_memory_split_and_collectives_per_step(pool4) -> None:
 BUCKET_KWARGS = dict(lr=1e-2, max_preconditioner_dim=3, grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99))
 
 
+def _identical(params_a: list, params_b: list, states_a: list[dict], states_b: list[dict]) -> bool:
+    """Bit-identical parameters and full states (same keys, same values)."""
+    return all(torch.equal(a, b) for a, b in zip(params_a, params_b)) and all(
+        set(s) == set(b) and all(torch.equal(torch.as_tensor(s[k]), torch.as_tensor(b[k])) for k in s)
+        for s, b in zip(states_a, states_b)
+    )
+
+
 def _bucket_worker() -> dict:
     out: dict = {}
     for layout in ((2, 2, 2), (1, 4, 1)):
@@ -602,11 +610,7 @@ def _bucket_worker() -> dict:
         kwargs = dict(BUCKET_KWARGS, max_gather_bytes=64)  # every parameter its own bucket
         bucketed, bparams, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, *layout, "fp32")
         counts_bucketed = dict(comm.COUNTS)
-        states, bstates = whole.full_state(), bucketed.full_state()
-        same = all(torch.equal(a, b) for a, b in zip(params, bparams)) and all(
-            set(s) == set(b) and all(torch.equal(torch.as_tensor(s[k]), torch.as_tensor(b[k])) for k in s)
-            for s, b in zip(states, bstates)
-        )
+        same = _identical(params, bparams, whole.full_state(), bucketed.full_state())
         out[layout] = dict(same=same, whole=counts_whole, bucketed=counts_bucketed)
     return out
 
@@ -638,10 +642,7 @@ def _bucket_nan_worker(mode: str) -> dict:
         error = None
     except FloatingPointError as exc:
         error = str(exc)
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, params)) and all(
-        all(torch.equal(torch.as_tensor(s[k]), torch.as_tensor(b[k])) for k in s)
-        for s, b in zip(state_before, opt.full_state())
-    )
+    unchanged = _identical(before, params, state_before, opt.full_state())
     return dict(error=error, unchanged=unchanged, skipped=opt.skipped_steps)
 
 
