@@ -11,6 +11,9 @@ layout-aware, *bucketed* operations:
 * :func:`broadcast_from`: bucketed broadcast of results computed by one owner rank.
 * :func:`share_owned`: results computed by different owner ranks, to every rank, in one
   ``all_gather``.
+* :func:`exchange`: pieces from each rank to the ranks that need them (gradient pieces to the
+  owners of blocks, the owners' results back to the holders of the pieces), in one
+  ``all_to_all``: each rank receives what it uses, not everything.
 
 Each is a no-op for a parameter whose layout is local. ``COUNTS`` counts the collectives issued
 (tests and benchmarks read it to prove that the number per step does not grow with the number of
@@ -42,6 +45,7 @@ __all__ = [
     "gather_full",
     "broadcast_from",
     "share_owned",
+    "exchange",
     "all_gather_objects",
     "grid_groups",
     "barrier",
@@ -276,6 +280,43 @@ def share_owned(
         for i in idx:
             n = tensors[i].numel()
             tensors[i].copy_(gathered[rank, offset : offset + n].view_as(tensors[i]))
+            offset += n
+
+
+def exchange(
+    send: Sequence[Sequence[torch.Tensor]],
+    recv: Sequence[Sequence[torch.Tensor]],
+    group: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Pieces between the ranks of ``group`` in one ``all_to_all``: ``send[r]`` (tensors or views,
+    in order) go to rank r, which writes them into its ``recv[me]`` (views of the same shapes, in
+    the same order, in place). Every rank of ``group`` calls it, also with nothing to move.
+
+    ``dtype`` is the communication precision and must be the same on every rank; a rank's pieces
+    to itself go through it too, so that every receiver of a value gets the same rounding.
+    ``device`` holds the buffers (the one the backend communicates from)."""
+    size = group_size(group)
+    if len(send) != size or len(recv) != size:
+        raise ValueError(f"exchange: one list of pieces per rank of the group ({size}) to send and to receive")
+    send_counts = [sum(t.numel() for t in pieces) for pieces in send]
+    recv_counts = [sum(t.numel() for t in pieces) for pieces in recv]
+    flat = torch.empty(sum(send_counts), dtype=dtype, device=device)
+    offset = 0
+    for pieces in send:
+        for t in pieces:
+            n = t.numel()
+            flat[offset : offset + n].view(t.shape).copy_(t)
+            offset += n
+    out = torch.empty(sum(recv_counts), dtype=dtype, device=device)
+    COUNTS["all_to_all"] += 1
+    dist.all_to_all_single(out, flat, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group)
+    offset = 0
+    for pieces in recv:
+        for t in pieces:
+            n = t.numel()
+            t.copy_(out[offset : offset + n].view(t.shape))
             offset += n
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "ZeroShard",
     "ParamLayout",
     "local_layout",
+    "range_boxes",
     "register_tp_reader",
     "read_tp_dim",
 ]
@@ -219,6 +220,33 @@ class ParamLayout:
             out = torch.where(flat < self.local_numel, out, torch.full_like(out, -1))
         return out
 
+    def local_boxes(self, view_shape: tuple[int, ...]) -> list[tuple[Box, int]] | None:
+        """The real (non-padding) elements this rank holds, as boxes of the full tensor seen in
+        ``view_shape`` (a reshape of ``full_shape``, e.g. with small dims merged), each with the
+        position of its first element in the optimizer's flat tensor: a box's elements, row-major,
+        are consecutive there. At most ``2 * len(view_shape) - 1`` boxes (a ZeRO chunk cuts rows).
+
+        None where the pieces are not boxes of that view: a TP slice of a view that merges the
+        TP dim with others."""
+        view_shape = tuple(int(s) for s in view_shape)
+        if math.prod(view_shape) != self.full_numel:
+            raise ValueError(f"local_boxes: view {view_shape} is not a reshape of {self.full_shape}")
+        if self.tp is None:
+            shape, dim, shift = view_shape, 0, 0
+        elif view_shape == self.full_shape:
+            shape, dim, shift = self.local_shape, self.tp.dim, self.tp_offset
+        else:
+            return None
+        start, stop = self.chunk_range
+        out: list[tuple[Box, int]] = []
+        offset = 0
+        for box in range_boxes(start, min(stop, self.local_numel), shape):
+            if shift:
+                box = box[:dim] + ((box[dim][0] + shift, box[dim][1] + shift),) + box[dim + 1 :]
+            out.append((box, offset))
+            offset += box_numel(box)
+        return out
+
     def reduced_shape(self, drop_dims: tuple[int, ...]) -> tuple[int, ...]:
         """The full shape with ``drop_dims`` removed."""
         drop = {d % self.ndim for d in drop_dims}
@@ -242,6 +270,41 @@ class ParamLayout:
     def to_working_shape(self, padded_flat_working: torch.Tensor) -> torch.Tensor:
         """Strip ZeRO padding from a gathered flat working param and restore its shape."""
         return padded_flat_working[: self.local_numel].view(self.local_shape)
+
+
+#: A box of a tensor: ``(start, stop)`` along every dim (hashable, unlike slices).
+Box = tuple[tuple[int, int], ...]
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(stop - start for start, stop in box)
+
+
+def range_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[Box]:
+    """The flat range ``[start, stop)`` of a row-major tensor of ``shape`` as boxes, in flat order:
+    a partial leading row, whole rows, a partial trailing row, recursively (at most
+    ``2 * len(shape) - 1`` boxes)."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [()]
+    if len(shape) == 1:
+        return [((start, stop),)]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:
+        base = first * inner
+        return [((first, first + 1), *box) for box in range_boxes(start - base, stop - base, shape[1:])]
+    boxes: list[Box] = []
+    if start % inner:
+        boxes += [((first, first + 1), *box) for box in range_boxes(start % inner, inner, shape[1:])]
+        first += 1
+    whole_stop = last + 1 if stop % inner == 0 else last
+    if whole_stop > first:
+        boxes.append(((first, whole_stop), *((0, s) for s in shape[1:])))
+    if stop % inner:
+        boxes += [((last, last + 1), *box) for box in range_boxes(0, stop % inner, shape[1:])]
+    return boxes
 
 
 def local_layout(tensor: torch.Tensor) -> ParamLayout:

@@ -54,18 +54,31 @@ Deviations, all stated:
   Detecting it is one host read per step; root refreshes also read scalars (amortised).
 
 Distribution: blocks are defined on the *full* tensor, so TP and ZeRO do not change the math.
-Each step gathers the full gradients (one all_gather per TP/ZeRO group for all parameters, in
-``communication_dtype``), every block is owned by one rank of its work group by a cost model
-``sum_k d_k^3`` (:func:`work.assign_owners`): the data-parallel group (the ZeRO group of a
-ZeRO-sharded parameter), or under TP the TP x DP grid that group spans with the TP group (every
-rank of the grid has the same full gradients; the grid group is made when the optimizer is bound,
-collectively over the job, by :func:`comm.grid_groups`),
-owners update their blocks' state and compute the block directions, and
-:func:`comm.share_owned` hands all directions to all ranks in one all_gather per group (in
-``communication_dtype``; owners round their own results the same way so replicas agree). Each
-rank then applies the part of the full update that it holds. Block state (factors, roots, bases,
-moments, grafting state) lives only on its owner: memory of the preconditioners is divided across
-the group (:meth:`DistributedShampoo.state_bytes`); :meth:`full_state` gathers it back.
+Every block is owned by one rank of its work group by a cost model ``sum_k d_k^3``
+(:func:`work.assign_owners`): the data-parallel group (the ZeRO group of a ZeRO-sharded
+parameter), or under TP the TP x DP grid that group spans with the TP group (the grid group is
+made when the optimizer is bound, collectively over the job, by :func:`comm.grid_groups`). Owners
+update their blocks' state and compute the block directions; each rank applies the part of the
+update that it holds. How gradients reach the owners and directions the holders:
+
+* A parameter held in pieces (TP slices, ZeRO chunks): each rank sends the pieces it holds of
+  every block straight to that block's owner, and each owner sends the pieces of its directions to
+  every rank that holds them (:func:`work.plan_route` says which, from every rank's pieces, asked
+  once per work group in the first step; :func:`comm.exchange`: one all_to_all per work group and
+  direction for all parameters, in ``communication_dtype``, a rank's pieces to itself included
+  so that every copy of a value is rounded alike). A rank receives its blocks' gradients and its
+  pieces' directions: about ``2/size`` of the parameters' bytes instead of ``2x`` (ZeRO over 4
+  ranks: 0.2-0.25x the bytes of gathering everything, tested), and nobody holds a full gradient.
+* A parameter held whole on every rank (DDP): owners use their local gradient;
+  :func:`comm.share_owned` hands all directions to all ranks in one all_gather per group (in
+  ``communication_dtype``; owners round their own results the same way so replicas agree).
+* Where the pieces are not boxes of the blocking's view (a TP-split dim merged with others by
+  ``merge_small_dims``), full gradients are gathered (one all_gather per TP/ZeRO group) and the
+  directions shared as under DDP.
+
+Block state (factors, roots, bases, moments, grafting state) lives only on its owner: memory of
+the preconditioners is divided across the group (:meth:`DistributedShampoo.state_bytes`);
+:meth:`full_state` gathers it back.
 
 Cost (see the README's benchmark): factors larger than ``_structured.MIN_SIZE`` (256) are updated
 in their lower triangles only, ~0.56 of a full product's multiply-adds, and mirrored when a root
@@ -76,6 +89,8 @@ from torch's fused Adam kernel (not for SOAP, see :meth:`DistributedShampoo._mom
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable
@@ -86,8 +101,20 @@ import torch
 
 from . import _matrix, _structured
 from .base import DistOptimizer, check_range
-from .comm import SumBucket, _group_key, _ordered, gather_full, grid_groups, group_rank, group_size, share_owned
-from .work import assign_owners
+from .comm import (
+    SumBucket,
+    _group_key,
+    _ordered,
+    all_gather_objects,
+    exchange,
+    gather_full,
+    grid_groups,
+    group_rank,
+    group_size,
+    share_owned,
+)
+from .layout import ParamLayout
+from .work import Route, assign_owners, plan_route
 
 __all__ = [
     "DistributedShampoo",
@@ -186,6 +213,20 @@ class _Plan:
     work_group: Any
 
 
+@dataclass
+class _Routed:
+    """A parameter stepped through :meth:`DistributedShampoo._routed_update`: its local gradient,
+    then its owned blocks' gradients (replaced by their directions), then its local update."""
+
+    group: dict[str, Any]
+    p: torch.Tensor
+    route: Route
+    grad: torch.Tensor
+    t: int
+    blocks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    update: torch.Tensor | None = None
+
+
 def merge_small_dims(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:
     """Merge consecutive dims while their product stays <= ``max_dim`` (Anil et al.'s rule)."""
     if all(d == 1 for d in shape):
@@ -273,12 +314,18 @@ class DistributedShampoo(DistOptimizer):
         inverse_failure_threshold: an iterative root with error above this counts as failed.
         higher_order_degree: order of the ``"higher_order"`` iteration (>= 3; 2 would be Newton).
         nonfinite_grad: ``"raise"`` or ``"skip"`` on a NaN/Inf gradient.
-        max_gather_bytes: when bound, gather full gradients in buckets of at most this many bytes
-            (a parameter larger than that is its own bucket) and finish each bucket before the
-            next: caps the transient memory of full gradients under ZeRO/TP, at the cost of
-            collectives per bucket and one all-reduce per group to check the gradients first.
-            None (default): all parameters at once, the fewest collectives.
+        max_gather_bytes: when bound, move and finish the parameters in buckets of at most this
+            many bytes of full gradients (a parameter larger than that is its own bucket), one
+            bucket after the other: caps the transient memory of gathered full gradients (and of
+            the owners' block gradients and exchange buffers), at the cost of collectives per
+            bucket. None (default): all parameters at once, the fewest collectives. Gradients
+            are checked for NaN/Inf on the local pieces first (one all-reduce per step).
     """
+
+    #: Parameters held in pieces move only the pieces their block owners and holders need
+    #: (:meth:`_ensure_routes`); False gathers full gradients and shares every direction instead
+    #: (the same result bit for bit; tests and ``bench/bench_step.py --dist`` compare the two).
+    _route_pieces: bool = True
 
     _sharded_state = ("momentum_buffer",)
 
@@ -355,6 +402,9 @@ class DistributedShampoo(DistOptimizer):
         self._grids: dict[tuple[int, ...], Any] = {}  # data-parallel group -> TP x DP grid (see _on_bind)
         # One block's direction, reused across blocks that are applied as soon as computed.
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        # Per parameter held in pieces: which pieces go to which block owner (see _ensure_routes);
+        # None until made in a step.
+        self._routes: dict[torch.Tensor, Route | None] | None = None
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -418,6 +468,39 @@ class DistributedShampoo(DistOptimizer):
                 plan.owners = owners[i : i + len(plan.blocks)]
                 i += len(plan.blocks)
         self._plans = plans
+        self._routes = None
+
+    def _ensure_routes(self) -> None:
+        """For each parameter held in pieces (TP slices, ZeRO chunks) whose blocks are split over a
+        work group: which of this rank's pieces go to which block owner, and which pieces of the
+        owners' directions come back (:func:`work.plan_route`). Under ZeRO a rank then receives
+        the gradients of its own blocks and its share of the directions, not every full gradient
+        and every direction: ~1/size of the bytes.
+
+        Asks every rank of each work group which pieces it holds (one ``all_gather_object`` per
+        work group, after every re-planning): called from ``step()``, which every rank calls."""
+        if self._routes is not None:
+            return
+        routes: dict[torch.Tensor, Route | None] = {}
+        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        for p in self._all_params():
+            layout, wg = self.layout(p), self._plans[p].work_group
+            routes[p] = None
+            if self._route_pieces and not layout.is_local and self._work_size(wg) > 1:
+                by_group.setdefault(id(wg), (wg, []))[1].append(p)
+        for wg in _ordered(entry[0] for entry in by_group.values()):
+            params = by_group[id(wg)][1]
+            every = all_gather_objects([_holding(self.layout(p)) for p in params], group=wg)
+            me = group_rank(wg)
+            for i, p in enumerate(params):
+                layout, plan = self.layout(p), self._plans[p]
+                if any(len(theirs) != len(params) for theirs in every):
+                    break  # not the same parameters everywhere: every rank sees it, all gather full
+                members = [_member_layout(layout, theirs[i]) for theirs in every]
+                holdings = [None if m is None else m.local_boxes(plan.view_shape) for m in members]
+                blocks = [tuple((s.start, s.stop) for s in b.slices) for b in plan.blocks]
+                routes[p] = plan_route(blocks, plan.owners, holdings, me)
+        self._routes = routes
 
     def _my_rank(self, group: Any) -> int:
         return group_rank(group) if self._work_size(group) > 1 else 0
@@ -481,7 +564,10 @@ class DistributedShampoo(DistOptimizer):
         comm_dtype = self.communication_dtype if self.is_bound else None
         if comm_dtype is not None and all(g.dtype == comm_dtype for _, g in items):
             comm_dtype = None
-        if not self.is_bound or self.max_gather_bytes is None:
+        if self.is_bound:
+            self._ensure_routes()
+        routed = self.is_bound and any(self._route(p) is not None for _, _, p in entries)
+        if not self.is_bound or (self.max_gather_bytes is None and not routed):
             full_grads = gather_full(items, dtype=comm_dtype) if self.is_bound else [g.detach() for _, g in items]
             # One reduction pass and one host read per step (every rank sees the same full
             # gradients): a NaN or Inf anywhere makes the sum non-finite. A finite gradient whose
@@ -492,32 +578,43 @@ class DistributedShampoo(DistOptimizer):
                 bad = next((i for i, g in enumerate(full_grads) if not bool(torch.isfinite(g).all())), None)
             if bad is not None:
                 return self._nonfinite(entries[bad], loss)
-            self._update(entries, full_grads)
+            self._update(entries, items, comm_dtype, full_grads)
             return loss
 
-        # Buckets of at most max_gather_bytes of full gradients: the gradients are checked on the
+        # No rank sees every full gradient (gradient pieces go to block owners, or full gradients
+        # are gathered in buckets of at most max_gather_bytes): the gradients are checked on the
         # local pieces first (one all-reduce per group), so that a bad one anywhere stops the step
-        # before any bucket changes anything. Each flag is summed over the holders of the pieces
-        # and then over the work group, so every rank that takes part in a bucket's collectives
-        # takes the same decision (even if TP replicas of a parameter were to disagree).
+        # before anything changes. Each flag is summed over the holders of the pieces and the work
+        # group, so every rank that takes part in a parameter's collectives takes the same
+        # decision (even if TP replicas of a parameter were to disagree); a routed parameter's
+        # work group holds all its pieces.
         flags = [(~torch.isfinite(g.detach())).any().to(torch.float32).reshape(1) for _, g in items]
         check = SumBucket()
         for (layout, _), flag, (_, _, p) in zip(items, flags, entries):
             wg = self._plans[p].work_group
-            check.add(flag, (*layout.sum_groups, wg) if self._work_size(wg) > 1 else layout.sum_groups)
+            if self._route(p) is not None:
+                check.add(flag, (wg,))
+            else:
+                check.add(flag, (*layout.sum_groups, wg) if self._work_size(wg) > 1 else layout.sum_groups)
         check.flush()
         bad_flags = torch.cat(flags) > 0
         if bool(bad_flags.any()):
             return self._nonfinite(entries[int(bad_flags.nonzero()[0, 0])], loss)
+        if self.max_gather_bytes is None:
+            self._update(entries, items, comm_dtype)
+            return loss
         start = 0
         while start < len(items):
             stop, size = start, 0
             while stop < len(items) and (stop == start or size + _full_bytes(items[stop]) <= self.max_gather_bytes):
                 size += _full_bytes(items[stop])
                 stop += 1
-            self._update(entries[start:stop], gather_full(items[start:stop], dtype=comm_dtype))
+            self._update(entries[start:stop], items[start:stop], comm_dtype)
             start = stop
         return loss
+
+    def _route(self, p: torch.Tensor) -> Route | None:
+        return None if self._routes is None else self._routes.get(p)
 
     def _nonfinite(self, entry: tuple[dict[str, Any], int, torch.Tensor], loss: Any) -> Any:
         group, gi, p = entry
@@ -529,18 +626,37 @@ class DistributedShampoo(DistOptimizer):
             "lower the learning rate, clip gradients, or pass nonfinite_grad='skip' to skip such steps"
         )
 
-    def _update(self, entries: list[tuple[dict[str, Any], int, torch.Tensor]], full_grads: list[torch.Tensor]) -> None:
+    def _update(
+        self,
+        entries: list[tuple[dict[str, Any], int, torch.Tensor]],
+        items: list[tuple[ParamLayout, torch.Tensor]],
+        comm_dtype: torch.dtype | None,
+        full_grads: list[torch.Tensor] | None = None,
+    ) -> None:
         """State updates, directions (owners), their sharing and the parameter updates for
-        ``entries``, given their full gradients."""
+        ``entries`` (with ``items``: their layouts and local gradients). Parameters with a route
+        move pieces to and from their block owners (:meth:`_routed_update`); the others use their
+        full gradients (``full_grads``, gathered here when not given)."""
+        if full_grads is None:
+            plain = [i for i, (_, _, p) in enumerate(entries) if self._route(p) is None]
+            gathered = gather_full([items[i] for i in plain], dtype=comm_dtype) if plain else []
+            full_grads = [items[i][1] for i in range(len(entries))]  # placeholders for routed ones
+            for i, g in zip(plain, gathered):
+                full_grads[i] = g
         # Owners compute their blocks' directions.
         shares: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
         pending = []
-        for (group, _, p), g_full in zip(entries, full_grads):
+        routed = []
+        for (group, _, p), (_, g_local), g_full in zip(entries, items, full_grads):
             state = self.state[p]
             if not state:
                 self._init_state(p, group, g_full.dtype)
             state["step"] += 1
             t = int(state["step"])
+            route = self._route(p)
+            if route is not None:
+                routed.append(_Routed(group, p, route, g_local.detach(), t))
+                continue
             plan = self._plans[p]
             me = self._my_rank(plan.work_group)
             g_view = g_full.reshape(plan.view_shape)
@@ -567,6 +683,8 @@ class DistributedShampoo(DistOptimizer):
                 entry[1].extend(directions)
                 entry[2].extend(plan.owners)
             pending.append((group, p, plan, directions))
+        if routed:
+            self._routed_update(routed, comm_dtype)
 
         if shares:
             share_dtype = self.communication_dtype
@@ -597,6 +715,51 @@ class DistributedShampoo(DistOptimizer):
                     full[block.slices] = d
             update = self.layout(p).take_local(full.reshape(plan.full_shape), copy=False).to(p.dtype).view_as(p)
             _apply_update(p.detach(), update, self.state[p].get("momentum_buffer"), group)
+
+    def _routed_update(self, routed: list[_Routed], comm_dtype: torch.dtype | None) -> None:
+        """Steps of parameters held in pieces, each rank moving only what it uses: its gradient
+        pieces to the owners of their blocks (one ``all_to_all`` per work group), the owners'
+        directions, their pieces back to every rank that holds them (another ``all_to_all``), and
+        the local update. Owners keep no full gradient and nobody assembles a full direction."""
+        by_group: dict[int, tuple[Any, list[_Routed]]] = {}
+        for r in routed:
+            wg = self._plans[r.p].work_group
+            by_group.setdefault(id(wg), (wg, []))[1].append(r)
+        order = [(wg, by_group[id(wg)][1]) for wg in _ordered(entry[0] for entry in by_group.values())]
+
+        def move(wg: Any, members: list[_Routed], gather: bool, dtype: torch.dtype | None) -> None:
+            size = group_size(wg)
+            send: list[list[torch.Tensor]] = [[] for _ in range(size)]
+            recv: list[list[torch.Tensor]] = [[] for _ in range(size)]
+            for r in members:
+                route, flat = r.route, r.grad.reshape(-1)
+                for rank in range(size):
+                    if gather:
+                        send[rank] += [pc.view(flat) for pc in route.gather_send[rank]]
+                        recv[rank] += [pc.view(r.blocks) for pc in route.gather_recv[rank]]
+                    else:
+                        send[rank] += [pc.view(r.blocks) for pc in route.scatter_send[rank]]
+                        recv[rank] += [pc.view(r.update) for pc in route.scatter_recv[rank]]
+            if dtype is None:  # the widest of the parameters' own dtypes: the same on every rank
+                dtype = functools.reduce(torch.promote_types, (r.grad.dtype for r in members))
+            exchange(send, recv, wg, dtype, members[0].grad.device)
+
+        for r in routed:
+            blocks = self._plans[r.p].blocks
+            r.blocks = {i: r.grad.new_empty(blocks[i].shape) for i in r.route.owned}
+        for wg, members in order:
+            move(wg, members, True, comm_dtype)
+        for r in routed:  # block gradients in, directions out (in the same dict: one at a time)
+            blocks, state = self._plans[r.p].blocks, self.state[r.p]
+            for i in r.route.owned:
+                r.blocks[i] = self._block_direction(state, f"block{i}.", blocks[i], r.blocks[i], r.group, r.t)
+            r.update = r.grad.new_empty(r.grad.numel())
+            r.update[self.layout(r.p).valid_numel :].zero_()  # ZeRO padding at the end of the chunk
+        for wg, members in order:
+            move(wg, members, False, self.communication_dtype)
+        for r in routed:
+            update = r.update.to(r.p.dtype).view_as(r.p)
+            _apply_update(r.p.detach(), update, self.state[r.p].get("momentum_buffer"), r.group)
 
     def _whole_views(self, p: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``p`` and its momentum buffer viewed in the blocking's (merged) shape, where this rank
@@ -983,6 +1146,28 @@ def _scale_direction(p: torch.Tensor, m_div: float, norm_d: torch.Tensor | None)
         return p.div_(m_div) if m_div != 1.0 else p
     norm_p = torch.linalg.vector_norm(p)
     return p.mul_(norm_d / (norm_p + 1e-16 * m_div))
+
+
+def _holding(layout: ParamLayout) -> tuple[tuple[int, ...], int | None, int | None]:
+    """What a rank tells the others of its work group about its piece of a parameter."""
+    return (
+        layout.full_shape,
+        None if layout.tp is None else layout.tp.rank,
+        None if layout.zero is None else layout.zero.rank,
+    )
+
+
+def _member_layout(layout: ParamLayout, holding: tuple[tuple[int, ...], int | None, int | None]) -> ParamLayout | None:
+    """``layout`` as another rank of the work group holds it (its :func:`_holding`); None where
+    that rank's layout is not this one's with other ranks."""
+    full_shape, tp_rank, zero_rank = holding
+    if full_shape != layout.full_shape or (tp_rank is None) != (layout.tp is None):
+        return None
+    if (zero_rank is None) != (layout.zero is None):
+        return None
+    tp = None if layout.tp is None else dataclasses.replace(layout.tp, rank=tp_rank)
+    zero = None if layout.zero is None else dataclasses.replace(layout.zero, rank=zero_rank)
+    return dataclasses.replace(layout, tp=tp, zero=zero)
 
 
 def _full_bytes(item: tuple[Any, torch.Tensor]) -> int:

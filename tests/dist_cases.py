@@ -63,6 +63,36 @@ def share_and_broadcast() -> dict[str, Any]:
     return dict(ok_share=ok_share, shared=shared, ok_bcast=ok_bcast)
 
 
+def exchange_pieces() -> dict[str, Any]:
+    """comm.exchange over the 4 ranks: rank s sends rank r pieces of uneven sizes (none at all
+    from rank 3 to odd ranks, nothing to rank 0 from anyone but itself), written into strided
+    views on arrival; with bf16 the values arrive rounded, the rank's pieces to itself too."""
+    world = dist.group.WORLD
+    me = dist.get_rank()
+
+    def value(src: int, dst: int, k: int, n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float32) / 3 + 100 * src + 10 * dst + k
+
+    def sizes(src: int, dst: int) -> list[int]:
+        if (src == 3 and dst % 2) or (dst == 0 and src != 0):
+            return []
+        return [src + dst + 1, 2 * src + 1]
+
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        send = [[value(me, r, k, n) for k, n in enumerate(sizes(me, r))] for r in range(4)]
+        targets = [[torch.zeros(n, 2)[:, 1] for n in sizes(s, me)] for s in range(4)]  # strided views
+        comm.reset_counts()
+        comm.exchange(send, targets, world, dtype, torch.device("cpu"))
+        out[str(dtype)] = all(
+            torch.equal(t, value(s, me, k, t.numel()).to(dtype).float())
+            for s in range(4)
+            for k, t in enumerate(targets[s])
+        )
+        out["count"] = comm.COUNTS["all_to_all"]
+    return out
+
+
 def grids() -> dict[str, Any]:
     """comm.grid_groups on a 2 x 2 mesh: the TP x DP grid is the world; a group paired with itself
     (not orthogonal) or with a world-sized base (larger than the grid) gets None."""

@@ -32,3 +32,8 @@ def test_grid_groups(pool4) -> None:
         assert res["grid"] == [0, 1, 2, 3], res
         assert res["self_pair"] is None and res["world_base"] is None, res
         assert res["same"], res
+
+
+def test_exchange_moves_uneven_pieces(pool4) -> None:
+    for res in pool4.run(dist_cases.exchange_pieces):
+        assert res["torch.float32"] and res["torch.bfloat16"] and res["count"] == 1, res

@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
+from dist_optim.layout import ParamLayout, TPSplit, ZeroShard, box_numel, range_boxes
+from dist_optim.work import assign_owners, plan_route
 
 
 def _pieces(full: torch.Tensor, tp: int, tp_dim: int | None, dp: int) -> list[tuple[ParamLayout, torch.Tensor]]:
@@ -82,3 +83,114 @@ def test_single_rank_zero_keeps_flat_form() -> None:
     assert layout.zero is not None and layout.chunk_numel == 12
     assert layout.sum_groups == ()
     assert layout.take_local(torch.ones(3, 4)).shape == (12,)
+
+
+# ---- boxes and routes (what Shampoo moves between the holders of pieces and block owners) ------
+def _box_slices(box) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in box)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (4, 1, 6), (2, 3, 2, 3)])
+def test_range_boxes_are_the_range_in_order(shape) -> None:
+    n = torch.Size(shape).numel()
+    index = torch.arange(n).reshape(shape)
+    for start in range(n + 1):
+        for stop in range(start, n + 1):
+            boxes = range_boxes(start, stop, shape)
+            got = [i for box in boxes for i in index[_box_slices(box)].reshape(-1).tolist()]
+            assert got == list(range(start, stop)), (shape, start, stop, boxes)
+            assert len(boxes) <= 2 * len(shape) - 1
+
+
+@pytest.mark.parametrize("shape,tp_dim", SHAPES)
+@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 4), (2, 2), (1, 3)])
+def test_local_boxes_locate_every_local_element(shape, tp_dim, tp, dp) -> None:
+    if tp_dim is not None and shape[tp_dim] % tp:
+        pytest.skip("not divisible")
+    full = torch.randn(shape, dtype=torch.float64)
+    for layout, piece in _pieces(full, tp, tp_dim, dp):
+        flat = piece.reshape(-1)
+        boxes = layout.local_boxes(shape)
+        assert sum(box_numel(b) for b, _ in boxes) == layout.valid_numel
+        for box, offset in boxes:
+            part = full[_box_slices(box)].reshape(-1)
+            assert torch.equal(flat[offset : offset + part.numel()], part)
+        merged = (torch.Size(shape).numel(),)  # a view with every dim merged
+        if layout.tp is None:
+            for box, offset in layout.local_boxes(merged):
+                part = full.reshape(-1)[_box_slices(box)]
+                assert torch.equal(flat[offset : offset + part.numel()], part)
+        elif len(shape) > 1:
+            assert layout.local_boxes(merged) is None  # the TP slice is no box of that view
+
+
+def _route_all(full: torch.Tensor, layouts: list[ParamLayout], pieces: list[torch.Tensor], block: int) -> bool:
+    """Plan every member's route, move the pieces as comm.exchange would, and check that each
+    owner gets its full blocks and each member gets back exactly its own piece."""
+    shape = tuple(full.shape)
+    per_dim = [[(s, min(s + block, d)) for s in range(0, d, block)] for d in shape]
+    blocks = list(itertools.product(*per_dim))
+    size = len(layouts)
+    owners = assign_owners([box_numel(b) for b in blocks], size)
+    holdings = [lay.local_boxes(shape) for lay in layouts]
+    routes = [plan_route(blocks, owners, holdings, me) for me in range(size)]
+    if any(r is None for r in routes):
+        return False
+    flats = [p.reshape(-1) for p in pieces]
+
+    def unfilled(i: int) -> torch.Tensor:
+        return torch.full(tuple(hi - lo for lo, hi in blocks[i]), float("nan"), dtype=full.dtype)
+
+    got = [{i: unfilled(i) for i in r.owned} for r in routes]
+    for src in range(size):
+        for dst in range(size):
+            sent = [pc.view(flats[src]) for pc in routes[src].gather_send[dst]]
+            into = [pc.view(got[dst]) for pc in routes[dst].gather_recv[src]]
+            assert [t.shape for t in sent] == [t.shape for t in into]
+            for a, b in zip(sent, into):
+                b.copy_(a)
+    for me, r in enumerate(routes):
+        assert sorted(r.owned) == [i for i, o in enumerate(owners) if o == me]
+        for i in r.owned:
+            assert torch.equal(got[me][i], full[_box_slices(blocks[i])])
+    back = [torch.full_like(f, float("nan")) for f in flats]
+    for src in range(size):
+        for dst in range(size):
+            sent = [pc.view(got[src]) for pc in routes[src].scatter_send[dst]]
+            into = [pc.view(back[dst]) for pc in routes[dst].scatter_recv[src]]
+            assert [t.shape for t in sent] == [t.shape for t in into]
+            for a, b in zip(sent, into):
+                b.copy_(a)
+    for lay, f, b in zip(layouts, flats, back):
+        n = lay.valid_numel
+        assert torch.equal(b[:n], f[:n]), "a member did not get its own piece back"
+        assert torch.isnan(b[n:]).all(), "padding is not sent"
+    return True
+
+
+@pytest.mark.parametrize("shape,tp_dim", SHAPES)
+@pytest.mark.parametrize("tp,dp,zero", [(1, 4, True), (2, 2, True), (2, 2, False), (4, 1, False), (1, 3, True)])
+def test_routes_bring_every_block_to_its_owner_and_back(shape, tp_dim, tp, dp, zero) -> None:
+    """Members of a TP x DP grid, each holding its TP slice (or the whole tensor if it is
+    replicated over TP) and its ZeRO chunk (or all of it without ZeRO)."""
+    if tp_dim is not None and shape[tp_dim] % tp:
+        pytest.skip("not divisible")
+    full = torch.randn(shape, dtype=torch.float64)
+    layouts = []
+    for t, d in itertools.product(range(tp), range(dp)):
+        split = TPSplit(tp_dim, tp, t) if tp_dim is not None and tp > 1 else None
+        local_numel = full.numel() // (tp if split else 1)
+        layouts.append(ParamLayout(shape, split, ZeroShard(dp, d, (-local_numel) % dp) if zero else None))
+    pieces = [lay.take_local(full) for lay in layouts]
+    for block in (2, 3, 100):
+        assert _route_all(full, layouts, pieces, block)
+
+
+def test_routes_refuse_holdings_that_do_not_tile() -> None:
+    """Holdings that overlap without being replicas (or leave a gap) get no route."""
+    full = torch.randn(4, 6)
+    halves = [ParamLayout((4, 6), TPSplit(0, 2, r)) for r in range(2)]
+    overlapping = [ParamLayout((4, 6)), halves[1]]  # one holds all, the other half of it
+    assert not _route_all(full, overlapping, [lay.take_local(full) for lay in overlapping], 2)
+    gap = [halves[0], halves[0]]  # the second half is held by nobody
+    assert not _route_all(full, gap, [lay.take_local(full) for lay in gap], 2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -572,13 +573,77 @@ def test_memory_split_and_collectives_per_step(pool4) -> None:
     per_rank222 = [r["per_rank222"] for r in results]
     assert sum(per_rank222) == single, (per_rank222, single)
     assert max(per_rank222) <= 0.4 * single, (per_rank222, single)
-    # Per step: one all_gather of the gradients per ZeRO/TP group, one to share directions; binding
-    # under TP gathers every rank's groups once to make the grid group.
+    # Per step: one all-reduce of the gradient checks, one all_to_all of gradient pieces to the
+    # block owners and one of the directions' pieces back; once, the ranks of the work group tell
+    # each other their pieces (and binding under TP gathers every rank's groups to make the grid).
+    steps = parity.STEPS
     for r in results:
-        assert r["counts"] == {"all_gather": 2 * parity.STEPS}, r["counts"]  # ZeRO gather + share
-        expected = {"all_gather": 3 * parity.STEPS, "all_gather_object": 1}  # ZeRO + TP + share; bind
+        assert r["counts"] == {"all_reduce": steps, "all_to_all": 2 * steps, "all_gather_object": 1}, r["counts"]
+        expected = {"all_reduce": steps, "all_to_all": 2 * steps, "all_gather_object": 2}
         assert r["counts222"] == expected, r["counts222"]
     assert math.isfinite(single)
+
+
+# ---- pieces straight to the block owners ------------------------------------------------------
+ROUTE_KWARGS = dict(lr=1e-2, max_preconditioner_dim=3, grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99))
+ROUTE_LAYOUTS = ((1, 4, 1), (2, 2, 2), (2, 2, 0), (4, 1, 0))
+
+
+def _route_worker(comm_dtype: torch.dtype) -> dict:
+    received = {"n": 0}
+    real = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_to_all_single")}
+
+    def counting(fn: Any) -> Any:
+        def wrapped(out: torch.Tensor, *a: Any, **k: Any) -> Any:
+            received["n"] += out.numel() * out.element_size()
+            return fn(out, *a, **k)
+
+        return wrapped
+
+    out: dict = {}
+    kwargs = dict(ROUTE_KWARGS, communication_dtype=comm_dtype)
+    try:
+        for name, fn in real.items():
+            setattr(dist, name, counting(fn))
+        for layout in ROUTE_LAYOUTS:
+            runs = {}
+            for routed in (True, False):
+                dist_optim.DistributedShampoo._route_pieces = routed
+                comm.reset_counts()
+                received["n"] = 0
+                opt, params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, *layout, "fp32")
+                runs[routed] = (opt, params, received["n"], dict(comm.COUNTS))
+            (opt_r, params_r, bytes_r, counts_r), (opt_g, params_g, bytes_g, counts_g) = runs[True], runs[False]
+            out[layout] = dict(
+                same=_identical(params_r, params_g, opt_r.full_state(), opt_g.full_state()),
+                routed=bytes_r,
+                gathered=bytes_g,
+                counts_routed=counts_r,
+                counts_gathered=counts_g,
+            )
+    finally:
+        dist_optim.DistributedShampoo._route_pieces = True
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return out
+
+
+@pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
+def test_pieces_go_straight_to_block_owners(pool4, comm_dtype: torch.dtype) -> None:
+    """Under ZeRO and TP every rank sends its gradient pieces to the owners of their blocks and
+    receives its pieces of the directions (two all_to_all per step), instead of gathering every
+    full gradient and every direction: the same parameters and state bit for bit (also with
+    bf16 communication), and a fraction of the bytes received per rank."""
+    # Received bytes per rank, routed / gathered: ~1/4 where 4 ranks hold a quarter each (ZeRO
+    # over 4, TP x ZeRO 2 x 2, TP over 4); ~1/2 for TP 2 x dp 2 without ZeRO (each rank needs
+    # the directions of its TP half). The test shapes are tiny, so the bounds leave margin.
+    bound = {(1, 4, 1): 0.45, (2, 2, 2): 0.45, (2, 2, 0): 0.55, (4, 1, 0): 0.45}
+    for res in pool4.run(_route_worker, comm_dtype):
+        for layout, r in res.items():
+            assert r["same"], layout
+            assert r["counts_routed"].get("all_to_all", 0) == 2 * parity.STEPS, (layout, r)
+            assert "all_to_all" not in r["counts_gathered"], (layout, r)
+            assert r["routed"] <= bound[layout] * r["gathered"], (layout, r["routed"], r["gathered"])
 
 
 # Through a real ColossalAI booster (DistributedShampoo passed to booster.boost): tests/test_booster.py.
@@ -616,19 +681,18 @@ def _bucket_worker() -> dict:
 
 
 def test_bucketed_gathers_give_the_same_step(pool4) -> None:
-    """max_gather_bytes changes when full gradients are gathered, not the result: parameters and
-    state are bit-identical to gathering everything at once, on TP x ZeRO and on ZeRO alone; the
-    gradient check costs one all-reduce per step and the gathers grow with the buckets."""
+    """max_gather_bytes changes how many parameters move at once, not the result: parameters and
+    state are bit-identical to moving everything at once, on TP x ZeRO and on ZeRO alone; the
+    gradient check is one all-reduce per step either way and the exchanges grow with the buckets."""
     for res in pool4.run(_bucket_worker):
         for layout, r in res.items():
             assert r["same"], layout
-            assert r["bucketed"]["all_reduce"] >= parity.STEPS, (layout, r)
-            assert r["bucketed"]["all_gather"] > r["whole"]["all_gather"], (layout, r)
-            assert "all_reduce" not in r["whole"], (layout, r)
+            assert r["bucketed"]["all_reduce"] == r["whole"]["all_reduce"] == parity.STEPS, (layout, r)
+            assert r["bucketed"]["all_to_all"] > r["whole"]["all_to_all"], (layout, r)
 
 
-def _bucket_nan_worker(mode: str) -> dict:
-    kwargs = dict(BUCKET_KWARGS, max_gather_bytes=64, nonfinite_grad=mode)
+def _bucket_nan_worker(mode: str, max_gather_bytes: int | None) -> dict:
+    kwargs = dict(BUCKET_KWARGS, max_gather_bytes=max_gather_bytes, nonfinite_grad=mode)
     opt, params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, 2, 2, 2, "fp32")
     before = [p.detach().clone() for p in params]
     state_before = opt.full_state()
@@ -647,10 +711,11 @@ def _bucket_nan_worker(mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["raise", "skip"])
-def test_bucketed_gathers_check_every_gradient_first(pool4, mode: str) -> None:
-    """A NaN in one rank's piece of a late bucket stops the step on every rank before the first
-    bucket changes anything."""
-    for res in pool4.run(_bucket_nan_worker, mode):
+@pytest.mark.parametrize("max_gather_bytes", [None, 64])
+def test_pieces_are_checked_before_anything_changes(pool4, mode: str, max_gather_bytes: int | None) -> None:
+    """A NaN in one rank's piece of a late parameter (a late bucket with max_gather_bytes) stops
+    the step on every rank before anything changes (pieces moved to owners or not)."""
+    for res in pool4.run(_bucket_nan_worker, mode, max_gather_bytes):
         assert res["unchanged"], res
         if mode == "raise":
             assert res["error"] and "NaN or Inf" in res["error"], res
