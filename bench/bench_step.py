@@ -10,11 +10,13 @@ round-robin (one step of each optimizer in turn, ``--repeats`` rounds after ``--
 load from elsewhere on the machine hits every row alike, and the median is reported. Ratios, not
 seconds, are what the README quotes.
 
-Distributed (``--dist [lamb adafactor came galore]``) launches 4 CPU processes, boosts a small
-Llama with HybridParallelPlugin tp=2 x dp=2 (``--zero-stage``, ``--precision``; ZeRO-1 bf16 by
-default) and times the optimizer step, counts its collectives and the bytes they carry, for ours
-(swapped in from the ordinary optimizer) and for ColossalAI's own distributed class; a peer that
-fails on the layout is reported as such.
+Distributed (``--dist [lamb adafactor came galore shampoo]``) launches 4 CPU processes, boosts a
+small Llama with HybridParallelPlugin tp=2 x dp=2 (``--zero-stage``, ``--precision``; ZeRO-1 bf16
+by default) and times the optimizer step, counts its collectives and the bytes they carry
+(received), for ours (swapped in from the ordinary optimizer) and for ColossalAI's own
+distributed class; a peer that fails on the layout is reported as such. Shampoo (ours, passed
+directly; ColossalAI has none) runs twice: gradient pieces sent to the block owners (the
+default) and full gradients gathered on every rank.
 
 ``--split shampoo|kron`` measures the per-rank preconditioner work (CPU seconds) and bytes at
 dp=4 against dp=1 (``--layers`` sets the depth of the parameter set); for Shampoo also at tp=2 x
@@ -208,6 +210,13 @@ DIST_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "came": ("came_pytorch.CAME", "colossalai.nn.optimizer.DistributedCAME", dict(lr=2e-4)),
     # galore_torch-style groups are built by _dist_params below (rank 64 on the 256-wide model).
     "galore": ("galore_torch.GaLoreAdamW", "colossalai.nn.optimizer.DistGaloreAwamW", dict(lr=1e-3)),
+    # No ordinary counterpart and none in ColossalAI: ours, passed directly, moving gradient pieces
+    # to the block owners and, for comparison, gathering full gradients on every rank.
+    "shampoo": (
+        "dist_optim.DistributedShampoo",
+        None,
+        dict(lr=1e-3, precondition_frequency=10),  # + Adam grafting (_dist_options)
+    ),
 }
 
 
@@ -217,6 +226,14 @@ def _dist_params(fam: str, model: torch.nn.Module) -> Any:
     from dist_optim import galore_param_groups
 
     return galore_param_groups(model, rank=64, update_proj_gap=200, scale=0.25)
+
+
+def _dist_options(fam: str, options: dict[str, Any]) -> dict[str, Any]:
+    if fam != "shampoo":
+        return options
+    import dist_optim
+
+    return dict(options, grafting_config=dist_optim.AdamGraftingConfig(beta2=0.999, epsilon=1e-8))
 
 
 def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: str) -> dict[str, Any]:
@@ -231,7 +248,8 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
     from tests.booster import tiny_llama
 
     out: dict[str, Any] = {}
-    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast")}
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_to_all_single")
+    real = {name: getattr(dist, name) for name in names}
     calls = {"n": 0, "bytes": 0}
 
     def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -247,6 +265,11 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
     runs = []
     for fam in families:
         ordinary, theirs, options = DIST_FAMILIES[fam]
+        if theirs is None:  # Shampoo: ours, two ways of moving gradients and directions
+            for route, how in ((True, "pieces to block owners"), (False, "full gradients gathered")):
+                label = f"dist_optim {ordinary.rsplit('.', 1)[1]} ({how})"
+                runs.append((fam, label, plugins.HybridParallelPlugin, ordinary, options, route))
+            continue
         runs.append(
             (
                 fam,
@@ -254,6 +277,7 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
                 plugins.HybridParallelPlugin,
                 ordinary,
                 options,
+                True,
             )
         )
         runs.append(
@@ -263,9 +287,13 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
                 _cls("colossalai.booster.plugin.HybridParallelPlugin"),
                 theirs,
                 options,
+                True,
             )
         )
-    for fam, label, plugin_cls, make, options in runs:
+    from dist_optim import DistributedShampoo
+
+    for fam, label, plugin_cls, make, options, route in runs:
+        DistributedShampoo._route_pieces = route
         with quiet_colossal():
             torch.manual_seed(0)
             model = tiny_llama(hidden=256, inter=688, layers=2, vocab=1024)
@@ -274,7 +302,7 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
             )
             booster = Booster(plugin=plugin)
             try:
-                opt = _cls(make)(_dist_params(fam, model), **options)
+                opt = _cls(make)(_dist_params(fam, model), **_dist_options(fam, options))
                 model, wrapper, *_ = booster.boost(model, opt)
                 inner = wrapper.optim
                 times: list[float] = []
@@ -289,6 +317,8 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
             except Exception as exc:  # noqa: BLE001 - a peer that crashes on this layout is reported
                 out[label] = dict(family=fam, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
                 continue
+            finally:
+                DistributedShampoo._route_pieces = True
             out[label] = dict(
                 family=fam,
                 ms=1e3 * statistics.median(times[2:]),
