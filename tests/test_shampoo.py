@@ -190,7 +190,7 @@ LARGE_FACTOR_CASES = {
 
 @pytest.mark.parametrize("name", list(LARGE_FACTOR_CASES))
 def test_large_factors_keep_lower_triangles_between_refreshes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Factors above _structured.MIN_SIZE are updated in their lower triangles only and mirrored
+    """Factors above _structured.MIN_SIZE are updated in one triangle only and mirrored
     at refreshes and exports. With MIN_SIZE lowered to 1 every factor of the tiny model takes that
     path: the reference still agrees, and exported factors are symmetric."""
     from dist_optim import _structured
