@@ -83,8 +83,9 @@ the preconditioners is divided across the group (:meth:`DistributedShampoo.state
 Cost (see the README's benchmark): factors larger than ``_structured.MIN_SIZE`` (256) are updated
 in one triangle only (:func:`_kept_triangle`), ~0.56 of a full product's multiply-adds, and
 mirrored when a root is computed and by :meth:`state_dict` / :meth:`full_state`, so
-``optimizer.state`` read directly between refreshes holds a stale triangle there. Adam grafting's moments and direction come
-from torch's fused Adam kernel (not for SOAP, see :meth:`DistributedShampoo._moments`).
+``optimizer.state`` read directly between refreshes holds a stale triangle there. Adam
+grafting's moments and direction come from torch's fused Adam kernel (not for SOAP, see
+:meth:`DistributedShampoo._moments`).
 """
 
 from __future__ import annotations
@@ -749,7 +750,7 @@ class DistributedShampoo(DistOptimizer):
             r.blocks = {i: r.grad.new_empty(blocks[i].shape) for i in r.route.owned}
         for wg, members in order:
             move(wg, members, True, comm_dtype)
-        for r in routed:  # block gradients in, directions out (in the same dict: one at a time)
+        for r in routed:  # each owned block's gradient is replaced by its direction
             blocks, state = self._plans[r.p].blocks, self.state[r.p]
             for i in r.route.owned:
                 r.blocks[i] = self._block_direction(state, f"block{i}.", blocks[i], r.blocks[i], r.group, r.t)
@@ -1171,7 +1172,7 @@ def _holding(layout: ParamLayout) -> tuple[tuple[int, ...], int | None, int | No
 
 def _member_layout(layout: ParamLayout, holding: tuple[tuple[int, ...], int | None, int | None]) -> ParamLayout | None:
     """``layout`` as another rank of the work group holds it (its :func:`_holding`); None where
-    that rank's layout is not this one's with other ranks."""
+    that rank's layout differs from this one's in more than its TP and ZeRO ranks."""
     full_shape, tp_rank, zero_rank = holding
     if full_shape != layout.full_shape or (tp_rank is None) != (layout.tp is None):
         return None
