@@ -58,7 +58,9 @@ PARITY_CASES += [
             epsilon=1e-4,
             root_inverse="coupled_newton",
             merge_small_dims=True,
-            max_preconditioner_dim=8,
+            # "conv" (3, 4, 3) merges to (12, 3): under TP its slices are no boxes of that view, so
+            # its full gradient is gathered while the others' pieces go to their block owners.
+            max_preconditioner_dim=12,
             start_preconditioning_step=1,
             grafting_config=dist_optim.SGDGraftingConfig(),
             momentum=0.9,

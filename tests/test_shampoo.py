@@ -646,6 +646,27 @@ def test_pieces_go_straight_to_block_owners(pool4, comm_dtype: torch.dtype) -> N
             assert r["routed"] <= bound[layout] * r["gathered"], (layout, r["routed"], r["gathered"])
 
 
+def _fallback_worker() -> dict:
+    kwargs = dict(ROUTE_KWARGS, merge_small_dims=True, max_preconditioner_dim=12)
+    opt, params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, 2, 2, 2, "fp32")
+    gathered = [i for i, p in enumerate(params) if opt._route(p) is None]
+    dist_optim.DistributedShampoo._route_pieces = False
+    try:
+        ref, ref_params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, 2, 2, 2, "fp32")
+    finally:
+        dist_optim.DistributedShampoo._route_pieces = True
+    return dict(gathered=gathered, same=_identical(params, ref_params, opt.full_state(), ref.full_state()))
+
+
+def test_pieces_that_are_no_boxes_of_the_blocking_are_gathered(pool4) -> None:
+    """merge_small_dims merges the TP-split dim of "conv" (3, 4, 3) into (12, 3): that parameter's
+    full gradient is gathered, the others move pieces, in the same step, with the same result."""
+    conv = next(i for i, spec in enumerate(parity.SPECS) if spec.name == "conv")
+    for res in pool4.run(_fallback_worker):
+        assert res["gathered"] == [conv], res
+        assert res["same"], res
+
+
 # Through a real ColossalAI booster (DistributedShampoo passed to booster.boost): tests/test_booster.py.
 
 
