@@ -734,13 +734,15 @@ class DistributedShampoo(DistOptimizer):
             recv: list[list[torch.Tensor]] = [[] for _ in range(size)]
             for r in members:
                 route, flat = r.route, r.grad.reshape(-1)
-                for rank in range(size):
-                    if gather:
-                        send[rank] += [pc.view(flat) for pc in route.gather_send[rank]]
-                        recv[rank] += [pc.view(r.blocks) for pc in route.gather_recv[rank]]
-                    else:
-                        send[rank] += [pc.view(r.blocks) for pc in route.scatter_send[rank]]
-                        recv[rank] += [pc.view(r.update) for pc in route.scatter_recv[rank]]
+                # (pieces by rank, the tensors they are views of) to send and to receive
+                if gather:
+                    out, into = (route.gather_send, flat), (route.gather_recv, r.blocks)
+                else:
+                    out, into = (route.scatter_send, r.blocks), (route.scatter_recv, r.update)
+                for rank, pieces in out[0].items():
+                    send[rank] += [pc.view(out[1]) for pc in pieces]
+                for rank, pieces in into[0].items():
+                    recv[rank] += [pc.view(into[1]) for pc in pieces]
             if dtype is None:  # the widest of the parameters' own dtypes: the same on every rank
                 dtype = functools.reduce(torch.promote_types, (r.grad.dtype for r in members))
             exchange(send, recv, wg, dtype, members[0].grad.device)

@@ -9,10 +9,12 @@ each rank needs.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,22 +71,23 @@ class BlockPiece:
 @dataclass
 class Route:
     """One rank's part in moving a tensor's blocks to their owners and the owners' results back,
-    by rank of the work group: ``gather_send[r]`` are this rank's pieces of rank r's blocks,
-    ``gather_recv[r]`` where rank r's pieces go in this rank's blocks, ``scatter_send[r]`` the
-    pieces of this rank's blocks that rank r holds, ``scatter_recv[r]`` where they go here. Both
-    ends list the pieces in the same order (block, holder set, box)."""
+    by rank of the work group (only ranks with something to move are keys): ``gather_send[r]``
+    are this rank's pieces of rank r's blocks, ``gather_recv[r]`` where rank r's pieces go in
+    this rank's blocks, ``scatter_send[r]`` the pieces of this rank's blocks that rank r holds,
+    ``scatter_recv[r]`` where they go here. Both ends list the pieces in the same order (block,
+    holder set, box)."""
 
-    gather_send: list[list[LocalPiece]]
-    gather_recv: list[list[BlockPiece]]
-    scatter_send: list[list[BlockPiece]]
-    scatter_recv: list[list[LocalPiece]]
-    owned: list[int]
+    gather_send: dict[int, list[LocalPiece]] = field(default_factory=dict)
+    gather_recv: dict[int, list[BlockPiece]] = field(default_factory=dict)
+    scatter_send: dict[int, list[BlockPiece]] = field(default_factory=dict)
+    scatter_recv: dict[int, list[LocalPiece]] = field(default_factory=dict)
+    owned: list[int] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """Elements this rank sends and receives in each direction (for tests and benchmarks)."""
 
-        def total(pieces: list[list[LocalPiece]] | list[list[BlockPiece]]) -> int:
-            return sum(math.prod(s.stop - s.start for s in pc.rel) for per_rank in pieces for pc in per_rank)
+        def total(pieces: dict[int, list[LocalPiece]] | dict[int, list[BlockPiece]]) -> int:
+            return sum(math.prod(s.stop - s.start for s in pc.rel) for per_rank in pieces.values() for pc in per_rank)
 
         names = ("gather_send", "gather_recv", "scatter_send", "scatter_recv")
         return {name: total(getattr(self, name)) for name in names}
@@ -97,6 +100,42 @@ def _intersect(a: Box, b: Box) -> Box | None:
 
 def _relative(inner: Box, outer: Box) -> tuple[slice, ...]:
     return tuple(slice(lo - o0, hi - o0) for (lo, hi), (o0, _) in zip(inner, outer))
+
+
+def _disjoint(boxes: Sequence[Box]) -> bool:
+    """No two boxes share an element: a sweep along dim 0, so that only boxes overlapping there
+    are compared (the holders of one row: a few per TP slice), not all pairs."""
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0] if boxes[i] else (0, 1))
+    active: list[Box] = []
+    for i in order:
+        box = boxes[i]
+        start = box[0][0] if box else 0
+        active = [a for a in active if (a[0][1] if a else 1) > start]
+        if any(_intersect(a, box) is not None for a in active):
+            return False
+        active.append(box)
+    return True
+
+
+def _block_lookup(blocks: Sequence[Box]) -> Callable[[Box], Iterable[int]]:
+    """A function giving the indices of the blocks that can meet a box: by bisection along each
+    dim when the blocks are the row-major product of per-dim cuts (Shampoo's blocking), else all."""
+    ndim = len(blocks[0]) if blocks else 0
+    cuts = [sorted({b[d] for b in blocks}) for d in range(ndim)]
+    counts = [len(c) for c in cuts]
+    if not blocks or math.prod(counts) != len(blocks) or list(itertools.product(*cuts)) != list(blocks):
+        return lambda box: range(len(blocks))
+    starts = [[lo for lo, _ in c] for c in cuts]
+    strides = [math.prod(counts[d + 1 :]) for d in range(ndim)]
+
+    def meeting(box: Box) -> Iterable[int]:
+        ranges = []
+        for d, (lo, hi) in enumerate(box):
+            first = max(0, bisect.bisect_right(starts[d], lo) - 1)
+            ranges.append(range(first, bisect.bisect_left(starts[d], hi)))
+        return (sum(i * st for i, st in zip(idx, strides)) for idx in itertools.product(*ranges))
+
+    return meeting
 
 
 def plan_route(
@@ -118,30 +157,34 @@ def plan_route(
         sets.setdefault(tuple(held), []).append(rank)  # type: ignore[arg-type]
     distinct = list(sets.items())
     boxes = [box for held, _ in distinct for box, _ in held]
-    if sum(box_numel(b) for b in boxes) != sum(box_numel(b) for b in blocks):
+    if sum(box_numel(b) for b in boxes) != sum(box_numel(b) for b in blocks) or not _disjoint(boxes):
         return None
-    if any(_intersect(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1 :]):
-        return None
-    size = len(holdings)
-    route = Route(*([[] for _ in range(size)] for _ in range(4)), owned=[])  # type: ignore[arg-type]
-    for bi, (block, owner) in enumerate(zip(blocks, owners)):
+    # Every (block, holder set, box) that meets, in that order: both ends of a piece list it at
+    # the same place. Found from the boxes' side, so the cost follows the pieces, not ranks x blocks.
+    meeting = _block_lookup(blocks)
+    pieces = []
+    for si, (held, _) in enumerate(distinct):
+        for k, (box, _) in enumerate(held):
+            for bi in meeting(box):
+                inter = _intersect(blocks[bi], box)
+                if inter is not None:
+                    pieces.append((bi, si, k, inter))
+    pieces.sort(key=lambda pc: pc[:3])
+    route = Route(owned=[bi for bi, owner in enumerate(owners) if owner == me])
+    for bi, si, k, inter in pieces:
+        owner, block = owners[bi], blocks[bi]
+        (held, members), (box, offset) = distinct[si], distinct[si][0][k]
+        source = owner if owner in members else members[owner % len(members)]
+        if owner != me and source != me and me not in members:
+            continue
+        local = LocalPiece(offset, tuple(hi - lo for lo, hi in box), _relative(inter, box))
+        mine = BlockPiece(bi, _relative(inter, block))
+        if source == me:
+            route.gather_send.setdefault(owner, []).append(local)
         if owner == me:
-            route.owned.append(bi)
-        for held, members in distinct:
-            source = owner if owner in members else members[owner % len(members)]
-            for box, offset in held:
-                inter = _intersect(block, box)
-                if inter is None:
-                    continue
-                local = LocalPiece(offset, tuple(hi - lo for lo, hi in box), _relative(inter, box))
-                mine = BlockPiece(bi, _relative(inter, block))
-                if source == me:
-                    route.gather_send[owner].append(local)
-                if owner == me:
-                    route.gather_recv[source].append(mine)
-                for member in members:
-                    if owner == me:
-                        route.scatter_send[member].append(mine)
-                    if member == me:
-                        route.scatter_recv[owner].append(local)
+            route.gather_recv.setdefault(source, []).append(mine)
+            for member in members:
+                route.scatter_send.setdefault(member, []).append(mine)
+        if me in members:
+            route.scatter_recv.setdefault(owner, []).append(local)
     return route

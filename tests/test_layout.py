@@ -124,12 +124,16 @@ def test_local_boxes_locate_every_local_element(shape, tp_dim, tp, dp) -> None:
             assert layout.local_boxes(merged) is None  # the TP slice is no box of that view
 
 
-def _route_all(full: torch.Tensor, layouts: list[ParamLayout], pieces: list[torch.Tensor], block: int) -> bool:
+def _route_all(
+    full: torch.Tensor, layouts: list[ParamLayout], pieces: list[torch.Tensor], block: int, reverse: bool = False
+) -> bool:
     """Plan every member's route, move the pieces as comm.exchange would, and check that each
-    owner gets its full blocks and each member gets back exactly its own piece."""
+    owner gets its full blocks and each member gets back exactly its own piece. ``reverse``
+    lists the blocks in another order than the row-major grid (plan_route then tries every block
+    against every box instead of bisecting)."""
     shape = tuple(full.shape)
     per_dim = [[(s, min(s + block, d)) for s in range(0, d, block)] for d in shape]
-    blocks = list(itertools.product(*per_dim))
+    blocks = list(itertools.product(*per_dim))[:: -1 if reverse else 1]
     size = len(layouts)
     owners = assign_owners([box_numel(b) for b in blocks], size)
     holdings = [lay.local_boxes(shape) for lay in layouts]
@@ -144,8 +148,8 @@ def _route_all(full: torch.Tensor, layouts: list[ParamLayout], pieces: list[torc
     got = [{i: unfilled(i) for i in r.owned} for r in routes]
     for src in range(size):
         for dst in range(size):
-            sent = [pc.view(flats[src]) for pc in routes[src].gather_send[dst]]
-            into = [pc.view(got[dst]) for pc in routes[dst].gather_recv[src]]
+            sent = [pc.view(flats[src]) for pc in routes[src].gather_send.get(dst, [])]
+            into = [pc.view(got[dst]) for pc in routes[dst].gather_recv.get(src, [])]
             assert [t.shape for t in sent] == [t.shape for t in into]
             for a, b in zip(sent, into):
                 b.copy_(a)
@@ -156,8 +160,8 @@ def _route_all(full: torch.Tensor, layouts: list[ParamLayout], pieces: list[torc
     back = [torch.full_like(f, float("nan")) for f in flats]
     for src in range(size):
         for dst in range(size):
-            sent = [pc.view(got[src]) for pc in routes[src].scatter_send[dst]]
-            into = [pc.view(back[dst]) for pc in routes[dst].scatter_recv[src]]
+            sent = [pc.view(got[src]) for pc in routes[src].scatter_send.get(dst, [])]
+            into = [pc.view(back[dst]) for pc in routes[dst].scatter_recv.get(src, [])]
             assert [t.shape for t in sent] == [t.shape for t in into]
             for a, b in zip(sent, into):
                 b.copy_(a)
@@ -184,6 +188,7 @@ def test_routes_bring_every_block_to_its_owner_and_back(shape, tp_dim, tp, dp, z
     pieces = [lay.take_local(full) for lay in layouts]
     for block in (2, 3, 100):
         assert _route_all(full, layouts, pieces, block)
+    assert _route_all(full, layouts, pieces, 2, reverse=True)
 
 
 def test_routes_refuse_holdings_that_do_not_tile() -> None:
