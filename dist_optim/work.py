@@ -83,15 +83,6 @@ class Route:
     scatter_recv: dict[int, list[LocalPiece]] = field(default_factory=dict)
     owned: list[int] = field(default_factory=list)
 
-    def counts(self) -> dict[str, int]:
-        """Elements this rank sends and receives in each direction (for tests and benchmarks)."""
-
-        def total(pieces: dict[int, list[LocalPiece]] | dict[int, list[BlockPiece]]) -> int:
-            return sum(math.prod(s.stop - s.start for s in pc.rel) for per_rank in pieces.values() for pc in per_rank)
-
-        names = ("gather_send", "gather_recv", "scatter_send", "scatter_recv")
-        return {name: total(getattr(self, name)) for name in names}
-
 
 def _intersect(a: Box, b: Box) -> Box | None:
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
@@ -173,7 +164,8 @@ def plan_route(
     route = Route(owned=[bi for bi, owner in enumerate(owners) if owner == me])
     for bi, si, k, inter in pieces:
         owner, block = owners[bi], blocks[bi]
-        (held, members), (box, offset) = distinct[si], distinct[si][0][k]
+        held, members = distinct[si]
+        box, offset = held[k]
         source = owner if owner in members else members[owner % len(members)]
         if owner != me and source != me and me not in members:
             continue
