@@ -147,10 +147,15 @@ def _all_reduce_many(tensors: list[torch.Tensor], group: Any, op: str = "sum") -
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, op=reduce_op, group=group)
+    _copy_into(flat, tensors)
+
+
+def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Fill ``tensors`` (or views) in turn from consecutive elements of the 1-D ``flat``."""
     offset = 0
     for t in tensors:
         n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
+        t.copy_(flat[offset : offset + n].view(t.shape))
         offset += n
 
 
@@ -234,11 +239,7 @@ def broadcast_from(tensors: Sequence[torch.Tensor], src_rank_in_group: int, grou
         src=dist.get_global_rank(group, src_rank_in_group) if group is not None else src_rank_in_group,
         group=group,
     )
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
+    _copy_into(flat, tensors)
 
 
 def share_owned(
@@ -276,11 +277,7 @@ def share_owned(
     for rank, idx in enumerate(per_rank):
         if rank == me:
             continue
-        offset = 0
-        for i in idx:
-            n = tensors[i].numel()
-            tensors[i].copy_(gathered[rank, offset : offset + n].view_as(tensors[i]))
-            offset += n
+        _copy_into(gathered[rank], [tensors[i] for i in idx])
 
 
 def exchange(
@@ -312,12 +309,7 @@ def exchange(
     out = torch.empty(sum(recv_counts), dtype=dtype, device=device)
     COUNTS["all_to_all"] += 1
     dist.all_to_all_single(out, flat, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group)
-    offset = 0
-    for pieces in recv:
-        for t in pieces:
-            n = t.numel()
-            t.copy_(out[offset : offset + n].view(t.shape))
-            offset += n
+    _copy_into(out, [t for pieces in recv for t in pieces])
 
 
 #: Grid groups made by :func:`grid_groups`, by their sorted member ranks (made once per job), with

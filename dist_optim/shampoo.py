@@ -492,11 +492,11 @@ class DistributedShampoo(DistOptimizer):
         for wg in _ordered(entry[0] for entry in by_group.values()):
             params = by_group[id(wg)][1]
             every = all_gather_objects([_holding(self.layout(p)) for p in params], group=wg)
+            if any(len(theirs) != len(params) for theirs in every):
+                continue  # not the same parameters everywhere: every rank sees it, all gather full
             me = group_rank(wg)
             for i, p in enumerate(params):
                 layout, plan = self.layout(p), self._plans[p]
-                if any(len(theirs) != len(params) for theirs in every):
-                    break  # not the same parameters everywhere: every rank sees it, all gather full
                 members = [_member_layout(layout, theirs[i]) for theirs in every]
                 holdings = [None if m is None else m.local_boxes(plan.view_shape) for m in members]
                 blocks = [tuple((s.start, s.stop) for s in b.slices) for b in plan.blocks]
@@ -641,7 +641,7 @@ class DistributedShampoo(DistOptimizer):
         if full_grads is None:
             plain = [i for i, (_, _, p) in enumerate(entries) if self._route(p) is None]
             gathered = gather_full([items[i] for i in plain], dtype=comm_dtype) if plain else []
-            full_grads = [items[i][1] for i in range(len(entries))]  # placeholders for routed ones
+            full_grads = [g for _, g in items]  # local gradients stand in for the routed ones
             for i, g in zip(plain, gathered):
                 full_grads[i] = g
         # Owners compute their blocks' directions.

@@ -145,26 +145,24 @@ def _route_all(
     def unfilled(i: int) -> torch.Tensor:
         return torch.full(tuple(hi - lo for lo, hi in blocks[i]), float("nan"), dtype=full.dtype)
 
+    def move(send: str, recv: str, sources: list, targets: list) -> None:
+        """What exchange() does: rank src's pieces for dst into dst's pieces from src, in order."""
+        for src in range(size):
+            for dst in range(size):
+                sent = [pc.view(sources[src]) for pc in getattr(routes[src], send).get(dst, [])]
+                into = [pc.view(targets[dst]) for pc in getattr(routes[dst], recv).get(src, [])]
+                assert [t.shape for t in sent] == [t.shape for t in into]
+                for a, b in zip(sent, into):
+                    b.copy_(a)
+
     got = [{i: unfilled(i) for i in r.owned} for r in routes]
-    for src in range(size):
-        for dst in range(size):
-            sent = [pc.view(flats[src]) for pc in routes[src].gather_send.get(dst, [])]
-            into = [pc.view(got[dst]) for pc in routes[dst].gather_recv.get(src, [])]
-            assert [t.shape for t in sent] == [t.shape for t in into]
-            for a, b in zip(sent, into):
-                b.copy_(a)
+    move("gather_send", "gather_recv", flats, got)
     for me, r in enumerate(routes):
         assert sorted(r.owned) == [i for i, o in enumerate(owners) if o == me]
         for i in r.owned:
             assert torch.equal(got[me][i], full[_box_slices(blocks[i])])
     back = [torch.full_like(f, float("nan")) for f in flats]
-    for src in range(size):
-        for dst in range(size):
-            sent = [pc.view(got[src]) for pc in routes[src].scatter_send.get(dst, [])]
-            into = [pc.view(back[dst]) for pc in routes[dst].scatter_recv.get(src, [])]
-            assert [t.shape for t in sent] == [t.shape for t in into]
-            for a, b in zip(sent, into):
-                b.copy_(a)
+    move("scatter_send", "scatter_recv", got, back)
     for lay, f, b in zip(layouts, flats, back):
         n = lay.valid_numel
         assert torch.equal(b[:n], f[:n]), "a member did not get its own piece back"
