@@ -262,7 +262,11 @@ def _plan_blocks(full_shape: tuple[int, ...], group: dict[str, Any]) -> tuple[tu
 
 # ---- tensor-times-matrix along every dim -----------------------------------------------------------
 def _apply_each_dim(
-    x: torch.Tensor, mats: list[torch.Tensor], transpose: bool, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    mats: list[torch.Tensor],
+    transpose: bool,
+    out: torch.Tensor | None = None,
+    tmp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x x_0 m_0 x_1 m_1 ...``: contract dim k of x with dim 0 of m_k (``transpose``: dim 1).
 
@@ -270,13 +274,14 @@ def _apply_each_dim(
     place after ``x.dim()`` contractions. Matrices and vectors (nearly every block) take the same
     contractions as ``m_0^T x m_1`` / ``m_0^T x`` products, which read transposed operands in place
     where ``tensordot`` would first copy them; these write into ``out`` when it is given (a
-    contiguous tensor of the result's shape and dtype; other cases ignore it)."""
+    contiguous tensor of the result's shape and dtype; other cases ignore it), and a matrix's
+    intermediate ``m_0^T x`` into ``tmp`` when given (the same kind, of ``x``'s shape)."""
     if x.dim() == 1 and len(mats) == 1:
         m0 = mats[0] if transpose else mats[0].T
         return torch.mv(m0, x) if out is None else torch.mv(m0, x, out=out)
     if x.dim() == 2 and len(mats) == 2:
         m0, m1 = (mats[0], mats[1].T) if transpose else (mats[0].T, mats[1])
-        left = torch.mm(m0, x)
+        left = torch.mm(m0, x) if tmp is None else torch.mm(m0, x, out=tmp)
         return torch.mm(left, m1) if out is None else torch.mm(left, m1, out=out)
     for m in mats:
         x = torch.tensordot(x, m, dims=([0], [1 if transpose else 0]))
@@ -402,7 +407,7 @@ class DistributedShampoo(DistOptimizer):
         self._plans: dict[torch.Tensor, _Plan] = {}
         self._grids: dict[tuple[int, ...], Any] = {}  # data-parallel group -> TP x DP grid (see _on_bind)
         # One block's direction, reused across blocks that are applied as soon as computed.
-        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         # Per parameter held in pieces: which pieces go to which block owner (see _ensure_routes);
         # None until made in a step.
         self._routes: dict[torch.Tensor, Route | None] | None = None
@@ -772,12 +777,20 @@ class DistributedShampoo(DistOptimizer):
         buf = self.state[p].get("momentum_buffer")
         return p.detach().view(plan.view_shape), None if buf is None else buf.view(plan.view_shape)
 
-    def _scratch_for(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` over the reused scratch memory (grown as needed)."""
+    def _scratch_for(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: str = "out"
+    ) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` over reused scratch memory (grown as needed), one per
+        ``slot``: ``"out"`` (a block's direction), ``"grad"`` (a contiguous copy of a strided block
+        gradient), ``"left"`` (``R_0^T M`` before it is multiplied by ``R_1``). On the CPU a fresh
+        block-sized tensor costs page faults comparable to the arithmetic of a memory-bound
+        operation on it (copying a 1024 x 1024 block into fresh memory took 2.4 ms in a step, into
+        reused memory 0.1 ms)."""
         n = math.prod(shape)
-        buf = self._scratch.get((dtype, device))
+        key = (slot, dtype, device)
+        buf = self._scratch.get(key)
         if buf is None or buf.numel() < n:
-            buf = self._scratch[(dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+            buf = self._scratch[key] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n].view(shape)
 
     @staticmethod
@@ -805,7 +818,8 @@ class DistributedShampoo(DistOptimizer):
         b1, b2 = group["betas"]
         eps = group["epsilon"]
         pdt = group["preconditioner_dtype"]
-        g = g.contiguous()
+        if not g.is_contiguous():  # a block of a parameter split along a later dim
+            g = self._scratch_for(g.shape, g.dtype, g.device, "grad").copy_(g)
         dtype = g.dtype
         if out is None:
             out = torch.empty(block.shape, dtype=dtype, device=g.device)
@@ -856,7 +870,9 @@ class DistributedShampoo(DistOptimizer):
                     return graft_direction()
                 norm_d = graft_norm() if graft is not None else None
                 mats = [state[f"{key}root{k}"] for k in range(order)]
-                p = _apply_each_dim(mom.to(pdt), mats, transpose=False, out=out if pdt == dtype else None)
+                x = mom.to(pdt)
+                tmp = self._scratch_for(x.shape, pdt, x.device, "left")
+                p = _apply_each_dim(x, mats, transpose=False, out=out if pdt == dtype else None, tmp=tmp)
                 if p is not out:
                     out.copy_(p)
                 return _scale_direction(out, m_div, norm_d)
