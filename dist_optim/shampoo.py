@@ -674,8 +674,10 @@ class DistributedShampoo(DistOptimizer):
             if self._work_size(wg) == 1 and whole is not None:
                 for i, block in enumerate(plan.blocks):
                     out = self._scratch_for(block.shape, g_full.dtype, g_full.device)
-                    d = self._block_direction(state, f"block{i}.", block, g_view[block.slices], group, t, out)
-                    _apply_block_update(*whole, block, d, group)
+                    target = whole[0][block.slices] if whole[1] is None else None
+                    d = self._block_direction(state, f"block{i}.", block, g_view[block.slices], group, t, out, target)
+                    if d is not None:  # None: applied to the parameter by the fused kernel
+                        _apply_block_update(*whole, block, d, group)
                 continue
             directions = []
             for i, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
@@ -810,11 +812,18 @@ class DistributedShampoo(DistOptimizer):
         group: dict[str, Any],
         t: int,
         out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        apply_to: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """One block's state update and search direction ``P`` (before decoupled decay and
         momentum), written into ``out`` (a contiguous tensor of the block's shape and the
         gradient's dtype, e.g. the optimizer's reused scratch; allocated when None) and returned.
-        ``out`` is never state or the gradient: the caller updates it in place."""
+        ``out`` is never state or the gradient: the caller updates it in place.
+
+        ``apply_to``: the block of the parameter, when this rank applies the update itself. If the
+        step's direction is the grafting direction alone (before ``start_preconditioning_step``,
+        or a block without preconditioner) and it is Adam's, whose fused kernel can also make the
+        update ``W <- W - lr (D + weight_decay W)`` in the same pass, the update is made there and
+        None is returned (the caller then has nothing left to apply)."""
         b1, b2 = group["betas"]
         eps = group["epsilon"]
         pdt = group["preconditioner_dtype"]
@@ -828,7 +837,10 @@ class DistributedShampoo(DistOptimizer):
         # in ``out`` when ``graft_in_out`` (otherwise it is ``Mhat``, not materialised). SOAP keeps
         # the reference formula's rounding (see _moments).
         soap = group["eigenvalue_correction"]
-        mom, m_div, graft_in_out = self._moments(state, key, g, group, t, out, fused=not soap)
+        start = max(1, group["start_preconditioning_step"])
+        if apply_to is not None and (soap or (block.precondition and t >= start) or not _updates_in_kernel(group)):
+            apply_to = None
+        mom, m_div, graft_in_out, applied = self._moments(state, key, g, group, t, out, not soap, apply_to)
         graft = group["grafting_config"]
 
         def graft_direction() -> torch.Tensor:
@@ -843,7 +855,7 @@ class DistributedShampoo(DistOptimizer):
 
         if not block.precondition:
             if not soap:
-                return graft_direction()
+                return None if applied else graft_direction()
             mats: list[torch.Tensor] = []
         else:
             order = len(block.shape)
@@ -855,7 +867,6 @@ class DistributedShampoo(DistOptimizer):
                     gk = gp.movedim(k, 0).reshape(block.shape[k], -1)
                     _structured.gram_update_(_kept_triangle(factor, order, k), gk, b2, 1.0 if b2 == 1 else 1 - b2)
             n = t // scs  # factor updates so far
-            start = max(1, group["start_preconditioning_step"])
             refresh = n > 0 and (t == start or (t > start and t % group["precondition_frequency"] == 0))
             if refresh:
                 for k, factor in enumerate(factors):  # gram_update_ keeps one triangle of large factors
@@ -867,7 +878,7 @@ class DistributedShampoo(DistOptimizer):
                     self._refresh_roots(state, key, factors, scale, group, order)
             if not soap:
                 if t < start:
-                    return graft_direction()
+                    return None if applied else graft_direction()
                 norm_d = graft_norm() if graft is not None else None
                 mats = [state[f"{key}root{k}"] for k in range(order)]
                 x = mom.to(pdt)
@@ -901,10 +912,13 @@ class DistributedShampoo(DistOptimizer):
         t: int,
         out: torch.Tensor,
         fused: bool,
-    ) -> tuple[torch.Tensor, float, bool]:
+        apply_to: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, float, bool, bool]:
         """First-moment and grafting-state updates of one block. Returns ``(mom, m_div,
-        graft_in_out)``: ``Mhat = mom / m_div`` (``mom`` is the moment, or G without one), and
-        whether the grafting direction was written into ``out`` (otherwise it is ``Mhat``).
+        graft_in_out, applied)``: ``Mhat = mom / m_div`` (``mom`` is the moment, or G without
+        one), whether the grafting direction was written into ``out`` (otherwise it is ``Mhat``),
+        and whether it was instead applied to ``apply_to`` (the parameter block, when given and
+        the fused kernel can read it) as the whole update (see :meth:`_block_direction`).
 
         With Adam grafting, the usual configuration, both moments and the direction come from
         torch's fused Adam kernel in one pass when ``fused`` (``out`` as a zero "parameter" and
@@ -924,6 +938,27 @@ class DistributedShampoo(DistOptimizer):
             adam = fused and isinstance(graft, AdamGraftingConfig)
             if adam and _fused_adam_applies(out, g, m, state[key + "graft_sq"]):
                 step = state["step"] if out.device.type == "cpu" else state["step"].to(out.device)
+                if apply_to is not None and _fused_adam_applies(apply_to, g):
+                    # W <- W (1 - lr wd) - lr Mhat / (sqrt(Vhat) + eps_g): AdamW's kernel, one pass
+                    # over the block instead of the direction's and then the update's.
+                    wd = group["weight_decay"] if group["use_decoupled_weight_decay"] else 0.0
+                    kernel = torch._fused_adamw_ if wd != 0 else torch._fused_adam_
+                    kernel(
+                        [apply_to],
+                        [g],
+                        [m],
+                        [state[key + "graft_sq"]],
+                        [],
+                        [step],
+                        lr=float(group["lr"]),
+                        beta1=b1,
+                        beta2=graft.beta2,
+                        weight_decay=wd,
+                        eps=graft.epsilon,
+                        amsgrad=False,
+                        maximize=False,
+                    )
+                    return m, m_div, True, True
                 out.zero_()
                 # lr / (1 - b1^t) is the kernel's step size: -1 (bias-corrected) or -(1 - b1^t).
                 torch._fused_adam_(
@@ -941,13 +976,13 @@ class DistributedShampoo(DistOptimizer):
                     amsgrad=False,
                     maximize=False,
                 )
-                return m, m_div, True
+                return m, m_div, True, False
             m.mul_(b1).add_(g, alpha=1 - b1)
             mom = m
         else:
             mom = g
         if not isinstance(graft, (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)):
-            return mom, m_div, False
+            return mom, m_div, False, False
         v = state[key + "graft_sq"]
         if isinstance(graft, AdaGradGraftingConfig):
             v.addcmul_(g, g)
@@ -958,7 +993,7 @@ class DistributedShampoo(DistOptimizer):
             out.div_(math.sqrt(1 - graft.beta2**t))
         mhat = mom / m_div if m_div != 1.0 else mom
         torch.div(mhat, out.add_(graft.epsilon), out=out)
-        return mom, m_div, True
+        return mom, m_div, True, False
 
     def _refresh_roots(
         self,
@@ -1159,6 +1194,19 @@ def _fused_adam_applies(*tensors: torch.Tensor) -> bool:
         and first.device.type in ("cpu", "cuda")
         and first.dtype.is_floating_point
         and all(t.dtype == first.dtype and t.device == first.device and t.is_contiguous() for t in tensors)
+    )
+
+
+def _updates_in_kernel(group: dict[str, Any]) -> bool:
+    """Whether a grafting-only step of ``group`` can be made by Adam's fused kernel on the
+    parameter itself: Adam grafting with a bias-corrected first moment (the kernel's step size
+    is then ``lr``), no momentum on the direction, a plain float learning rate."""
+    return (
+        isinstance(group["grafting_config"], AdamGraftingConfig)
+        and group["betas"][0] > 0
+        and group["use_bias_correction"]
+        and group["momentum"] == 0
+        and isinstance(group["lr"], (float, int))
     )
 
 

@@ -100,6 +100,23 @@ SEMANTICS = {
         exponent_override=3,
         exponent_multiplier=1.5,
     ),
+    # Before the start, Adam grafting without momentum is one fused kernel on the parameter
+    # itself (contiguous blocks; the others compute the direction first): both kinds of decay.
+    "adam-pf2-start4-decoupled-wd": dict(
+        grafting_config=ADAM,
+        precondition_frequency=2,
+        start_preconditioning_step=4,
+        weight_decay=0.1,
+        max_preconditioner_dim=4,
+    ),
+    "adam-pf2-start4-coupled-wd": dict(
+        grafting_config=ADAM,
+        precondition_frequency=2,
+        start_preconditioning_step=4,
+        weight_decay=0.1,
+        use_decoupled_weight_decay=False,
+        max_preconditioner_dim=4,
+    ),
     "merge-small-dims": dict(grafting_config=ADAM, merge_small_dims=True, max_preconditioner_dim=12),
     "coupled-newton": dict(grafting_config=ADAM, root_inverse="coupled_newton", epsilon=1e-3),
     "higher-order": dict(grafting_config=ADAM, root_inverse="higher_order", epsilon=1e-3, max_preconditioner_dim=4),
@@ -223,21 +240,49 @@ def test_large_factors_keep_lower_triangles_between_refreshes(name: str, monkeyp
 @pytest.mark.parametrize("fused", [True, False])
 def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Adam grafting's moments come from torch's fused Adam kernel where it applies and from
-    separate operations otherwise; both follow the reference."""
+    separate operations otherwise; both follow the reference. Before the start (no momentum,
+    bias correction), a contiguous block's whole update is that kernel run on the parameter
+    itself (AdamW's for decoupled decay); the other blocks get the direction, then the update."""
     from dist_optim import shampoo
 
-    calls = []
-    real = torch._fused_adam_
+    calls: dict[str, list[bool]] = {"_fused_adam_": [], "_fused_adamw_": []}
+    param_ptrs: set[int] = set()
 
-    def counting(*args: object, **kwargs: object) -> None:
-        calls.append(1)
-        real(*args, **kwargs)
+    def counting(name: str) -> object:
+        real = getattr(torch, name)
 
-    monkeypatch.setattr(torch, "_fused_adam_", counting)
+        def run(params: list[torch.Tensor], *args: object, **kwargs: object) -> None:
+            calls[name].append(params[0].untyped_storage().data_ptr() in param_ptrs)
+            real(params, *args, **kwargs)
+
+        return run
+
+    for name in calls:
+        monkeypatch.setattr(torch, name, counting(name))
     monkeypatch.setattr(shampoo, "_FUSED_ADAM", fused)
-    for name in ("adam-pf3-start3-decoupled-wd-momentum", "adam-pf2-start4-nobc-exponents"):
+    real_check = shampoo.DistributedShampoo.__init__
+
+    def init(self: object, params: list[torch.Tensor], *args: object, **kwargs: object) -> None:
+        params = list(params)
+        param_ptrs.update(p.untyped_storage().data_ptr() for p in params)
+        real_check(self, params, *args, **kwargs)
+
+    monkeypatch.setattr(shampoo.DistributedShampoo, "__init__", init)
+    names = (
+        "adam-pf3-start3-decoupled-wd-momentum",
+        "adam-pf2-start4-nobc-exponents",
+        "adam-pf2-start4-decoupled-wd",
+        "adam-pf2-start4-coupled-wd",
+    )
+    for name in names:
         _check_against_reference(name)
-    assert bool(calls) == fused
+    if not fused:
+        assert calls == {"_fused_adam_": [], "_fused_adamw_": []}
+        return
+    # Directions into scratch memory, and whole updates on parameters (both kernels: the coupled
+    # case has its decay in the gradient); never AdamW's kernel on a direction.
+    assert False in calls["_fused_adam_"] and True in calls["_fused_adam_"]
+    assert calls["_fused_adamw_"] and all(calls["_fused_adamw_"])
 
 
 def test_iterative_roots_match_eigh() -> None:
