@@ -1016,11 +1016,12 @@ class DistributedShampoo(DistOptimizer):
                     group["root_inverse"],
                     exponent_multiplier=mult,
                     order=group["higher_order_degree"],
+                    overwrite=True,  # a fresh product of a factor mirrored by the caller
                 )
                 ok = ok & (err <= group["inverse_failure_threshold"])
             except torch.linalg.LinAlgError:
                 x, ok = r_k, torch.zeros((), dtype=torch.bool)
-            r_k.copy_(torch.where(ok, x.to(r_k.dtype), r_k))
+            torch.where(ok, x.to(r_k.dtype), r_k, out=r_k)
             failures.add_((~ok).to(failures.dtype))
 
     def _refresh_bases(

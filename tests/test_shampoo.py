@@ -293,8 +293,15 @@ def test_iterative_roots_match_eigh() -> None:
         x = torch.randn(7, 20, generator=gen, dtype=torch.float64)
         a = (x @ x.T / 20).to(dtype)
         for root in (2, 4, 6):
+            before = a.clone()
             exact, err, ok = matrix_inverse_root(a, root, 1e-3, "eigh")
-            assert bool(ok) and float(err) == 0
+            assert bool(ok) and float(err) == 0 and torch.equal(a, before)
+            # An exactly symmetric matrix handed over to be overwritten: the same bits, no copies.
+            mirrored = (a + a.T) * 0.5
+            same, _, _ = matrix_inverse_root(mirrored.clone(), root, 1e-3, "eigh")
+            handed, _, ok = matrix_inverse_root(mirrored, root, 1e-3, "eigh", overwrite=True)
+            assert bool(ok) and torch.equal(handed, same)
+            assert not torch.equal(mirrored, (a + a.T) * 0.5)  # its diagonal took the damping
             for method, order in (("coupled_newton", 2), ("higher_order", 3), ("higher_order", 5)):
                 approx, err, ok = matrix_inverse_root(a, root, 1e-3, method, order=order)
                 assert bool(ok) and float(err) < 1e-3, (method, root, float(err))
