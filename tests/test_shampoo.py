@@ -70,6 +70,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 ADAM = dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8)
+# Before the start, Adam grafting without momentum is one fused kernel on the parameter itself
+# (contiguous blocks; the others compute the direction first): checked with both kinds of decay.
+GRAFTING_ONLY_START = dict(
+    grafting_config=ADAM,
+    precondition_frequency=2,
+    start_preconditioning_step=4,
+    weight_decay=0.1,
+    max_preconditioner_dim=4,
+)
 SEMANTICS = {
     "default": dict(),
     "sgd-blocks": dict(grafting_config=dist_optim.SGDGraftingConfig(), max_preconditioner_dim=4),
@@ -100,23 +109,8 @@ SEMANTICS = {
         exponent_override=3,
         exponent_multiplier=1.5,
     ),
-    # Before the start, Adam grafting without momentum is one fused kernel on the parameter
-    # itself (contiguous blocks; the others compute the direction first): both kinds of decay.
-    "adam-pf2-start4-decoupled-wd": dict(
-        grafting_config=ADAM,
-        precondition_frequency=2,
-        start_preconditioning_step=4,
-        weight_decay=0.1,
-        max_preconditioner_dim=4,
-    ),
-    "adam-pf2-start4-coupled-wd": dict(
-        grafting_config=ADAM,
-        precondition_frequency=2,
-        start_preconditioning_step=4,
-        weight_decay=0.1,
-        use_decoupled_weight_decay=False,
-        max_preconditioner_dim=4,
-    ),
+    "adam-pf2-start4-decoupled-wd": GRAFTING_ONLY_START,
+    "adam-pf2-start4-coupled-wd": {**GRAFTING_ONLY_START, "use_decoupled_weight_decay": False},
     "merge-small-dims": dict(grafting_config=ADAM, merge_small_dims=True, max_preconditioner_dim=12),
     "coupled-newton": dict(grafting_config=ADAM, root_inverse="coupled_newton", epsilon=1e-3),
     "higher-order": dict(grafting_config=ADAM, root_inverse="higher_order", epsilon=1e-3, max_preconditioner_dim=4),
