@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -113,6 +114,9 @@ class DistPool:
                 p.kill()
         for p in self._procs:
             p.join(timeout=5)
+        # The rendezvous file grows with every group created (~0.4 MB over a suite run); nothing
+        # reads it once the workers are gone, and a restart starts a new one.
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def close(self) -> None:
         for q in self._tasks:
