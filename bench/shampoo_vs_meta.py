@@ -22,6 +22,8 @@ round-robin (one step of each optimizer in turn), the first round dropped, media
   groups' ``precondition_frequency`` is then raised to 10**9 (read by every ``step()``).
 * "pf=10 run": fresh optimizers with precondition_frequency=10 and the default start (10),
   ``--pf10-steps`` steps each, round-robin; median and mean (with the refreshes at steps 10, 20, ...).
+  Its refresh steps are also shown alone ("root refresh in the pf=10 run": an ``eigh`` per factor,
+  timed in turn; the warm-up steps above include setting up the state and run one after the other).
 * "products only": the multiply-adds that the same math cannot avoid, on the same blocks and with
   nothing else (no grafting, no update, no checks): every factor's statistics by our fastest
   triangle update (:func:`dist_optim._structured.gram_update_`), and, preconditioned, ``R_0^T M R_1``
@@ -180,6 +182,10 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
     finite.update({k: _finite(o) for k, o in pf10.items()})
     del pf10
+    for who in ("Meta", "ours"):  # steps 10, 20, ...: root refreshes timed in turn, without state setup
+        refreshes = times[f"{who}, pf=10 run"][9::10]
+        if refreshes:
+            times[f"{who}, root refresh in the pf=10 run"] = refreshes
     gc.collect()
 
     med = {k: statistics.median(v) for k, v in times.items()}
