@@ -51,7 +51,7 @@ if ROOT not in sys.path:
 
 import dist_optim  # noqa: E402  (ours)
 from bench.bench_step import fixed_params, llama_like  # noqa: E402
-from dist_optim import _structured  # noqa: E402
+from dist_optim import _structured, shampoo  # noqa: E402
 
 try:
     import distributed_shampoo as meta
@@ -70,27 +70,27 @@ def _finite(opt: Any) -> bool | str:
     return all(bool(torch.isfinite(p).all()) for g in opt.param_groups for p in g["params"])
 
 
-def _chunks(n: int, size: int) -> list[int]:
-    return [min(size, n - i) for i in range(0, n, size)]
-
-
 class SameProducts:
     """The products a Shampoo step with blocks of ``block`` cannot avoid, alone (see the module
-    docstring): ``step()`` updates each block's factors from a fixed gradient block and, with
-    ``preconditioned``, multiplies a fixed moment block by fixed roots on both sides."""
+    docstring), made by our own functions on our own blocking: ``step()`` updates each block's
+    factors from a fixed gradient block and, with ``preconditioned``, multiplies a fixed moment
+    block by fixed roots on both sides."""
 
     def __init__(self, shapes: list[tuple[int, ...]], block: int, preconditioned: bool, beta2: float) -> None:
         gen = torch.Generator().manual_seed(1)
         self.beta2 = beta2
         self.items: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]] = []
+        blocking = {
+            "max_preconditioner_dim": block,
+            "merge_small_dims": False,
+            "skip_preconditioning_dim_size_gt": None,
+        }
         for shape in shapes:
-            dims = [_chunks(n, block) for n in shape]
-            for blk in dims[0] if len(shape) == 1 else [(a, b) for a in dims[0] for b in dims[1]]:
-                bshape = (blk,) if isinstance(blk, int) else blk
-                g = torch.randn(bshape, generator=gen) * 1e-3
-                factors = [torch.zeros(n, n) for n in bshape]
-                roots = [torch.eye(n) + 1e-3 * torch.randn(n, n, generator=gen) for n in bshape]
-                out = torch.empty(bshape) if preconditioned else None
+            for blk in shampoo._plan_blocks(shape, blocking)[1]:
+                g = torch.randn(blk.shape, generator=gen) * 1e-3
+                factors = [torch.zeros(n, n) for n in blk.shape]
+                roots = [torch.eye(n) + 1e-3 * torch.randn(n, n, generator=gen) for n in blk.shape]
+                out = torch.empty(blk.shape) if preconditioned else None
                 self.items.append((g, factors, roots, out))
         self.tmp = torch.empty(block * block)
 
@@ -100,15 +100,10 @@ class SameProducts:
             order = g.dim()
             for k, factor in enumerate(factors):
                 gk = g.movedim(k, 0).reshape(g.shape[k], -1)
-                _structured.gram_update_(factor.T if order == 2 and k == 1 else factor, gk, b2, 1 - b2)
-            if out is None:
-                continue
-            if order == 1:
-                torch.mv(roots[0], g, out=out)
-            else:
-                left = self.tmp[: g.numel()].view(g.shape)
-                torch.mm(roots[0].T, g, out=left)
-                torch.mm(left, roots[1], out=out)
+                _structured.gram_update_(shampoo._kept_triangle(factor, order, k), gk, b2, 1 - b2)
+            if out is not None:
+                tmp = self.tmp[: g.numel()].view(g.shape)
+                shampoo._apply_each_dim(g, roots, transpose=False, out=out, tmp=tmp)
 
 
 def main() -> None:
