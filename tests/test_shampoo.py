@@ -4,9 +4,11 @@ memory per rank, collectives per step)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -635,6 +637,17 @@ ROUTE_KWARGS = dict(lr=1e-2, max_preconditioner_dim=3, grafting_config=dist_opti
 ROUTE_LAYOUTS = ((1, 4, 1), (2, 2, 2), (2, 2, 0), (4, 1, 0))
 
 
+@contextlib.contextmanager
+def _pieces_routed(routed: bool) -> Iterator[None]:
+    """Optimizers built and stepped inside move pieces to block owners (True, the default) or
+    gather full gradients (False)."""
+    dist_optim.DistributedShampoo._route_pieces = routed
+    try:
+        yield
+    finally:
+        dist_optim.DistributedShampoo._route_pieces = True
+
+
 def _route_worker(comm_dtype: torch.dtype) -> dict:
     received = {"n": 0}
     real = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_to_all_single")}
@@ -654,10 +667,10 @@ def _route_worker(comm_dtype: torch.dtype) -> dict:
         for layout in ROUTE_LAYOUTS:
             runs = {}
             for routed in (True, False):
-                dist_optim.DistributedShampoo._route_pieces = routed
                 comm.reset_counts()
                 received["n"] = 0
-                opt, params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, *layout, "fp32")
+                with _pieces_routed(routed):
+                    opt, params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, *layout, "fp32")
                 runs[routed] = (opt, params, received["n"], dict(comm.COUNTS))
             (opt_r, params_r, bytes_r, counts_r), (opt_g, params_g, bytes_g, counts_g) = runs[True], runs[False]
             out[layout] = dict(
@@ -668,7 +681,6 @@ def _route_worker(comm_dtype: torch.dtype) -> dict:
                 counts_gathered=counts_g,
             )
     finally:
-        dist_optim.DistributedShampoo._route_pieces = True
         for name, fn in real.items():
             setattr(dist, name, fn)
     return out
@@ -696,11 +708,8 @@ def _fallback_worker() -> dict:
     kwargs = dict(ROUTE_KWARGS, merge_small_dims=True, max_preconditioner_dim=12)
     opt, params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, 2, 2, 2, "fp32")
     gathered = [i for i, p in enumerate(params) if opt._route(p) is None]
-    dist_optim.DistributedShampoo._route_pieces = False
-    try:
+    with _pieces_routed(False):
         ref, ref_params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, 2, 2, 2, "fp32")
-    finally:
-        dist_optim.DistributedShampoo._route_pieces = True
     return dict(gathered=gathered, same=_identical(params, ref_params, opt.full_state(), ref.full_state()))
 
 
