@@ -620,17 +620,17 @@ DIST_LAYOUTS = [(2, 1, 0), (2, 2, 0), (1, 4, 1), (2, 2, 1), (4, 1, 0)]
 def _local_piece(
     i: int, g: torch.Tensor, *, dims: list[Any], tp: int, tp_rank: int, dp: int, dp_rank: int, is_zero: bool
 ) -> torch.Tensor:
-    from tests.parity import _tp_slice, _zero_chunk
+    from tests.parity import tp_slice, zero_chunk
 
-    piece = _tp_slice(g, dims[i], tp, tp_rank)
-    return _zero_chunk(piece, dp, dp_rank).clone() if is_zero else piece.clone()
+    piece = tp_slice(g, dims[i], tp, tp_rank)
+    return zero_chunk(piece, dp, dp_rank).clone() if is_zero else piece.clone()
 
 
 def _dist_worker(copies: int, proj_type: str, optim_bits: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from tests._dist import grid_groups
-    from tests.parity import _tp_slice, _zero_chunk
+    from tests.parity import tp_slice, zero_chunk
 
     specs = DIST_SHAPES * copies
     shapes = [s for s, _ in specs]
@@ -674,10 +674,10 @@ def _dist_worker(copies: int, proj_type: str, optim_bits: int) -> dict[str, Any]
         dims = [d if tp > 1 else None for _, d in specs]
         params, layouts = [], {}
         for full, (shape, _), dim in zip(full_init(), specs, dims):
-            piece = _tp_slice(full, dim, tp, tp_rank)
+            piece = tp_slice(full, dim, tp, tp_rank)
             tps = TPSplit(dim, tp, tp_rank, tp_group) if dim is not None else None
             zs = ZeroShard(dp, dp_rank, (-piece.numel()) % dp, dp_group) if is_zero else None
-            p = _zero_chunk(piece, dp, dp_rank).clone() if is_zero else piece.clone()
+            p = zero_chunk(piece, dp, dp_rank).clone() if is_zero else piece.clone()
             params.append(p)
             layouts[p] = ParamLayout(shape, tps, zs)
         opt = make(params)

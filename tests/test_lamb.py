@@ -9,7 +9,7 @@ import torch
 
 import dist_optim
 from dist_optim import DistributedLamb
-from tests._check import assert_rel
+from tests._check import assert_close
 
 STEPS = 8
 NONE_STEP = 3
@@ -36,10 +36,10 @@ def _assert_same(
     m1: torch.nn.Module, m2: torch.nn.Module, o1: torch.optim.Optimizer, o2: torch.optim.Optimizer
 ) -> None:
     for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
-        assert_rel(b, a, msg=n)
+        assert_close(b, a, msg=n)
         s1, s2 = o1.state[a], o2.state[b]
         for key in ("exp_avg", "exp_avg_sq"):
-            assert_rel(s2[key], s1[key], msg=f"{n}.{key}")
+            assert_close(s2[key], s1[key], msg=f"{n}.{key}")
         assert float(s1["step"]) == float(s2["step"])
 
 
