@@ -143,3 +143,36 @@ PARITY_CASES += [
         ),
     ),
 ]
+
+# Production-size factors under distribution (tests/parity.py PRODUCTION_SPECS: dims 300-576, above
+# dist_optim._structured.MIN_SIZE, so the blocked triangle and Gram kernels run on the owners) on
+# tp=2 x dp=2 x ZeRO and dp=4 x ZeRO.
+PRODUCTION_CASES: list[Case] = [
+    Case(
+        "shampoo-production-blocks",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-6,
+            max_preconditioner_dim=1024,
+            precondition_frequency=2,
+            start_preconditioning_step=2,
+            momentum=0.5,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+        ),
+    ),
+    Case(
+        "soap-qr-production-blocks",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-8,
+            max_preconditioner_dim=1024,
+            precondition_frequency=2,
+            eigenvalue_correction=True,
+            eigenbasis="qr",
+            weight_decay=1e-2,
+        ),
+    ),
+    Case("kron-production", dist_optim.DistributedKron, dict(lr=1e-2, weight_decay=1e-2)),
+]
