@@ -4,6 +4,7 @@ with our unbound optimizer. Runs inside DistPool workers."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import warnings
 from typing import Any
@@ -11,8 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests._check import describe, excess, max_rel_err
 from tests._colossal_cpu import install, quiet_colossal
 
+#: Element-wise tolerance of the replayed single-device run: the parity grid's (tests/parity.py).
+REPLAY_RTOL = 1e-5
 GLOBAL_BATCH = 4  # sequences per step, split over data-parallel ranks (dp in 1, 2, 4)
 SEQ = 16
 VOCAB = 256
@@ -122,6 +126,10 @@ def master_weights(model: Any, wrapper: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+#: ColossalAI's initial fp16 loss scale in these tests (tests/test_booster.py plugin_config).
+FP16_INITIAL_SCALE = 2.0**16
+
+
 def reference_run(
     opt_path: str,
     opt_kwargs: dict[str, Any],
@@ -129,36 +137,116 @@ def reference_run(
     low_precision: torch.dtype | None = None,
     pipeline: bool = False,
     plugin_name: str = "HybridParallelPlugin",
+    grad_noise: dict[str, float] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The single-process run. ``pipeline``: with the randomness the plugins choose under pipeline
-    parallelism (layout-independent), parameters known by their model names as the plugins do."""
+    """The single-process run, in the booster's precision: with ``low_precision`` the model computes
+    in that dtype from working weights that are the rounded fp32 masters the optimizer updates
+    (fp16 with a dynamic loss scale: a step whose gradients overflow is skipped and the scale
+    halved), as ColossalAI's mixed precision does. ``pipeline``: with the randomness the plugins
+    choose under pipeline parallelism (layout-independent), parameters known by their model names as
+    the plugins do. ``grad_noise``: after every backward, multiply each entry of a named gradient by
+    ``1 + d u`` with ``d`` its relative amplitude and ``u`` uniform in ``[-1, 1]`` (a fixed seed):
+    the noise-floor run of :func:`booster_parity`. Returns the fp32 weights by name."""
     import dist_optim
 
     model = model_for(plugin_name)
+    working = model
     if low_precision is not None:
-        # The booster's fp32 masters start from the low-precision working weights.
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.to(low_precision).float())
+        working = copy.deepcopy(model).to(low_precision)
+    pairs = list(zip(model.named_parameters(), working.parameters()))
     opt = dist_optim.convert(make_optimizer(opt_path, model, opt_kwargs))
     opt.param_names = {p: n for n, p in model.named_parameters()}
     if pipeline:
         opt.use_layout_independent_randomness()
+    scale = FP16_INITIAL_SCALE if low_precision == torch.float16 else 1.0
+    gen = torch.Generator().manual_seed(7)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "stepping unbound in a multi-process job": on purpose
         for step in range(steps):
             x = global_batch(step)
-            model(input_ids=x, labels=x).loss.backward()
+            (working(input_ids=x, labels=x).loss * scale).backward()
+            for (n, p), w in pairs:
+                if w is not p:
+                    p.grad = None if w.grad is None else w.grad.float() / scale
+                    w.grad = None
+                if grad_noise and n in grad_noise and p.grad is not None:
+                    p.grad.mul_(1 + (2 * torch.rand(p.shape, generator=gen) - 1) * grad_noise[n])
+            if scale != 1.0 and not all(bool(p.grad.isfinite().all()) for (_, p), _ in pairs if p.grad is not None):
+                scale /= 2
+                continue
             opt.step()
             opt.zero_grad()
+            if working is not model:
+                with torch.no_grad():
+                    for (_, p), w in pairs:
+                        w.copy_(p)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def gradient_noise(record: dict[str, Any], plugin_name: str, low_precision: torch.dtype | None) -> dict[str, float]:
+    """How far the boosted model's gradients are from one process's at the same weights and in the
+    same precision (the first record: the same weights, the same global batch), element by element:
+    for each parameter this rank holds, the median over its non-zero gradient entries of
+    ``|g_boosted - g_single| / |g_single|`` (the typical relative rounding difference; a median,
+    because entries near zero have arbitrary relative differences)."""
+    model = model_for(plugin_name)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in record["values"]:
+                p.copy_(record["values"][n])
+    if low_precision is not None:
+        model.to(low_precision)
+    scale = FP16_INITIAL_SCALE if low_precision == torch.float16 else 1.0
+    x = global_batch(0)
+    (model(input_ids=x, labels=x).loss * scale).backward()
+    out = {}
+    for n, p in model.named_parameters():
+        if n in record["grads"]:
+            single = p.grad.float() / scale
+            nonzero = single != 0
+            rel = (record["grads"][n] - single).abs()[nonzero] / single.abs()[nonzero]
+            out[n] = rel.median().item() if rel.numel() else 0.0
+    return out
+
+
+def record_steps(wrapper: Any, model: Any) -> list[dict[str, Any]]:
+    """Make the swapped optimizer record, at every step it takes, the full form of what ColossalAI
+    hands it: each master's gradient and value before the update, by parameter name. Returns the
+    list the records are appended to."""
+    from dist_optim import comm
+
+    opt = wrapper.optim
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    to_working = wrapper.get_master_to_working_map() if hasattr(wrapper, "get_master_to_working_map") else None
+    names = {id(p): n for n, p in model.unwrap().named_parameters()}
+    mnames = [names[id(to_working[id(m)] if to_working else m)] for m in masters]
+    records: list[dict[str, Any]] = []
+    real_step = opt.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        with_grad = [i for i, m in enumerate(masters) if m.grad is not None]
+        grads = comm.gather_full([(opt.layout(masters[i]), masters[i].grad) for i in with_grad])
+        values = comm.gather_full([(opt.layout(m), m.detach()) for m in masters])
+        records.append(
+            {
+                "grads": {mnames[i]: g.float().clone() for i, g in zip(with_grad, grads)},
+                "values": {n: v.float().clone() for n, v in zip(mnames, values)},
+            }
+        )
+        return real_step(*args, **kwargs)
+
+    opt.step = step
+    return records
 
 
 def _boosted_run(
     plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any], steps: int
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, Any]:
-    """(initial weights, full fp32 weights of this rank's parameters after training, wrapper,
-    plugin)."""
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, dict[str, Any]], Any, Any, list[dict[str, Any]]]:
+    """(initial weights, full fp32 weights and full optimizer state of this rank's parameters after
+    training, wrapper, plugin, what the optimizer was handed at each step)."""
     from colossalai.booster import Booster
 
     from dist_optim import plugins
@@ -170,8 +258,85 @@ def _boosted_run(
         plugin = getattr(plugins, plugin_name)(**plugin_kwargs)
         booster = Booster(plugin=plugin)
         model, wrapper, *_ = booster.boost(model, optimizer)
+        records = record_steps(wrapper, model)
         train_boosted(booster, model, wrapper, plugin, range(steps))
-        return init, master_weights(model, wrapper), wrapper, plugin
+        return init, master_weights(model, wrapper), boosted_states(model, wrapper), wrapper, plugin, records
+
+
+def replay(
+    opt_path: str,
+    opt_kwargs: dict[str, Any],
+    records: list[dict[str, Any]],
+    pipeline: bool = False,
+    plugin_name: str = "HybridParallelPlugin",
+    start: dict[str, Any] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """The single-device algorithm on exactly what the boosted optimizer was handed: the same
+    optimizer, unbound, on full fp32 tensors starting from the boosted masters' first values, fed
+    the recorded full gradients step by step (parameters another rank holds get ``None``). With
+    ``start`` (``{"state": full state by name, "extra": extra_state()}``, e.g. right after loading
+    a checkpoint) the optimizer starts from that state instead of a fresh one.
+    Returns the weights and the optimizer state by parameter name."""
+    import dist_optim
+
+    model = model_for(plugin_name)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in records[0]["values"]:
+                p.copy_(records[0]["values"][n])
+    opt = dist_optim.convert(make_optimizer(opt_path, model, opt_kwargs))
+    opt.param_names = {p: n for n, p in model.named_parameters()}
+    if pipeline:
+        opt.use_layout_independent_randomness()
+    named = list(model.named_parameters())
+    if start is not None:
+        opt.load_full_state([start["state"][opt.param_names[p]] for g in opt.param_groups for p in g["params"]])
+        opt.load_extra_state(start["extra"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "stepping unbound in a multi-process job": on purpose
+        for record in records:
+            for n, p in named:
+                p.grad = record["grads"].get(n)
+            opt.step()
+    order = [p for g in opt.param_groups for p in g["params"]]
+    states = dict(zip((opt.param_names[p] for p in order), opt.full_state()))
+    return {n: p.detach().clone() for n, p in named}, states
+
+
+def boosted_states(model: Any, wrapper: Any) -> dict[str, dict[str, Any]]:
+    """The boosted optimizer's full-form state (collective), by parameter name."""
+    opt = wrapper.optim
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    to_working = wrapper.get_master_to_working_map() if hasattr(wrapper, "get_master_to_working_map") else None
+    names = {id(p): n for n, p in model.unwrap().named_parameters()}
+    return {names[id(to_working[id(m)] if to_working else m)]: s for m, s in zip(masters, opt.full_state())}
+
+
+def replay_mismatches(
+    got: dict[str, torch.Tensor],
+    got_states: dict[str, dict[str, Any]],
+    ref: dict[str, torch.Tensor],
+    ref_states: dict[str, dict[str, Any]],
+    rtol: float,
+) -> list[str]:
+    """Element-wise comparison (tests/_check.py) of this rank's weights and optimizer state with the
+    replayed single-device run's."""
+    out = []
+    for name, value in got.items():
+        if excess(value, ref[name], rtol) > 1:
+            out.append(f"{name}: {excess(value, ref[name], rtol):.3g}x tolerance; {describe(value, ref[name])}")
+        mine, theirs = got_states.get(name, {}), ref_states[name]
+        if set(mine) != set(theirs):
+            out.append(f"{name} state keys {sorted(mine)} != {sorted(theirs)}")
+            continue
+        for key, expected in theirs.items():
+            actual = mine[key]
+            if isinstance(expected, torch.Tensor):
+                if not isinstance(actual, torch.Tensor) or excess(actual, expected, rtol) > 1:
+                    out.append(f"{name}.{key}: {excess(actual, expected, rtol):.3g}x tolerance")
+            elif actual != expected:
+                out.append(f"{name}.{key}: {actual!r} != {expected!r}")
+    return out
 
 
 def _experts_on_moe_group(opt: Any, plugin: Any) -> bool | None:
@@ -192,30 +357,48 @@ def _experts_on_moe_group(opt: Any, plugin: Any) -> bool | None:
 def booster_parity(
     plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any], steps: int = 5
 ) -> dict[str, Any]:
-    """Train through the booster; return errors against the single-process run (rank-local), and
-    for MoE whether every expert parameter is bound to the MoE data-parallel group."""
+    """Train through the booster, then measure on this rank:
+
+    * ``replay``: element-wise mismatches (tests/_check.py, rtol ``REPLAY_RTOL``) of the weights and
+      the full optimizer state against the single-device algorithm fed exactly what the boosted
+      optimizer was handed (:func:`replay`). This is the optimizer's parity on the real layouts.
+    * ``errors``: per parameter, how far the whole boosted run ended from one process training the
+      same model in the same precision (:func:`reference_run`; ``update_rel``: relative to the size
+      of the 5-step update; ``rel``: to the weight's scale). This also contains ColossalAI's own
+      numerics (TP matmuls, gradient averaging and its order in low precision), which second-order
+      optimizers amplify.
+    * ``floor``: the largest ``update_rel`` between the single-process run and that run with its
+      gradients perturbed by the boosted model's measured gradient noise (:func:`gradient_noise`):
+      the scale at which ``errors`` is judged.
+    * the binding facts (swap, TP/ZeRO layouts bound, groups).
+    """
     install()
     import dist_optim
 
-    init, got, wrapper, plugin = _boosted_run(plugin_name, plugin_kwargs, opt_path, opt_kwargs, steps)
+    init, got, got_states, wrapper, plugin, records = _boosted_run(
+        plugin_name, plugin_kwargs, opt_path, opt_kwargs, steps
+    )
+    pipeline = plugin_kwargs.get("pp_size", 1) > 1
+    ref, ref_states = replay(opt_path, opt_kwargs, records, pipeline, plugin_name)
+    replay_bad = replay_mismatches(got, got_states, ref, ref_states, REPLAY_RTOL)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plugin_kwargs.get("precision", "fp32"))
     if plugin_name == "LowLevelZeroPlugin" and "precision" not in plugin_kwargs:
         low = torch.float16
-    expected = reference_run(
-        opt_path, opt_kwargs, steps, low, pipeline=plugin_kwargs.get("pp_size", 1) > 1, plugin_name=plugin_name
-    )
+    run = dict(low_precision=low, pipeline=pipeline, plugin_name=plugin_name)
+    expected = reference_run(opt_path, opt_kwargs, steps, **run)
+    noisy = reference_run(opt_path, opt_kwargs, steps, **run, grad_noise=gradient_noise(records[0], plugin_name, low))
     opt = wrapper.optim
     errors = {}
+    floor = 0.0
     # Under pipeline parallelism a rank holds its stage's parameters only.
     for name in got:
-        ref = expected[name]
         start = init[name] if low is None else init[name].to(low).float()
-        delta = (ref - start).norm().item()
+        delta = max((expected[name] - start).norm().item(), 1e-12)
         errors[name] = {
-            # error relative to the parameter's scale, and to the size of the training update
-            "rel": ((got[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item(),
-            "update_rel": ((got[name] - ref).norm() / max(delta, 1e-12)).item(),
+            "rel": max_rel_err(got[name], expected[name]),
+            "update_rel": (got[name] - expected[name]).norm().item() / delta,
         }
+        floor = max(floor, (noisy[name] - expected[name]).norm().item() / delta)
     masters = [p for g in opt.param_groups for p in g["params"]]
     return {
         "swapped_to": [c.__name__ for c in type(opt).__mro__],
@@ -224,6 +407,9 @@ def booster_parity(
         "zero_bound": sum(opt.layout(p).zero is not None for p in masters),
         "zero_sizes": sorted({opt.layout(p).zero.size for p in masters if opt.layout(p).zero is not None}),
         "experts_on_moe_group": _experts_on_moe_group(opt, plugin),
+        "replay": replay_bad,
+        "replayed_steps": len(records),
         "errors": errors,
+        "floor": floor,
         "all_names": sorted(expected),
     }

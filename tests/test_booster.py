@@ -2,21 +2,31 @@
 
 An ordinary optimizer (or ours, for Shampoo, which has no ordinary counterpart) is passed to
 ``booster.boost`` with dist_optim's drop-in plugins; it must be swapped for ours, bound to the real
-layouts (every TP-split parameter with its split, every ZeRO master with its shard), and train a
-tiny Llama for 5 steps to the same weights as one process running our optimizer unbound.
+layouts (every TP-split parameter with its split, every ZeRO master with its shard), and trained
+for 5 steps on a tiny Llama (a tiny Mixtral for MoE). Two checks, on every rank (tests/booster.py):
 
-Tolerances, per optimizer, with the measurements behind them:
-
-* fp32 runs: LAMB, Adafactor, CAME, Kron within 1e-5 of each weight's scale (TP splits matmuls,
-  data parallelism averages gradients in another order: ~1e-6 observed). Shampoo and GaLore
-  amplify those 1e-7 gradient differences themselves (measured on ONE process by perturbing the
-  gradients, notes below), so they are judged on their 5-step update: 1e-4 and 2e-3 of it.
-* bf16/fp16 runs differ from the fp32 reference by low-precision rounding of forward and
-  backward (8-bit mantissa for bf16): the update must be within 15% of the reference update
-  (Adafactor: 20%, its final norm weight sits at 1.0 where bf16's spacing is as large as
-  Adafactor's relative step), and every TP-split parameter must have been bound with its split
-  (the fp32 masters lose the annotation under bf16/fp16). Exactness of the bf16-master path
-  itself is the parity grid's job (tests/test_parity.py).
+* **Replay, element-wise 1e-5** (every column and precision): the boosted optimizer records the
+  full form of each gradient and master it is handed; the same optimizer, unbound, on full fp32
+  tensors, fed those gradients from those masters, must end with the same weights and the same full
+  optimizer state, ``|a - b| <= 1e-5 |b| + 1e-6 max|b|`` per element (tests/_check.py). This is
+  the single-device algorithm on exactly what ColossalAI computed, so nothing but the optimizer's
+  own distributed arithmetic can differ.
+* **End to end** (sanity of the whole run: the working weights follow our masters, gradients are
+  reduced over the right groups): the boosted run against one process training the same model in
+  the same precision. ColossalAI's TP matmuls and gradient averaging round differently from one
+  process (fp32: the gradients differ by ~5e-7 of their scale at identical weights, measured), and
+  second-order optimizers amplify that over the trajectory (a tp=2 Shampoo run ends ~7e-5 of its
+  update away; replayed on the recorded gradients it matches to ~2e-7). So, fp32: within
+  ``FP32_FLOOR_MARGIN`` times a floor measured in the same test: the same single-process run with
+  every gradient entry multiplied by ``1 + d u`` (``u`` uniform in [-1, 1], ``d`` the median relative
+  difference between the boosted and the single-process gradients at the first step). Measured
+  end-to-end / floor over the fp32 columns: LAMB, Adafactor, CAME, GaLore, Kron 0.38-1.72, Shampoo
+  5.97-9.26; margin 50. Low precision (bf16/fp16): the boosted run's own low-precision reductions
+  (bf16 all-reduces of TP partial outputs, near-tie top-2 routing flips in the Mixtral) are not
+  noise of that kind (measured up to 0.154 of the update, Adafactor at tp=2, and 0.173, CAME
+  under MoE); exactness there is the replay's, and the end-to-end run must stay within
+  ``LOW_PRECISION_SANITY`` = 0.5 of the update (a wrongly grouped reduction or unsynchronised
+  working weights are ~100%).
 """
 
 from __future__ import annotations
@@ -29,13 +39,18 @@ import dist_optim
 from tests import booster
 from tests.support import COLUMNS
 
+#: fp32 end-to-end: ``update_rel <= FP32_FLOOR_MARGIN * floor`` (module docstring).
+FP32_FLOOR_MARGIN = 50.0
+#: bf16/fp16 end-to-end: ``update_rel <= LOW_PRECISION_SANITY`` (module docstring).
+LOW_PRECISION_SANITY = 0.5
+#: Steps each run takes (all of them reach the optimizer: no fp16 overflow at these settings).
+STEPS = 5
+
 
 @dataclass(frozen=True)
 class Spec:
     source: tuple[str, dict]
     expected_cls: str
-    fp32: tuple[str, float] = ("rel", 1e-5)
-    low_precision_update_rtol: float = 0.15
 
 
 SPECS = {
@@ -45,28 +60,23 @@ SPECS = {
     "Adafactor": Spec(
         ("transformers.optimization.Adafactor", dict(beta1=0.9, weight_decay=1e-2)),
         "DistributedAdafactor",
-        low_precision_update_rtol=0.2,
     ),
     # CAME moves every weight by ~lr per step whatever its scale: at lr=1e-2 the tiny Llama's
-    # weights (~0.02) move by half their size per step and 1-ulp differences of gradient averaging
-    # grow to 1e-3 within 5 steps; at 1e-4 the run is tame.
+    # weights (~0.02) move by half their size per step; at 1e-4 the run is tame.
     "CAME": Spec(("colossalai.nn.optimizer.CAME", dict(lr=1e-4, weight_decay=1e-2)), "DistributedCAME"),
     # GaLore: one projector refresh (step 1: full-gradient gathers, owner SVDs, shared projectors).
     # A second refresh is hypersensitive to rounding in GaLore itself: on ONE process, gradients
     # times (1 + 1e-6 noise) change the 5-step updates by ~40% once a second refresh happens
-    # (Adam moments carried across a refresh meet singular vectors whose signs/order changed). With
-    # one refresh, reduction order moves the updates by <= 1e-4 of their size (observed 8e-5).
+    # (Adam moments carried across a refresh meet singular vectors whose signs/order changed).
     "GaLore": Spec(
         (
             "galore_torch.GaLoreAdamW",
             dict(lr=1e-3, eps=1e-3, galore=dict(rank=8, update_proj_gap=100, scale=0.25), weight_decay=0.0),
         ),
         "DistributedGaLore",
-        fp32=("update_rel", 2e-3),
     ),
     # Shampoo: passed as ours. epsilon=1e-4: with 1e-8, 1e-7 relative gradient noise on ONE process
-    # moves the embedding by ~2% in 5 steps; with 1e-4 by ~4e-6. Booster runs: <= ~2e-5 of the
-    # update (measured).
+    # moves the embedding by ~2% in 5 steps; with 1e-4 by ~4e-6.
     "Shampoo": Spec(
         (
             "dist_optim.DistributedShampoo",
@@ -79,13 +89,9 @@ SPECS = {
             ),
         ),
         "DistributedShampoo",
-        fp32=("update_rel", 1e-4),
     ),
     "Kron": Spec(("kron_torch.Kron", dict(lr=3e-3, weight_decay=1e-2)), "DistributedKron"),
 }
-
-
-MOE_UPDATE_RTOL = 0.35
 
 
 def plugin_config(col: tuple) -> tuple[str, dict, int]:
@@ -129,7 +135,7 @@ def test_booster_parity(name, col, pool4, pool2) -> None:
     plugin, kwargs, world = plugin_config(col)
     precision = col[4]
     pool = pool4 if world == 4 else pool2
-    results = pool.run(booster.booster_parity, plugin, kwargs, *spec.source)
+    results = pool.run(booster.booster_parity, plugin, kwargs, *spec.source, STEPS)
     covered = set()
     for res in results:
         covered |= set(res["errors"])
@@ -147,18 +153,18 @@ def test_booster_parity(name, col, pool4, pool2) -> None:
             # the group ZeRO really sharded over: dp x sp (4 // (tp * pp) ranks), whatever ColossalAI
             # passed to setup_distributed
             assert res["zero_sizes"] == [world // (kwargs["tp_size"] * kwargs["pp_size"])], res["zero_sizes"]
-        key, tol = spec.fp32 if precision == "fp32" else ("update_rel", spec.low_precision_update_rtol)
         if plugin == "MoeHybridParallelPlugin":
             # experts over the MoE data-parallel group (4 / ep ranks, those holding the same experts),
             # everything else over all 4 ranks
             assert res["zero_sizes"] == [2, 4], res["zero_sizes"]
             assert res["experts_on_moe_group"], f"rank {rank}: expert parameters bound to the wrong group"
-            # A bf16 Mixtral differs from one fp32 process by 15-25% of the 5-step update whatever the
-            # layout (measured the same at ep = 1, 2, 4: near-tie top-2 routing decisions flip under
-            # bf16). A wrongly grouped reduction of expert statistics mixes experts: ~100%.
-            tol = MOE_UPDATE_RTOL
-        bad = {n: e for n, e in res["errors"].items() if e[key] > tol}
-        assert not bad, f"rank {rank}: {key} > {tol}: {bad}"
+        assert res["replayed_steps"] == STEPS, res["replayed_steps"]
+        assert not res["replay"], f"rank {rank}: differs from the single-device algorithm on the same inputs: " + (
+            "; ".join(res["replay"][:8])
+        )
+        tol = FP32_FLOOR_MARGIN * res["floor"] if precision == "fp32" else LOW_PRECISION_SANITY
+        bad = {n: e["update_rel"] for n, e in res["errors"].items() if not e["update_rel"] <= tol}
+        assert not bad, f"rank {rank}: end-to-end update_rel > {tol:.3g} (floor {res['floor']:.3g}): {bad}"
 
 
 def test_swap_log_lists_the_converted_options() -> None:
