@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests._colossal_cpu import install, quiet_colossal
-from tests.booster import make_optimizer, master_weights, model_for, train_boosted
+from tests.booster import boosted_states, make_optimizer, master_weights, model_for, record_steps, train_boosted
 
 
 def _boost(plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any]) -> tuple:
@@ -36,13 +36,18 @@ def train_and_save(
     steps: int,
     path: str,
     shard: bool,
-) -> None:
+    with_state: bool = False,
+) -> dict[str, Any] | None:
+    """Train ``steps``, save model and optimizer; with ``with_state`` return what was saved, as
+    :func:`everything` sees it."""
     with quiet_colossal():
         booster, model, wrapper, plugin = _boost(plugin_name, plugin_kwargs, opt_path, opt_kwargs)
         train_boosted(booster, model, wrapper, plugin, range(steps))
         booster.save_model(model, os.path.join(path, "model"), shard=True)
         booster.save_optimizer(wrapper, os.path.join(path, "optim" if shard else "optim.pt"), shard=shard)
+        saved = everything(model, wrapper) if with_state else None
     dist.barrier()
+    return saved
 
 
 def load_and_train(
@@ -55,25 +60,53 @@ def load_and_train(
     path: str,
     shard: bool,
     resave: str | None = None,
-) -> dict[str, torch.Tensor]:
-    """Load at ``start``, train ``steps`` more; full fp32 master weights by name (all ranks)."""
+    with_state: bool = False,
+    record: bool = False,
+) -> Any:
+    """Load at ``start``, train ``steps`` more; full fp32 master weights by name of this rank's
+    parameters, and with ``with_state`` also everything the optimizer holds (:func:`everything`).
+    ``record``: that, plus the optimizer's full state right after loading (``loaded``) and what it
+    was handed at each step after it (``records``, tests/booster.py ``record_steps``)."""
     with quiet_colossal():
         booster, model, wrapper, plugin = _boost(plugin_name, plugin_kwargs, opt_path, opt_kwargs)
         booster.load_model(model, os.path.join(path, "model"))
         booster.load_optimizer(wrapper, os.path.join(path, "optim" if shard else "optim.pt"))
         if resave:
             booster.save_optimizer(wrapper, resave, shard=False)
+        loaded = None
+        if record:
+            loaded = {"state": boosted_states(model, wrapper), "extra": wrapper.optim.extra_state()}
+            records = record_steps(wrapper, model)
         train_boosted(booster, model, wrapper, plugin, range(start, start + steps))
-        return master_weights(model, wrapper)
+        if record:
+            return dict(everything(model, wrapper), loaded=loaded, records=records)
+        return everything(model, wrapper) if with_state else master_weights(model, wrapper)
+
+
+def everything(model: Any, wrapper: Any) -> dict[str, Any]:
+    """This rank's view after training: full fp32 master weights and full optimizer state by
+    parameter name (its pipeline stage's, its experts'), the optimizer-level state (generators,
+    counters), and the working weights the model computes with."""
+    return {
+        "weights": master_weights(model, wrapper),
+        "state": boosted_states(model, wrapper),
+        "extra": wrapper.optim.extra_state(),
+        "working": {n: p.detach().clone() for n, p in model.unwrap().named_parameters()},
+    }
 
 
 def uninterrupted(
-    plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any], steps: int
-) -> dict[str, torch.Tensor]:
+    plugin_name: str,
+    plugin_kwargs: dict[str, Any],
+    opt_path: str,
+    opt_kwargs: dict[str, Any],
+    steps: int,
+    with_state: bool = False,
+) -> Any:
     with quiet_colossal():
         booster, model, wrapper, plugin = _boost(plugin_name, plugin_kwargs, opt_path, opt_kwargs)
         train_boosted(booster, model, wrapper, plugin, range(steps))
-        return master_weights(model, wrapper)
+        return everything(model, wrapper) if with_state else master_weights(model, wrapper)
 
 
 def single_process(opt_path: str, opt_kwargs: dict[str, Any], steps: int) -> dict[str, torch.Tensor]:

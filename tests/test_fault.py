@@ -62,7 +62,17 @@ def test_killed_rank_fails_the_job_and_resume_continues_the_trajectory(tmp_path)
 
     with open(os.path.join(ckpt, "latest")) as f:
         resumed_from = int(f.read().strip().split("_")[1])
-    subprocess.run(_cmd(ckpt, log, "--resume"), cwd=ROOT, env=_env(), check=True, capture_output=True)
+    # The killed run checkpointed every 2 steps and logged at least 4 before the kill.
+    assert resumed_from in (2, 4, 6), resumed_from
+    with open(log) as f:
+        rows_before = len(list(csv.DictReader(f)))
+    out = subprocess.run(_cmd(ckpt, log, "--resume"), cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)
+    assert f"at step {resumed_from}" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+    with open(log) as f:
+        appended = [int(r["step"]) for r in list(csv.DictReader(f))[rows_before:]]
+    # The resumed run logged exactly the steps after its checkpoint, and they are the uninterrupted
+    # run's losses.
+    assert appended == list(range(resumed_from + 1, STEPS + 1)), (resumed_from, appended)
     straight, resumed = _losses(straight_log), _losses(log)
     for step in range(resumed_from + 1, STEPS + 1):
         assert resumed[step] == straight[step], (step, resumed[step], straight[step])
