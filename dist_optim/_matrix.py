@@ -9,9 +9,10 @@ communication:
   family Meta's Shampoo calls "higher-order coupled iterations"). Each returns the root, an error
   estimate and a success flag, so callers can keep the previous root when one fails (Anil et al.
   2020, "Scalable Second Order Optimization for Deep Learning", arXiv:2002.09018).
-* :func:`eigenbasis` and :func:`qr_power_step`: the eigenbasis of a factor, computed exactly or
-  refreshed by one warm-started power iteration with a QR decomposition (Vyas et al. 2024,
-  "SOAP: Improving and Stabilizing Shampoo using Adam", arXiv:2409.11321).
+* :func:`eigenbasis`, :func:`qr_algorithm_step` and :func:`qr_power_step`: the eigenbasis of a
+  factor, computed exactly or refreshed by one warm-started QR step (Vyas et al. 2024, "SOAP:
+  Improving and Stabilizing Shampoo using Adam", arXiv:2409.11321): Meta's step
+  (:func:`qr_algorithm_step`) or Vyas et al.'s (:func:`qr_power_step`).
 
 Success flags and errors are tensors; nothing here synchronises with the host except the early
 exit of the iterative methods (one scalar read per iteration, and these run only when a root is
@@ -28,6 +29,7 @@ __all__ = [
     "ROOT_METHODS",
     "matrix_inverse_root",
     "eigenbasis",
+    "qr_algorithm_step",
     "qr_power_step",
     "canonical_signs",
 ]
@@ -151,8 +153,31 @@ def eigenbasis(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, torch.isfinite(q).all()
 
 
+def qr_algorithm_step(matrix: torch.Tensor, basis: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the QR algorithm on ``matrix + epsilon I``, warm-started from the orthonormal
+    ``basis``: Meta's ``QREigendecompositionConfig(max_iterations=1)``, the basis refresh of its
+    ``DefaultSOAPConfig`` (facebookresearch/optimizers, ``matrix_functions.py``, ``qr_algorithm``).
+
+    ``B = Q^T (A + epsilon I) Q``, ``Q' R = qr(B)``, ``Q <- Q Q'``; then the columns are sorted by
+    their estimated eigenvalues ``diag(R Q')`` (``= diag(Q'^T B Q')``) in increasing order, a
+    stable sort. Signs are LAPACK's, not normalised (as Meta's). Meta skips the QR decomposition
+    when ``B`` is exactly diagonal (its default tolerance is 0); LAPACK's Householder QR of a
+    diagonal matrix is ``Q' = I``, so the result is the same without that test and its host read.
+    ``matrix`` must be symmetric (the caller's factors are mirrored before a refresh).
+
+    Returns ``(new basis, ok)``, ``ok`` a 0-d bool tensor: the basis is finite.
+    """
+    a = matrix + epsilon * torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+    b = basis.T @ a @ basis
+    q, r = torch.linalg.qr(b)
+    estimates = torch.einsum("ij,ji->i", r, q)  # diag(R Q') without the product
+    new = (basis @ q)[:, torch.sort(estimates, stable=True).indices]
+    return new, torch.isfinite(new).all()
+
+
 def qr_power_step(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One warm-started power iteration on ``matrix`` from the orthonormal ``basis``.
+    """One warm-started power iteration on ``matrix`` from the orthonormal ``basis``, as Vyas et
+    al.'s SOAP code refreshes its bases after the first (``eigh``) one.
 
     The columns of ``basis`` are first sorted by their Rayleigh quotients ``diag(Q^T A Q)``
     (decreasing), then ``Q' R = qr(A Q)`` (mathematically the same as ``Q qr(Q^T A Q)``), with

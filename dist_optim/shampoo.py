@@ -29,12 +29,23 @@ Per parameter, with ``t`` its 1-based step (steps without a gradient do not coun
 6. ``P <- P + weight_decay W`` (decoupled); momentum ``B <- momentum B + P`` and ``P = B`` (or
    ``P + momentum B`` with Nesterov); ``W <- W - lr P``.
 
-SOAP (``eigenvalue_correction=True``): Adam in the eigenbasis ``Q_k`` of the factors. At the
-steps of (4) the basis is refreshed (``eigenbasis="eigh"``: eigenvectors; ``"qr"``: one
-warm-started power step with a QR decomposition, columns sorted by decreasing Rayleigh quotient
-and the rotated second moment permuted with them). Then ``Gr = G x_k Q_k^T``,
-``S <- b2 S + (1 - b2) Gr^2``, ``P = (Mhat x_k Q_k^T) / (sqrt(S / (1 - b2^t)) + epsilon)`` rotated
-back with ``x_k Q_k``; grafting as in (5) if configured; then (6).
+SOAP (``eigenvalue_correction=True``): Adam in the eigenbasis ``Q_k`` of the factors, ``Q_k = I``
+until the first refresh. At the steps of (4), with ``A = L / (1 - b2^n)``, the basis is refreshed:
+
+* ``eigenbasis="eigh"``: the eigenvectors of ``A``, decreasing eigenvalues.
+* ``eigenbasis="qr"``: Meta's ``DefaultSOAPConfig`` (``QREigendecompositionConfig(max_iterations=1)``):
+  one QR-algorithm step from the current basis (the identity at the first refresh),
+  ``B = Q^T (A + epsilon I) Q``, ``Q' R = qr(B)``, ``Q <- Q Q'``, columns sorted by ``diag(R Q')``
+  increasing (:func:`dist_optim._matrix.qr_algorithm_step`).
+* ``eigenbasis="qr-eigh-start"``: Vyas et al.'s recipe: the eigenvectors at the first refresh, then
+  one power step ``Q' R = qr(A Q)`` from the current basis whose columns are first sorted by
+  decreasing ``diag(Q^T A Q)``, ``S`` below permuted with them
+  (:func:`dist_optim._matrix.qr_power_step`).
+
+Otherwise ``S`` is kept as it is across a refresh, not rotated into the new basis (as in Meta's
+and Vyas et al.'s code). Then ``Gr = G x_k Q_k^T`` (the refreshed basis), ``S <- b2 S + (1 - b2) Gr^2``,
+``P = (Mhat x_k Q_k^T) / (sqrt(S / (1 - b2^t)) + epsilon)`` rotated back with ``x_k Q_k``;
+grafting as in (5) if configured; then (6).
 
 Deviations, all stated:
 
@@ -42,9 +53,19 @@ Deviations, all stated:
   other value below ``precondition_frequency`` is refused.
 * Before the first root, the preconditioner is the identity (the default path does not use it
   before ``start``; it matters only when the first root fails).
-* SOAP uses its direction from step 1 (identity basis until the first refresh); the "grafting only
-  before ``start``" rule is Shampoo's. The first refresh with ``eigenbasis="qr"`` uses ``eigh``
-  (a power step from the identity would be meaningless), as Vyas et al.'s code does.
+* SOAP uses its direction from step 1 (identity basis until the first refresh), also with
+  grafting; Meta's uses the grafting direction alone before ``start`` when grafting is
+  configured (without grafting, as with ``DefaultSOAPConfig`` alone, the two agree).
+* ``t`` counts a parameter's own steps (those with a gradient); Meta's counts the steps of the
+  parameter group, so after a step without a gradient Meta's bias corrections and refresh steps
+  of that parameter differ from ours (Shampoo and SOAP alike).
+* A basis refresh that is not finite keeps the previous basis and is counted in
+  ``block<i>.failures`` (Meta's raises).
+* ``eigenbasis="eigh"`` orders its columns by decreasing eigenvalue (canonical signs), Meta's
+  ``EighEigendecompositionConfig`` by increasing eigenvalue. ``S`` is kept per column across a
+  refresh, so what it accumulated in the identity basis before the first refresh is attached to
+  other columns than in Meta's (signs do not matter: ``S`` is a square and ``Mhat`` is rotated
+  there and back).
 * The iterative root methods use the same absolute ``epsilon`` as ``eigh`` (Meta's higher-order
   method scales it by an estimate of the largest eigenvalue); they need ``exponent_multiplier=1``.
 * ``skip_preconditioning_dim_size_gt`` (Anil et al.) applies per parameter: a parameter with a
@@ -173,7 +194,7 @@ class AdamGraftingConfig:
 
 GraftingConfig = SGDGraftingConfig | AdaGradGraftingConfig | RMSpropGraftingConfig | AdamGraftingConfig
 _GRAFTING_TYPES = (SGDGraftingConfig, AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
-_EIGENBASES = ("eigh", "qr")
+_EIGENBASES = ("eigh", "qr", "qr-eigh-start")
 _COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -308,7 +329,8 @@ class DistributedShampoo(DistOptimizer):
         grafting_config: one of the ``*GraftingConfig`` classes, or None.
         root_inverse: ``"eigh"``, ``"coupled_newton"`` or ``"higher_order"``.
         eigenvalue_correction: SOAP.
-        eigenbasis: SOAP basis refresh, ``"eigh"`` or ``"qr"``.
+        eigenbasis: SOAP basis refresh: ``"eigh"``, ``"qr"`` (Meta's ``DefaultSOAPConfig``) or
+            ``"qr-eigh-start"`` (Vyas et al.'s); see the module docstring.
         merge_small_dims: merge small consecutive dims before blocking.
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
@@ -1038,11 +1060,13 @@ class DistributedShampoo(DistOptimizer):
         for k, factor in enumerate(factors):
             q = state[f"{key}basis{k}"]
             a = factor * scale
+            mode, perm = group["eigenbasis"], None
             try:
-                if group["eigenbasis"] == "eigh" or first:
+                if mode == "qr":
+                    q_new, ok = _matrix.qr_algorithm_step(a, q, group["epsilon"])
+                elif mode == "eigh" or first:
                     q_new, ok = _matrix.eigenbasis(a)
-                    perm = None
-                else:
+                else:  # "qr-eigh-start" after its first refresh
                     q_new, perm, ok = _matrix.qr_power_step(a, q)
             except torch.linalg.LinAlgError:
                 q_new, perm, ok = q, None, torch.zeros((), dtype=torch.bool)

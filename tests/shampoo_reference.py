@@ -1,4 +1,5 @@
-"""A small, readable float64 Shampoo/SOAP written directly from issue 4's formulas.
+"""A small, readable float64 Shampoo/SOAP written directly from issue 4's formulas (SOAP's
+``eigenbasis="qr"``: Meta's DefaultSOAPConfig, from its source).
 
 It shares no code with ``dist_optim``: one parameter at a time, full tensors, plain loops, roots
 always by ``eigh`` (the iterative methods of the optimizer compute the same root inverse, so the
@@ -68,9 +69,21 @@ def root_inverse(a: torch.Tensor, eps: float, exponent: float) -> torch.Tensor:
     return q @ torch.diag(lam ** (-exponent)) @ q.T
 
 
-def qr_refresh(a: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort Q's columns by diag(Q^T A Q) (decreasing), then B = Q^T A Q, Q'R = qr(B), Q <- Q Q'
-    with R's diagonal made positive. Returns (new Q, the sort permutation)."""
+def qr_algorithm_refresh(a: torch.Tensor, q: torch.Tensor, eps: float) -> torch.Tensor:
+    """Meta's DefaultSOAPConfig refresh (QREigendecompositionConfig(max_iterations=1), read in
+    facebookresearch/optimizers' matrix_functions.qr_algorithm): B = Q^T (A + eps I) Q,
+    Q'R = qr(B), Q <- Q Q', columns in increasing order of diag(R Q') (stable sort), signs as
+    the QR gives them. Meta skips the QR when B is exactly diagonal; its QR is then Q' = I anyway."""
+    b = q.T @ (a + eps * torch.eye(a.shape[0], dtype=a.dtype)) @ q
+    qb, r = torch.linalg.qr(b)
+    estimates = torch.diagonal(r @ qb)
+    return (q @ qb)[:, torch.argsort(estimates, stable=True)]
+
+
+def qr_power_refresh(a: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vyas et al.'s refresh after their first (eigh) one: sort Q's columns by diag(Q^T A Q)
+    (decreasing), then B = Q^T A Q, Q'R = qr(B), Q <- Q Q' with R's diagonal made positive.
+    Returns (new Q, the sort permutation)."""
     order = torch.argsort(torch.diagonal(q.T @ a @ q), descending=True, stable=True)
     q = q[:, order]
     b = q.T @ a @ q
@@ -200,10 +213,12 @@ class ReferenceShampoo:
             st.setdefault(f"{key}basis{k}", torch.eye(g.shape[k], dtype=torch.float64))
             if refresh:
                 a = st[f"{key}factor{k}"] / corr
-                if self.basis_mode == "eigh" or t == self.start:
+                if self.basis_mode == "qr":  # S is not permuted: Meta's keeps it per column
+                    st[f"{key}basis{k}"] = qr_algorithm_refresh(a, st[f"{key}basis{k}"], eps)
+                elif self.basis_mode == "eigh" or t == self.start:
                     st[f"{key}basis{k}"] = eig_desc(a)[1]
-                else:
-                    st[f"{key}basis{k}"], perm = qr_refresh(a, st[f"{key}basis{k}"])
+                else:  # "qr-eigh-start"
+                    st[f"{key}basis{k}"], perm = qr_power_refresh(a, st[f"{key}basis{k}"])
                     s = s.index_select(k, perm)
         qs = [st[f"{key}basis{k}"] for k in range(order)]
 

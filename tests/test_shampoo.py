@@ -136,6 +136,14 @@ SEMANTICS = {
         start_preconditioning_step=4,
         betas=(0.9, 0.95),
     ),
+    "soap-qr-eigh-start": dict(
+        eigenvalue_correction=True,
+        eigenbasis="qr-eigh-start",
+        epsilon=1e-8,
+        max_preconditioner_dim=4,
+        start_preconditioning_step=4,
+        betas=(0.9, 0.95),
+    ),
 }
 # The iterative roots stop at an error of 1e-10 in float64; everything else is the same formula.
 TOLERANCE = {"coupled-newton": 1e-6, "higher-order": 1e-6}
@@ -185,6 +193,157 @@ def _check_against_reference(name: str, **overrides: object) -> dist_optim.Distr
     if kwargs.get("max_preconditioner_dim", 1024) <= 4:
         assert any(k.startswith("block1.") for k in opt.state[model.conv.weight])
     return opt
+
+
+# ---- SOAP with eigenbasis="qr": Meta's DefaultSOAPConfig -----------------------------------------
+# Meta's refresh (shampoo_reference.qr_algorithm_refresh) sorts the columns by estimated eigenvalue
+# and keeps the second moment per column. A factor that is singular at a refresh has a null space
+# whose estimates all equal epsilon: rounding orders them, and so decides which second moment each
+# of those columns gets. With the first refresh at step 2 (start = precondition_frequency = 2,
+# rank-2 factors) the reference itself moves by 2e5 times the bound below when its gradients get
+# relative noise of 1e-15 (measured). From step 4 on, the factors of these blocks (at most 4 x 4)
+# are full rank and the same noise moves the reference by at most 7.4e-7 of the bound (params and
+# state, three noise draws per case, epsilon 1e-8 and Meta's default 1e-12 alike): the bound has a
+# margin of 10^6 over that floor.
+SOAP_QR_META = {
+    "pf2-start4": dict(betas=(0.9, 0.95), epsilon=1e-8),
+    "pf2-start4-eps1e-12-l2": dict(epsilon=1e-12, weight_decay=0.1, use_decoupled_weight_decay=False),
+}
+SOAP_QR_COMMON = dict(
+    lr=0.05,
+    eigenvalue_correction=True,
+    eigenbasis="qr",
+    max_preconditioner_dim=4,
+    precondition_frequency=2,
+    start_preconditioning_step=4,
+)
+
+
+def _elementwise_excess(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5, atol_frac: float = 1e-7) -> float:
+    """``max |a - b| / (rtol |b| + atol)``, ``atol = atol_frac * max |b|``: at most 1 where ``a``
+    matches ``b`` element-wise."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max() if b.numel() else torch.zeros((), dtype=torch.float64)
+    if float(scale) == 0.0:
+        return 0.0 if torch.equal(a, b) else math.inf
+    return ((a - b).abs() / (rtol * b.abs() + atol_frac * scale)).max().item()
+
+
+@pytest.mark.parametrize("name", list(SOAP_QR_META))
+def test_soap_qr_follows_metas_default_soap(name: str) -> None:
+    """Params and every state tensor after every step, element-wise against the float64 reference
+    of Meta's semantics; the bases change exactly at the refresh steps of each parameter."""
+    kwargs = {**SOAP_QR_COMMON, **SOAP_QR_META[name]}
+    model = _model()
+    params = list(model.parameters())
+    opt = dist_optim.DistributedShampoo(params, preconditioner_dtype=torch.float64, **kwargs)
+    ref = ReferenceShampoo(params, **kwargs)
+    watched = {"fc1.weight": model.fc1.weight, "fc2.weight": model.fc2.weight}
+    changed: dict[str, list[int]] = {n: [] for n in watched}
+    for step in range(1, STEPS + 1):
+        before = {n: opt.state[w].get("block0.basis0") for n, w in watched.items()}
+        before = {n: None if q is None else q.clone() for n, q in before.items()}
+        idx, target = _batch(step - 1)
+        opt.zero_grad(set_to_none=True)
+        ((model(idx) - target) ** 2).sum().backward()
+        if step - 1 == NONE_STEP:
+            model.fc2.weight.grad = None
+        opt.step()
+        ref.step([None if p.grad is None else p.grad.clone() for p in params])
+        for i, (p, rp) in enumerate(zip(params, ref.params)):
+            err = _elementwise_excess(p, rp)
+            assert err <= 1, f"{name}: step {step} param {i} exceeds the bound {err:.3g}x"
+        for i, (state, rstate) in enumerate(zip(opt.full_state(), ref.state)):
+            assert set(state) == set(rstate), f"param {i}: {sorted(state)} != {sorted(rstate)}"
+            for key, expected in rstate.items():
+                if key == "step" or key.endswith("failures"):
+                    assert float(state[key]) == float(expected), key
+                    continue
+                err = _elementwise_excess(state[key], expected)
+                assert err <= 1, f"{name}: step {step} param {i} state {key} exceeds the bound {err:.3g}x"
+        for n, w in watched.items():
+            now = opt.state[w]["block0.basis0"]
+            if before[n] is None:  # made in the first step: the identity
+                assert torch.equal(now, torch.eye(now.shape[0], dtype=now.dtype)), n
+            elif not torch.equal(before[n], now):
+                changed[n].append(step)
+    # Refreshes at t = 4, 6, 8; fc2.weight has no gradient at step 3, so its t lags by one.
+    assert changed == {"fc1.weight": [4, 6, 8], "fc2.weight": [5, 7]}, changed
+    assert opt.root_failures() == 0
+
+
+def test_soap_qr_is_adam_before_the_first_refresh() -> None:
+    """Identity bases until the first refresh: SOAP is then Adam on the raw gradient."""
+    lr, betas, eps = 0.05, (0.9, 0.95), 1e-8
+    model = _model()
+    params = list(model.parameters())
+    adam_params = [nn.Parameter(p.detach().clone()) for p in params]
+    soap = dist_optim.DistributedShampoo(
+        params,
+        lr=lr,
+        betas=betas,
+        epsilon=eps,
+        precondition_frequency=3,
+        eigenvalue_correction=True,
+        eigenbasis="qr",
+        preconditioner_dtype=torch.float64,
+    )
+    adam = torch.optim.Adam(adam_params, lr=lr, betas=betas, eps=eps)
+    for step in range(1, 4):
+        idx, target = _batch(step - 1)
+        soap.zero_grad(set_to_none=True)
+        ((model(idx) - target) ** 2).sum().backward()
+        for p, q in zip(params, adam_params):
+            q.grad = p.grad.clone()
+        soap.step()
+        adam.step()
+        if step < 3:
+            for p in params:
+                for key, value in soap.state[p].items():
+                    if ".basis" in key:
+                        assert torch.equal(value, torch.eye(value.shape[0], dtype=value.dtype)), (step, key)
+            for p, q in zip(params, adam_params):
+                # sqrt(V / c) against Adam's sqrt(V) / sqrt(c): the same value up to rounding.
+                torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    # Step 3 refreshed the bases (the first QR step from the identity): no longer Adam.
+    assert max(_rel(p, q) for p, q in zip(params, adam_params)) > 1e-6
+
+
+def test_soap_qr_refresh_is_one_qr_step_from_the_previous_basis() -> None:
+    """Each refresh, computed directly: ``B = Q^T (A + eps I) Q``, ``Q'R = qr(B)``, ``Q <- Q Q'``,
+    columns by increasing ``diag(R Q')``; the second moment is not permuted with them."""
+    b1, b2, eps = 0.9, 0.95, 1e-8
+    gen = torch.Generator().manual_seed(3)
+    w = nn.Parameter(torch.randn(5, 4, generator=gen, dtype=torch.float64))
+    opt = dist_optim.DistributedShampoo(
+        [w],
+        lr=0.05,
+        betas=(b1, b2),
+        epsilon=eps,
+        precondition_frequency=2,
+        eigenvalue_correction=True,
+        eigenbasis="qr",
+        preconditioner_dtype=torch.float64,
+    )
+    state = opt.state
+    for t in range(1, 8):
+        w.grad = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+        prev = [state[w][f"block0.basis{k}"].clone() for k in range(2)] if t > 1 else [torch.eye(5), torch.eye(4)]
+        prev = [q.double() for q in prev]
+        s_prev = state[w]["block0.exp_avg_sq"].clone() if t > 1 else torch.zeros(5, 4, dtype=torch.float64)
+        opt.step()
+        new = [state[w][f"block0.basis{k}"] for k in range(2)]
+        for k in range(2):
+            if t % 2:  # no refresh
+                assert torch.equal(new[k], prev[k]), (t, k)
+                continue
+            a = state[w][f"block0.factor{k}"] / (1 - b2**t) + eps * torch.eye(new[k].shape[0], dtype=torch.float64)
+            q_step, r = torch.linalg.qr(prev[k].T @ a @ prev[k])
+            expected = (prev[k] @ q_step)[:, torch.argsort(torch.diagonal(r @ q_step), stable=True)]
+            torch.testing.assert_close(new[k], expected, rtol=1e-10, atol=1e-12)
+            assert not torch.allclose(new[k], prev[k])
+        rotated = new[0].T @ w.grad @ new[1]
+        torch.testing.assert_close(state[w]["block0.exp_avg_sq"], b2 * s_prev + (1 - b2) * rotated**2)
 
 
 # Shampoo (not SOAP: its update depends on the last bits of degenerate factors, see _moments)
