@@ -257,8 +257,8 @@ def _validate(group: Mapping[str, Any]) -> None:
     if group["clip_threshold"] <= 0:
         raise ValueError(f"clip_threshold must be > 0, got {group['clip_threshold']}")
     decay = group["decay_rate"]
-    if not isinstance(decay, (int, float)) or isinstance(decay, bool) or decay > 0:
-        raise ValueError(f"decay_rate must be a number <= 0, got {decay!r}")
+    if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not -math.inf < decay <= 0:
+        raise ValueError(f"decay_rate must be a finite number <= 0, got {decay!r}")
     if group["beta1"] is not None:
         check_range("beta1", group["beta1"], 0.0, 1.0)
     check_range("weight_decay", group["weight_decay"], 0.0)

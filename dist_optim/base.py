@@ -16,6 +16,7 @@ Two ways to bind:
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -29,16 +30,32 @@ from .layout import ParamLayout, TPSplit, ZeroShard, local_layout, read_tp_dim
 __all__ = ["DistOptimizer", "check_range", "check_adam_options"]
 
 
-def check_range(name: str, value: float, low: float, high: float | None = None, *, closed_high: bool = False) -> None:
-    """Raise a ValueError naming ``name`` unless ``low <= value < high`` (or ``<= high``)."""
+def check_range(
+    name: str,
+    value: float,
+    low: float,
+    high: float | None = None,
+    *,
+    closed_high: bool = False,
+    open_low: bool = False,
+) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a finite number with ``low <= value``
+    (``low < value`` with ``open_low``) and ``value < high`` (``<= high`` with ``closed_high``).
+    Infinity and NaN are refused whatever the bounds: an ``lr=inf`` step turns every parameter
+    into NaN or Inf."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    ok = value >= low
+    ok = math.isfinite(value) and (value > low if open_low else value >= low)
     if high is not None:
         ok = ok and (value <= high if closed_high else value < high)
     if not ok:
-        bound = f"[{low}, {high}{']' if closed_high else ')'}" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+        lower = f"({low}" if open_low else f"[{low}"
+        bound = (
+            f"in {lower}, {high}{']' if closed_high else ')'}"
+            if high is not None
+            else f"{'>' if open_low else '>='} {low}"
+        )
+        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
 
 
 def check_adam_options(**options: Any) -> None:

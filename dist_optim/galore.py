@@ -950,8 +950,9 @@ def _validate_galore_group(group: Mapping[str, Any]) -> None:
     gap = group["update_proj_gap"]
     if not isinstance(gap, int) or isinstance(gap, bool) or gap < 1:
         raise ValueError(f"DistributedGaLore: update_proj_gap must be a positive int, got {gap!r}")
-    if not isinstance(group["scale"], (int, float)) or isinstance(group["scale"], bool):
-        raise ValueError(f"DistributedGaLore: scale must be a number, got {group['scale']!r}")
+    scale = group["scale"]
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"DistributedGaLore: scale must be a finite number, got {scale!r}")
     if group["proj_type"] not in PROJ_TYPES:
         raise ValueError(f"DistributedGaLore: proj_type must be one of {PROJ_TYPES}, got {group['proj_type']!r}")
 

@@ -178,13 +178,11 @@ _COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    check_range(name, value, 0.0, open_low=True)
 
 
 def _check_beta2(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    check_range(name, value, 0.0, 1.0, open_low=True, closed_high=True)
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
@@ -1324,8 +1322,8 @@ def _validate_group(group: dict[str, Any]) -> None:
             f"RMSpropGraftingConfig, AdamGraftingConfig; got {graft!r}"
         )
     override = group["exponent_override"]
-    if isinstance(override, bool) or not isinstance(override, (int, float)) or override < 0:
-        raise ValueError(f"exponent_override must be a number >= 0 (0: 2 * order), got {override!r}")
+    if isinstance(override, bool) or not isinstance(override, (int, float)) or not 0 <= override < math.inf:
+        raise ValueError(f"exponent_override must be a finite number >= 0 (0: 2 * order), got {override!r}")
     _check_positive("exponent_multiplier", group["exponent_multiplier"])
     if group["root_inverse"] != "eigh" and not group["eigenvalue_correction"]:
         if group["exponent_multiplier"] != 1.0 or float(override) != int(override):
