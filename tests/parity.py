@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,29 +105,39 @@ def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any]) -> list[dic
     return [{"params": mats}, {"params": vecs, "lr": lr * 0.5}]
 
 
-def _make(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor]) -> Any:
+def make(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor]) -> Any:
     options = {k: v for k, v in kwargs.items() if k != MATRIX_GROUP}
     return cls(param_groups(params, kwargs), **options)
 
 
-def _run(opt: Any, params: list[torch.Tensor], local_grad: Any) -> None:
+def set_grads(params: list[torch.Tensor], step: int, local_grad: Any) -> None:
+    """Give ``params`` this rank's pieces (``local_grad(i, full_grad)``) of step ``step``'s gradients."""
+    for i, (p, g) in enumerate(zip(params, full_grads(step))):
+        p.grad = None if g is None else local_grad(i, g)
+
+
+def _run(opt: Any, params: list[torch.Tensor], local_grad: Any, skip: Collection[int] = ()) -> None:
     for step in range(STEPS):
-        for i, (p, g) in enumerate(zip(params, full_grads(step))):
-            p.grad = None if g is None else local_grad(i, g)
-        opt.step()
+        if step not in skip:
+            set_grads(params, step, local_grad)
+            opt.step()
 
 
-def reference(cls: type, kwargs: dict[str, Any], precision: str) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+def reference(
+    cls: type, kwargs: dict[str, Any], precision: str, skip: Collection[int] = ()
+) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """The single-device run on the full tensors; the steps in ``skip`` are never taken (their
+    gradients are never seen)."""
     params = [p.clone() for p in full_params(precision)]
-    opt = _make(cls, kwargs, params)
+    opt = make(cls, kwargs, params)
     with warnings.catch_warnings():
         # The single-device run inside a multi-process job warns that it is unbound: on purpose.
         warnings.simplefilter("ignore")
-        _run(opt, params, lambda i, g: g.clone())
-    return params, _ordered_state(opt, params)
+        _run(opt, params, lambda i, g: g.clone(), skip)
+    return params, ordered_state(opt, params)
 
 
-def _ordered_state(opt: Any, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+def ordered_state(opt: Any, params: list[torch.Tensor]) -> list[dict[str, Any]]:
     """full_state() is in param_groups order; return it in SPECS order."""
     order = [p for g in opt.param_groups for p in g["params"]]
     states = opt.full_state()
@@ -155,10 +166,11 @@ def _zero_chunk(t: torch.Tensor, dp: int, rank: int) -> torch.Tensor:
     return flat.chunk(dp)[rank]
 
 
-def distributed(
+def build(
     cls: type, kwargs: dict[str, Any], tp: int, dp: int, zero: int, precision: str
-) -> tuple[Any, list[torch.Tensor], list[Any]]:
-    """Build this rank's pieces, bind through setup_distributed, run the steps."""
+) -> tuple[Any, list[torch.Tensor], list[Any], Callable[[int, torch.Tensor], torch.Tensor]]:
+    """This rank's pieces (masters) and the optimizer bound to them through setup_distributed,
+    their TP split dims, and ``local_grad(i, full_grad)``: this rank's piece of param i's gradient."""
     tp_group, dp_group = grid_groups(tp, dp)
     tp_rank = dist.get_rank(tp_group)
     dp_rank = dist.get_rank(dp_group)
@@ -184,7 +196,7 @@ def distributed(
         else:
             master = working
         masters.append(master)
-    opt = _make(cls, kwargs, masters)
+    opt = make(cls, kwargs, masters)
     opt.setup_distributed(
         tp_group,
         dp_group,
@@ -198,8 +210,22 @@ def distributed(
         piece = _tp_slice(g, dims[i], tp, tp_rank)
         return _zero_chunk(piece, dp, dp_rank).clone() if is_zero else piece.clone()
 
+    return opt, masters, dims, local_grad
+
+
+def distributed(
+    cls: type, kwargs: dict[str, Any], tp: int, dp: int, zero: int, precision: str
+) -> tuple[Any, list[torch.Tensor], list[Any]]:
+    """Build this rank's pieces, bind through setup_distributed, run the steps."""
+    opt, masters, dims, local_grad = build(cls, kwargs, tp, dp, zero, precision)
     _run(opt, masters, local_grad)
     return opt, masters, dims
+
+
+def full_result(opt: Any, masters: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """The full params and full optimizer state (in SPECS order) of a bound run (collective)."""
+    full = comm.gather_full([(opt.layout(p), p) for p in masters])
+    return full, ordered_state(opt, masters)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
@@ -250,7 +276,5 @@ def parity_worker(
         for tp, dp, zero in layouts or LAYOUTS:
             label = f"[tp={tp} dp={dp} zero={zero} {precision}]"
             opt, masters, _ = distributed(cls, kwargs, tp, dp, zero, precision)
-            layouts_ = [opt.layout(p) for p in masters]
-            full = comm.gather_full(list(zip(layouts_, masters)))
-            failures += compare(label, full, _ordered_state(opt, masters), ref_params, ref_states)
+            failures += compare(label, *full_result(opt, masters), ref_params, ref_states)
     return failures
