@@ -342,10 +342,10 @@ class FactoredOptimizer(DistOptimizer):
     """Base of the factored optimizers (Adafactor, CAME): caches each parameter's
     :class:`FactoredLayout` (``None`` for vectors), rebuilt when the optimizer is re-bound."""
 
-    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+    def __init__(self, params: Any, defaults: dict[str, Any], *, nonfinite: str = "raise") -> None:
         self._factored: dict[torch.Tensor, FactoredLayout | None] = {}
         self._scratch = torch.empty(0, dtype=torch.float32)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         """The optimizer's own option checks for one group (ValueError/TypeError)."""

@@ -40,8 +40,10 @@ the parameter's local form.
 Distributed (see :mod:`dist_optim._factored`): the row/column statistics, RMS(W) and RMS(U)
 are those of the full tensor. A step issues two flushes of one :class:`~dist_optim.comm.SumBucket`
 (the statistics and RMS(W) of every parameter, then RMS(U) of every parameter): at most one
-all-reduce per process group and flush, whatever the number of parameters. No gradient is
-gathered and there is no host sync (``step`` is a CPU scalar, as in torch).
+all-reduce per process group and flush, whatever the number of parameters, plus the NaN/Inf
+check's flag (one all-reduce over the job and one host read, unless ``nonfinite="ignore"``; see
+:class:`~dist_optim.base.DistOptimizer`). No gradient is gathered and there is no other host sync
+(``step`` is a CPU scalar, as in torch).
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class DistributedAdafactor(FactoredOptimizer):
         warmup_init: the cap grows as ``1e-6 t`` (transformers; requires ``relative_step``).
         variant: ``"transformers"`` or ``"torch"``, which implementation to reproduce.
         maximize: maximise the objective (negate the gradient), as torch's ``maximize``.
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
+            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
 
     _sharded_state = ("exp_avg", "variance")
@@ -116,6 +120,7 @@ class DistributedAdafactor(FactoredOptimizer):
         *,
         variant: str = "transformers",
         maximize: bool = False,
+        nonfinite: str = "raise",
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -144,7 +149,7 @@ class DistributedAdafactor(FactoredOptimizer):
             maximize=bool(maximize),
         )
         _validate(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _validate(group)
@@ -163,6 +168,8 @@ class DistributedAdafactor(FactoredOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
+        if not self._gradients_ok():
+            return loss
 
         stats = SumBucket()
         items = self._items(stats)
@@ -257,8 +264,8 @@ def _validate(group: Mapping[str, Any]) -> None:
     if group["clip_threshold"] <= 0:
         raise ValueError(f"clip_threshold must be > 0, got {group['clip_threshold']}")
     decay = group["decay_rate"]
-    if not isinstance(decay, (int, float)) or isinstance(decay, bool) or decay > 0:
-        raise ValueError(f"decay_rate must be a number <= 0, got {decay!r}")
+    if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not -math.inf < decay <= 0:
+        raise ValueError(f"decay_rate must be a finite number <= 0, got {decay!r}")
     if group["beta1"] is not None:
         check_range("beta1", group["beta1"], 0.0, 1.0)
     check_range("weight_decay", group["weight_decay"], 0.0)

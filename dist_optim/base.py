@@ -12,10 +12,17 @@ Two ways to bind:
 * :meth:`DistOptimizer.setup_distributed` implements ColossalAI's positional contract
   ``setup_distributed(tp_group, dp_group, shard_to_working_param, padding_map, is_zero)`` and
   builds the layouts from it, avoiding the traps listed in DESIGN.md §2.
+
+NaN/Inf gradients: every optimizer checks its gradients before a step changes anything, under one
+policy (``nonfinite``, see :meth:`DistOptimizer._gradients_ok`): ``"raise"`` (default) raises
+``FloatingPointError`` naming the parameter, ``"skip"`` skips the whole step (counted in
+``skipped_steps``), ``"ignore"`` does not look. Bound, the decision is the whole job's: a bad
+gradient in one rank's shard stops or skips the step on every rank.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -23,22 +30,50 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import gather_full, group_rank, group_size
+from .comm import SumBucket, all_gather_objects, gather_full, group_rank, group_size
 from .layout import ParamLayout, TPSplit, ZeroShard, local_layout, read_tp_dim
 
-__all__ = ["DistOptimizer", "check_range", "check_adam_options"]
+__all__ = ["DistOptimizer", "NONFINITE_POLICIES", "check_range", "check_adam_options", "check_nonfinite_policy"]
+
+#: What a step does with a NaN/Inf gradient (see :meth:`DistOptimizer._gradients_ok`).
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+_NARROW = (torch.float16, torch.bfloat16)
 
 
-def check_range(name: str, value: float, low: float, high: float | None = None, *, closed_high: bool = False) -> None:
-    """Raise a ValueError naming ``name`` unless ``low <= value < high`` (or ``<= high``)."""
+def check_range(
+    name: str,
+    value: float,
+    low: float,
+    high: float | None = None,
+    *,
+    closed_high: bool = False,
+    open_low: bool = False,
+) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a finite number with ``low <= value``
+    (``low < value`` with ``open_low``) and ``value < high`` (``<= high`` with ``closed_high``).
+    Infinity and NaN are refused whatever the bounds: an ``lr=inf`` step turns every parameter
+    into NaN or Inf."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    ok = value >= low
+    ok = math.isfinite(value) and (value > low if open_low else value >= low)
     if high is not None:
         ok = ok and (value <= high if closed_high else value < high)
     if not ok:
-        bound = f"[{low}, {high}{']' if closed_high else ')'}" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+        lower = f"({low}" if open_low else f"[{low}"
+        bound = (
+            f"in {lower}, {high}{']' if closed_high else ')'}"
+            if high is not None
+            else f"{'>' if open_low else '>='} {low}"
+        )
+        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
+
+
+def check_nonfinite_policy(value: Any) -> str:
+    """``value`` if it is one of :data:`NONFINITE_POLICIES`, else a ValueError naming the option."""
+    if not isinstance(value, str) or value not in NONFINITE_POLICIES:
+        allowed = ", ".join(repr(v) for v in NONFINITE_POLICIES)
+        raise ValueError(f"nonfinite must be one of {allowed}, got {value!r}")
+    return value
 
 
 def check_adam_options(**options: Any) -> None:
@@ -59,9 +94,26 @@ def check_adam_options(**options: Any) -> None:
 
 
 class DistOptimizer(torch.optim.Optimizer):
-    """Base of all dist_optim optimizers: param→layout binding and parameter iteration."""
+    """Base of all dist_optim optimizers: param→layout binding, parameter iteration and the NaN/Inf
+    gradient policy.
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+    ``nonfinite`` (every optimizer's keyword, also settable on the instance later): what a step
+    does when a gradient holds NaN or Inf, checked before anything changes:
+
+    * ``"raise"`` (default): ``FloatingPointError`` naming the parameter(s), on every rank;
+    * ``"skip"``: the step is not taken: parameters, state, step counters and random generators
+      are left as they were, and :attr:`skipped_steps` counts it (saved in :meth:`extra_state`);
+    * ``"ignore"``: no check, no host read, no collective (NaN/Inf then spread into the state
+      and parameters, as in the reference implementations).
+    """
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, nonfinite: str = "raise") -> None:
+        self._nonfinite = check_nonfinite_policy(nonfinite)
+        #: Steps skipped because a gradient held NaN or Inf (``nonfinite="skip"``).
+        self.skipped_steps = 0
+        #: Model name of each parameter this optimizer steps (the dist_optim plugins record them at
+        #: boost): checkpoints and error messages name parameters by it.
+        self.param_names: dict[torch.Tensor, str] = {}
         super().__init__(params, defaults)
         self._layouts: dict[torch.Tensor, ParamLayout] = {}
         self.dp_group: Any = None
@@ -69,6 +121,15 @@ class DistOptimizer(torch.optim.Optimizer):
         self._warned_unbound = False
         # Set by dist_optim.plugins while ColossalAI configures (see setup_distributed).
         self._plugin_binds = False
+
+    @property
+    def nonfinite(self) -> str:
+        """The NaN/Inf gradient policy: ``"raise"``, ``"skip"`` or ``"ignore"`` (class docstring)."""
+        return self._nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, value: str) -> None:
+        self._nonfinite = check_nonfinite_policy(value)
 
     # ---- binding ------------------------------------------------------------------------
     @property
@@ -239,6 +300,77 @@ class DistOptimizer(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
+    def _gradients_ok(self) -> bool:
+        """The NaN/Inf check of :attr:`nonfinite`, made by every ``step`` before it changes anything:
+        True to take the step; False to skip it (``"skip"``, counted); raises under ``"raise"``.
+
+        Each rank sums the magnitudes of each gradient it holds (one multi-tensor reduction, at
+        least fp32; NaN and Inf propagate through sums) and, when bound, one flag is summed over
+        the whole job: one all-reduce over the default process group (every process of a job
+        steps its optimizer, as ColossalAI's plugins do), so that every rank, pipeline stages and
+        data-parallel replicas included, takes the same decision and none is left waiting in a
+        later collective. Then one host read of the flag. Only when the flag is set (the step is
+        lost anyway) the exact per-element check runs and every rank learns every rank's bad
+        parameters (one ``all_gather_object``); a sum that overflowed on finite values (gradients
+        near the dtype's maximum) is then seen for what it is and the step goes on.
+        """
+        if self._nonfinite == "ignore":
+            return True
+        grads: list[torch.Tensor] = []
+        params: list[torch.Tensor] = []
+        for group in self.param_groups:
+            ps, gs = self._grads(group)
+            params += ps
+            grads += gs
+        device = grads[0].device if grads else next(iter(self._all_params()), torch.empty(0)).device
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for g in grads:
+            kinds.setdefault((g.dtype, g.device), []).append(g.detach())
+        for (dtype, _), gs in kinds.items():
+            # fp16/bf16 sums in fp32 (an fp16 sum overflows at 65504); fp32/fp64 in their own dtype
+            # (torch refuses to narrow fp64).
+            sums = torch._foreach_norm(gs, 1, dtype=torch.float32 if dtype in _NARROW else None)
+            flag += (~torch.isfinite(torch.stack(sums))).any().to(device)
+        distributed = self.is_bound and group_size(None) > 1
+        if distributed:
+            check = SumBucket()
+            check.add(flag, (None,))  # None: the default process group, i.e. the whole job
+            check.flush()
+        if not bool(flag.item() > 0):
+            return True
+        bad = [self.param_label(p) for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())]
+        if distributed:
+            every = all_gather_objects(bad)
+            bad = [f"{label} on rank {rank}" for rank, labels in enumerate(every) for label in labels]
+        if not bad:
+            return True  # finite gradients whose fp32 sum of magnitudes overflowed
+        if self._nonfinite == "skip":
+            self.skipped_steps += 1
+            return False
+        shown = "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise FloatingPointError(
+            f"{type(self).__name__}: the gradient of {shown} contains NaN or Inf; the step was not taken and "
+            "nothing changed. Lower the learning rate or clip gradients, or choose another policy: "
+            "nonfinite='skip' skips such steps (counted in skipped_steps), nonfinite='ignore' does not check "
+            "(pass it to the constructor or set optimizer.nonfinite)"
+        )
+
+    def param_label(self, param: torch.Tensor) -> str:
+        """How messages name ``param``: its model name (:attr:`param_names`, or a ``param_names``
+        list in its param group), else its position and full shape."""
+        name = self.param_names.get(param)
+        if name:
+            return f"parameter {name!r}"
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is param:
+                    names = group.get("param_names")
+                    if names is not None and i < len(names):
+                        return f"parameter {names[i]!r}"
+                    return f"parameter #{i} of param group {gi} (shape {self.layout(param).full_shape})"
+        raise KeyError("the parameter is not in this optimizer")
+
     def _grads(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Parameters of ``group`` that have a gradient, and their gradients."""
         params, grads = [], []
@@ -320,9 +452,10 @@ class DistOptimizer(torch.optim.Optimizer):
         return state
 
     def extra_state(self) -> dict[str, Any]:
-        """Optimizer-level state beyond per-parameter state (e.g. random generators); saved in
-        checkpoints next to :meth:`full_state`."""
-        return {}
+        """Optimizer-level state beyond per-parameter state (the skipped-step counter; subclasses
+        add e.g. random generators); saved in checkpoints next to :meth:`full_state`."""
+        return {"skipped_steps": self.skipped_steps}
 
     def load_extra_state(self, extra: dict[str, Any]) -> None:
-        """Inverse of :meth:`extra_state`."""
+        """Inverse of :meth:`extra_state` (a checkpoint without the counter restores it as 0)."""
+        self.skipped_steps = int(extra.get("skipped_steps", 0))

@@ -24,7 +24,9 @@ State keys: ``step``, ``exp_avg``; ``row_var``/``col_var`` (second moment) and
 
 Distributed: every statistic is that of the full tensor. A step flushes three
 :class:`~dist_optim.comm.SumBucket` s, shared by all parameters: second-moment statistics, RMS(U),
-confidence statistics (at most one all-reduce per process group each).
+confidence statistics (at most one all-reduce per process group each), plus the NaN/Inf check's
+flag (one all-reduce over the job and one host read, unless ``nonfinite="ignore"``; see
+:class:`~dist_optim.base.DistOptimizer`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class DistributedCAME(FactoredOptimizer):
         clip_threshold: update clipping threshold on RMS(U), > 0.
         betas: ``(b1, b2, b3)``: first moment, second moment, confidence, each in [0, 1).
         weight_decay: decoupled weight decay, applied as ``W <- W - lr weight_decay W``.
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
+            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
 
     _sharded_state = ("exp_avg", "variance")
@@ -78,6 +82,8 @@ class DistributedCAME(FactoredOptimizer):
         clip_threshold: float = 1.0,
         betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
         weight_decay: float = 0.0,
+        *,
+        nonfinite: str = "raise",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -87,7 +93,7 @@ class DistributedCAME(FactoredOptimizer):
             weight_decay=weight_decay,
         )
         _validate(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _validate(group)
@@ -103,6 +109,8 @@ class DistributedCAME(FactoredOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
+        if not self._gradients_ok():
+            return loss
 
         # Phase 1: this step's second-moment statistics of every parameter, one flush.
         stats = SumBucket()

@@ -52,6 +52,8 @@ matrix.
   :class:`~dist_optim.comm.SumBucket` (one all-reduce per group). The low-rank moments are then the
   same full tensors on every rank (replicated, layout-independent state), and the back-projection
   gives each rank exactly its own elements. No full gradient is gathered between refreshes.
+* Before anything changes, the NaN/Inf check's flag: one all-reduce over the job and one host read
+  per step, unless ``nonfinite="ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
 
 Deviations from galore_torch (all deliberate):
 
@@ -267,6 +269,8 @@ class DistributedGaLore(DistOptimizer):
         projector_dtype: storage dtype of the projectors. ``None``: ``torch.float16`` with
             ``optim_bits=8`` (see the module docstring), else the gradient's dtype, as galore_torch.
             Projections always multiply in the gradient's dtype.
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
+            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
 
     #: Moments of plain-AdamW params are param-shaped; GaLore params' states are full-form.
@@ -286,6 +290,8 @@ class DistributedGaLore(DistOptimizer):
         adam_style: str | None = None,
         args: Any = None,
         projector_dtype: torch.dtype | None = None,
+        *,
+        nonfinite: str = "raise",
     ) -> None:
         if args is not None:
             quant = _quant_args(args)
@@ -315,7 +321,7 @@ class DistributedGaLore(DistOptimizer):
         self._shapes_checked = False
         self._warned_paged = False
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, correct_bias=bool(correct_bias))
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
         if not any("rank" in g for g in self.param_groups):
             warnings.warn(
                 "DistributedGaLore: no parameter group has a 'rank', so GaLore is not applied (plain AdamW); "
@@ -408,6 +414,8 @@ class DistributedGaLore(DistOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
+        if not self._gradients_ok():
+            return loss
         if not self._shapes_checked:
             self._check_shapes()
 
@@ -950,8 +958,9 @@ def _validate_galore_group(group: Mapping[str, Any]) -> None:
     gap = group["update_proj_gap"]
     if not isinstance(gap, int) or isinstance(gap, bool) or gap < 1:
         raise ValueError(f"DistributedGaLore: update_proj_gap must be a positive int, got {gap!r}")
-    if not isinstance(group["scale"], (int, float)) or isinstance(group["scale"], bool):
-        raise ValueError(f"DistributedGaLore: scale must be a number, got {group['scale']!r}")
+    scale = group["scale"]
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"DistributedGaLore: scale must be a finite number, got {scale!r}")
     if group["proj_type"] not in PROJ_TYPES:
         raise ValueError(f"DistributedGaLore: proj_type must be one of {PROJ_TYPES}, got {group['proj_type']!r}")
 

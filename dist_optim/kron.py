@@ -86,9 +86,11 @@ cost model :func:`precond_cost`). The owner keeps the factors. Per step:
 5. each rank applies weight decay and the step to its own piece (``layout.take_local``).
 
 So a step issues at most two gathers and two shares (four collectives), whatever the number of
-parameters. ``communication_dtype`` (default: fp32, exact) sets the precision of both. A parameter
-replicated across the TP group is owned on the TP x data grid too when the optimizer sees exactly
-one TP group among its parameters (ColossalAI's case); otherwise its TP replicas compute it
+parameters, plus the NaN/Inf check's flag before anything changes (one all-reduce over the job and
+one host read, unless ``nonfinite="ignore"``; see :class:`~dist_optim.base.DistOptimizer`).
+``communication_dtype`` (default: fp32, exact) sets the precision of the gathers and shares. A
+parameter replicated across the TP group is owned on the TP x data grid too when the optimizer sees
+exactly one TP group among its parameters (ColossalAI's case); otherwise its TP replicas compute it
 redundantly. :meth:`DistributedKron.full_state` returns every factor in full on every rank.
 
 Limitations: the gathers materialise full-size fp32 copies of the momenta and directions on every
@@ -373,6 +375,9 @@ class DistributedKron(DistOptimizer):
             ``param_names`` (set by the dist_optim plugins at boost) or else its position in
             ``param_groups``: the same probes whatever subset of the model an optimizer holds, so
             a pipeline stage reproduces the single-device run, and only owners draw.
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
+            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`); a skipped step draws no
+            random numbers and leaves the update schedule where it was.
     """
 
     _sharded_state = ("momentum_buffer",)
@@ -397,6 +402,8 @@ class DistributedKron(DistOptimizer):
         seed: int = 42,
         communication_dtype: torch.dtype | None = None,
         probe_rng: str = "sequential",
+        *,
+        nonfinite: str = "raise",
     ) -> None:
         if probe_rng not in PROBE_RNGS:
             raise ValueError(f"probe_rng must be one of {PROBE_RNGS}, got {probe_rng!r}")
@@ -423,11 +430,10 @@ class DistributedKron(DistOptimizer):
             raise ValueError(f"seed must be an int, got {seed!r}")
         if communication_dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"communication_dtype must be None or a float dtype, got {communication_dtype!r}")
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
         self.seed = seed
         self.communication_dtype = communication_dtype
         self.probe_rng = probe_rng
-        self.param_names: dict[torch.Tensor, str] = {}
         self._prob_step = 0
         self._update_counter = 0
         self._balance_rng = random.Random(seed)
@@ -572,6 +578,8 @@ class DistributedKron(DistOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
+        if not self._gradients_ok():
+            return loss
         do_update, balance = self._decide()
 
         work: list[tuple[dict[str, Any], torch.Tensor]] = []
@@ -718,9 +726,11 @@ class DistributedKron(DistOptimizer):
         return {k: v for k, v in state.items() if not k.startswith("Q_")}
 
     def extra_state(self) -> dict[str, Any]:
-        """The step counters of the update decision and the generator states (the same on every
-        rank): with :meth:`full_state` they resume the same trajectory under any layout."""
+        """The skipped-step counter, the step counters of the update decision and the generator
+        states (the same on every rank): with :meth:`full_state` they resume the same trajectory
+        under any layout."""
         return {
+            **super().extra_state(),
             "prob_step": self._prob_step,
             "update_counter": self._update_counter,
             "balance_rng": self._balance_rng.getstate(),
@@ -728,6 +738,7 @@ class DistributedKron(DistOptimizer):
         }
 
     def load_extra_state(self, extra: dict[str, Any]) -> None:
+        super().load_extra_state(extra)
         self._prob_step = int(extra["prob_step"])
         self._update_counter = int(extra["update_counter"])
         self._balance_rng.setstate(extra["balance_rng"])

@@ -18,8 +18,9 @@ scaling function ``phi`` is the identity, or a clamp at ``clamp_value`` (torch_o
 Distributed: the two norms are of the *full* parameter and update. Each rank squares and sums the
 elements it holds (a TP slice, a ZeRO chunk, or both); the sums of all parameters of the step are
 all-reduced in one collective per process group (see :class:`dist_optim.comm.SumBucket`), so a
-step issues at most one all-reduce per group, whatever the number of parameters. No ``.item()``:
-the trust ratio stays a tensor.
+step issues at most one all-reduce per group, whatever the number of parameters, plus the NaN/Inf
+check's flag (one all-reduce over the job and one host read, unless ``nonfinite="ignore"``; see
+:class:`~dist_optim.base.DistOptimizer`). No other ``.item()``: the trust ratio stays a tensor.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class DistributedLamb(DistOptimizer):
         clamp_value: if set, ``||w||`` is clamped to ``[0, clamp_value]`` before the ratio.
         foreach: multi-tensor (foreach) kernels; ``None`` (default) uses them on accelerators and a
             per-tensor loop on the CPU, as torch's optimizers do. The result is the same.
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
+            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
 
     _sharded_state = ("exp_avg", "exp_avg_sq")
@@ -66,6 +69,8 @@ class DistributedLamb(DistOptimizer):
         adam: bool = False,
         clamp_value: float | None = None,
         foreach: bool | None = None,
+        *,
+        nonfinite: str = "raise",
     ) -> None:
         _validate(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value)
         defaults = dict(
@@ -78,7 +83,7 @@ class DistributedLamb(DistOptimizer):
             clamp_value=clamp_value,
             foreach=foreach,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         for key in ("lr", "betas", "eps", "weight_decay", "clamp_value"):
@@ -89,6 +94,8 @@ class DistributedLamb(DistOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
+        if not self._gradients_ok():
+            return loss
 
         bucket = SumBucket()
         pending = []

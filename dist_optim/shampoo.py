@@ -71,8 +71,10 @@ Deviations, all stated:
 * ``skip_preconditioning_dim_size_gt`` (Anil et al.) applies per parameter: a parameter with a
   (merged, full) dim above it uses the grafting direction only (SOAP: Adam in the identity basis).
 * A gradient with NaN/Inf raises ``FloatingPointError`` naming the parameter, or with
-  ``nonfinite_grad="skip"`` skips the whole step (nothing changes, ``skipped_steps`` counts it).
-  Detecting it is one host read per step; root refreshes also read scalars (amortised).
+  ``nonfinite="skip"`` skips the whole step (nothing changes, ``skipped_steps`` counts it), the
+  policy every dist_optim optimizer shares (:class:`~dist_optim.base.DistOptimizer`). Detecting it
+  is one host read per step (and, bound, one all-reduce of a flag over the job, before any
+  gradient moves); root refreshes also read scalars (amortised).
 
 Distribution: blocks are defined on the *full* tensor, so TP and ZeRO do not change the math.
 Every block is owned by one rank of its work group by a cost model ``sum_k d_k^3``
@@ -199,13 +201,11 @@ _COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    check_range(name, value, 0.0, open_low=True)
 
 
 def _check_beta2(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    check_range(name, value, 0.0, 1.0, open_low=True, closed_high=True)
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
@@ -341,13 +341,14 @@ class DistributedShampoo(DistOptimizer):
         skip_preconditioning_dim_size_gt: parameters with a dim above this use grafting only.
         inverse_failure_threshold: an iterative root with error above this counts as failed.
         higher_order_degree: order of the ``"higher_order"`` iteration (>= 3; 2 would be Newton).
-        nonfinite_grad: ``"raise"`` or ``"skip"`` on a NaN/Inf gradient.
         max_gather_bytes: when bound, move and finish the parameters in buckets of at most this
             many bytes of full gradients (a parameter larger than that is its own bucket), one
             bucket after the other: caps the transient memory of gathered full gradients (and of
             the owners' block gradients and exchange buffers), at the cost of collectives per
             bucket. None (default): all parameters at once, the fewest collectives. Gradients
-            are checked for NaN/Inf on the local pieces first (one all-reduce per step).
+            are checked for NaN/Inf on the local pieces before any bucket moves (``nonfinite``).
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
+            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
 
     #: Parameters held in pieces move only the pieces their block owners and holders need
@@ -384,8 +385,9 @@ class DistributedShampoo(DistOptimizer):
         skip_preconditioning_dim_size_gt: int | None = None,
         inverse_failure_threshold: float = 0.1,
         higher_order_degree: int = 3,
-        nonfinite_grad: str = "raise",
         max_gather_bytes: int | None = None,
+        *,
+        nonfinite: str = "raise",
     ) -> None:
         if start_preconditioning_step is None:
             start_preconditioning_step = precondition_frequency
@@ -417,15 +419,10 @@ class DistributedShampoo(DistOptimizer):
         _validate_group(defaults)
         if communication_dtype not in _COMM_DTYPES:
             raise ValueError(f"communication_dtype must be one of {_COMM_DTYPES}, got {communication_dtype!r}")
-        if nonfinite_grad not in ("raise", "skip"):
-            raise ValueError(f"nonfinite_grad must be 'raise' or 'skip', got {nonfinite_grad!r}")
         if max_gather_bytes is not None:
             _check_int("max_gather_bytes", max_gather_bytes, 1)
         self.communication_dtype = communication_dtype
         self.max_gather_bytes = max_gather_bytes
-        self.nonfinite_grad = nonfinite_grad
-        #: Steps skipped because a gradient was not finite (``nonfinite_grad="skip"``).
-        self.skipped_steps = 0
         self._plans: dict[torch.Tensor, _Plan] = {}
         self._grids: dict[tuple[int, ...], Any] = {}  # data-parallel group -> TP x DP grid (see _on_bind)
         # One block's direction, reused across blocks that are applied as soon as computed.
@@ -433,7 +430,7 @@ class DistributedShampoo(DistOptimizer):
         # Per parameter held in pieces: which pieces go to which block owner (see _ensure_routes);
         # None until made in a step.
         self._routes: dict[torch.Tensor, Route | None] | None = None
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -575,18 +572,20 @@ class DistributedShampoo(DistOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
+        if not self._gradients_ok():
+            return loss
         self._ensure_plans()
 
-        entries: list[tuple[dict[str, Any], int, torch.Tensor]] = []
+        entries: list[tuple[dict[str, Any], torch.Tensor]] = []
         items = []
-        for gi, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             params, grads = self._grads(group)
             for p, g in zip(params, grads):
                 wd = group["weight_decay"]
                 if wd != 0 and not group["use_decoupled_weight_decay"]:
                     g = g + p.detach() * wd  # elementwise: the same bits on a shard as on the full tensor
                 items.append((self.layout(p), g))
-                entries.append((group, gi, p))
+                entries.append((group, p))
         if not entries:
             return loss
         comm_dtype = self.communication_dtype if self.is_bound else None
@@ -594,40 +593,14 @@ class DistributedShampoo(DistOptimizer):
             comm_dtype = None
         if self.is_bound:
             self._ensure_routes()
-        routed = self.is_bound and any(self._route(p) is not None for _, _, p in entries)
+        routed = self.is_bound and any(self._route(p) is not None for _, p in entries)
         if not self.is_bound or (self.max_gather_bytes is None and not routed):
             full_grads = gather_full(items, dtype=comm_dtype) if self.is_bound else [g.detach() for _, g in items]
-            # One reduction pass and one host read per step (every rank sees the same full
-            # gradients): a NaN or Inf anywhere makes the sum non-finite. A finite gradient whose
-            # sum overflows fp32 only costs the exact per-element check below.
-            sums = torch.stack([g.sum(dtype=torch.float32) for g in full_grads])
-            bad = None
-            if not bool(torch.isfinite(sums).all()):
-                bad = next((i for i, g in enumerate(full_grads) if not bool(torch.isfinite(g).all())), None)
-            if bad is not None:
-                return self._nonfinite(entries[bad], loss)
             self._update(entries, items, comm_dtype, full_grads)
             return loss
-
         # No rank sees every full gradient (gradient pieces go to block owners, or full gradients
-        # are gathered in buckets of at most max_gather_bytes): the gradients are checked on the
-        # local pieces first (one all-reduce per group), so that a bad one anywhere stops the step
-        # before anything changes. Each flag is summed over the holders of the pieces and the work
-        # group, so every rank that takes part in a parameter's collectives takes the same
-        # decision (even if TP replicas of a parameter were to disagree); a routed parameter's
-        # work group holds all its pieces.
-        flags = [(~torch.isfinite(g.detach())).any().to(torch.float32).reshape(1) for _, g in items]
-        check = SumBucket()
-        for (layout, _), flag, (_, _, p) in zip(items, flags, entries):
-            wg = self._plans[p].work_group
-            if self._route(p) is not None:
-                check.add(flag, (wg,))
-            else:
-                check.add(flag, (*layout.sum_groups, wg) if self._work_size(wg) > 1 else layout.sum_groups)
-        check.flush()
-        bad_flags = torch.cat(flags) > 0
-        if bool(bad_flags.any()):
-            return self._nonfinite(entries[int(bad_flags.nonzero()[0, 0])], loss)
+        # are gathered in buckets of at most max_gather_bytes); _gradients_ok checked the local
+        # pieces of all of them before the first one moved.
         if self.max_gather_bytes is None:
             self._update(entries, items, comm_dtype)
             return loss
@@ -644,19 +617,9 @@ class DistributedShampoo(DistOptimizer):
     def _route(self, p: torch.Tensor) -> Route | None:
         return None if self._routes is None else self._routes.get(p)
 
-    def _nonfinite(self, entry: tuple[dict[str, Any], int, torch.Tensor], loss: Any) -> Any:
-        group, gi, p = entry
-        if self.nonfinite_grad == "skip":
-            self.skipped_steps += 1
-            return loss
-        raise FloatingPointError(
-            f"DistributedShampoo: the gradient of {self._param_name(group, gi, p)} contains NaN or Inf; "
-            "lower the learning rate, clip gradients, or pass nonfinite_grad='skip' to skip such steps"
-        )
-
     def _update(
         self,
-        entries: list[tuple[dict[str, Any], int, torch.Tensor]],
+        entries: list[tuple[dict[str, Any], torch.Tensor]],
         items: list[tuple[ParamLayout, torch.Tensor]],
         comm_dtype: torch.dtype | None,
         full_grads: list[torch.Tensor] | None = None,
@@ -666,7 +629,7 @@ class DistributedShampoo(DistOptimizer):
         move pieces to and from their block owners (:meth:`_routed_update`); the others use their
         full gradients (``full_grads``, gathered here when not given)."""
         if full_grads is None:
-            plain = [i for i, (_, _, p) in enumerate(entries) if self._route(p) is None]
+            plain = [i for i, (_, p) in enumerate(entries) if self._route(p) is None]
             gathered = gather_full([items[i] for i in plain], dtype=comm_dtype) if plain else []
             full_grads = [g for _, g in items]  # local gradients stand in for the routed ones
             for i, g in zip(plain, gathered):
@@ -675,7 +638,7 @@ class DistributedShampoo(DistOptimizer):
         shares: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
         pending = []
         routed = []
-        for (group, _, p), (_, g_local), g_full in zip(entries, items, full_grads):
+        for (group, p), (_, g_local), g_full in zip(entries, items, full_grads):
             state = self.state[p]
             if not state:
                 self._init_state(p, group, g_full.dtype)
@@ -816,14 +779,6 @@ class DistributedShampoo(DistOptimizer):
         if buf is None or buf.numel() < n:
             buf = self._scratch[key] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n].view(shape)
-
-    @staticmethod
-    def _param_name(group: dict[str, Any], gi: int, p: torch.Tensor) -> str:
-        idx = next(i for i, q in enumerate(group["params"]) if q is p)
-        names = group.get("param_names")
-        if names is not None and idx < len(names):
-            return f"parameter {names[idx]!r}"
-        return f"parameter #{idx} of param group {gi} (shape {tuple(p.shape)})"
 
     def _block_direction(
         self,
@@ -1169,12 +1124,6 @@ class DistributedShampoo(DistOptimizer):
                 out[key] = value.to(param.device)
         return out
 
-    def extra_state(self) -> dict[str, Any]:
-        return {"skipped_steps": self.skipped_steps}
-
-    def load_extra_state(self, extra: dict[str, Any]) -> None:
-        self.skipped_steps = int(extra.get("skipped_steps", 0))
-
     def state_bytes(self) -> dict[str, int]:
         """Bytes of optimizer state held by this rank: ``preconditioner`` (factors, roots, bases)
         and ``other`` (moments, grafting state, momentum)."""
@@ -1348,8 +1297,8 @@ def _validate_group(group: dict[str, Any]) -> None:
             f"RMSpropGraftingConfig, AdamGraftingConfig; got {graft!r}"
         )
     override = group["exponent_override"]
-    if isinstance(override, bool) or not isinstance(override, (int, float)) or override < 0:
-        raise ValueError(f"exponent_override must be a number >= 0 (0: 2 * order), got {override!r}")
+    if isinstance(override, bool) or not isinstance(override, (int, float)) or not 0 <= override < math.inf:
+        raise ValueError(f"exponent_override must be a finite number >= 0 (0: 2 * order), got {override!r}")
     _check_positive("exponent_multiplier", group["exponent_multiplier"])
     if group["root_inverse"] != "eigh" and not group["eigenvalue_correction"]:
         if group["exponent_multiplier"] != 1.0 or float(override) != int(override):

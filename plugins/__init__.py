@@ -53,8 +53,11 @@ def _log(message: str) -> None:
 
 def options_summary(optimizer: torch.optim.Optimizer) -> str:
     """The options every parameter group runs with, as the swap log shows them (what the
-    conversion made of the user's settings, e.g. transformers' relative_step)."""
+    conversion made of the user's settings, e.g. transformers' relative_step), after our
+    optimizers' NaN/Inf gradient policy (a conversion gives the default, ``"raise"``)."""
     parts = []
+    if isinstance(optimizer, DistOptimizer):
+        parts.append(f"nonfinite={optimizer.nonfinite!r}")
     for i, group in enumerate(optimizer.param_groups):
         opts = ", ".join(
             f"{k}={v.__name__ if inspect.isfunction(v) or inspect.isbuiltin(v) else repr(v)}"

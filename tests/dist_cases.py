@@ -108,7 +108,7 @@ def grids() -> dict[str, Any]:
 
 
 def lamb_collectives(n: int) -> int:
-    """All-reduces issued by one bound DistributedLamb step at tp=2 x dp=2 with ZeRO."""
+    """Collectives issued by one bound DistributedLamb step at tp=2 x dp=2 with ZeRO."""
     layouts, fulls = _layouts(n, 2, 2, True)
     params = [lay.take_local(f) for lay, f in zip(layouts, fulls)]
     opt = dist_optim.DistributedLamb(params, lr=0.1)

@@ -18,6 +18,7 @@ themselves, with ColossalAI's real reductions, are the booster tests' columns
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,31 +123,39 @@ def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any], specs: list
     return [{"params": mats}, {"params": vecs, "lr": lr * 0.5}]
 
 
-def _make(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor], specs: list[Spec]) -> Any:
+def make(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor], specs: list[Spec] = SPECS) -> Any:
     options = {k: v for k, v in kwargs.items() if k != MATRIX_GROUP}
     return cls(param_groups(params, kwargs, specs), **options)
 
 
-def _run(opt: Any, params: list[torch.Tensor], local_grad: Any, specs: list[Spec]) -> None:
+def set_grads(params: list[torch.Tensor], step: int, local_grad: Any, specs: list[Spec] = SPECS) -> None:
+    """Give ``params`` this rank's pieces (``local_grad(i, full_grad)``) of step ``step``'s gradients."""
+    for i, (p, g) in enumerate(zip(params, full_grads(step, specs=specs))):
+        p.grad = None if g is None else local_grad(i, g)
+
+
+def _run(opt: Any, params: list[torch.Tensor], local_grad: Any, specs: list[Spec], skip: Collection[int] = ()) -> None:
     for step in range(STEPS):
-        for i, (p, g) in enumerate(zip(params, full_grads(step, specs=specs))):
-            p.grad = None if g is None else local_grad(i, g)
-        opt.step()
+        if step not in skip:
+            set_grads(params, step, local_grad, specs)
+            opt.step()
 
 
 def reference(
-    cls: type, kwargs: dict[str, Any], precision: str, specs: list[Spec] = SPECS
+    cls: type, kwargs: dict[str, Any], precision: str, specs: list[Spec] = SPECS, skip: Collection[int] = ()
 ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """The single-device run on the full tensors; the steps in ``skip`` are never taken (their
+    gradients are never seen)."""
     params = [p.clone() for p in full_params(precision, specs=specs)]
-    opt = _make(cls, kwargs, params, specs)
+    opt = make(cls, kwargs, params, specs)
     with warnings.catch_warnings():
         # The single-device run inside a multi-process job warns that it is unbound: on purpose.
         warnings.simplefilter("ignore")
-        _run(opt, params, lambda i, g: g.clone(), specs)
-    return params, _ordered_state(opt, params)
+        _run(opt, params, lambda i, g: g.clone(), specs, skip)
+    return params, ordered_state(opt, params)
 
 
-def _ordered_state(opt: Any, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+def ordered_state(opt: Any, params: list[torch.Tensor]) -> list[dict[str, Any]]:
     """full_state() is in param_groups order; return it in the order of ``params``."""
     order = [p for g in opt.param_groups for p in g["params"]]
     states = opt.full_state()
@@ -175,10 +184,11 @@ def zero_chunk(t: torch.Tensor, dp: int, rank: int) -> torch.Tensor:
     return flat.chunk(dp)[rank]
 
 
-def distributed(
+def build(
     cls: type, kwargs: dict[str, Any], tp: int, dp: int, zero: int, precision: str, specs: list[Spec] = SPECS
-) -> tuple[Any, list[torch.Tensor], list[Any]]:
-    """Build this rank's pieces, bind through setup_distributed, run the steps."""
+) -> tuple[Any, list[torch.Tensor], list[Any], Callable[[int, torch.Tensor], torch.Tensor]]:
+    """This rank's pieces (masters) and the optimizer bound to them through setup_distributed,
+    their TP split dims, and ``local_grad(i, full_grad)``: this rank's piece of param i's gradient."""
     tp_group, dp_group = grid_groups(tp, dp)
     tp_rank = dist.get_rank(tp_group)
     dp_rank = dist.get_rank(dp_group)
@@ -204,7 +214,7 @@ def distributed(
         else:
             master = working
         masters.append(master)
-    opt = _make(cls, kwargs, masters, specs)
+    opt = make(cls, kwargs, masters, specs)
     opt.setup_distributed(
         tp_group,
         dp_group,
@@ -218,8 +228,22 @@ def distributed(
         piece = tp_slice(g, dims[i], tp, tp_rank)
         return zero_chunk(piece, dp, dp_rank).clone() if is_zero else piece.clone()
 
+    return opt, masters, dims, local_grad
+
+
+def distributed(
+    cls: type, kwargs: dict[str, Any], tp: int, dp: int, zero: int, precision: str, specs: list[Spec] = SPECS
+) -> tuple[Any, list[torch.Tensor], list[Any]]:
+    """Build this rank's pieces, bind through setup_distributed, run the steps."""
+    opt, masters, dims, local_grad = build(cls, kwargs, tp, dp, zero, precision, specs)
     _run(opt, masters, local_grad, specs)
     return opt, masters, dims
+
+
+def full_result(opt: Any, masters: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """The full params and full optimizer state (in the order of ``masters``) of a bound run (collective)."""
+    full = comm.gather_full([(opt.layout(p), p) for p in masters])
+    return full, ordered_state(opt, masters)
 
 
 def _mismatch(actual: Any, expected: torch.Tensor) -> str | None:
@@ -271,7 +295,5 @@ def parity_worker(
         for tp, dp, zero in layouts or LAYOUTS:
             label = f"[tp={tp} dp={dp} zero={zero} {precision}]"
             opt, masters, _ = distributed(cls, kwargs, tp, dp, zero, precision, specs)
-            layouts_ = [opt.layout(p) for p in masters]
-            full = comm.gather_full(list(zip(layouts_, masters)))
-            failures += compare(label, full, _ordered_state(opt, masters), ref_params, ref_states, specs)
+            failures += compare(label, *full_result(opt, masters), ref_params, ref_states, specs)
     return failures

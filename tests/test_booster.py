@@ -182,3 +182,4 @@ def test_swap_log_lists_the_converted_options() -> None:
     assert "group 0 (1 params)" in text and "group 1 (1 params)" in text
     assert "relative_step=True" in text and "warmup_init=True" in text and "weight_decay=0.5" in text
     assert "variant='transformers'" in text
+    assert text.startswith("nonfinite='raise'; ")  # a conversion gets the default NaN/Inf policy

@@ -483,7 +483,7 @@ def test_iterative_roots_match_eigh() -> None:
         (dict(precondition_frequency=0), "precondition_frequency"),
         (dict(preconditioner_dtype=torch.float16), "preconditioner_dtype"),
         (dict(communication_dtype=torch.int8), "communication_dtype"),
-        (dict(nonfinite_grad="ignore"), "nonfinite_grad"),
+        (dict(nonfinite="never"), "nonfinite"),
     ],
 )
 def test_bad_input(kwargs: dict, option: str) -> None:
@@ -568,7 +568,7 @@ def test_iterative_root_above_threshold_fails() -> None:
     assert all(torch.isfinite(p).all() for p in params)
 
 
-def test_nonfinite_grad_raises_naming_the_param() -> None:
+def test_nonfinite_raises_naming_the_param() -> None:
     params, opt = _simple()
     _grads(params, 0)
     opt.step()
@@ -585,7 +585,7 @@ def test_nonfinite_grad_raises_naming_the_param() -> None:
 def test_finite_grad_whose_sum_overflows_is_not_refused() -> None:
     """The check sums each gradient first; a finite gradient whose fp32 sum overflows goes through
     the exact per-element check and is stepped, not refused or skipped."""
-    params, opt = _simple(nonfinite_grad="skip")
+    params, opt = _simple(nonfinite="skip")
     _grads(params, 0)
     params[1].grad.fill_(3e38)
     assert not torch.isfinite(params[1].grad.sum())
@@ -593,8 +593,8 @@ def test_finite_grad_whose_sum_overflows_is_not_refused() -> None:
     assert opt.skipped_steps == 0 and int(opt.state[params[1]]["step"]) == 1
 
 
-def test_nonfinite_grad_skip_changes_nothing() -> None:
-    params, opt = _simple(nonfinite_grad="skip", momentum=0.9)
+def test_nonfinite_skip_changes_nothing() -> None:
+    params, opt = _simple(nonfinite="skip", momentum=0.9)
     for step in range(2):
         _grads(params, step)
         opt.step()
@@ -927,7 +927,7 @@ def test_bucketed_gathers_give_the_same_step(pool4) -> None:
 
 
 def _bucket_nan_worker(mode: str, max_gather_bytes: int | None) -> dict:
-    kwargs = dict(BUCKET_KWARGS, max_gather_bytes=max_gather_bytes, nonfinite_grad=mode)
+    kwargs = dict(BUCKET_KWARGS, max_gather_bytes=max_gather_bytes, nonfinite=mode)
     opt, params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, 2, 2, 2, "fp32")
     before = [p.detach().clone() for p in params]
     state_before = opt.full_state()
