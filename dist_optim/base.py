@@ -11,7 +11,7 @@ Two ways to bind:
   integrations use);
 * :meth:`DistOptimizer.setup_distributed` implements ColossalAI's positional contract
   ``setup_distributed(tp_group, dp_group, shard_to_working_param, padding_map, is_zero)`` and
-  builds the layouts from it, avoiding the traps listed in DESIGN.md §2.
+  builds the layouts from it, avoiding the traps listed in docs/design.md ("The ColossalAI contract").
 
 NaN/Inf gradients: every optimizer checks its gradients before a step changes anything, under one
 policy (``nonfinite``, see :meth:`DistOptimizer._gradients_ok`): ``"raise"`` (default) raises

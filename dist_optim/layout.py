@@ -6,7 +6,7 @@ Everything here is index arithmetic; nothing communicates. ``comm.py`` turns lay
 collectives, and the optimizers use the index helpers to map a local tensor (a TP slice, or a
 flat ZeRO chunk of a TP slice) back to coordinates of the full tensor.
 
-Terms (see DESIGN.md §1):
+Terms (see docs/design.md, "Vocabulary"):
 
 * working param: what forward/backward sees. Under TP it is the rank's slice of the full param.
 * ZeRO shard: the working param flattened, zero-padded to a multiple of the ZeRO group size, cut

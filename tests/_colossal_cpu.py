@@ -3,7 +3,7 @@
 ColossalAI's ``CpuAccelerator`` raises on calls that its plugins make (seeding, device count,
 streams, memory statistics), ZeRO asserts a CUDA/NPU accelerator, and pipeline p2p probes
 ``torch.distributed.is_hccl_available`` and ``Backend.HCCL``, which builds without HCCL lack
-(DESIGN.md §5). None of this
+(docs/design.md, "Running ColossalAI on CPU"). None of this
 belongs in the library: the plugins run unchanged on GPUs.
 """
 

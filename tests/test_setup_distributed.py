@@ -1,4 +1,4 @@
-"""ColossalAI's positional setup_distributed contract and the traps of DESIGN.md §2."""
+"""ColossalAI's positional setup_distributed contract and its traps (docs/design.md, "The ColossalAI contract")."""
 
 from __future__ import annotations
 
