@@ -136,15 +136,9 @@ SEMANTICS = {
         start_preconditioning_step=4,
         betas=(0.9, 0.95),
     ),
-    "soap-qr-eigh-start": dict(
-        eigenvalue_correction=True,
-        eigenbasis="qr-eigh-start",
-        epsilon=1e-8,
-        max_preconditioner_dim=4,
-        start_preconditioning_step=4,
-        betas=(0.9, 0.95),
-    ),
 }
+# Vyas et al.'s variant on the same problem as Meta's qr.
+SEMANTICS["soap-qr-eigh-start"] = dict(SEMANTICS["soap-qr-pf1"], eigenbasis="qr-eigh-start")
 # The iterative roots stop at an error of 1e-10 in float64; everything else is the same formula.
 TOLERANCE = {"coupled-newton": 1e-6, "higher-order": 1e-6}
 # The rest: the same formulas in float64, but the tiny model's factors are nearly singular in the
