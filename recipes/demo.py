@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def torchrun(script: str, args: list[str], nproc: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), script, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *args]
     print("$ " + " ".join(cmd), flush=True)
     env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)

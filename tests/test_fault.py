@@ -18,7 +18,8 @@ STEPS = 8
 
 def _cmd(ckpt: str, log: str, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "recipes/train_llama.py",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+        "recipes/train_llama.py",
         "--plugin", "hybrid", "--tp", "2", "--zero", "1", "--optimizer", "colossalai.nn.optimizer.Lamb",
         "--lr", "1e-2", "--steps", str(STEPS), "--no-progress", "--ckpt-dir", ckpt, "--ckpt-every", "2",
         "--log-csv", log, *extra,
