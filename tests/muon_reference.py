@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 
-def _orthogonalize(c: torch.Tensor, coefficients: list[tuple[float, float, float]], eps: float, add: bool) -> torch.Tensor:
+def _orthogonalize(
+    c: torch.Tensor, coefficients: list[tuple[float, float, float]], eps: float, add: bool
+) -> torch.Tensor:
     m = c.shape[0]
     x = c.reshape(m, -1).clone()
     transposed = x.shape[0] > x.shape[1]
