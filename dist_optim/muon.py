@@ -169,6 +169,10 @@ class DistributedMuon(DistOptimizer):
     """
 
     _sharded_state = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+    #: Route pieces of C to the matrices' owners (the default). False: every rank gathers every
+    #: full C and iterates on every matrix, the way a port without owners works (the benchmark's
+    #: and the tests' comparison).
+    _route_pieces = True
 
     def __init__(
         self,
@@ -303,7 +307,7 @@ class DistributedMuon(DistOptimizer):
         routes: dict[torch.Tensor, Route | None] = {p: None for p in plans}
         by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
         for p, (wg, _) in plans.items():
-            if self._work_size(wg) > 1:
+            if self._route_pieces and self._work_size(wg) > 1:
                 by_group.setdefault(id(wg), (wg, []))[1].append(p)
         for wg in ordered_groups(entry[0] for entry in by_group.values()):
             params = by_group[id(wg)][1]
@@ -447,12 +451,7 @@ class DistributedMuon(DistOptimizer):
             maximize=False,
         )
 
-    # ---- state --------------------------------------------------------------------------------
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (momentum of its pieces, AdamW moments)."""
-        tensors = [t for st in self.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
+    # ---- owners -------------------------------------------------------------------------------
     def owner_of(self, param: torch.Tensor) -> int:
         """The rank (in its work group) that orthogonalizes ``param``'s matrix."""
         return self._ensure_plans()[param][1]
