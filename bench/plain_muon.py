@@ -31,12 +31,16 @@ def _orthogonalize(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.
 class PlainMuon:
     """Muon on ``groups[0]`` (matrices), AdamW (foreach) on ``groups[1]``."""
 
-    def __init__(self, groups: list[dict[str, Any]], lr: float = 2e-3, momentum: float = 0.95, wd: float = 0.01) -> None:
+    def __init__(
+        self, groups: list[dict[str, Any]], lr: float = 2e-3, momentum: float = 0.95, wd: float = 0.01
+    ) -> None:
         self.matrices = list(groups[0]["params"])
         self.lr, self.momentum, self.wd = lr, momentum, wd
         self.bufs = [torch.zeros_like(p) for p in self.matrices]
         rest = list(groups[1]["params"]) if len(groups) > 1 else []
-        self.adamw = torch.optim.AdamW(rest, lr=groups[1].get("lr", lr), weight_decay=wd, foreach=True) if rest else None
+        self.adamw = (
+            torch.optim.AdamW(rest, lr=groups[1].get("lr", lr), weight_decay=wd, foreach=True) if rest else None
+        )
 
     @property
     def state(self) -> dict[torch.Tensor, Any]:
