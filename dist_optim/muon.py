@@ -4,7 +4,9 @@ hidden layers in neural networks", kellerjordan.github.io/posts/muon; scaled up 
 are not hidden matrices, in one optimizer.
 
 For a matrix ``W`` of shape ``m x n`` (a parameter with more dims is seen as
-``shape[0] x prod(shape[1:])``, e.g. a conv weight) with gradient ``G`` (``t`` = 1-based step)::
+``shape[0] x prod(shape[1:])``, e.g. a conv weight, or with ``stacked=True`` as ``shape[0]``
+matrices ``shape[1] x prod(shape[2:])``: experts or heads stored in one tensor) with gradient
+``G`` (``t`` = 1-based step)::
 
     B <- momentum * B + G                       (momentum_ema: B <- lerp(B, G, 1 - momentum))
     C  = G + momentum * B if nesterov else B    (momentum_ema: C = lerp(G, B, momentum))
@@ -38,21 +40,29 @@ step it with a zero gradient, decaying its momentum and weights); a NaN/Inf grad
 skips the step under the ``nonfinite`` policy shared by every dist_optim optimizer
 (:class:`~dist_optim.base.DistOptimizer`).
 
-Distribution (TP slices, ZeRO chunks, data-parallel replicas): the momentum and ``C`` are
-element-wise, so every rank keeps the momentum of the elements it holds (no full-size state
-anywhere) and computes its part of ``C``. Each matrix (a parameter: its full tensor, whatever TP
-split it or ZeRO cut it) has one *owner* rank in its work group, the TP x data-parallel grid of
-the ranks that hold pieces of it (:mod:`dist_optim.owners`), chosen by the iteration's cost
-``m * n * min(m, n)`` (:func:`dist_optim.work.assign_owners`). Every rank sends its pieces of ``C``
-straight to the matrix's owner, the owner runs the iteration on the whole matrix, and sends the
-pieces of ``X`` back to every rank that holds them (:func:`owners.to_owners` /
-:func:`owners.from_owners`: one ``all_to_all`` per work group and direction for all matrices of a
+Distribution (TP slices, ZeRO chunks, data-parallel replicas): the momentum and ``C`` are element-
+wise, so every rank keeps the momentum of the elements it holds (no full-size state anywhere) and
+computes its part of ``C``. Each matrix (a parameter: its full tensor, whatever TP split it or ZeRO
+cut it) has one *owner* rank in its work group, the TP x data-parallel grid of the ranks that hold
+pieces of it (:mod:`dist_optim.owners`), chosen by the iteration's cost ``m * n * min(m, n)``
+(:func:`dist_optim.work.assign_owners`). Every rank sends its pieces of ``C`` straight to the
+matrix's owner (each slice's owner with ``stacked``), the owner runs the iteration on the whole
+matrix, and sends the pieces of ``X`` back to every rank that holds them (:func:`owners.to_owners`
+/ :func:`owners.from_owners`: one ``all_to_all`` per work group and direction for all matrices of a
 step, in ``communication_dtype``, default the parameters' dtype). Each rank then updates its own
-elements. A step issues these two collectives per work group plus the NaN/Inf check's flag
-all-reduce: 3 with one work group. The matrix orthogonalized is the single-device run's, so the
-result is the single-device result (fp32 communication: the same bits up to the iteration's own
-rounding, which is the same computation on the same matrix). AdamW groups are element-wise and
-need no communication.
+elements. A step issues these two collectives per work group plus the NaN/Inf check's flag all-
+reduce: 3 with one work group. The matrix orthogonalized is the single-device run's, so the result
+is the single-device result (fp32 communication: the same bits up to the iteration's own rounding,
+which is the same computation on the same matrix). AdamW groups are element-wise and need no
+communication.
+
+What is one matrix: the single-device run's parameter. A TP layout that interleaves a fused QKV
+weight (each rank holding its q, k and v rows) assembles a row permutation of it, and Newton-Schulz
+commutes with permutations of rows and columns (``f(P X Q) = P f(X) Q`` for the iteration, the
+norm and the shape), so the result is the single-device one. Pipeline stages own their matrices
+(each stage's data-parallel groups and grids are its work groups); MoE experts are split over
+their expert data-parallel group, the group that shards them. Experts or heads stacked in one
+tensor: ``stacked=True``.
 """
 
 from __future__ import annotations
@@ -117,8 +127,24 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     return lr * math.sqrt(max(1.0, rows / cols))
 
 
-def _matrix_shape(full_shape: tuple[int, ...]) -> tuple[int, int]:
+def _is_stacked(full_shape: tuple[int, ...], group: dict[str, Any]) -> bool:
+    return bool(group["stacked"]) and len(full_shape) > 2
+
+
+def _matrix_shape(full_shape: tuple[int, ...], group: dict[str, Any]) -> tuple[int, int]:
+    """The shape of one matrix of a parameter: ``shape[0] x prod(shape[1:])``, or with
+    ``stacked`` (3+ dims) ``shape[1] x prod(shape[2:])`` for each of its ``shape[0]`` slices."""
+    if _is_stacked(full_shape, group):
+        return full_shape[1], math.prod(full_shape[2:])
     return full_shape[0], math.prod(full_shape[1:])
+
+
+def _matrix_boxes(full_shape: tuple[int, ...], group: dict[str, Any]) -> list[tuple[tuple[int, int], ...]]:
+    """The boxes of the full tensor that are one matrix each: the whole tensor, or its slices."""
+    rest = tuple((0, s) for s in full_shape[1:])
+    if _is_stacked(full_shape, group):
+        return [((i, i + 1), *rest) for i in range(full_shape[0])]
+    return [((0, full_shape[0]), *rest)]
 
 
 def _schedule(group: dict[str, Any]) -> list[Coefficients]:
@@ -160,6 +186,11 @@ class DistributedMuon(DistOptimizer):
             orthogonalized pieces back (None: the parameters' dtype; bfloat16 halves the bytes).
         momentum_ema: keep the momentum as an exponential moving average (KellerJordan's and
             torch's implementations) instead of the sum ``momentum * B + G``.
+        stacked: a parameter with 3+ dims is a stack of matrices along its first dim (experts or
+            heads stored in one tensor): each ``p[i]``, seen as ``shape[1] x prod(shape[2:])``, is
+            orthogonalized on its own (on its own owner rank) with that shape's lr adjustment.
+            Default: the whole parameter is one ``shape[0] x prod(shape[1:])`` matrix (a conv
+            weight).
         eps_form: ``"max"`` (``C / max(||C||, eps)``, torch) or ``"add"`` (``C / (||C|| + eps)``,
             KellerJordan).
         adamw_betas: AdamW's ``(beta1, beta2)`` in ``use_muon=False`` groups.
@@ -189,6 +220,7 @@ class DistributedMuon(DistOptimizer):
         communication_dtype: torch.dtype | None = None,
         *,
         momentum_ema: bool = False,
+        stacked: bool = False,
         eps_form: str = "max",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-10,
@@ -213,13 +245,14 @@ class DistributedMuon(DistOptimizer):
             adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
             momentum_ema=momentum_ema,
+            stacked=stacked,
             eps_form=eps_form,
             adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
             adamw_eps=adamw_eps,
             use_muon=True,
         )
         _validate_group(defaults)
-        self._plans: dict[torch.Tensor, tuple[Any, int]] | None = None
+        self._plans: dict[torch.Tensor, tuple[Any, list[int]]] | None = None
         self._routes: dict[torch.Tensor, Route | None] | None = None
         self._grids: dict[tuple[int, ...], Any] = {}
         self._checked = False
@@ -276,23 +309,30 @@ class DistributedMuon(DistOptimizer):
     def _work_size(self, group: Any) -> int:
         return group_size(group) if self.is_bound and group is not None else 1
 
-    def _ensure_plans(self) -> dict[torch.Tensor, tuple[Any, int]]:
-        """Each Muon parameter's work group and owner (rank in it), balancing the iteration's cost
-        ``m * n * min(m, n)`` per work group."""
+    def _ensure_plans(self) -> dict[torch.Tensor, tuple[Any, list[int]]]:
+        """Each Muon parameter's work group and the owner (rank in it) of each of its matrices
+        (:func:`_matrix_boxes`), balancing the iteration's cost ``m * n * min(m, n)`` per work
+        group."""
         if self._plans is not None:
             return self._plans
         by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
         for p in self._muon_params():
             wg = self._work_group(p)
             by_group.setdefault(id(wg), (wg, []))[1].append(p)
-        plans: dict[torch.Tensor, tuple[Any, int]] = {}
+        plans: dict[torch.Tensor, tuple[Any, list[int]]] = {}
+        groups = {p: g for g in self.param_groups for p in g["params"]}
         for wg, params in by_group.values():
-            costs = []
+            costs, counts = [], []
             for p in params:
-                m, n = _matrix_shape(self.layout(p).full_shape)
-                costs.append(float(m * n * min(m, n)))
-            for p, owner in zip(params, assign_owners(costs, self._work_size(wg))):
-                plans[p] = (wg, owner)
+                shape = self.layout(p).full_shape
+                m, n = _matrix_shape(shape, groups[p])
+                counts.append(len(_matrix_boxes(shape, groups[p])))
+                costs += [float(m * n * min(m, n))] * counts[-1]
+            owners = assign_owners(costs, self._work_size(wg))
+            start = 0
+            for p, count in zip(params, counts):
+                plans[p] = (wg, owners[start : start + count])
+                start += count
         self._plans = plans
         self._routes = None
         return plans
@@ -305,6 +345,7 @@ class DistributedMuon(DistOptimizer):
         if self._routes is not None:
             return self._routes
         routes: dict[torch.Tensor, Route | None] = {p: None for p in plans}
+        groups = {p: g for g in self.param_groups for p in g["params"]}
         by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
         for p, (wg, _) in plans.items():
             if self._route_pieces and self._work_size(wg) > 1:
@@ -315,8 +356,8 @@ class DistributedMuon(DistOptimizer):
             found = plan_routes(
                 layouts,
                 [lay.full_shape for lay in layouts],
-                [[tuple((0, s) for s in lay.full_shape)] for lay in layouts],
-                [[plans[p][1]] for p in params],
+                [_matrix_boxes(lay.full_shape, groups[p]) for p, lay in zip(params, layouts)],
+                [plans[p][1] for p in params],
                 wg,
             )
             routes.update(zip(params, found))
@@ -369,7 +410,7 @@ class DistributedMuon(DistOptimizer):
         full_of = dict(zip(gathered, fulls))
         for i, (group, p, c) in enumerate(plain):
             layout = self.layout(p)
-            x = self._orthogonalize(full_of.get(i, c), layout.full_shape, group)
+            x = self._orthogonalize(full_of.get(i, c).reshape(layout.full_shape), group)
             update = x if layout.is_local else layout.take_local(x, copy=False).view_as(p)
             _apply(p, update, layout, group)
 
@@ -377,7 +418,11 @@ class DistributedMuon(DistOptimizer):
         order = [routed[id(wg)] for wg in ordered_groups(entry[0] for entry in routed.values())]
         results: list[dict[int, torch.Tensor]] = []
         for wg, members in order:
-            blocks = [{0: c.new_empty(self.layout(p).full_shape)} if route.owned else {} for _, p, c, route in members]
+            blocks = [
+                {i: c.new_empty(_box_shape(boxes[i])) for i in route.owned}
+                for group, p, c, route in members
+                for boxes in [_matrix_boxes(self.layout(p).full_shape, group)]
+            ]
             to_owners(
                 [(route, c.reshape(-1), b) for (_, _, c, route), b in zip(members, blocks)],
                 wg,
@@ -387,9 +432,9 @@ class DistributedMuon(DistOptimizer):
             results.append(blocks)
         updates: list[list[torch.Tensor]] = []
         for (wg, members), blocks in zip(order, results):
-            for (group, p, _, _), b in zip(members, blocks):
-                if 0 in b:
-                    b[0] = self._orthogonalize(b[0], self.layout(p).full_shape, group)
+            for (group, _, _, _), b in zip(members, blocks):
+                for i in list(b):
+                    b[i] = self._orthogonalize(b[i], group)
             local = []
             for _, p, c, _ in members:
                 u = c.new_empty(c.numel())
@@ -416,11 +461,14 @@ class DistributedMuon(DistOptimizer):
         return dtype
 
     @staticmethod
-    def _orthogonalize(c: torch.Tensor, full_shape: tuple[int, ...], group: dict[str, Any]) -> torch.Tensor:
-        """X of the full ``c`` (of ``full_shape``), in ``full_shape``."""
-        m, n = _matrix_shape(full_shape)
-        x = newton_schulz(c.reshape(m, n), _schedule(group), group["eps"], group["eps_form"], group["ns_dtype"])
-        return x.reshape(full_shape)
+    def _orthogonalize(c: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """X of ``c``: a whole parameter's C, or with ``stacked`` a slice of one or all its
+        slices (each its own matrix), in ``c``'s shape."""
+        shape = tuple(c.shape)
+        coeffs, eps, form, dtype = _schedule(group), group["eps"], group["eps_form"], group["ns_dtype"]
+        if not _is_stacked(shape, group):
+            return newton_schulz(c.reshape(shape[0], -1), coeffs, eps, form, dtype).reshape(shape)
+        return torch.stack([newton_schulz(s.reshape(shape[1], -1), coeffs, eps, form, dtype) for s in c]).reshape(shape)
 
     # ---- the auxiliary AdamW ------------------------------------------------------------------
     def _adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -452,9 +500,9 @@ class DistributedMuon(DistOptimizer):
         )
 
     # ---- owners -------------------------------------------------------------------------------
-    def owner_of(self, param: torch.Tensor) -> int:
-        """The rank (in its work group) that orthogonalizes ``param``'s matrix."""
-        return self._ensure_plans()[param][1]
+    def owners_of(self, param: torch.Tensor) -> list[int]:
+        """The rank (in its work group) that orthogonalizes each of ``param``'s matrices."""
+        return list(self._ensure_plans()[param][1])
 
     def work_group_rank(self, param: torch.Tensor) -> int:
         """This rank's rank in ``param``'s work group (0 when it has one rank)."""
@@ -494,8 +542,12 @@ def _momentum_direction(states: Any, p: torch.Tensor, g: torch.Tensor, group: di
     return g.add(buf, alpha=mu) if group["nesterov"] else buf
 
 
+def _box_shape(box: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
+
+
 def _apply(p: torch.Tensor, update: torch.Tensor, layout: ParamLayout, group: dict[str, Any]) -> None:
-    m, n = _matrix_shape(layout.full_shape)
+    m, n = _matrix_shape(layout.full_shape, group)
     lr = group["lr"]
     if group["weight_decay"] != 0:
         p.mul_(1.0 - lr * group["weight_decay"])
@@ -512,7 +564,7 @@ def _validate_group(group: dict[str, Any]) -> None:
     check_range("weight_decay", group["weight_decay"], 0.0)
     check_range("momentum", group["momentum"], 0.0, 1.0)
     check_range("eps", group["eps"], 0.0, open_low=True)
-    for flag in ("nesterov", "momentum_ema"):
+    for flag in ("nesterov", "momentum_ema", "stacked"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{flag} must be True or False, got {group[flag]!r}")
     steps = group["ns_steps"]

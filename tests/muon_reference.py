@@ -57,9 +57,13 @@ class MuonReference:
                     coeffs = group["ns_coefficients"]
                     if len(coeffs) == 3 and not isinstance(coeffs[0], (tuple, list)):
                         coeffs = [tuple(coeffs)] * group["ns_steps"]
-                    x = _orthogonalize(c, list(coeffs), group["eps"], group["eps_form"] == "add")
-                    rows = p.shape[0]
-                    cols = p.numel() // rows
+                    add = group["eps_form"] == "add"
+                    if group["stacked"] and p.dim() > 2:  # one matrix per slice along dim 0
+                        x = torch.stack([_orthogonalize(s, list(coeffs), group["eps"], add) for s in c])
+                        rows, cols = p.shape[1], p[0].numel() // p.shape[1]
+                    else:
+                        x = _orthogonalize(c, list(coeffs), group["eps"], add)
+                        rows, cols = p.shape[0], p.numel() // p.shape[0]
                     if group["adjust_lr_fn"] == "match_rms_adamw":
                         step_size = 0.2 * lr * math.sqrt(max(rows, cols))
                     else:

@@ -36,6 +36,7 @@ DEFAULTS = dict(
     eps_form="max",
     adamw_betas=(0.9, 0.95),
     adamw_eps=1e-10,
+    stacked=False,
 )
 POLAR = [(8.28721, -23.5959, 17.3004), (4.10706, -2.94785, 0.544843), (3.94869, -2.9089, 0.551819)]
 
@@ -64,6 +65,8 @@ CONFIGS = {
     "no-nesterov-rms-wd": (dict(nesterov=False, adjust_lr_fn="match_rms_adamw", weight_decay=0.2), dict()),
     "ema-add-original": (dict(momentum_ema=True, eps_form="add", adjust_lr_fn="original"), dict(nesterov=False)),
     "schedule": (dict(ns_coefficients=POLAR, momentum=0.9), dict(ns_steps=3, ns_coefficients=(3.0, -3.2, 1.2))),
+    # the conv weight as 6 matrices 3 x 4 (experts / heads stored in one tensor)
+    "stacked": (dict(stacked=True, adjust_lr_fn="match_rms_adamw"), dict(stacked=True)),
 }
 
 
@@ -485,7 +488,7 @@ def _received_bytes_worker(layout: tuple[int, int, int], comm_dtype: torch.dtype
     return dict(
         counts=counts,
         received=received["n"],
-        owned=[opt.owner_of(p) == opt.work_group_rank(p) for p in mats],
+        owned=[owner == opt.work_group_rank(p) for p in mats for owner in opt.owners_of(p)],
         matrix_bytes=sum(math.prod(spec.shape) * 4 for spec in parity.SPECS if len(spec.shape) >= 2),
         err=max(errs),
         full=[f.clone() for f in full],
