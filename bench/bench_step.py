@@ -18,7 +18,7 @@ distributed class; a peer that fails on the layout is reported as such. Shampoo 
 directly; ColossalAI has none) runs twice: gradient pieces sent to the block owners (the
 default) and full gradients gathered on every rank.
 
-``--split shampoo|kron`` measures the per-rank preconditioner work (CPU seconds) and bytes at
+``--split shampoo|kron|muon`` measures the per-rank preconditioner work (CPU seconds) and bytes at
 dp=4 against dp=1 (``--layers`` sets the depth of the parameter set); for Shampoo also at tp=2 x
 dp=2 (matrices split by rows over TP), with blocks split over the TP x DP grid and, for
 comparison, over each TP rank's dp pair only.
@@ -217,10 +217,23 @@ DIST_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         None,
         dict(lr=1e-3, precondition_frequency=10),  # + Adam grafting (_dist_options)
     ),
+    # Ours, passed directly (the pinned torch has no torch.optim.Muon) with the usual split
+    # (_dist_params): pieces of C to the matrices' owners and back, and for comparison every full
+    # C gathered on every rank, which iterates on every matrix.
+    "muon": ("dist_optim.DistributedMuon", None, dict(lr=2e-3, weight_decay=1e-2)),
+    "muon-bf16": (
+        "dist_optim.DistributedMuon",
+        None,
+        dict(lr=2e-3, weight_decay=1e-2, communication_dtype=torch.bfloat16),
+    ),
 }
 
 
 def _dist_params(fam: str, model: torch.nn.Module) -> Any:
+    if fam.startswith("muon"):
+        from dist_optim import muon_param_groups
+
+        return muon_param_groups(model)
     if fam != "galore":
         return model.parameters()
     from dist_optim import galore_param_groups
@@ -265,8 +278,12 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
     runs = []
     for fam in families:
         ordinary, theirs, options = DIST_FAMILIES[fam]
-        if theirs is None:  # Shampoo: ours, two ways of moving gradients and directions
-            for route, how in ((True, "pieces to block owners"), (False, "full gradients gathered")):
+        if theirs is None:  # Shampoo, Muon: ours, two ways of moving gradients and directions
+            ways = ((True, "pieces to block owners"), (False, "full gradients gathered"))
+            if fam.startswith("muon"):
+                dtype = "bf16" if fam.endswith("bf16") else "fp32"
+                ways = ((True, f"pieces to matrix owners, {dtype}"), (False, f"every C gathered, {dtype}"))
+            for route, how in ways:
                 label = f"dist_optim {ordinary.rsplit('.', 1)[1]} ({how})"
                 runs.append((fam, label, plugins.HybridParallelPlugin, ordinary, options, route))
             continue
@@ -290,10 +307,11 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
                 True,
             )
         )
-    from dist_optim import DistributedShampoo
+    from dist_optim import DistributedMuon, DistributedShampoo
 
     for fam, label, plugin_cls, make, options, route in runs:
         DistributedShampoo._route_pieces = route
+        DistributedMuon._route_pieces = route
         with quiet_colossal():
             torch.manual_seed(0)
             model = tiny_llama(hidden=256, inter=688, layers=2, vocab=1024)
@@ -319,6 +337,7 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
                 continue
             finally:
                 DistributedShampoo._route_pieces = True
+                DistributedMuon._route_pieces = True
             out[label] = dict(
                 family=fam,
                 ms=1e3 * statistics.median(times[2:]),
@@ -368,6 +387,10 @@ def run_dist(steps: int, families: list[str], zero_stage: int, precision: str) -
 def _split_optimizer(name: str, params: list[torch.Tensor], pf: int) -> Any:
     import dist_optim
 
+    if name == "muon":
+        from bench.rows import _muon_groups
+
+        return dist_optim.DistributedMuon(_muon_groups(params), lr=2e-3, weight_decay=0.01)
     if name == "shampoo":
         return dist_optim.DistributedShampoo(
             params,
@@ -380,6 +403,8 @@ def _split_optimizer(name: str, params: list[torch.Tensor], pf: int) -> Any:
 
 
 def _preconditioner_bytes(opt: Any) -> int:
+    if type(opt).__name__ == "DistributedMuon":  # no preconditioner: the momentum of its pieces
+        return sum(st["momentum_buffer"].numel() * 4 for st in opt.state.values() if "momentum_buffer" in st)
     if hasattr(opt, "state_bytes"):
         return int(opt.state_bytes()["preconditioner"])
     return sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k.startswith("Q_"))
@@ -387,7 +412,7 @@ def _preconditioner_bytes(opt: Any) -> int:
 
 #: The method that does an owner's preconditioner work (statistics, roots, preconditioned
 #: direction) for one block (Shampoo) or one parameter (Kron): timed on its own by --split.
-_OWNER_WORK = {"shampoo": "_block_direction", "kron": "_owner_direction"}
+_OWNER_WORK = {"shampoo": "_block_direction", "kron": "_owner_direction", "muon": "_orthogonalize"}
 
 
 def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int) -> dict[str, Any]:
@@ -470,10 +495,11 @@ def run_split(name: str, steps: int, pf: int, layers: int) -> None:
     dp1, dp4 = (max(r[k] for r in res) for k in ("dp1", "dp4"))
     w1, w4 = (max(r[k] for r in res) for k in ("dp1_work", "dp4_work"))
     setting = f", precondition_frequency={pf}" if name == "shampoo" else ""
-    print(f"\n{name} preconditioner work split over 4 data-parallel ranks ({layers} layers, {steps} steps{setting})")
+    work, held = ("Newton-Schulz", "momentum") if name == "muon" else ("preconditioner", "preconditioner")
+    print(f"\n{name} {work} work split over 4 data-parallel ranks ({layers} layers, {steps} steps{setting})")
     print(
-        "| | preconditioner CPU s (busiest rank) | whole step CPU s (busiest rank) "
-        "| preconditioner bytes per rank (max) | collectives per step |"
+        f"| | {work} CPU s (busiest rank) | whole step CPU s (busiest rank) "
+        f"| {held} bytes per rank (max) | collectives per step |"
     )
     print("|---|---:|---:|---:|---:|")
     print(f"| dp=1 (each rank alone) | {w1:.2f} | {dp1:.2f} | {max(r['dp1_bytes'] for r in res):,} | 0 |")
@@ -511,7 +537,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument(
         "--split",
-        choices=("shampoo", "kron"),
+        choices=("shampoo", "kron", "muon"),
         help="per-rank preconditioner work at dp=4 vs dp=1 for this optimizer (4 processes)",
     )
     ap.add_argument("--pf", type=int, default=10, help="precondition_frequency for --split")

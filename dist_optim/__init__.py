@@ -12,6 +12,7 @@ from .galore import DistributedGaLore, galore_param_groups
 from .kron import DistributedKron
 from .lamb import DistributedLamb
 from .layout import ParamLayout, TPSplit, ZeroShard
+from .muon import DistributedMuon, muon_param_groups
 from .registry import convert
 from .shampoo import (
     AdaGradGraftingConfig,
@@ -29,6 +30,8 @@ __all__ = [
     "DistOptimizer",
     "DistributedLamb",
     "DistributedKron",
+    "DistributedMuon",
+    "muon_param_groups",
     "ParamLayout",
     "TPSplit",
     "ZeroShard",

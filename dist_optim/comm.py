@@ -48,6 +48,8 @@ __all__ = [
     "exchange",
     "all_gather_objects",
     "grid_groups",
+    "group_key",
+    "ordered_groups",
     "barrier",
     "group_size",
     "group_rank",
@@ -74,7 +76,7 @@ def group_rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
-def _group_key(group: Any) -> tuple[int, ...]:
+def group_key(group: Any) -> tuple[int, ...]:
     """A key that orders groups identically on every process: their global member ranks.
 
     Not cached by ``id(group)``: a destroyed group's id can be reused by a new group with other
@@ -83,11 +85,18 @@ def _group_key(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
 
 
-def _ordered(groups: Iterable[Any]) -> list[Any]:
+def ordered_groups(groups: Iterable[Any]) -> list[Any]:
+    """``groups`` without repeats, in the one order every process follows (:func:`group_key`):
+    collectives issued group by group in this order cannot deadlock on overlapping groups."""
     unique: dict[tuple[tuple[int, ...], int], Any] = {}
     for g in groups:
-        unique.setdefault((_group_key(g), id(g)), g)
+        unique.setdefault((group_key(g), id(g)), g)
     return [unique[k] for k in sorted(unique, key=lambda k: k[0])]
+
+
+# The former private spellings, for code written against them (use the public names).
+_group_key = group_key
+_ordered = ordered_groups
 
 
 @dataclass
@@ -116,10 +125,10 @@ class SumBucket:
         # Stage k reduces every request over its k-th group. A request's groups are reduced one
         # stage after another so that, at each stage, all members of a group hold partial sums in
         # the same state (a tensor summed over its ZeRO group, then over its TP group); within a
-        # stage, groups go in the global order of _ordered.
+        # stage, groups go in the global order of ordered_groups.
         for stage in range(max((len(gs) for _, gs in requests), default=0)):
             staged = [(t, gs[stage]) for t, gs in requests if len(gs) > stage]
-            for group in _ordered(g for _, g in staged):
+            for group in ordered_groups(g for _, g in staged):
                 by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
                 for tensor, g in staged:
                     if g is group:
@@ -199,7 +208,7 @@ def gather_full(
             elif part is not None:
                 pending[id(part.group)].append(i)
                 groups[id(part.group)] = part.group
-        for group in _ordered(groups.values()):
+        for group in ordered_groups(groups.values()):
             idx = pending[id(group)]
             # Without an explicit communication dtype, the widest of the bucket: never round a
             # tensor through a narrower neighbour's dtype.
@@ -329,7 +338,7 @@ def grid_groups(tp_group: Any, bases: Sequence[Any]) -> list[Any]:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return [None] * len(bases)
     tp = tuple(sorted(dist.get_process_group_ranks(tp_group)))
-    mine = [(tp, _group_key(b)) for b in bases]
+    mine = [(tp, group_key(b)) for b in bases]
     every = all_gather_objects(mine)
     tp_of = {r: pairs[0][0] for r, pairs in enumerate(every) if pairs}
 

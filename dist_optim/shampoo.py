@@ -86,10 +86,11 @@ update that it holds. How gradients reach the owners and directions the holders:
 
 * A parameter held in pieces (TP slices, ZeRO chunks): each rank sends the pieces it holds of
   every block straight to that block's owner, and each owner sends the pieces of its directions to
-  every rank that holds them (:func:`work.plan_route` says which, from every rank's pieces, asked
-  once per work group in the first step; :func:`comm.exchange`: one all_to_all per work group and
-  direction for all parameters, in ``communication_dtype``, a rank's pieces to itself included
-  so that every copy of a value is rounded alike). A rank receives its blocks' gradients and its
+  every rank that holds them (:func:`owners.plan_routes` says which, from every rank's pieces,
+  asked once per work group in the first step; :func:`owners.to_owners` and
+  :func:`owners.from_owners`: one all_to_all per work group and direction for all parameters,
+  in ``communication_dtype``, a rank's pieces to itself included so that every copy of a value
+  is rounded alike). A rank receives its blocks' gradients and its
   pieces' directions: about ``2/size`` of the parameters' bytes instead of ``2x`` (ZeRO over 4
   ranks: 0.2-0.25x the bytes of gathering everything, tested), and nobody holds a full gradient.
 * A parameter held whole on every rank (DDP): owners use their local gradient;
@@ -127,18 +128,16 @@ from . import _matrix, _structured
 from .base import DistOptimizer, check_range
 from .comm import (
     SumBucket,
-    _group_key,
-    _ordered,
-    all_gather_objects,
-    exchange,
     gather_full,
-    grid_groups,
+    group_key,
     group_rank,
     group_size,
+    ordered_groups,
     share_owned,
 )
 from .layout import ParamLayout
-from .work import Route, assign_owners, plan_route
+from .owners import from_owners, plan_routes, to_owners, work_grids
+from .work import Route, assign_owners
 
 __all__ = [
     "DistributedShampoo",
@@ -440,15 +439,10 @@ class DistributedShampoo(DistOptimizer):
     def _on_bind(self) -> None:
         self._plans = {}
         self._grids = {}
-        tp = self.tp_group
-        if tp is not None and group_size(tp) > 1:
-            # Under TP the blocks are split over the TP x data-parallel grid, not over each TP
-            # rank's data-parallel group alone: every rank of the grid gathers the same full
-            # gradients, so a TP rank need not repeat its TP peers' blocks. Collective over the job.
-            bases = _ordered(g for g in map(self._base_work_group, self._all_params()) if g is not None)
-            for base, grid in zip(bases, grid_groups(tp, bases)):
-                if grid is not None:
-                    self._grids[_group_key(base)] = grid
+        # Under TP the blocks are split over the TP x data-parallel grid, not over each TP
+        # rank's data-parallel group alone: every rank of the grid gathers the same full
+        # gradients, so a TP rank need not repeat its TP peers' blocks. Collective over the job.
+        self._grids = work_grids(self.tp_group, [self._base_work_group(p) for p in self._all_params()])
         self._ensure_plans()
 
     # ---- planning --------------------------------------------------------------------------
@@ -464,7 +458,7 @@ class DistributedShampoo(DistOptimizer):
         base = self._base_work_group(p)
         if base is None or not self._grids:
             return base
-        return self._grids.get(_group_key(base), base)
+        return self._grids.get(group_key(base), base)
 
     def _work_size(self, group: Any) -> int:
         if not self.is_bound or group is None:
@@ -513,18 +507,17 @@ class DistributedShampoo(DistOptimizer):
             routes[p] = None
             if self._route_pieces and not layout.is_local and self._work_size(wg) > 1:
                 by_group.setdefault(id(wg), (wg, []))[1].append(p)
-        for wg in _ordered(entry[0] for entry in by_group.values()):
+        for wg in ordered_groups(entry[0] for entry in by_group.values()):
             params = by_group[id(wg)][1]
-            every = all_gather_objects([_holding(self.layout(p)) for p in params], group=wg)
-            if any(len(theirs) != len(params) for theirs in every):
-                continue  # not the same parameters everywhere: every rank sees it, all gather full
-            me = group_rank(wg)
-            for i, p in enumerate(params):
-                layout, plan = self.layout(p), self._plans[p]
-                members = [_member_layout(layout, theirs[i]) for theirs in every]
-                holdings = [None if m is None else m.local_boxes(plan.view_shape) for m in members]
-                blocks = [tuple((s.start, s.stop) for s in b.slices) for b in plan.blocks]
-                routes[p] = plan_route(blocks, plan.owners, holdings, me)
+            plans = [self._plans[p] for p in params]
+            found = plan_routes(
+                [self.layout(p) for p in params],
+                [plan.view_shape for plan in plans],
+                [[tuple((s.start, s.stop) for s in b.slices) for b in plan.blocks] for plan in plans],
+                [plan.owners for plan in plans],
+                wg,
+            )
+            routes.update(zip(params, found))
         self._routes = routes
 
     def _my_rank(self, group: Any) -> int:
@@ -681,7 +674,7 @@ class DistributedShampoo(DistOptimizer):
 
         if shares:
             share_dtype = self.communication_dtype
-            for wg in _ordered(entry[0] for entry in shares.values()):
+            for wg in ordered_groups(entry[0] for entry in shares.values()):
                 _, tensors, owners = shares[id(wg)]
                 me = self._my_rank(wg)
                 if share_dtype != tensors[0].dtype:
@@ -718,26 +711,17 @@ class DistributedShampoo(DistOptimizer):
         for r in routed:
             wg = self._plans[r.p].work_group
             by_group.setdefault(id(wg), (wg, []))[1].append(r)
-        order = [(wg, by_group[id(wg)][1]) for wg in _ordered(entry[0] for entry in by_group.values())]
+        order = [(wg, by_group[id(wg)][1]) for wg in ordered_groups(entry[0] for entry in by_group.values())]
 
         def move(wg: Any, members: list[_Routed], gather: bool, dtype: torch.dtype | None) -> None:
-            size = group_size(wg)
-            send: list[list[torch.Tensor]] = [[] for _ in range(size)]
-            recv: list[list[torch.Tensor]] = [[] for _ in range(size)]
-            for r in members:
-                route, flat = r.route, r.grad.reshape(-1)
-                # (pieces by rank, the tensors they are views of) to send and to receive
-                if gather:
-                    out, into = (route.gather_send, flat), (route.gather_recv, r.blocks)
-                else:
-                    out, into = (route.scatter_send, r.blocks), (route.scatter_recv, r.update)
-                for rank, pieces in out[0].items():
-                    send[rank] += [pc.view(out[1]) for pc in pieces]
-                for rank, pieces in into[0].items():
-                    recv[rank] += [pc.view(into[1]) for pc in pieces]
             if dtype is None:  # the widest of the parameters' own dtypes: the same on every rank
                 dtype = functools.reduce(torch.promote_types, (r.grad.dtype for r in members))
-            exchange(send, recv, wg, dtype, members[0].grad.device)
+            device = members[0].grad.device
+            if gather:
+                to_owners([(r.route, r.grad.reshape(-1), r.blocks) for r in members], wg, dtype, device)
+            else:
+                assert all(r.update is not None for r in members)
+                from_owners([(r.route, r.blocks, r.update) for r in members], wg, dtype, device)  # type: ignore[misc]
 
         for r in routed:
             blocks = self._plans[r.p].blocks
@@ -1076,7 +1060,7 @@ class DistributedShampoo(DistOptimizer):
                             sh[1].append(t)
                             sh[2].append(owner)
         if shares:
-            for wg in _ordered(sh[0] for sh in shares.values()):
+            for wg in ordered_groups(sh[0] for sh in shares.values()):
                 _, tensors, owners = shares[id(wg)]
                 wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
                 share_owned(tensors, owners, wg, dtype=wide)
@@ -1199,28 +1183,6 @@ def _kept_triangle(factor: torch.Tensor, order: int, k: int) -> torch.Tensor:
     a transposed view) its transpose, i.e. the upper triangle. BLAS reads a transposed operand
     faster when the output is transposed too: 0.35 ms less per 1024-factor here."""
     return factor.T if order == 2 and k == 1 else factor
-
-
-def _holding(layout: ParamLayout) -> tuple[tuple[int, ...], int | None, int | None]:
-    """What a rank tells the others of its work group about its piece of a parameter."""
-    return (
-        layout.full_shape,
-        None if layout.tp is None else layout.tp.rank,
-        None if layout.zero is None else layout.zero.rank,
-    )
-
-
-def _member_layout(layout: ParamLayout, holding: tuple[tuple[int, ...], int | None, int | None]) -> ParamLayout | None:
-    """``layout`` as another rank of the work group holds it (its :func:`_holding`); None where
-    that rank's layout differs from this one's in more than its TP and ZeRO ranks."""
-    full_shape, tp_rank, zero_rank = holding
-    if full_shape != layout.full_shape or (tp_rank is None) != (layout.tp is None):
-        return None
-    if (zero_rank is None) != (layout.zero is None):
-        return None
-    tp = None if layout.tp is None else dataclasses.replace(layout.tp, rank=tp_rank)
-    zero = None if layout.zero is None else dataclasses.replace(layout.zero, rank=zero_rank)
-    return dataclasses.replace(layout, tp=tp, zero=zero)
 
 
 def _full_bytes(item: tuple[Any, torch.Tensor]) -> int:

@@ -61,7 +61,9 @@ def model_for(plugin_name: str) -> torch.nn.Module:
 
 def make_optimizer(path: str, model: torch.nn.Module, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
     """``path(model.parameters(), **kwargs)``; a ``galore`` entry in kwargs instead builds GaLore
-    param groups (attention and MLP weights, the format galore_torch and ours share)."""
+    param groups (attention and MLP weights, the format galore_torch and ours share), a ``muon``
+    entry Muon's split (``dist_optim.muon_param_groups(model, **entry)``: hidden matrices to Muon,
+    embeddings, head, norms and biases to its AdamW)."""
     module, name = path.rsplit(".", 1)
     kwargs = dict(kwargs)
     galore = kwargs.pop("galore", None)
@@ -69,6 +71,11 @@ def make_optimizer(path: str, model: torch.nn.Module, kwargs: dict[str, Any]) ->
         from dist_optim import galore_param_groups
 
         return getattr(importlib.import_module(module), name)(galore_param_groups(model, **galore), **kwargs)
+    muon = kwargs.pop("muon", None)
+    if muon is not None:
+        from dist_optim import muon_param_groups
+
+        return getattr(importlib.import_module(module), name)(muon_param_groups(model, **muon), **kwargs)
     return getattr(importlib.import_module(module), name)(model.parameters(), **kwargs)
 
 

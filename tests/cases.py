@@ -176,3 +176,29 @@ PRODUCTION_CASES: list[Case] = [
     ),
     Case("kron-production", dist_optim.DistributedKron, dict(lr=1e-2, weight_decay=1e-2)),
 ]
+
+# DistributedMuon: every matrix (the 3-D "conv" as 3 x 12) orthogonalized whole on its owner rank of
+# the TP x DP grid, pieces routed there and back; the vectors in an AdamW group (use_muon=False).
+# The second case: torch's/KellerJordan's EMA momentum and additive eps without Nesterov, a
+# 3-iteration coefficient schedule, Moonlight's lr adjustment on the 2-D matrices only, and the
+# 3-D "conv" as a stack of matrices (stacked=True).
+_AUX = dict(use_muon=False, weight_decay=0.0)
+PARITY_CASES += [
+    Case("muon", dist_optim.DistributedMuon, dict(lr=2e-2, weight_decay=1e-2, _vector_group=_AUX)),
+    Case(
+        "muon-ema-schedule-rms",
+        dist_optim.DistributedMuon,
+        dict(
+            lr=1e-2,
+            nesterov=False,
+            momentum=0.9,
+            momentum_ema=True,
+            eps_form="add",
+            stacked=True,  # the 3-D "conv" as 3 matrices 4 x 3, each on its own owner
+            ns_coefficients=[(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037)],
+            adamw_betas=(0.8, 0.99),
+            _matrix_group=dict(adjust_lr_fn="match_rms_adamw"),
+            _vector_group=dict(_AUX, weight_decay=1e-2),
+        ),
+    ),
+]

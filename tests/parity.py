@@ -101,10 +101,14 @@ def full_grads(step: int, seed: int = 1, specs: list[Spec] = SPECS) -> list[torc
 #: A Case kwargs key (not passed to the optimizer): extra options for a group of the 2-D params
 #: only (e.g. GaLore's ``rank``); params with 3+ dims then get a group of their own.
 MATRIX_GROUP = "_matrix_group"
+#: A Case kwargs key (not passed to the optimizer): extra options for the group of the vectors
+#: (e.g. Muon's ``use_muon=False``: they get its auxiliary AdamW).
+VECTOR_GROUP = "_vector_group"
 
 
 def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any], specs: list[Spec] = SPECS) -> list[dict[str, Any]]:
-    """Two groups (matrices, vectors) so per-group options are exercised too.
+    """Two groups (matrices, vectors) so per-group options are exercised too; the vectors' group
+    takes ``kwargs[VECTOR_GROUP]`` (a dict) where given.
 
     With ``kwargs[MATRIX_GROUP]`` (a dict), three: exactly-2-D params with those options, 3+-D
     params, vectors."""
@@ -112,19 +116,16 @@ def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any], specs: list
     mats = [p for p, spec in zip(params, specs) if len(spec.shape) >= 2]
     vecs = [p for p, spec in zip(params, specs) if len(spec.shape) < 2]
     lr = kwargs.get("lr", 1e-3)
+    vec_group = {"params": vecs, "lr": lr * 0.5, **kwargs.get(VECTOR_GROUP, {})}
     if MATRIX_GROUP in kwargs:
         two_d = [p for p, spec in zip(params, specs) if len(spec.shape) == 2]
         higher = [p for p, spec in zip(params, specs) if len(spec.shape) > 2]
-        return [
-            {"params": two_d, **kwargs[MATRIX_GROUP]},
-            {"params": higher},
-            {"params": vecs, "lr": lr * 0.5},
-        ]
-    return [{"params": mats}, {"params": vecs, "lr": lr * 0.5}]
+        return [{"params": two_d, **kwargs[MATRIX_GROUP]}, {"params": higher}, vec_group]
+    return [{"params": mats}, vec_group]
 
 
 def make(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor], specs: list[Spec] = SPECS) -> Any:
-    options = {k: v for k, v in kwargs.items() if k != MATRIX_GROUP}
+    options = {k: v for k, v in kwargs.items() if k not in (MATRIX_GROUP, VECTOR_GROUP)}
     return cls(param_groups(params, kwargs, specs), **options)
 
 

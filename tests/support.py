@@ -27,7 +27,7 @@ COLUMNS: list[tuple] = [
     ("TorchDDPPlugin", 1, 1, 0, "fp32"),
 ]
 
-OPTIMIZERS = ["LAMB", "Adafactor", "CAME", "GaLore", "Shampoo", "Kron"]
+OPTIMIZERS = ["LAMB", "Adafactor", "CAME", "GaLore", "Shampoo", "Kron", "Muon"]
 
 
 def booster_coverage() -> dict[str, set[tuple]]:
@@ -46,6 +46,7 @@ def checkpoint_coverage() -> set[str]:
 
     names = {"lamb": "LAMB", "adafactor": "Adafactor", "came": "CAME", "galore": "GaLore", "kron": "Kron"}
     names["shampoo"] = "Shampoo"
+    names["muon"] = "Muon"
     return {names[k] for k in test_checkpoint.OPTIMIZERS}
 
 
@@ -59,6 +60,7 @@ def parity_coverage() -> set[str]:
         "DistributedGaLore": "GaLore",
         "DistributedShampoo": "Shampoo",
         "DistributedKron": "Kron",
+        "DistributedMuon": "Muon",
     }
     return {names[c.cls.__name__] for c in PARITY_CASES}
 

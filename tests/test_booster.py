@@ -91,6 +91,13 @@ SPECS = {
         "DistributedShampoo",
     ),
     "Kron": Spec(("kron_torch.Kron", dict(lr=3e-3, weight_decay=1e-2)), "DistributedKron"),
+    # Muon: passed as ours (the pinned torch has no torch.optim.Muon), with the usual split of the
+    # model (dist_optim.muon_param_groups): hidden matrices orthogonalized on their owner ranks,
+    # embeddings, LM head and norms in its AdamW group.
+    "Muon": Spec(
+        ("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=dict(adamw_lr=1e-3))),
+        "DistributedMuon",
+    ),
 }
 
 

@@ -36,6 +36,8 @@ OPTIMIZERS = {
             grafting_config=AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
         ),
     ),
+    # momentum in each rank's pieces, AdamW moments and step counters of the auxiliary groups
+    "muon": ("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=dict(adamw_lr=1e-3))),
     # the projector computed at step 1 must be restored, not recomputed (a second refresh is too
     # sensitive to reduction order to compare across layouts: see test_booster.py)
     "galore": (

@@ -1,0 +1,766 @@
+"""Muon: momentum orthogonalized by Newton-Schulz (K. Jordan et al., 2024, "Muon: An optimizer for
+hidden layers in neural networks", kellerjordan.github.io/posts/muon; scaled up in J. Liu et al.,
+2025, "Muon is Scalable for LLM Training", arXiv:2502.16982), with an AdamW for the parameters that
+are not hidden matrices, in one optimizer.
+
+For a matrix ``W`` of shape ``m x n`` (a parameter with more dims is seen as
+``shape[0] x prod(shape[1:])``, e.g. a conv weight, or with ``stacked=True`` as ``shape[0]``
+matrices ``shape[1] x prod(shape[2:])``: experts or heads stored in one tensor) with gradient
+``G`` (``t`` = 1-based step)::
+
+    B <- momentum * B + G                       (momentum_ema: B <- lerp(B, G, 1 - momentum))
+    C  = G + momentum * B if nesterov else B    (momentum_ema: C = lerp(G, B, momentum))
+    X  = C / max(||C||_F, eps)                  (eps_form="add": C / (||C||_F + eps)), transposed if m > n
+    ns_steps times (or once per triple of a coefficient schedule):
+        A = X X^T;  X <- a X + (b A + c A A) X
+    X transposed back
+    W <- W (1 - lr * weight_decay)
+    W <- W - lr' X,   lr' = lr * sqrt(max(1, m / n))       (adjust_lr_fn None / "original")
+                      lr' = 0.2 * lr * sqrt(max(m, n))     ("match_rms_adamw", Liu et al.)
+
+The iteration runs in ``ns_dtype`` (default: the parameter's dtype). The defaults and the sum form
+of the momentum are ``torch.optim.Muon``'s documented algorithm. Two variants exist for exact
+conversions (:func:`dist_optim.convert`):
+
+* ``momentum_ema=True``: the momentum as an exponential moving average, as KellerJordan's ``muon``
+  package and torch's implementation (torch >= 2.9) compute it (their documentation states the
+  sum). ``C`` is then ``(1 - momentum)`` times the sum form's, so the update is the same up to
+  ``eps`` (the normalisation removes the scale); the state differs by that factor.
+* ``eps_form="add"``: KellerJordan's normalisation ``C / (||C|| + eps)``.
+
+Parameter groups with ``use_muon=False`` get AdamW (decoupled weight decay, bias-corrected,
+``adamw_betas``, ``adamw_eps``, the group's own ``lr`` and ``weight_decay``; torch's fused kernel
+where it applies), as KellerJordan's ``MuonWithAuxAdam``. :func:`muon_param_groups` builds the
+usual split from a model. A parameter with fewer than 2 dims in a Muon group is a ``ValueError``
+(raised when the optimizer is bound or first steps: under ZeRO the optimizer's parameters are flat
+chunks, so only their layouts tell their shapes).
+
+Deviations: a parameter without a gradient is skipped (torch's behaviour; KellerJordan's packages
+step it with a zero gradient, decaying its momentum and weights); a NaN/Inf gradient raises or
+skips the step under the ``nonfinite`` policy shared by every dist_optim optimizer
+(:class:`~dist_optim.base.DistOptimizer`).
+
+Distribution (TP slices, ZeRO chunks, data-parallel replicas): the momentum and ``C`` are element-
+wise, so every rank keeps the momentum of the elements it holds (no full-size state anywhere) and
+computes its part of ``C``. Each matrix (a parameter: its full tensor, whatever TP split it or ZeRO
+cut it) has one *owner* rank in its work group, the TP x data-parallel grid of the ranks that hold
+pieces of it (:mod:`dist_optim.owners`), chosen by the iteration's cost ``m * n * min(m, n)``
+(:func:`dist_optim.work.assign_owners`). Every rank sends its pieces of ``C`` straight to the
+matrix's owner (each slice's owner with ``stacked``), the owner runs the iteration on the whole
+matrix, and sends the pieces of ``X`` back to every rank that holds them (:func:`owners.to_owners`
+/ :func:`owners.from_owners`: one ``all_to_all`` per work group and direction for all matrices of a
+step, in ``communication_dtype``, default the parameters' dtype). Each rank then updates its own
+elements. A step issues these two collectives per work group plus the NaN/Inf check's flag all-
+reduce: 3 with one work group. The matrix orthogonalized is the single-device run's, so the result
+is the single-device result (fp32 communication: the same bits up to the iteration's own rounding,
+which is the same computation on the same matrix). AdamW groups are element-wise and need no
+communication.
+
+What is one matrix: the single-device run's parameter. A TP layout that interleaves a fused QKV
+weight (each rank holding its q, k and v rows) assembles a row permutation of it, and Newton-Schulz
+commutes with permutations of rows and columns (``f(P X Q) = P f(X) Q`` for the iteration, the
+norm and the shape), so the result is the single-device one. Pipeline stages own their matrices
+(each stage's data-parallel groups and grids are its work groups); MoE experts are split over
+their expert data-parallel group, the group that shards them. Experts or heads stacked in one
+tensor: ``stacked=True``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.optim.adamw import adamw as _torch_adamw
+
+from .base import DistOptimizer, check_range
+from .comm import gather_full, group_key, group_rank, group_size, ordered_groups
+from .layout import ParamLayout
+from .owners import from_owners, plan_routes, to_owners, work_grids
+from .registry import Conversion, register
+from .work import Route, assign_owners
+
+__all__ = ["DistributedMuon", "muon_param_groups", "newton_schulz", "adjusted_lr"]
+
+#: Newton-Schulz coefficients of Jordan et al. (torch.optim.Muon's defaults).
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+EPS_FORMS = ("max", "add")
+_FUSED_ADAMW = hasattr(torch, "_fused_adamw_")
+
+Coefficients = tuple[float, float, float]
+
+
+def newton_schulz(
+    c: torch.Tensor,
+    coefficients: Sequence[Coefficients],
+    eps: float,
+    eps_form: str = "max",
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The orthogonalized 2-D ``c``: normalised by its Frobenius norm, then one quintic
+    Newton-Schulz iteration ``X <- a X + (b A + c A A) X`` (``A = X X^T``) per ``(a, b, c)`` in
+    ``coefficients``, on the wide orientation (``X`` transposed when ``m > n``, so that ``A`` is
+    the smaller Gram matrix), in ``dtype`` (default ``c``'s). A new tensor; ``c`` is not changed."""
+    x = c.to(dtype) if dtype is not None else c
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    norm = x.norm()
+    x = x / (norm.clamp(min=eps) if eps_form == "max" else norm + eps)
+    for a, b, cc in coefficients:
+        gram = x @ x.T
+        # b A + c A A and a X + B X in one kernel each, as torch.optim.Muon computes them.
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=cc)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """The step size of the orthogonalized update of a ``rows x cols`` matrix: ``lr *
+    sqrt(max(1, rows / cols))`` (None / ``"original"``, Jordan et al.) or ``0.2 * lr *
+    sqrt(max(rows, cols))`` (``"match_rms_adamw"``: the update's RMS matches AdamW's, Liu et al.)."""
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * lr * math.sqrt(max(rows, cols))
+    return lr * math.sqrt(max(1.0, rows / cols))
+
+
+def _is_stacked(full_shape: tuple[int, ...], group: dict[str, Any]) -> bool:
+    return bool(group["stacked"]) and len(full_shape) > 2
+
+
+def _matrix_shape(full_shape: tuple[int, ...], group: dict[str, Any]) -> tuple[int, int]:
+    """The shape of one matrix of a parameter: ``shape[0] x prod(shape[1:])``, or with
+    ``stacked`` (3+ dims) ``shape[1] x prod(shape[2:])`` for each of its ``shape[0]`` slices."""
+    if _is_stacked(full_shape, group):
+        return full_shape[1], math.prod(full_shape[2:])
+    return full_shape[0], math.prod(full_shape[1:])
+
+
+def _matrix_boxes(full_shape: tuple[int, ...], group: dict[str, Any]) -> list[tuple[tuple[int, int], ...]]:
+    """The boxes of the full tensor that are one matrix each: the whole tensor, or its slices."""
+    rest = tuple((0, s) for s in full_shape[1:])
+    if _is_stacked(full_shape, group):
+        return [((i, i + 1), *rest) for i in range(full_shape[0])]
+    return [((0, full_shape[0]), *rest)]
+
+
+def _schedule(group: dict[str, Any]) -> list[Coefficients]:
+    """The per-iteration coefficients of a group: ``ns_steps`` copies of one triple, or the
+    given list of triples."""
+    coeffs = group["ns_coefficients"]
+    if _is_triple(coeffs):
+        return [tuple(float(v) for v in coeffs)] * int(group["ns_steps"])  # type: ignore[list-item]
+    return [tuple(float(v) for v in triple) for triple in coeffs]  # type: ignore[misc]
+
+
+def _is_triple(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value)
+
+
+class DistributedMuon(DistOptimizer):
+    """Muon with an auxiliary AdamW, exact under tensor parallelism and ZeRO (module docstring).
+
+    The argument names and defaults are ``torch.optim.Muon``'s (torch >= 2.9): switching is a
+    rename.
+
+    Args:
+        params: parameters or parameter groups. A group with ``use_muon=False`` is stepped by
+            AdamW; every parameter of a Muon group needs at least 2 dims (see
+            :func:`muon_param_groups`).
+        lr: learning rate (>= 0), of Muon and AdamW groups alike.
+        weight_decay: decoupled weight decay (>= 0): ``W <- W (1 - lr * weight_decay)``.
+        momentum: in [0, 1).
+        nesterov: use ``G + momentum * B`` instead of ``B``.
+        ns_coefficients: ``(a, b, c)`` of the quintic iteration, or a list of such triples, one per
+            iteration (Polar Express-style schedules; its length then sets the iterations and
+            ``ns_steps`` is not used).
+        eps: floor of the norm that ``C`` is divided by (> 0).
+        ns_steps: iterations with a single triple (1 to 100).
+        adjust_lr_fn: None / ``"original"`` or ``"match_rms_adamw"`` (see :func:`adjusted_lr`).
+        ns_dtype: dtype of the iteration (None: the parameter's; torch's and KellerJordan's Muon
+            iterate in bfloat16, so their conversions set ``torch.bfloat16``).
+        communication_dtype: dtype in which pieces of ``C`` travel to the owners and the
+            orthogonalized pieces back (None: the parameters' dtype; bfloat16 halves the bytes).
+        momentum_ema: keep the momentum as an exponential moving average (KellerJordan's and
+            torch's implementations) instead of the sum ``momentum * B + G``.
+        stacked: a parameter with 3+ dims is a stack of matrices along its first dim (experts or
+            heads stored in one tensor): each ``p[i]``, seen as ``shape[1] x prod(shape[2:])``, is
+            orthogonalized on its own (on its own owner rank) with that shape's lr adjustment.
+            Default: the whole parameter is one ``shape[0] x prod(shape[1:])`` matrix (a conv
+            weight).
+        eps_form: ``"max"`` (``C / max(||C||, eps)``, torch) or ``"add"`` (``C / (||C|| + eps)``,
+            KellerJordan).
+        adamw_betas: AdamW's ``(beta1, beta2)`` in ``use_muon=False`` groups.
+        adamw_eps: AdamW's epsilon (>= 0).
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
+            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
+    """
+
+    _sharded_state = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+    #: Route pieces of C to the matrices' owners (the default). False: every rank gathers every
+    #: full C and iterates on every matrix, the way a port without owners works (the benchmark's
+    #: and the tests' comparison).
+    _route_pieces = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Coefficients | Sequence[Coefficients] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype | None = None,
+        communication_dtype: torch.dtype | None = None,
+        *,
+        momentum_ema: bool = False,
+        stacked: bool = False,
+        eps_form: str = "max",
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-10,
+        nonfinite: str = "raise",
+    ) -> None:
+        if communication_dtype is not None and (
+            not isinstance(communication_dtype, torch.dtype) or not communication_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"communication_dtype must be None or a floating torch.dtype (e.g. torch.bfloat16), "
+                f"got {communication_dtype!r}"
+            )
+        self.communication_dtype = communication_dtype
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
+            momentum_ema=momentum_ema,
+            stacked=stacked,
+            eps_form=eps_form,
+            adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
+            adamw_eps=adamw_eps,
+            use_muon=True,
+        )
+        _validate_group(defaults)
+        self._plans: dict[torch.Tensor, tuple[Any, list[int]]] | None = None
+        self._routes: dict[torch.Tensor, Route | None] | None = None
+        self._grids: dict[tuple[int, ...], Any] = {}
+        self._checked = False
+        super().__init__(params, defaults, nonfinite=nonfinite)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _validate_group(self.param_groups[-1])
+        self._plans = None
+        self._routes = None
+        self._checked = False
+
+    # ---- binding and planning ---------------------------------------------------------------
+    def _on_bind(self) -> None:
+        self._checked = False
+        self._check_matrices()
+        # Under TP the matrices are split over the TP x data-parallel grid: every rank of it can
+        # own a matrix, not only one TP rank's data-parallel group. Collective over the job.
+        self._grids = work_grids(self.tp_group, [self._base_work_group(p) for p in self._muon_params()])
+        self._plans = None
+        self._routes = None
+
+    def _muon_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
+
+    def _check_matrices(self) -> None:
+        """Every parameter of a Muon group must be a matrix (or more dims): by its layout's full
+        shape, since under ZeRO the optimizer holds flat chunks."""
+        if self._checked:
+            return
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            for p in group["params"]:
+                shape = self.layout(p).full_shape
+                if len(shape) < 2:
+                    raise ValueError(
+                        f"DistributedMuon: {self.param_label(p)} has shape {tuple(shape)}, but Muon orthogonalizes "
+                        "matrices: put parameters with fewer than 2 dims (biases, norms) in a param group with "
+                        "use_muon=False (AdamW); dist_optim.muon_param_groups(model) builds the usual split"
+                    )
+        self._checked = True
+
+    def _base_work_group(self, p: torch.Tensor) -> Any:
+        layout = self.layout(p)
+        return layout.zero.group if layout.zero is not None else self.dp_group
+
+    def _work_group(self, p: torch.Tensor) -> Any:
+        base = self._base_work_group(p)
+        if base is None or not self._grids:
+            return base
+        return self._grids.get(group_key(base), base)
+
+    def _work_size(self, group: Any) -> int:
+        return group_size(group) if self.is_bound and group is not None else 1
+
+    def _ensure_plans(self) -> dict[torch.Tensor, tuple[Any, list[int]]]:
+        """Each Muon parameter's work group and the owner (rank in it) of each of its matrices
+        (:func:`_matrix_boxes`), balancing the iteration's cost ``m * n * min(m, n)`` per work
+        group."""
+        if self._plans is not None:
+            return self._plans
+        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        for p in self._muon_params():
+            wg = self._work_group(p)
+            by_group.setdefault(id(wg), (wg, []))[1].append(p)
+        plans: dict[torch.Tensor, tuple[Any, list[int]]] = {}
+        groups = {p: g for g in self.param_groups for p in g["params"]}
+        for wg, params in by_group.values():
+            costs, counts = [], []
+            for p in params:
+                shape = self.layout(p).full_shape
+                m, n = _matrix_shape(shape, groups[p])
+                counts.append(len(_matrix_boxes(shape, groups[p])))
+                costs += [float(m * n * min(m, n))] * counts[-1]
+            owners = assign_owners(costs, self._work_size(wg))
+            start = 0
+            for p, count in zip(params, counts):
+                plans[p] = (wg, owners[start : start + count])
+                start += count
+        self._plans = plans
+        self._routes = None
+        return plans
+
+    def _ensure_routes(self) -> dict[torch.Tensor, Route | None]:
+        """Which of this rank's pieces of each matrix go to its owner and which pieces of the
+        result come back: one ``all_gather_object`` per work group, after each re-planning,
+        from ``step()`` (which every rank calls)."""
+        plans = self._ensure_plans()
+        if self._routes is not None:
+            return self._routes
+        routes: dict[torch.Tensor, Route | None] = {p: None for p in plans}
+        groups = {p: g for g in self.param_groups for p in g["params"]}
+        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        for p, (wg, _) in plans.items():
+            if self._route_pieces and self._work_size(wg) > 1:
+                by_group.setdefault(id(wg), (wg, []))[1].append(p)
+        for wg in ordered_groups(entry[0] for entry in by_group.values()):
+            params = by_group[id(wg)][1]
+            layouts = [self.layout(p) for p in params]
+            found = plan_routes(
+                layouts,
+                [lay.full_shape for lay in layouts],
+                [_matrix_boxes(lay.full_shape, groups[p]) for p, lay in zip(params, layouts)],
+                [plans[p][1] for p in params],
+                wg,
+            )
+            routes.update(zip(params, found))
+        self._routes = routes
+        return routes
+
+    # ---- the step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = self._begin_step(closure)
+        if not self._gradients_ok():
+            return loss
+        self._check_matrices()
+        matrices: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
+        for group in self.param_groups:
+            params, grads = self._grads(group)
+            if not params:
+                continue
+            if group["use_muon"]:
+                for p, g in zip(params, grads):
+                    matrices.append((group, p, _momentum_direction(self.state, p, g, group)))
+            else:
+                self._adamw(group, params, grads)
+        if matrices:
+            self._orthogonalized_updates(matrices)
+        return loss
+
+    def _orthogonalized_updates(self, matrices: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> None:
+        routes = self._ensure_routes() if self.is_bound else {}
+        plans = self._ensure_plans()
+        routed: dict[int, tuple[Any, list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, Route]]]] = {}
+        plain: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
+        for group, p, c in matrices:
+            route = routes.get(p)
+            if route is None:
+                plain.append((group, p, c))
+            else:
+                wg = plans[p][0]
+                routed.setdefault(id(wg), (wg, []))[1].append((group, p, c, route))
+
+        # Whole on this rank (unbound, or a work group of one): the iteration here. Pieces that
+        # could not be routed (holdings that do not tile the tensor): every rank gathers the full
+        # C and iterates (a fallback: plan_route routes every layout the plugins produce).
+        gathered = [i for i, (_, p, _) in enumerate(plain) if not self.layout(p).is_local]
+        fulls = (
+            gather_full([(self.layout(plain[i][1]), plain[i][2]) for i in gathered], dtype=self.communication_dtype)
+            if gathered
+            else []
+        )
+        full_of = dict(zip(gathered, fulls))
+        for i, (group, p, c) in enumerate(plain):
+            layout = self.layout(p)
+            x = self._orthogonalize(full_of.get(i, c).reshape(layout.full_shape), group)
+            update = x if layout.is_local else layout.take_local(x, copy=False).view_as(p)
+            _apply(p, update, layout, group)
+
+        # Pieces of C to the owners, X back to the holders: one all_to_all per work group each way.
+        order = [routed[id(wg)] for wg in ordered_groups(entry[0] for entry in routed.values())]
+        results: list[dict[int, torch.Tensor]] = []
+        for wg, members in order:
+            blocks = [
+                {i: c.new_empty(_box_shape(boxes[i])) for i in route.owned}
+                for group, p, c, route in members
+                for boxes in [_matrix_boxes(self.layout(p).full_shape, group)]
+            ]
+            to_owners(
+                [(route, c.reshape(-1), b) for (_, _, c, route), b in zip(members, blocks)],
+                wg,
+                self._comm_dtype(members),
+                members[0][2].device,
+            )
+            results.append(blocks)
+        updates: list[list[torch.Tensor]] = []
+        for (wg, members), blocks in zip(order, results):
+            for (group, _, _, _), b in zip(members, blocks):
+                for i in list(b):
+                    b[i] = self._orthogonalize(b[i], group)
+            local = []
+            for _, p, c, _ in members:
+                u = c.new_empty(c.numel())
+                u[self.layout(p).valid_numel :].zero_()  # ZeRO padding at the end of a chunk
+                local.append(u)
+            from_owners(
+                [(route, b, u) for (_, _, _, route), b, u in zip(members, blocks, local)],
+                wg,
+                self._comm_dtype(members),
+                members[0][2].device,
+            )
+            updates.append(local)
+        for (_, members), local in zip(order, updates):
+            for (group, p, _, _), u in zip(members, local):
+                _apply(p, u.view_as(p), self.layout(p), group)
+
+    def _comm_dtype(self, members: Sequence[tuple[Any, Any, torch.Tensor, Any]]) -> torch.dtype:
+        if self.communication_dtype is not None:
+            return self.communication_dtype
+        # The widest of the parameters' own dtypes: the same on every rank of the work group.
+        dtype = members[0][2].dtype
+        for _, _, c, _ in members[1:]:
+            dtype = torch.promote_types(dtype, c.dtype)
+        return dtype
+
+    @staticmethod
+    def _orthogonalize(c: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """X of ``c``: a whole parameter's C, or with ``stacked`` a slice of one or all its
+        slices (each its own matrix), in ``c``'s shape."""
+        shape = tuple(c.shape)
+        coeffs, eps, form, dtype = _schedule(group), group["eps"], group["eps_form"], group["ns_dtype"]
+        if not _is_stacked(shape, group):
+            return newton_schulz(c.reshape(shape[0], -1), coeffs, eps, form, dtype).reshape(shape)
+        return torch.stack([newton_schulz(s.reshape(shape[1], -1), coeffs, eps, form, dtype) for s in c]).reshape(shape)
+
+    # ---- the auxiliary AdamW ------------------------------------------------------------------
+    def _adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        tensors = [t for p, g, st in zip(params, grads, states) for t in (p, g, st["exp_avg"], st["exp_avg_sq"])]
+        beta1, beta2 = group["adamw_betas"]
+        _torch_adamw(
+            params,
+            grads,
+            [st["exp_avg"] for st in states],
+            [st["exp_avg_sq"] for st in states],
+            [],
+            [st["step"] for st in states],
+            foreach=False,
+            fused=_fused_applies(tensors),
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["adamw_eps"],
+            maximize=False,
+        )
+
+    # ---- owners -------------------------------------------------------------------------------
+    def owners_of(self, param: torch.Tensor) -> list[int]:
+        """The rank (in its work group) that orthogonalizes each of ``param``'s matrices."""
+        return list(self._ensure_plans()[param][1])
+
+    def work_group_rank(self, param: torch.Tensor) -> int:
+        """This rank's rank in ``param``'s work group (0 when it has one rank)."""
+        wg = self._ensure_plans()[param][0]
+        return group_rank(wg) if self._work_size(wg) > 1 else 0
+
+
+def _fused_applies(tensors: Sequence[torch.Tensor]) -> bool | None:
+    """Torch's fused AdamW kernel reads dense memory of one dtype per parameter on the CPU or a
+    CUDA device; elsewhere the per-tensor path (the same update) runs."""
+    ok = (
+        _FUSED_ADAMW
+        and bool(tensors)
+        and all(
+            t.device.type in ("cpu", "cuda")
+            and t.dtype.is_floating_point
+            and t.is_contiguous()
+            and t.dtype == tensors[0].dtype
+            for t in tensors
+        )
+    )
+    return True if ok else None
+
+
+def _momentum_direction(states: Any, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """Update the momentum of ``p``'s local elements and return its local part of ``C``
+    (element-wise: the same bits on a TP slice or ZeRO chunk as on the full tensor)."""
+    state = states[p]
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+    buf = state["momentum_buffer"]
+    mu = group["momentum"]
+    if group["momentum_ema"]:
+        buf.lerp_(g, 1.0 - mu)
+        return g.lerp(buf, mu) if group["nesterov"] else buf
+    buf.mul_(mu).add_(g)
+    return g.add(buf, alpha=mu) if group["nesterov"] else buf
+
+
+def _box_shape(box: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
+
+
+def _apply(p: torch.Tensor, update: torch.Tensor, layout: ParamLayout, group: dict[str, Any]) -> None:
+    m, n = _matrix_shape(layout.full_shape, group)
+    lr = group["lr"]
+    if group["weight_decay"] != 0:
+        p.mul_(1.0 - lr * group["weight_decay"])
+    p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m, n))
+
+
+# ---- options ------------------------------------------------------------------------------------
+def _validate_group(group: dict[str, Any]) -> None:
+    """ValueError/TypeError naming the option for anything out of range in a param group."""
+    use_muon = group.get("use_muon", True)
+    if not isinstance(use_muon, bool):
+        raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
+    check_range("lr", group["lr"], 0.0)
+    check_range("weight_decay", group["weight_decay"], 0.0)
+    check_range("momentum", group["momentum"], 0.0, 1.0)
+    check_range("eps", group["eps"], 0.0, open_low=True)
+    for flag in ("nesterov", "momentum_ema", "stacked"):
+        if not isinstance(group[flag], bool):
+            raise TypeError(f"{flag} must be True or False, got {group[flag]!r}")
+    steps = group["ns_steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 100:
+        raise ValueError(f"ns_steps must be an integer in [1, 100], got {steps!r}")
+    coeffs = group["ns_coefficients"]
+    triples = [coeffs] if _is_triple(coeffs) else coeffs
+    if (
+        not isinstance(triples, (tuple, list))
+        or not triples
+        or not all(_is_triple(t) for t in triples)
+        or len(triples) > 100
+    ):
+        raise ValueError(
+            "ns_coefficients must be a triple (a, b, c) of numbers or a list of 1 to 100 such triples "
+            f"(one per iteration), got {coeffs!r}"
+        )
+    for i, triple in enumerate(triples):
+        for name, v in zip("abc", triple):
+            if not math.isfinite(v):
+                raise ValueError(f"ns_coefficients[{i}].{name} must be finite, got {v}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {group['adjust_lr_fn']!r}")
+    dtype = group["ns_dtype"]
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"ns_dtype must be None or a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    if group["eps_form"] not in EPS_FORMS:
+        raise ValueError(f"eps_form must be 'max' or 'add', got {group['eps_form']!r}")
+    betas = group["adamw_betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"adamw_betas must be a pair (beta1, beta2), got {betas!r}")
+    check_range("adamw_betas[0]", betas[0], 0.0, 1.0)
+    check_range("adamw_betas[1]", betas[1], 0.0, 1.0)
+    check_range("adamw_eps", group["adamw_eps"], 0.0)
+
+
+# ---- the usual split of a model -------------------------------------------------------------------
+#: Last module-name components taken for the output head (AdamW in :func:`muon_param_groups`).
+DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "classifier", "score")
+
+
+def muon_param_groups(
+    model: torch.nn.Module,
+    *,
+    head_names: Iterable[str] = DEFAULT_HEAD_NAMES,
+    adamw_lr: float | None = None,
+    adamw_weight_decay: float | None = None,
+    **muon_options: Any,
+) -> list[dict[str, Any]]:
+    """Parameter groups for :class:`DistributedMuon` from a model: hidden matrices (2-D weights,
+    and conv weights, which Muon sees as ``out x (in * kernel)``) in a Muon group; embeddings
+    (every parameter of an ``nn.Embedding`` and any parameter tied to one), the output head (a
+    module whose last name component is in ``head_names``, or matching one as a regular
+    expression) and everything with fewer than 2 dims (norms, biases) in a ``use_muon=False``
+    (AdamW) group, with ``adamw_lr`` / ``adamw_weight_decay`` where given. ``muon_options`` go into
+    the Muon group (e.g. ``lr``). Each group names its parameters (``param_names``). Empty groups
+    are dropped. Use it before the model is sharded (as the optimizer is built in ColossalAI)."""
+    heads = [re.compile(f"^{h}$") for h in head_names]
+    embedding_params = {
+        id(p) for module in model.modules() if isinstance(module, torch.nn.Embedding) for p in module.parameters()
+    }
+    muon: list[tuple[str, torch.nn.Parameter]] = []
+    adamw: list[tuple[str, torch.nn.Parameter]] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        module_name = name.rpartition(".")[0]
+        leaf_module = module_name.rpartition(".")[2]
+        aux = param.dim() < 2 or id(param) in embedding_params or any(h.match(leaf_module) for h in heads)
+        (adamw if aux else muon).append((name, param))
+    adamw_group: dict[str, Any] = {"use_muon": False}
+    if adamw_lr is not None:
+        adamw_group["lr"] = adamw_lr
+    if adamw_weight_decay is not None:
+        adamw_group["weight_decay"] = adamw_weight_decay
+    groups = [
+        {"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True, **muon_options},
+        {"params": [p for _, p in adamw], "param_names": [n for n, _ in adamw], **adamw_group},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+# ---- conversions from the Muon classes users have ---------------------------------------------------
+def _muon_state(state: Any) -> dict[str, Any]:
+    """A Muon parameter's state (momentum_buffer, the EMA form in both sources) or an auxiliary
+    Adam parameter's (exp_avg, exp_avg_sq, an integer step in KellerJordan's)."""
+    out: dict[str, Any] = {}
+    if "momentum_buffer" in state:
+        out["momentum_buffer"] = state["momentum_buffer"]
+    if "exp_avg" in state:
+        out["exp_avg"] = state["exp_avg"]
+        out["exp_avg_sq"] = state["exp_avg_sq"]
+        out["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+    return out
+
+
+def _torch_muon(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
+    # torch >= 2.9 documents B <- momentum B + G but computes the EMA (buf.lerp_(grad, 1 - momentum),
+    # update = grad.lerp(buf, momentum)), divides by norm.clamp(min=eps) and iterates in bfloat16.
+    return dict(
+        lr=g["lr"],
+        weight_decay=g["weight_decay"],
+        momentum=g["momentum"],
+        nesterov=bool(g["nesterov"]),
+        ns_coefficients=tuple(g["ns_coefficients"]),
+        eps=g["eps"],
+        ns_steps=g["ns_steps"],
+        adjust_lr_fn=g["adjust_lr_fn"],
+        ns_dtype=torch.bfloat16,
+        momentum_ema=True,
+        eps_form="max",
+        use_muon=True,
+    )
+
+
+def _keller_jordan_muon_group(g: Any, name: str) -> dict[str, Any]:
+    for p in g.get("params", ()):
+        if p.dim() != 2:
+            raise ValueError(
+                f"convert: muon.{name} holds a parameter of shape {tuple(p.shape)}; KellerJordan's Muon flattens 4-D "
+                "weights but scales their update by the kernel's dims, and batches 3-D ones over their first dim, "
+                "which DistributedMuon does not reproduce: convert with 2-D parameters only, or build "
+                "DistributedMuon(dist_optim.muon_param_groups(model)) directly"
+            )
+    return dict(
+        lr=g.get("lr", 0.02),
+        weight_decay=g.get("weight_decay", 0.0),
+        momentum=g.get("momentum", 0.95),
+        nesterov=True,
+        ns_coefficients=DEFAULT_NS_COEFFICIENTS,
+        eps=1e-7,
+        ns_steps=5,
+        adjust_lr_fn="original",
+        ns_dtype=torch.bfloat16,
+        momentum_ema=True,
+        eps_form="add",
+        use_muon=True,
+    )
+
+
+def _keller_jordan_muon(name: str) -> Callable[[torch.optim.Optimizer, Any], dict[str, Any]]:
+    def options(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
+        return _keller_jordan_muon_group(g, name)
+
+    return options
+
+
+def _keller_jordan_aux(name: str) -> Callable[[torch.optim.Optimizer, Any], dict[str, Any]]:
+    def options(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
+        if "use_muon" not in g:
+            raise KeyError("use_muon")  # the empty defaults of these classes: no options to take
+        if g["use_muon"]:
+            return _keller_jordan_muon_group(g, name)
+        return dict(
+            lr=g["lr"],
+            weight_decay=g["weight_decay"],
+            adamw_betas=tuple(g["betas"]),
+            adamw_eps=g["eps"],
+            use_muon=False,
+        )
+
+    return options
+
+
+_TORCH_MUON_READS = frozenset(
+    {"lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"}
+)
+# torch.optim.Muon's class reports the module torch.optim (torch >= 2.9); the file is torch/optim/_muon.py.
+for _path in ("torch.optim.Muon", "torch.optim._muon.Muon"):
+    register(
+        Conversion(
+            _path,
+            DistributedMuon,
+            _torch_muon,
+            _TORCH_MUON_READS,
+            state=_muon_state,
+        )
+    )
+# KellerJordan's package (github.com/KellerJordan/Muon, module ``muon``; PyPI's ``muon`` is unrelated).
+for _name in ("Muon", "SingleDeviceMuon"):
+    register(
+        Conversion(
+            f"muon.{_name}",
+            DistributedMuon,
+            _keller_jordan_muon(_name),
+            frozenset({"lr", "weight_decay", "momentum"}),
+            state=_muon_state,
+        )
+    )
+for _name in ("MuonWithAuxAdam", "SingleDeviceMuonWithAuxAdam"):
+    register(
+        Conversion(
+            f"muon.{_name}",
+            DistributedMuon,
+            _keller_jordan_aux(_name),
+            frozenset({"lr", "weight_decay", "momentum", "use_muon", "betas", "eps"}),
+            state=_muon_state,
+        )
+    )

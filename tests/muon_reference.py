@@ -1,0 +1,80 @@
+"""A float64 reference of Muon with an auxiliary AdamW, written from the algorithm's statement
+(issue 20 / torch.optim.Muon's documentation / Jordan et al.), independent of dist_optim.muon: plain
+per-step formulas, no shared helpers, no fused kernels.
+
+Each parameter is a float64 tensor; ``groups`` are dicts with ``params`` and the options of
+``DistributedMuon`` (every option spelled out by the caller)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def _orthogonalize(
+    c: torch.Tensor, coefficients: list[tuple[float, float, float]], eps: float, add: bool
+) -> torch.Tensor:
+    m = c.shape[0]
+    x = c.reshape(m, -1).clone()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.t()
+    norm = torch.sqrt((x * x).sum())
+    x = x / (norm + eps if add else torch.maximum(norm, torch.tensor(eps, dtype=x.dtype)))
+    for a, b, cc in coefficients:
+        gram = x @ x.t()
+        x = a * x + (b * gram + cc * (gram @ gram)) @ x
+    if transposed:
+        x = x.t()
+    return x.reshape(c.shape)
+
+
+class MuonReference:
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.groups = groups
+        self.state: dict[int, dict[str, Any]] = {}
+
+    def step(self) -> None:
+        for group in self.groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                st = self.state.setdefault(id(p), {})
+                lr, wd = group["lr"], group["weight_decay"]
+                if group["use_muon"]:
+                    mu = group["momentum"]
+                    b = st.get("momentum_buffer", torch.zeros_like(p))
+                    if group["momentum_ema"]:
+                        b = mu * b + (1 - mu) * g
+                        c = (1 - mu) * g + mu * b if group["nesterov"] else b
+                    else:
+                        b = mu * b + g
+                        c = g + mu * b if group["nesterov"] else b
+                    st["momentum_buffer"] = b
+                    coeffs = group["ns_coefficients"]
+                    if len(coeffs) == 3 and not isinstance(coeffs[0], (tuple, list)):
+                        coeffs = [tuple(coeffs)] * group["ns_steps"]
+                    add = group["eps_form"] == "add"
+                    if group["stacked"] and p.dim() > 2:  # one matrix per slice along dim 0
+                        x = torch.stack([_orthogonalize(s, list(coeffs), group["eps"], add) for s in c])
+                        rows, cols = p.shape[1], p[0].numel() // p.shape[1]
+                    else:
+                        x = _orthogonalize(c, list(coeffs), group["eps"], add)
+                        rows, cols = p.shape[0], p.numel() // p.shape[0]
+                    if group["adjust_lr_fn"] == "match_rms_adamw":
+                        step_size = 0.2 * lr * math.sqrt(max(rows, cols))
+                    else:
+                        step_size = lr * math.sqrt(max(1.0, rows / cols))
+                    p.data = p.data * (1 - lr * wd) - step_size * x
+                else:
+                    beta1, beta2 = group["adamw_betas"]
+                    t = st.get("step", 0) + 1
+                    m = beta1 * st.get("exp_avg", torch.zeros_like(p)) + (1 - beta1) * g
+                    v = beta2 * st.get("exp_avg_sq", torch.zeros_like(p)) + (1 - beta2) * g * g
+                    st.update(step=t, exp_avg=m, exp_avg_sq=v)
+                    m_hat = m / (1 - beta1**t)
+                    v_hat = v / (1 - beta2**t)
+                    p.data = p.data * (1 - lr * wd) - lr * m_hat / (torch.sqrt(v_hat) + group["adamw_eps"])
