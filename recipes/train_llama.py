@@ -668,6 +668,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         # Each rank reads the checkpoint file by file and keeps only its shard of every tensor.
         booster.load_model(model, weights)
         log(f"loaded pretrained weights from {weights}")
+    ready = ", ".join(f"{m:.2f}" for m in gather_peak_memory())
+    log(f"model ready: peak memory per rank (GiB) [{ready}] (full model in fp32: {num_params * 4 / 2**30:.2f} GiB)")
     local = sum(p.numel() for p in model.unwrap().parameters())
     log(
         f"model: {args.model} ({num_params / 1e6:.2f}M params, {local / 1e6:.2f}M on this rank, "
