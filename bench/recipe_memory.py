@@ -2,6 +2,7 @@
 
     python bench/recipe_memory.py                   # the 1b preset, tp=2 x ZeRO-1 on 4 CPU processes
     python bench/recipe_memory.py --layers 6        # the 1b shape cut to 6 decoder layers
+    python bench/recipe_memory.py --only-lazy --ready-only   # 1b, lazy, built and loaded, no step
 
 Launches the recipe twice with torchrun (``--no-lazy`` the second time) for one optimizer step and
 prints, per rank, the peak resident memory once the booster has built (and sharded) the model and
@@ -25,9 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def run(model: str, lazy: bool, nproc: int) -> dict[str, list[float] | float]:
+def run(model: str, lazy: bool, nproc: int, steps: int) -> dict[str, list[float] | float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["recipes/train_llama.py", "--model", model, "--tp", "2", "--zero", "1", "--steps", "1"]
+    cmd += ["recipes/train_llama.py", "--model", model, "--tp", "2", "--zero", "1", "--steps", str(steps)]
     cmd += ["--synthetic", "--batch-size", "1", "--seq-len", "64", "--no-progress", "--log-every", "1"]
     cmd += ["--optimizer", "colossalai.nn.optimizer.Lamb"] + ([] if lazy else ["--no-lazy"])
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -43,8 +44,10 @@ def run(model: str, lazy: bool, nproc: int) -> dict[str, list[float] | float]:
         return [float(v) for v in found.group(1).split(",")]
 
     full = float(re.search(r"full model in fp32: ([\d.]+) GiB", text).group(1))
-    return {"ready": ranks("model ready: peak memory per rank"), "step": ranks("step 1: .*peak memory per rank"),
-            "fp32_gib": full}  # fmt: skip
+    result: dict[str, list[float] | float] = {"fp32_gib": full, "ready": ranks("model ready: peak memory per rank")}
+    if steps:
+        result["step"] = ranks("step 1: .*peak memory per rank")
+    return result
 
 
 def main() -> None:
@@ -52,6 +55,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's 22)")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--only-lazy", action="store_true", help="skip the eager run (when it cannot fit)")
+    ap.add_argument("--ready-only", action="store_true", help="build and load the model, take no optimizer step")
     args = ap.parse_args()
     from recipes.train_llama import model_config
 
@@ -64,7 +68,7 @@ def main() -> None:
             model = tmp
         label = "1b" if args.layers is None else f"1b widths, {args.layers} layers"
         for lazy in (True, False) if not args.only_lazy else (True,):
-            r = run(model, lazy, args.nproc)
+            r = run(model, lazy, args.nproc, 0 if args.ready_only else 1)
             print(json.dumps({"model": label, "lazy": lazy, "tp": 2, "zero": 1, "nproc": args.nproc, **r}), flush=True)
 
 

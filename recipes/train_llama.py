@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine decay")
-    ap.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps (0: build and load only)")
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per data-parallel rank and micro-batch")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
     ap.add_argument("--seq-len", type=int, default=64)
@@ -145,9 +145,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--eval-every with --pp > 1 is not supported by this recipe yet")
     if args.plugin == "zero" and args.zero == 0:
         args.zero = 1
-    for name in ("grad_accum", "batch_size", "seq_len", "steps"):
+    for name in ("grad_accum", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.steps < 0:
+        ap.error("--steps must be at least 0 (0: build and load the model, report its memory, train nothing)")
     if not 0 <= args.eval_fraction < 1:
         ap.error("--eval-fraction must be in [0, 1)")
     if args.model not in PRESETS and not os.path.isdir(args.model):
@@ -634,7 +636,7 @@ def forward_loss(model: Any, x: torch.Tensor, sp: int) -> torch.Tensor:
     return model(input_ids=x, labels=x, **mask).loss
 
 
-def evaluate(model: Any, data: Any, args: argparse.Namespace, device: torch.device, plugin: Any) -> float:
+def evaluate(model: Any, data: Any, args: argparse.Namespace, device: torch.device) -> float:
     """The mean held-out loss over every token of the evaluated sequences, on every rank."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
@@ -644,8 +646,9 @@ def evaluate(model: Any, data: Any, args: argparse.Namespace, device: torch.devi
             total[0] += float(loss.float()) * x.shape[0]
             total[1] += x.shape[0]
     model.train()
+    # Over every rank, as the training loss: tensor- and sequence-parallel peers hold the same value.
     total = total.to(device)
-    dist.all_reduce(total, group=getattr(plugin, "dp_group", None))
+    dist.all_reduce(total)
     return float(total[0] / total[1].clamp_min(1))
 
 
@@ -735,7 +738,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             "eval_loss": None,
         }
         if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            entry["eval_loss"] = evaluate(model, data, args, device, plugin)
+            entry["eval_loss"] = evaluate(model, data, args, device)
             log(f"step {step + 1}: eval loss {entry['eval_loss']:.4f}")
         history.append(entry)
         sink.write(entry)
@@ -765,6 +768,7 @@ def _global_loss(loss: torch.Tensor | None, plugin: Any) -> float:
     if loss is not None:
         value[0] = float(loss.detach().float())
         value[1] = 1.0
+    value = value.to(_current_device())  # NCCL reduces device tensors only
     dist.all_reduce(value)
     return float(value[0] / value[1].clamp_min(1))
 
