@@ -222,17 +222,64 @@ def test_gradient_accumulation_is_the_larger_batch(tmp_path) -> None:
     partitioning the accumulated gradients, in fp32."""
     common = ["--plugin", "zero", "--zero", "2", "--precision", "fp32", "--steps", "4", "--no-progress"]
     common += ["--optimizer", "colossalai.nn.optimizer.Lamb", "--lr", "1e-2", "--warmup", "1"]
+    common += ["--peak-tflops", "0.001"]  # CPUs have no entry in the peak table; MFU from this one
     logs = {}
     for accum, batch in ((2, 1), (1, 2)):
         logs[accum] = str(tmp_path / f"accum{accum}.csv")
         _torchrun(*common, "--grad-accum", str(accum), "--batch-size", str(batch), "--log-csv", logs[accum])
-    rows = {}
+    rows, mfu = {}, []
     for accum, path in logs.items():
         with open(path) as f:
-            rows[accum] = [float(r["loss"]) for r in csv.DictReader(f)]
+            table = list(csv.DictReader(f))
+        rows[accum] = [float(r["loss"]) for r in table]
+        mfu += [(float(r["mfu"]), float(r["tokens_per_s"])) for r in table]
+    # MFU: 6 FLOPs per non-embedding parameter and token plus 12 * layers * hidden * seq_len for
+    # attention, per process, over the given peak (CSV rounding: 4 decimals, 0.1 token/s).
+    from transformers import LlamaForCausalLM
+
+    from recipes.train_llama import PRESETS
+
+    hidden, _, layers, _, _, vocab = PRESETS["tiny"]
+    params = sum(p.numel() for p in LlamaForCausalLM(train_llama_config("tiny")).parameters())
+    per_token = 6 * (params - vocab * hidden) + 12 * layers * hidden * 64
+    for value, tokens_per_s in mfu:
+        assert value == pytest.approx(per_token * tokens_per_s / 4 / 1e9, rel=2e-3, abs=1e-4)
     # Measured: equal to the CSV's 6 decimals but one step off by 1e-6 (summation order, 2e-7 of
     # the loss); the bound 1e-5 of the loss (~5e-5) is 50 times that, while each step moves the
     # loss by 8e-3 to 6e-2.
     assert len(rows[1]) == len(rows[2]) == 4
     for a, b in zip(rows[2], rows[1]):
         assert abs(a - b) <= 1e-5 * b, (rows[2], rows[1])
+
+
+def train_llama_config(model: str) -> object:
+    from recipes.train_llama import model_config
+
+    return model_config(model)[0]
+
+
+def test_device_peaks_match_the_most_specific_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recipes import train_llama
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, peak in [
+        ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("Tesla V100-SXM2-32GB", None),
+    ]:  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda n=name: n)
+        assert train_llama.device_peak_tflops("bf16", None) == peak, name
+    assert train_llama.device_peak_tflops("fp32", None) is None  # the table holds tensor-core bf16/fp16 peaks
+    assert train_llama.device_peak_tflops("fp32", 50.0) == 50.0  # --peak-tflops
+
+
+def test_dry_run_splits_layers_over_pipeline_stages() -> None:
+    from recipes import train_llama
+
+    args = train_llama.parse_args(["--model", "small", "--tp", "2", "--pp", "3", "--world-size", "12", "--dry-run"])
+    info = train_llama.dry_run(args)
+    assert (info["tp"], info["pp"], info["dp"]) == (2, 3, 2)
+    hidden, inter, layers, _, _, vocab = train_llama.PRESETS["small"]  # 4 layers over 3 stages: 1, 2, 1
+    layer = (4 * hidden * hidden + 3 * hidden * inter) // 2 + 2 * hidden  # kv_heads == heads in "small"
+    embed = vocab * hidden // 2
+    assert info["params_per_rank"] == [embed + layer, 2 * layer, layer + hidden + embed]
+    assert sum(info["params_per_rank"]) * 2 - layers * 2 * hidden - hidden == info["parameters"]
