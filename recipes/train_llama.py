@@ -4,8 +4,25 @@ Launch with torchrun or ColossalAI's launcher (one process per GPU, or CPU proce
 
     torchrun --nproc_per_node 4 recipes/train_llama.py --plugin hybrid --tp 2 --zero 1 \\
         --optimizer colossalai.nn.optimizer.Lamb --steps 300
-    colossalai run --nproc_per_node 8 recipes/train_llama.py --preset 7b --plugin hybrid --tp 4 --zero 2 \\
-        --precision bf16 --optimizer transformers.optimization.Adafactor --data my_corpus.txt
+    colossalai run --nproc_per_node 8 recipes/train_llama.py --model /models/Llama-2-7b-hf \\
+        --plugin hybrid --tp 2 --zero 1 --precision bf16 --optimizer transformers.optimization.Adafactor \\
+        --data my_corpus/ --seq-len 4096 --batch-size 1 --grad-accum 8 --eval-every 200
+    python recipes/train_llama.py --model 7b --tp 8 --world-size 8 --dry-run   # the layout, no allocation
+
+``--model`` is a preset (tiny, small, 1b, 7b: from scratch) or a local Hugging Face directory: its
+``config.json`` gives the architecture and its weights (``model.safetensors``, a sharded
+``*.index.json`` checkpoint or ``pytorch_model.bin``), when present, are loaded shard by shard by
+``booster.load_model`` after the booster has sharded the model; a directory with only a config
+trains from scratch. Under the hybrid plugin the model is built inside ColossalAI's
+``LazyInitContext``: parameters stay unallocated until the booster materialises each layer and
+keeps this rank's tensor-parallel shard, so no rank ever holds the whole fp32 model.
+
+``--tokenizer`` (default: the model directory when it holds a tokenizer) and ``--data`` (``.txt`` /
+``.jsonl`` files or directories) are tokenized once into a cached memory-mapped token file (see
+``recipes/tokens.py``); without a tokenizer the bytes of the text are the tokens (the zero-download
+demo). The log, the CSV and TensorBoard report loss, held-out loss (``--eval-every``), tokens per
+second, model FLOPs utilisation (where the device's peak is known, or ``--peak-tflops``) and each
+rank's peak memory (device memory on GPUs, resident memory on CPU).
 
 ``--optimizer`` takes one of ours by short name (lamb, adafactor, came, shampoo, kron, galore) or
 the import path of an ordinary optimizer class (``torch.optim.AdamW``, ``colossalai.nn.optimizer.Lamb``,
@@ -56,7 +73,13 @@ OURS = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument(
+        "--model",
+        "--preset",
+        dest="model",
+        default="tiny",
+        help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face model directory (config.json [+ weights])",
+    )
     ap.add_argument("--plugin", choices=["hybrid", "zero", "ddp"], default="hybrid")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (hybrid)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (hybrid)")
@@ -65,6 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="ZeRO stage")
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 with ZeRO")
+    ap.add_argument(
+        "--attn",
+        choices=["sdpa", "flash", "eager"],
+        default=None,
+        help="attention kernel (flash: flash_attention_2); default flash on GPUs with flash-attn installed, else sdpa",
+    )
+    ap.add_argument("--no-lazy", action="store_true", help="build the full model on every rank (for comparison)")
     ap.add_argument("--optimizer", default="colossalai.nn.optimizer.Lamb")
     ap.add_argument(
         "--optimizer-args",
@@ -74,17 +104,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine decay")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch-size", type=int, default=4, help="sequences per data-parallel rank")
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps (0: build and load only)")
+    ap.add_argument("--batch-size", type=int, default=4, help="sequences per data-parallel rank and micro-batch")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--data", default=None, help="a text file (bytes are tokens); default: the bundled corpus")
+    ap.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (default: --model's)")
+    ap.add_argument(
+        "--data",
+        nargs="+",
+        default=None,
+        help=".txt / .jsonl ('text' field) files or directories of them; default: the bundled corpus",
+    )
+    ap.add_argument(
+        "--data-cache", default=os.path.join(ROOT, "runs", "token_cache"), help="where tokenized data is cached"
+    )
     ap.add_argument("--synthetic", action="store_true", help="random tokens instead of text")
+    ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: never)")
+    ap.add_argument("--eval-fraction", type=float, default=0.01, help="share of the packed sequences held out")
+    ap.add_argument("--eval-sequences", type=int, default=256, help="held-out sequences per evaluation (0: all)")
     ap.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm, 0 to disable")
     ap.add_argument("--ckpt-dir", default=None)
     ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --ckpt-dir")
-    ap.add_argument("--log-csv", default=None, help="write step, loss, lr, step time (rank 0)")
-    ap.add_argument("--tensorboard", default=None, help="TensorBoard log directory for loss, lr and step time (rank 0)")
+    ap.add_argument("--log-csv", default=None, help="per-step metrics as CSV (rank 0)")
+    ap.add_argument("--tensorboard", default=None, help="TensorBoard log directory for the same metrics (rank 0)")
+    ap.add_argument("--log-every", type=int, default=10, help="print a metrics line every N steps")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU when not in the table")
+    ap.add_argument("--dry-run", action="store_true", help="print the layout and exit without allocating the model")
+    ap.add_argument("--world-size", type=int, default=None, help="processes for --dry-run (default: $WORLD_SIZE)")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -94,8 +141,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--tp/--pp/--sp need --plugin hybrid")
     if args.sp > 1 and args.pp > 1:
         ap.error("--sp with --pp is not supported by this recipe")
+    if args.pp > 1 and args.eval_every > 0:
+        ap.error("--eval-every with --pp > 1 is not supported by this recipe yet")
     if args.plugin == "zero" and args.zero == 0:
         args.zero = 1
+    for name in ("grad_accum", "batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.steps < 0:
+        ap.error("--steps must be at least 0 (0: build and load the model, report its memory, train nothing)")
+    if not 0 <= args.eval_fraction < 1:
+        ap.error("--eval-fraction must be in [0, 1)")
+    if args.model not in PRESETS and not os.path.isdir(args.model):
+        ap.error(f"--model {args.model!r}: neither a preset ({', '.join(PRESETS)}) nor a directory")
     return args
 
 
@@ -128,41 +186,93 @@ def log(msg: str) -> None:
 
 
 # ---- model, optimizer, plugin -----------------------------------------------------------------
-def build_model(preset: str, seed: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
-    hidden, inter, layers, heads, kv_heads, vocab = PRESETS[preset]
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    config._attn_implementation = "eager"
+
+def default_attn() -> str:
+    """flash_attention_2 where it can run (a GPU and the flash-attn package), else PyTorch's SDPA."""
+    import importlib.util
+
+    return "flash" if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def attn_implementation(attn: str | None) -> str:
+    attn = attn or default_attn()
+    if attn == "flash":
+        import importlib.util
+
+        if not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None:
+            raise SystemExit("--attn flash needs a GPU and the flash-attn package; use --attn sdpa")
+        return "flash_attention_2"
+    return attn
+
+
+def model_config(model: str) -> tuple[Any, str | None]:
+    """The Hugging Face config of ``model`` (a preset or a directory) and the directory to load
+    pretrained weights from (None: train from scratch)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if model in PRESETS:
+        hidden, inter, layers, heads, kv_heads, vocab = PRESETS[model]
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+        weights = None
+    else:
+        config = AutoConfig.from_pretrained(model)
+        weights = model if any(os.path.exists(os.path.join(model, f)) for f in WEIGHT_FILES) else None
+    config.use_cache = False
+    return config, weights
+
+
+def build_model(config: Any, seed: int, lazy: bool, attn: str) -> torch.nn.Module:
+    """The model, its parameters unallocated when ``lazy`` (ColossalAI's LazyInitContext records
+    the initialisation and replays it per shard when the booster materialises the model)."""
+    from contextlib import nullcontext
+
+    from colossalai.lazy import LazyInitContext
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    with LazyInitContext() if lazy else nullcontext():
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def optimizer_class(name: str) -> tuple[type, dict[str, Any]]:
+    if name in OURS:
+        path, kwargs = OURS[name]
+        return _import(path), dict(kwargs)
+    return _import(name), {}
 
 
 def build_optimizer(
     name: str, model: torch.nn.Module, lr: float, extra: dict[str, Any] | None = None
 ) -> torch.optim.Optimizer:
     extra = dict(extra or {})
-    if name in OURS:
-        path, kwargs = OURS[name]
-        if name == "galore":
-            from dist_optim import galore_param_groups
+    cls, kwargs = optimizer_class(name)
+    if name == "galore":
+        from dist_optim import galore_param_groups
 
-            return _import(path)(galore_param_groups(model, rank=8, update_proj_gap=50), lr=lr, **extra)
-        return _import(path)(model.parameters(), lr=lr, **{**kwargs, **extra})
-    return _import(name)(model.parameters(), lr=lr, **extra)
+        return cls(galore_param_groups(model, rank=8, update_proj_gap=50), lr=lr, **extra)
+    return cls(model.parameters(), lr=lr, **{**kwargs, **extra})
 
 
 def _import(path: str) -> Any:
+    if "." not in path:
+        raise SystemExit(f"--optimizer {path!r}: neither one of ours {sorted(OURS)} nor an import path")
     module, attr = path.rsplit(".", 1)
     try:
         return getattr(importlib.import_module(module), attr)
@@ -211,44 +321,224 @@ def lr_lambda(warmup: int, total: int) -> Any:
     return fn
 
 
+# ---- throughput and memory --------------------------------------------------------------------
+# Dense bf16/fp16 tensor-core peaks (TFLOPS, no sparsity) from NVIDIA's data sheets, matched in
+# order against torch.cuda.get_device_name(): specific names before the families that contain them.
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("H200", 989.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+)
+
+
+def device_peak_tflops(precision: str, override: float | None) -> float | None:
+    """The device's peak for ``precision``, None where unknown (fp32, CPUs, devices not in the table)."""
+    if override is not None:
+        return override
+    if precision == "fp32" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
+
+def flops_per_token(config: Any, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per non-embedding-lookup parameter (forward + backward matmuls)
+    plus the attention scores, 12 * layers * hidden * seq_len (Chowdhery et al. 2022, PaLM,
+    appendix B), the usual MFU convention: recomputation is not counted."""
+    embed = config.vocab_size * config.hidden_size
+    return 6.0 * (num_params - embed) + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak: allocated device memory on GPUs, resident set size on CPU."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def gather_peak_memory() -> list[float]:
+    """Every rank's peak memory in GiB (on every rank)."""
+    mine = torch.tensor([peak_memory_bytes() / 2**30], dtype=torch.float64, device=_current_device())
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [float(t) for t in out]
+
+
 # ---- data ------------------------------------------------------------------------------------
 @dataclass
-class Batches:
-    """Deterministic batches: step s always yields the same global batch, so a resumed run
-    continues exactly where it stopped; each data-parallel rank takes its slice."""
+class Synthetic:
+    """Random tokens: micro-step s always yields the same global batch; each dp rank its slice."""
 
-    tokens: torch.Tensor | None
     vocab: int
     seq_len: int
     batch: int
     dp_size: int
     dp_rank: int
     seed: int
+    num_eval: int = 0
 
-    def __call__(self, step: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + step)
-        n = self.batch * self.dp_size
-        if self.tokens is None:
-            full = torch.randint(0, self.vocab, (n, self.seq_len), generator=gen)
-        else:
-            starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (n,), generator=gen)
-            full = torch.stack([self.tokens[s : s + self.seq_len] for s in starts.tolist()])
+    def train_batch(self, micro_step: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + micro_step)
+        full = torch.randint(0, self.vocab, (self.batch * self.dp_size, self.seq_len), generator=gen)
         return full[self.dp_rank * self.batch : (self.dp_rank + 1) * self.batch]
 
+    def eval_batches(self, max_sequences: int = 0) -> list[torch.Tensor]:
+        return []
 
-def load_tokens(path: str | None, synthetic: bool, vocab: int) -> torch.Tensor | None:
-    if synthetic:
-        return None
-    with open(path or DEFAULT_CORPUS, "rb") as f:
-        data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
-    if vocab < 256:
-        raise SystemExit("byte-level text needs a vocabulary of at least 256")
-    return data
+
+def resolve_tokenizer(args: argparse.Namespace) -> str | None:
+    """The tokenizer directory: --tokenizer, else the model directory when it holds a tokenizer,
+    else None (byte tokens)."""
+    if args.tokenizer:
+        if not os.path.isdir(args.tokenizer):
+            raise SystemExit(f"--tokenizer {args.tokenizer!r}: not a directory")
+        return args.tokenizer
+    if os.path.isdir(args.model) and any(os.path.exists(os.path.join(args.model, f)) for f in TOKENIZER_FILES):
+        return args.model
+    return None
+
+
+def load_data(args: argparse.Namespace, vocab: int, dp_size: int, dp_rank: int) -> Any:
+    """The run's batches: synthetic, byte tokens, or the cached token file of --data under the
+    tokenizer (built by one process per node while the others wait)."""
+    from recipes import tokens
+
+    if args.synthetic:
+        return Synthetic(vocab, args.seq_len, args.batch_size, dp_size, dp_rank, args.seed)
+    try:
+        files = tokens.expand_inputs(args.data or [DEFAULT_CORPUS])
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    tok_dir = resolve_tokenizer(args)
+    if tok_dir is None:
+        if vocab < 256:
+            raise SystemExit("byte-level text needs a vocabulary of at least 256; give --tokenizer")
+        data = tokens.byte_tokens(files)
+        log(f"data: {len(files)} file(s), {len(data)} byte tokens (no tokenizer)")
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        if len(tokenizer) > vocab:
+            raise SystemExit(
+                f"--tokenizer {tok_dir}: {len(tokenizer)} tokens do not fit the model's vocabulary of {vocab}"
+            )
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank == 0:
+            built = tokens.build_token_file(files, tokenizer, args.data_cache)
+        dist.barrier()
+        if local_rank != 0:
+            built = tokens.build_token_file(files, tokenizer, args.data_cache, build=False)
+        dist.barrier()
+        verb = "reusing token cache" if built.reused else "tokenized into"
+        log(f"data: {len(files)} file(s), {built.num_tokens} tokens, {verb} {built.path}")
+        data = built.open()
+    try:
+        packed = tokens.PackedData(data, args.seq_len, args.batch_size, dp_size, dp_rank, args.seed, args.eval_fraction)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    if args.eval_every > 0 and packed.num_eval < dp_size:
+        raise SystemExit(
+            f"--eval-every: {packed.num_eval} held-out sequences, fewer than the {dp_size} data-parallel ranks; "
+            "raise --eval-fraction or give more data"
+        )
+    log(f"data: {packed.num_train} training and {packed.num_eval} held-out sequences of {args.seq_len} tokens")
+    return packed
 
 
 def dp_coords(plugin: Any) -> tuple[int, int]:
     group = getattr(plugin, "dp_group", None)
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+# ---- dry run ---------------------------------------------------------------------------------
+def dry_run(args: argparse.Namespace) -> dict[str, Any]:
+    """The layout a launch would use, from the lazily built model (nothing allocated): plugin and
+    grid, working parameters per rank (tensor-parallel shards of the linear and embedding
+    weights, the decoder layers split over pipeline stages as ColossalAI distributes them), and
+    the optimizer with the class the booster swaps it for."""
+    from dist_optim.registry import class_path, lookup
+
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    grid = args.tp * args.pp * args.sp
+    if world % grid:
+        raise SystemExit(f"--world-size {world} is not a multiple of tp x pp x sp = {grid}")
+    dp = world // grid
+    config, weights = model_config(args.model)
+    model = build_model(config, args.seed, lazy=True, attn="eager")
+    total = sum(p.numel() for p in model.parameters())
+    layers = config.num_hidden_layers
+    # ColossalAI's PipelineStageManager.distribute_layers: equal shares, the remainder to the
+    # middle stages.
+    per_stage = [layers // args.pp] * args.pp
+    middle = args.pp // 2 - (layers % args.pp) // 2
+    for i in range(middle, middle + layers % args.pp):
+        per_stage[i] += 1
+    sharded = 1 if args.plugin != "hybrid" else args.tp
+
+    def count(prefix: str) -> tuple[int, int]:
+        """(sharded, replicated) parameter counts under ``prefix``: matrices split over TP, vectors
+        (norms) replicated."""
+        split = rep = 0
+        for name, p in model.named_parameters():
+            if name.startswith(prefix):
+                if p.dim() >= 2:
+                    split += p.numel()
+                else:
+                    rep += p.numel()
+        return split, rep
+
+    layer_split, layer_rep = count("model.layers.0.")
+    stage_params = []
+    for stage, n_layers in enumerate(per_stage):
+        n = n_layers * (layer_split // sharded + layer_rep)
+        if stage == 0:
+            n += sum(x // s for x, s in zip(count("model.embed_tokens."), (sharded, 1)))
+        if stage == args.pp - 1:
+            for prefix in ("model.norm.", "lm_head."):
+                split, rep = count(prefix)
+                n += split // sharded + rep
+        stage_params.append(n)
+    cls, _ = optimizer_class(args.optimizer)
+    conv = lookup(cls)
+    swapped = class_path(conv.target) if conv is not None else f"{class_path(cls)} (unchanged)"
+    info = {
+        "model": args.model,
+        "pretrained": weights,
+        "parameters": total,
+        "plugin": args.plugin,
+        "world": world,
+        "tp": args.tp if args.plugin == "hybrid" else 1,
+        "pp": args.pp,
+        "sp": args.sp,
+        "dp": dp,
+        "zero": args.zero,
+        "precision": args.precision,
+        "params_per_rank": stage_params,
+        "optimizer": class_path(cls),
+        "swapped_for": swapped,
+    }
+    log(
+        f"dry run: model {args.model} ({total / 1e6:.2f}M parameters"
+        f"{', weights from ' + weights if weights else ', from scratch'}), plugin {args.plugin} "
+        f"world={world} tp={info['tp']} pp={args.pp} sp={args.sp} dp={dp} zero={args.zero} {args.precision}"
+    )
+    for stage, n in enumerate(stage_params):
+        log(
+            f"dry run: pipeline stage {stage}: {n / 1e6:.2f}M working parameters per rank "
+            f"({n * 4 / 2**30:.2f} GiB in fp32, before vocabulary padding)"
+        )
+    log(f"dry run: optimizer {class_path(cls)} -> {swapped}")
+    log("dry run: the optimizer's memory plan is not computed yet (it comes with the memory planner)")
+    return info
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
@@ -284,45 +574,128 @@ def load_checkpoint(booster: Any, model: Any, optimizer: Any, scheduler: Any, ck
 
 
 # ---- training --------------------------------------------------------------------------------
-def train(args: argparse.Namespace) -> list[dict[str, float]]:
-    """Train; return the per-step log (loss, lr, seconds) on every rank."""
+CSV_FIELDS = ["step", "loss", "lr", "seconds", "tokens_per_s", "mfu", "peak_mem_gib", "peak_mem_gib_per_rank"]
+CSV_FIELDS += ["eval_loss"]
+
+
+class MetricsLog:
+    """The CSV and TensorBoard sinks (rank 0)."""
+
+    def __init__(self, args: argparse.Namespace, start: int) -> None:
+        self.file = self.writer = self.board = None
+        if not is_main():
+            return
+        if args.log_csv:
+            os.makedirs(os.path.dirname(os.path.abspath(args.log_csv)), exist_ok=True)
+            fresh = not (args.resume and os.path.exists(args.log_csv))
+            self.file = open(args.log_csv, "w" if fresh else "a", newline="")  # noqa: SIM115 - closed in close()
+            self.writer = csv.DictWriter(self.file, CSV_FIELDS)
+            if fresh:
+                self.writer.writeheader()
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(args.tensorboard, purge_step=start + 1 if args.resume else None)
+
+    def write(self, entry: dict[str, Any]) -> None:
+        if self.writer is not None:
+            row = {
+                "step": entry["step"],
+                "loss": f"{entry['loss']:.6f}",
+                "lr": f"{entry['lr']:.6g}",
+                "seconds": f"{entry['seconds']:.4f}",
+                "tokens_per_s": f"{entry['tokens_per_s']:.1f}",
+                "mfu": "" if entry["mfu"] is None else f"{entry['mfu']:.4f}",
+                "peak_mem_gib": f"{max(entry['peak_mem_gib']):.3f}",
+                "peak_mem_gib_per_rank": " ".join(f"{m:.3f}" for m in entry["peak_mem_gib"]),
+                "eval_loss": "" if entry.get("eval_loss") is None else f"{entry['eval_loss']:.6f}",
+            }
+            self.writer.writerow(row)
+            self.file.flush()  # a log that can be followed while the run goes on
+        if self.board is not None:
+            step = entry["step"]
+            for key in ("loss", "lr", "seconds", "tokens_per_s"):
+                self.board.add_scalar(f"train/{key}", entry[key], step)
+            if entry["mfu"] is not None:
+                self.board.add_scalar("train/mfu", entry["mfu"], step)
+            for rank, mem in enumerate(entry["peak_mem_gib"]):
+                self.board.add_scalar(f"memory/peak_gib_rank{rank}", mem, step)
+            if entry.get("eval_loss") is not None:
+                self.board.add_scalar("eval/loss", entry["eval_loss"], step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.board is not None:
+            self.board.close()
+
+
+def forward_loss(model: Any, x: torch.Tensor, sp: int) -> torch.Tensor:
+    # Under sequence parallelism transformers 4.51 needs an explicit mask (see the README).
+    mask = {"attention_mask": torch.ones_like(x)} if sp > 1 else {}
+    return model(input_ids=x, labels=x, **mask).loss
+
+
+def evaluate(model: Any, data: Any, args: argparse.Namespace, device: torch.device) -> float:
+    """The mean held-out loss over every token of the evaluated sequences, on every rank."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for x in data.eval_batches(args.eval_sequences):
+            loss = forward_loss(model, x.to(device), args.sp)
+            total[0] += float(loss.float()) * x.shape[0]
+            total[1] += x.shape[0]
+    model.train()
+    # Over every rank, as the training loss: tensor- and sequence-parallel peers hold the same value.
+    total = total.to(device)
+    dist.all_reduce(total)
+    return float(total[0] / total[1].clamp_min(1))
+
+
+def train(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Train; return the per-step log (loss, lr, seconds, throughput, memory) on every rank."""
     from colossalai.booster import Booster
 
     device = launch(args.seed) if not dist.is_initialized() else _current_device()
-    model = build_model(args.preset, args.seed)
+    attn = attn_implementation(args.attn)
+    config, weights = model_config(args.model)
+    lazy = args.plugin == "hybrid" and not args.no_lazy
+    model = build_model(config, args.seed, lazy, attn)
+    num_params = sum(p.numel() for p in model.parameters())  # shapes only: lazy tensors hold no data
     optimizer = build_optimizer(args.optimizer, model, args.lr, args.optimizer_args)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
     plugin = build_plugin(args)
     booster = Booster(plugin=plugin)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    if weights and not args.resume:
+        # Each rank reads the checkpoint file by file and keeps only its shard of every tensor.
+        booster.load_model(model, weights)
+        log(f"loaded pretrained weights from {weights}")
+    ready = ", ".join(f"{m:.2f}" for m in gather_peak_memory())
+    log(f"model ready: peak memory per rank (GiB) [{ready}] (full model in fp32: {num_params * 4 / 2**30:.2f} GiB)")
+    local = sum(p.numel() for p in model.unwrap().parameters())
     log(
-        f"model: llama-{args.preset} ({sum(p.numel() for p in model.unwrap().parameters()) / 1e6:.2f}M local params), "
+        f"model: {args.model} ({num_params / 1e6:.2f}M params, {local / 1e6:.2f}M on this rank, "
+        f"{'lazy' if lazy else 'eager'} init, attn {attn}), "
         f"plugin: {type(plugin).__name__} tp={args.tp} pp={args.pp} sp={args.sp} zero={args.zero} {args.precision}, "
         f"optimizer: {type(optimizer.optim).__module__}.{type(optimizer.optim).__name__}, device: {device}"
     )
     dp_size, dp_rank = dp_coords(plugin)
-    vocab = PRESETS[args.preset][5]
-    batches = Batches(
-        load_tokens(args.data, args.synthetic, vocab), vocab, args.seq_len, args.batch_size, dp_size, dp_rank, args.seed
-    )
+    # Under pipeline parallelism one step's micro-batches go through the pipeline together.
+    micro = args.grad_accum if args.pp == 1 else 1
+    per_call = args.batch_size if args.pp == 1 else args.batch_size * args.grad_accum
+    data_args = argparse.Namespace(**{**vars(args), "batch_size": per_call})
+    data = load_data(data_args, config.vocab_size, dp_size, dp_rank)
+    tokens_per_step = args.batch_size * args.grad_accum * dp_size * args.seq_len
+    peak = device_peak_tflops(args.precision, args.peak_tflops)
+    flops_token = flops_per_token(config, num_params, args.seq_len)
     start = 0
     if args.resume:
         if not args.ckpt_dir:
             raise SystemExit("--resume needs --ckpt-dir")
         start = load_checkpoint(booster, model, optimizer, scheduler, args.ckpt_dir)
-    history: list[dict[str, float]] = []
-    writer = None
-    if args.log_csv and is_main():
-        os.makedirs(os.path.dirname(os.path.abspath(args.log_csv)), exist_ok=True)
-        f = open(args.log_csv, "a" if args.resume else "w", newline="")  # noqa: SIM115 - closed below
-        writer = csv.writer(f)
-        if not args.resume:
-            writer.writerow(["step", "loss", "lr", "seconds"])
-    board = None
-    if args.tensorboard and is_main():
-        from torch.utils.tensorboard import SummaryWriter
-
-        board = SummaryWriter(args.tensorboard, purge_step=start + 1 if args.resume else None)
+    history: list[dict[str, Any]] = []
+    sink = MetricsLog(args, start)
     progress = None
     if is_main() and not args.no_progress:
         from tqdm import tqdm
@@ -331,17 +704,21 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
     model.train()
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        x = batches(step).to(device)
         if args.pp > 1:
+            x = data.train_batch(step).to(device)
             out = booster.execute_pipeline(
                 iter([{"input_ids": x, "labels": x}]), model, lambda o, b: o.loss, optimizer, return_loss=True
             )
             loss = out["loss"]
         else:
-            # Under sequence parallelism transformers 4.51 needs an explicit mask (see the README).
-            mask = {"attention_mask": torch.ones_like(x)} if args.sp > 1 else {}
-            loss = model(input_ids=x, labels=x, **mask).loss
-            booster.backward(loss, optimizer)
+            losses = []
+            for m in range(micro):
+                x = data.train_batch(step * micro + m).to(device)
+                loss = forward_loss(model, x, args.sp)
+                # Gradients add up over the micro-batches (synchronised each time: ZeRO-2 has no no_sync).
+                booster.backward(loss / micro, optimizer)
+                losses.append(loss.detach().float())
+            loss = torch.stack(losses).mean()
         if args.plugin == "ddp" and args.grad_clip > 0:
             optimizer.clip_grad_by_norm(args.grad_clip)
         optimizer.step()
@@ -349,25 +726,37 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
         scheduler.step()
         loss_value = _global_loss(loss, plugin)
         seconds = time.perf_counter() - t0
-        entry = {"step": step + 1, "loss": loss_value, "lr": scheduler.get_last_lr()[0], "seconds": seconds}
+        tps = tokens_per_step / seconds
+        entry: dict[str, Any] = {
+            "step": step + 1,
+            "loss": loss_value,
+            "lr": scheduler.get_last_lr()[0],
+            "seconds": seconds,
+            "tokens_per_s": tps,
+            "mfu": None if peak is None else flops_token * tps / dist.get_world_size() / (peak * 1e12),
+            "peak_mem_gib": gather_peak_memory(),
+            "eval_loss": None,
+        }
+        if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            entry["eval_loss"] = evaluate(model, data, args, device)
+            log(f"step {step + 1}: eval loss {entry['eval_loss']:.4f}")
         history.append(entry)
-        if writer is not None:
-            writer.writerow([entry["step"], f"{loss_value:.6f}", f"{entry['lr']:.6g}", f"{seconds:.4f}"])
-            f.flush()  # a log that can be followed while the run goes on
-        if board is not None:
-            for key in ("loss", "lr", "seconds"):
-                board.add_scalar(f"train/{key}", entry[key], entry["step"])
+        sink.write(entry)
         if progress is not None:
-            progress.set_postfix(loss=f"{loss_value:.4f}")
+            progress.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tps:.0f}")
             progress.update(1)
+        if args.log_every > 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            mfu = "" if entry["mfu"] is None else f", MFU {entry['mfu']:.1%}"
+            mems = ", ".join(f"{m:.2f}" for m in entry["peak_mem_gib"])
+            log(
+                f"step {step + 1}: loss {loss_value:.4f}, lr {entry['lr']:.3g}, {tps:.0f} tokens/s{mfu}, "
+                f"peak memory per rank (GiB) [{mems}]"
+            )
         if args.ckpt_dir and args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             save_checkpoint(booster, model, optimizer, scheduler, step + 1, args.ckpt_dir)
     if progress is not None:
         progress.close()
-    if writer is not None:
-        f.close()
-    if board is not None:
-        board.close()
+    sink.close()
     if history:
         log(f"final loss {history[-1]['loss']:.4f} after {history[-1]['step']} steps")
     return history
@@ -379,12 +768,16 @@ def _global_loss(loss: torch.Tensor | None, plugin: Any) -> float:
     if loss is not None:
         value[0] = float(loss.detach().float())
         value[1] = 1.0
+    value = value.to(_current_device())  # NCCL reduces device tensors only
     dist.all_reduce(value)
     return float(value[0] / value[1].clamp_min(1))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.dry_run:
+        dry_run(args)
+        return
     try:
         train(args)
     finally:
