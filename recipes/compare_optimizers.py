@@ -30,6 +30,7 @@ DEFAULT = [
     ("Shampoo (Adam grafting, pf=10)", "shampoo", 3e-3),
     ("PSGD Kron", "kron", 1e-3),
     ("GaLore (rank 8)", "galore", 3e-3),
+    ("Muon (aux AdamW, AdamW-matched RMS)", "muon", 3e-3),
 ]
 
 

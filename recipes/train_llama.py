@@ -24,7 +24,7 @@ demo). The log, the CSV and TensorBoard report loss, held-out loss (``--eval-eve
 second, model FLOPs utilisation (where the device's peak is known, or ``--peak-tflops``) and each
 rank's peak memory (device memory on GPUs, resident memory on CPU).
 
-``--optimizer`` takes one of ours by short name (lamb, adafactor, came, shampoo, kron, galore) or
+``--optimizer`` takes one of ours by short name (lamb, adafactor, came, shampoo, kron, galore, muon) or
 the import path of an ordinary optimizer class (``torch.optim.AdamW``, ``colossalai.nn.optimizer.Lamb``,
 ``transformers.optimization.Adafactor``, ...): dist_optim's plugins swap the latter for our
 equivalent at ``booster.boost`` and log the swap. Without a GPU the script runs on CPU processes
@@ -68,6 +68,9 @@ OURS = {
     "shampoo": ("dist_optim.DistributedShampoo", dict(precondition_frequency=10, start_preconditioning_step=10)),
     "kron": ("dist_optim.DistributedKron", dict()),
     "galore": ("dist_optim.DistributedGaLore", dict()),
+    # Muon's update RMS matched to AdamW's (Liu et al. 2025), so one --lr serves the Muon matrices
+    # and the auxiliary AdamW group (embeddings, head, norms).
+    "muon": ("dist_optim.DistributedMuon", dict(adjust_lr_fn="match_rms_adamw")),
 }
 
 
@@ -267,6 +270,10 @@ def build_optimizer(
         from dist_optim import galore_param_groups
 
         return cls(galore_param_groups(model, rank=8, update_proj_gap=50), lr=lr, **extra)
+    if name == "muon":
+        from dist_optim import muon_param_groups
+
+        return cls(muon_param_groups(model, adamw_lr=lr), lr=lr, **{**kwargs, **extra})
     return cls(model.parameters(), lr=lr, **{**kwargs, **extra})
 
 
