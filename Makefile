@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test test-gpu demo bench lint clean
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,15 @@ setup: $(STAMP)
 lint: setup
 	$(PY) -m ruff check dist_optim plugins tests bench recipes
 
+# runs/junit.xml: the outcomes the README's support table is built from (python -m tests.support
+# --junit runs/junit.xml); the run itself fails if the README's copy differs (tests/conftest.py).
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --junitxml=runs/junit.xml
+
+# The GPU smoke suite (tests/test_devices.py, marked gpu): every optimizer's device branches against
+# the float64 CPU result, and a 1-rank NCCL booster run; skipped with a reason without CUDA.
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu
 
 demo: setup
 	$(PY) -m recipes.demo

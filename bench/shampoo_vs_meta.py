@@ -2,11 +2,20 @@
 process, on the Llama-like set of ``bench_step.py`` (blocks of 1024, no merging, Adam grafting,
 epsilon 1e-12, betas (0.9, 0.999)): the issue's target settings.
 
-Meta's package is not on PyPI: install it from GitHub first (any version with the mid-2024 API:
-``DistributedShampoo(..., use_merge_dims=...)``, ``AdamGraftingConfig``), e.g.::
+Meta's package is not on PyPI. At the mid-2024 commit b91f46b (the API used here:
+``distributed_shampoo.distributed_shampoo.DistributedShampoo(..., use_merge_dims=...)`` and
+``distributed_shampoo.shampoo_types.AdamGraftingConfig``; the package's ``__init__.py`` exports
+nothing) its ``setup.py`` installs neither ``distributed_shampoo/utils`` (no ``__init__.py``) nor
+the top-level ``matrix_functions.py`` and ``optimizer_modules.py`` that the package imports, so
+``pip install git+...`` yields a package that fails to import. Put the checkout on the path
+instead::
 
-    pip install "git+https://github.com/facebookresearch/optimizers.git@b91f46b"
-    python bench/shampoo_vs_meta.py [--repeats 7] [--pf10-steps 30]
+    git clone https://github.com/facebookresearch/optimizers.git /tmp/optimizers
+    git -C /tmp/optimizers checkout b91f46b
+    PYTHONPATH=/tmp/optimizers .venv/bin/python bench/shampoo_vs_meta.py [--repeats 7] [--pf10-steps 30]
+
+(or ``pip install -e /tmp/optimizers --config-settings editable_mode=compat``, which puts the
+checkout on the path the same way).
 
 The figures in the README were measured against that version's single-process code, rebuilt file by
 file from the repository (this machine reaches PyPI only), without its distributed wrappers.
@@ -53,12 +62,14 @@ import dist_optim  # noqa: E402  (ours)
 from bench.bench_step import fixed_params, llama_like  # noqa: E402
 from dist_optim import _structured, shampoo  # noqa: E402
 
-try:
-    import distributed_shampoo as meta
+try:  # from its modules: the package's __init__.py exports nothing at b91f46b
+    from distributed_shampoo.distributed_shampoo import DistributedShampoo as MetaShampoo
+    from distributed_shampoo.shampoo_types import AdamGraftingConfig as MetaAdamGraftingConfig
 except ImportError as exc:  # not on PyPI
     raise SystemExit(
-        "bench/shampoo_vs_meta.py needs Meta's distributed_shampoo: "
-        'pip install "git+https://github.com/facebookresearch/optimizers.git@b91f46b"'
+        f"bench/shampoo_vs_meta.py needs Meta's distributed_shampoo ({exc}): git clone "
+        "https://github.com/facebookresearch/optimizers.git /tmp/optimizers && git -C /tmp/optimizers "
+        "checkout b91f46b, then run with PYTHONPATH=/tmp/optimizers"
     ) from exc
 
 logging.getLogger("distributed_shampoo").setLevel(logging.ERROR)  # Meta's start=-1 warning
@@ -115,8 +126,8 @@ def main() -> None:
     shapes = llama_like()
     params = fixed_params(shapes)
 
-    def shampoo(mod: Any, start: int | None, freq: int, **extra: Any) -> torch.optim.Optimizer:
-        return mod.DistributedShampoo(
+    def shampoo(cls: Any, grafting: Any, start: int | None, freq: int, **extra: Any) -> torch.optim.Optimizer:
+        return cls(
             params(),
             lr=1e-3,
             betas=(0.9, 0.999),
@@ -125,15 +136,15 @@ def main() -> None:
             precondition_frequency=freq,
             start_preconditioning_step=start,
             use_decoupled_weight_decay=True,
-            grafting_config=mod.AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+            grafting_config=grafting(beta2=0.999, epsilon=1e-8),
             **extra,
         )
 
     def ours(start: int | None, freq: int) -> torch.optim.Optimizer:
-        return shampoo(dist_optim, start, freq)
+        return shampoo(dist_optim.DistributedShampoo, dist_optim.AdamGraftingConfig, start, freq)
 
     def metas(start: int, freq: int) -> torch.optim.Optimizer:
-        return shampoo(meta, start, freq, use_merge_dims=False)
+        return shampoo(MetaShampoo, MetaAdamGraftingConfig, start, freq, use_merge_dims=False)
 
     # ---- before start / preconditioned, round-robin with AdamW ----
     runs: dict[str, Any] = {"torch AdamW (foreach)": torch.optim.AdamW(params(), foreach=True)}

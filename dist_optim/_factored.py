@@ -201,13 +201,21 @@ class Item:
     sumsq: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def math_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of the statistics and arithmetic for a parameter: fp32, or float64 for float64
+    parameters (which then get the single-device algorithm in double precision)."""
+    return torch.promote_types(p.dtype, torch.float32)
+
+
 def init_second_moment(state: dict[str, Any], item_param: torch.Tensor, fac: FactoredLayout | None) -> None:
-    """Zero row/column statistics (factored) or a param-shaped ``variance`` (vectors), in fp32."""
+    """Zero row/column statistics (factored) or a param-shaped ``variance`` (vectors), in fp32
+    (float64 for float64 parameters)."""
+    dtype = math_dtype(item_param)
     if fac is not None:
-        state["row_var"] = torch.zeros(fac.row_shape, dtype=torch.float32, device=item_param.device)
-        state["col_var"] = torch.zeros(fac.col_shape, dtype=torch.float32, device=item_param.device)
+        state["row_var"] = torch.zeros(fac.row_shape, dtype=dtype, device=item_param.device)
+        state["col_var"] = torch.zeros(fac.col_shape, dtype=dtype, device=item_param.device)
     else:
-        state["variance"] = torch.zeros_like(item_param, dtype=torch.float32, memory_format=torch.preserve_format)
+        state["variance"] = torch.zeros_like(item_param, dtype=dtype, memory_format=torch.preserve_format)
 
 
 def queue_factored_sums(bucket: SumBucket, item: Item, values: torch.Tensor) -> None:
@@ -310,8 +318,9 @@ def preconditioned(
 
 def queue_sumsq(bucket: SumBucket, layout: ParamLayout, t: torch.Tensor) -> torch.Tensor:
     """Queue the full tensor's sum of squares (ZeRO padding is zero, so it adds nothing)."""
-    # One pass, no temporary of t's size.
-    return bucket.add(torch.linalg.vector_norm(t, dtype=torch.float32).square().reshape(1), layout.sum_groups)
+    # One pass, no temporary of t's size; fp32 accumulation for low-precision tensors, float64
+    # ones keep theirs (vector_norm refuses a narrowing dtype).
+    return bucket.add(torch.linalg.vector_norm(t, dtype=math_dtype(t)).square().reshape(1), layout.sum_groups)
 
 
 def rms(sumsq: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
@@ -392,17 +401,19 @@ class FactoredOptimizer(DistOptimizer):
         return items
 
     def _workspace(self, like: torch.Tensor) -> torch.Tensor:
-        """An fp32 scratch tensor of ``like``'s shape, free between uses within a step phase.
+        """An fp32 (float64 for float64 ``like``) scratch tensor of ``like``'s shape, free between
+        uses within a step phase.
 
         On the CPU it is a view of one buffer kept across steps (grown to the largest parameter):
         freshly allocated large tensors are page-faulted in on every step there, which costs more
         than the arithmetic on them. Elsewhere the allocator caches blocks, so a new tensor is free.
         """
+        dtype = math_dtype(like)
         if like.device.type != "cpu":
-            return torch.empty(like.shape, dtype=torch.float32, device=like.device)
+            return torch.empty(like.shape, dtype=dtype, device=like.device)
         n = like.numel()
-        if self._scratch.numel() < n:
-            self._scratch = torch.empty(n, dtype=torch.float32)
+        if self._scratch.numel() < n or self._scratch.dtype != dtype:
+            self._scratch = torch.empty(n, dtype=dtype)
         return self._scratch[:n].view(like.shape)
 
     def _fac(self, p: torch.Tensor) -> FactoredLayout | None:

@@ -65,6 +65,7 @@ from ._factored import (
     fold_second_moment,
     init_second_moment,
     low_precision_copy,
+    math_dtype,
     preconditioned,
     queue_sumsq,
     rms,
@@ -195,7 +196,7 @@ class DistributedAdafactor(FactoredOptimizer):
     def _init_state(self, item: Item) -> None:
         init_second_moment(item.state, item.param, item.fac)
         if item.group["beta1"] is not None:
-            item.state["exp_avg"] = torch.zeros_like(item.param, dtype=torch.float32)
+            item.state["exp_avg"] = torch.zeros_like(item.param, dtype=math_dtype(item.param))
 
     @staticmethod
     def _eps(item: Item) -> tuple[str, float]:
@@ -221,7 +222,7 @@ class DistributedAdafactor(FactoredOptimizer):
         if group["scale_parameter"]:
             scale = rms(item.sumsq["param"], item.layout).clamp_(min=group["eps"][1]) * rho
         else:
-            scale = torch.full((1,), rho, dtype=torch.float32, device=item.param.device)
+            scale = torch.full((1,), rho, dtype=math_dtype(item.param), device=item.param.device)
         # Clipping and step size ride on the recomputed update's small row factor.
         eps_mode, eps1 = self._eps(item)
         k = clip_factor(item.sumsq["update"], item.layout, group["clip_threshold"]) * scale

@@ -47,6 +47,7 @@ from ._factored import (
     fold_sums,
     init_second_moment,
     low_precision_copy,
+    math_dtype,
     preconditioned,
     queue_factored_sums,
     queue_sumsq,
@@ -100,7 +101,7 @@ class DistributedCAME(FactoredOptimizer):
 
     def _init_state(self, item: Item) -> None:
         state = item.state
-        state["exp_avg"] = torch.zeros_like(item.param, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(item.param, dtype=math_dtype(item.param))
         init_second_moment(state, item.param, item.fac)
         if item.fac is not None:
             state["res_row_var"] = torch.zeros_like(state["row_var"])

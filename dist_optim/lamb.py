@@ -207,8 +207,11 @@ def _updates_per_tensor(
         torch.div(m, u, out=u)
         if group["weight_decay"] != 0:
             u.add_(p, alpha=group["weight_decay"])
-        sq[0, i] = torch.linalg.vector_norm(p, dtype=torch.float32)
-        sq[1, i] = torch.linalg.vector_norm(u, dtype=torch.float32)
+        # fp32 accumulation for low-precision params; float64 ones keep theirs (vector_norm
+        # refuses a narrowing dtype)
+        acc = torch.promote_types(p.dtype, torch.float32)
+        sq[0, i] = torch.linalg.vector_norm(p, dtype=acc)
+        sq[1, i] = torch.linalg.vector_norm(u, dtype=acc)
         updates.append(u)
     return updates, sq.square_()
 

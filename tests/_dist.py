@@ -25,14 +25,16 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("DIST_OPTIM_TEST_TIMEOUT", "120")))
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any) -> None:
+def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any, backend: str = "gloo") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
     )
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank, as torchrun's LOCAL_RANK
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
     while True:
         task = tasks.get()
@@ -52,10 +54,14 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
 
 class DistPool:
-    """``world_size`` long-lived gloo worker processes."""
+    """``world_size`` long-lived worker processes in one process group: gloo on CPU processes
+    (the default), or ``backend="nccl"`` with one CUDA device per rank."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self.world_size = world_size
+        self.backend = backend
         self._start()
 
     def _start(self) -> None:
@@ -66,7 +72,9 @@ class DistPool:
         self._results = ctx.Queue()
         self._procs = [
             ctx.Process(
-                target=_worker, args=(r, self.world_size, init_file, self._tasks[r], self._results), daemon=True
+                target=_worker,
+                args=(r, self.world_size, init_file, self._tasks[r], self._results, self.backend),
+                daemon=True,
             )
             for r in range(self.world_size)
         ]

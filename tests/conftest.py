@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tests import support  # noqa: E402
 from tests._dist import DistPool  # noqa: E402
 
 _POOLS: dict[int, DistPool] = {}
@@ -31,7 +32,28 @@ def pool2() -> Iterator[DistPool]:
     yield _pool(2)
 
 
+# The outcomes of this session, by JUnit test key: a run that executed every test backing the
+# README's support table checks the README's copy against the table built from them.
+_OUTCOMES = support.OutcomeRecorder()
+_TABLE_PROBLEM: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _OUTCOMES.add(report)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+    with open(support.README) as f:
+        problem = support.check_readme(_OUTCOMES.outcomes, f.read())
+    if problem:
+        _TABLE_PROBLEM.append(problem)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for problem in _TABLE_PROBLEM:
+        terminalreporter.section("README support table", red=True)
+        terminalreporter.write_line(problem)

@@ -62,12 +62,20 @@ MOE_EP2 = (
 MOE_EP1 = ("MoeHybridParallelPlugin", dict(MOE_EP2[1], ep_size=1))
 
 
+SAME_LAYOUT = [
+    pytest.param(HP_TP2, False, id="tp2-fp32-file"),
+    pytest.param(HP_TP2, True, id="tp2-fp32-sharded"),
+    pytest.param(HP_TP2_ZERO2, True, id="tp2-zero2-bf16-sharded"),
+    pytest.param(MOE_EP2, True, id="moe-ep2-bf16-sharded"),
+]
+RESAVED = [
+    pytest.param(HP_TP2_ZERO2, LLZ_BF16, id="tp2-to-llz"),
+    pytest.param(MOE_EP2, MOE_EP1, id="moe-ep2-to-ep1"),
+]
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize(
-    "layout,shard",
-    [(HP_TP2, False), (HP_TP2, True), (HP_TP2_ZERO2, True), (MOE_EP2, True)],
-    ids=["tp2-fp32-file", "tp2-fp32-sharded", "tp2-zero2-bf16-sharded", "moe-ep2-bf16-sharded"],
-)
+@pytest.mark.parametrize("layout,shard", SAME_LAYOUT)
 def test_exact_resume_same_layout(name, layout, shard, pool4, tmp_path) -> None:
     """5 steps + save + load + 5 steps == 10 uninterrupted steps, bit for bit, on every rank: the
     full fp32 master weights and working weights of the rank's parameters (under expert
@@ -110,9 +118,7 @@ def test_resume_after_resharding(name, pool4, pool2, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize(
-    "saved,loaded", [(HP_TP2_ZERO2, LLZ_BF16), (MOE_EP2, MOE_EP1)], ids=["tp2-to-llz", "moe-ep2-to-ep1"]
-)
+@pytest.mark.parametrize("saved,loaded", RESAVED)
 def test_files_do_not_depend_on_layout(name, saved, loaded, pool4, tmp_path) -> None:
     """State saved at tp=2 x ZeRO-2 (bf16) and re-saved after loading with ZeRO-1 on 4 ranks is
     identical: the format holds full tensors keyed by parameter name. The same from expert
@@ -131,6 +137,15 @@ def test_files_do_not_depend_on_layout(name, saved, loaded, pool4, tmp_path) -> 
                 assert torch.equal(value, b["state"][pname][key]), (pname, key)
             else:
                 assert value == b["state"][pname][key], (pname, key)
+
+
+# The tests behind the README's "checkpoint" column (tests/support.py): each runs once per entry of
+# OPTIMIZERS, on each of these layouts (pytest ids "<layout>-<name>", or "<name>" without layouts).
+TABLE_TESTS = {
+    "test_exact_resume_same_layout": SAME_LAYOUT,
+    "test_resume_after_resharding": [],
+    "test_files_do_not_depend_on_layout": RESAVED,
+}
 
 
 def test_bad_checkpoints_are_refused(pool4, tmp_path) -> None:

@@ -845,10 +845,12 @@ def test_pieces_go_straight_to_block_owners(pool4, comm_dtype: torch.dtype) -> N
     receives its pieces of the directions (two all_to_all per step), instead of gathering every
     full gradient and every direction: the same parameters and state bit for bit (also with
     bf16 communication), and a fraction of the bytes received per rank."""
-    # Received bytes per rank, routed / gathered: ~1/4 where 4 ranks hold a quarter each (ZeRO
-    # over 4, TP x ZeRO 2 x 2, TP over 4); ~1/2 for TP 2 x dp 2 without ZeRO (each rank needs
-    # the directions of its TP half). The test shapes are tiny, so the bounds leave margin.
-    bound = {(1, 4, 1): 0.45, (2, 2, 2): 0.45, (2, 2, 0): 0.55, (4, 1, 0): 0.45}
+    # Received bytes per rank, routed / gathered, measured on every rank (the same with fp32 and
+    # bf16 communication): ZeRO over 4 0.22-0.25, TP x ZeRO 2 x 2 0.20-0.22, TP over 4 0.35-0.36
+    # (the tiny test shapes' blocks do not split evenly over 4 owners), TP 2 x dp 2 without ZeRO
+    # 0.39-0.43 (each rank needs the directions of its TP half). The counts depend only on shapes
+    # and layout (no noise); the bounds are the largest ratio plus ~5%.
+    bound = {(1, 4, 1): 0.26, (2, 2, 2): 0.23, (2, 2, 0): 0.45, (4, 1, 0): 0.38}
     for res in pool4.run(_route_worker, comm_dtype):
         for layout, r in res.items():
             assert r["same"], layout
