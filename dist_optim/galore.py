@@ -684,7 +684,7 @@ class DistributedGaLore(DistOptimizer):
         if self.is_paged and _paging_supported(device) and numel >= PAGED_MIN_NUMEL:
             import bitsandbytes.functional as bnbf
 
-            buf = bnbf.get_paged(*shape, dtype=dtype, device=device)
+            buf = paged_on_device(bnbf.get_paged(*shape, dtype=dtype, device=device), device)
             buf.zero_()
             return buf
         if self.is_paged and not _paging_supported(device) and not self._warned_paged:
@@ -902,6 +902,30 @@ def _size_rank(group: Any) -> tuple[int, int]:
     if group is _NONE:
         return 1, 0
     return comm.group_size(group), comm.group_rank(group)
+
+
+def paged_on_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """bitsandbytes' paged buffer as a tensor on ``device`` over the same memory.
+
+    bitsandbytes (0.45-0.50) allocates paged state with ``cudaMallocManaged`` and hands it to
+    torch through ``torch.frombuffer``, so torch sees a CPU tensor; its own paged optimizers only
+    pass the pointer to their CUDA kernels, but our update mixes the moments with CUDA tensors in
+    torch operations, which refuse a CPU operand. Managed memory is addressable from the device
+    with the same pointer, so the buffer is re-described as a CUDA tensor (``__cuda_array_interface__``,
+    as bytes, then viewed in its dtype and shape); ``is_paged`` and ``page_deviceid`` are kept for
+    ``prefetch_tensor``. A buffer already on ``device`` is returned as it is. bitsandbytes never
+    frees managed buffers, so the view cannot outlive its memory."""
+    if buf.device == device:
+        return buf
+    nbytes = buf.numel() * buf.element_size()
+
+    class _Managed:
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (buf.data_ptr(), False), "version": 3}
+
+    out = torch.as_tensor(_Managed(), device=device).view(buf.dtype).view(buf.shape)
+    out.is_paged = True  # type: ignore[attr-defined]
+    out.page_deviceid = getattr(buf, "page_deviceid", device.index)  # type: ignore[attr-defined]
+    return out
 
 
 def _paging_supported(device: torch.device) -> bool:
