@@ -19,6 +19,7 @@ from torch import nn
 import dist_optim
 from dist_optim import comm
 from tests import parity
+from tests._check import excess
 from tests.shampoo_reference import ReferenceShampoo
 
 STEPS = 8
@@ -213,16 +214,6 @@ SOAP_QR_COMMON = dict(
 )
 
 
-def _elementwise_excess(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5, atol_frac: float = 1e-7) -> float:
-    """``max |a - b| / (rtol |b| + atol)``, ``atol = atol_frac * max |b|``: at most 1 where ``a``
-    matches ``b`` element-wise."""
-    a, b = a.detach().double(), b.detach().double()
-    scale = b.abs().max() if b.numel() else torch.zeros((), dtype=torch.float64)
-    if float(scale) == 0.0:
-        return 0.0 if torch.equal(a, b) else math.inf
-    return ((a - b).abs() / (rtol * b.abs() + atol_frac * scale)).max().item()
-
-
 @pytest.mark.parametrize("name", list(SOAP_QR_META))
 def test_soap_qr_follows_metas_default_soap(name: str) -> None:
     """Params and every state tensor after every step, element-wise against the float64 reference
@@ -245,7 +236,7 @@ def test_soap_qr_follows_metas_default_soap(name: str) -> None:
         opt.step()
         ref.step([None if p.grad is None else p.grad.clone() for p in params])
         for i, (p, rp) in enumerate(zip(params, ref.params)):
-            err = _elementwise_excess(p, rp)
+            err = excess(p, rp, 1e-5, atol_scale=0.01)
             assert err <= 1, f"{name}: step {step} param {i} exceeds the bound {err:.3g}x"
         for i, (state, rstate) in enumerate(zip(opt.full_state(), ref.state)):
             assert set(state) == set(rstate), f"param {i}: {sorted(state)} != {sorted(rstate)}"
@@ -253,7 +244,7 @@ def test_soap_qr_follows_metas_default_soap(name: str) -> None:
                 if key == "step" or key.endswith("failures"):
                     assert float(state[key]) == float(expected), key
                     continue
-                err = _elementwise_excess(state[key], expected)
+                err = excess(state[key], expected, 1e-5, atol_scale=0.01)
                 assert err <= 1, f"{name}: step {step} param {i} state {key} exceeds the bound {err:.3g}x"
         for n, w in watched.items():
             now = opt.state[w]["block0.basis0"]
