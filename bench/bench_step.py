@@ -388,9 +388,9 @@ def _split_optimizer(name: str, params: list[torch.Tensor], pf: int) -> Any:
     import dist_optim
 
     if name == "muon":
-        from bench.rows import _muon_groups
+        from bench.rows import muon_groups
 
-        return dist_optim.DistributedMuon(_muon_groups(params), lr=2e-3, weight_decay=0.01)
+        return dist_optim.DistributedMuon(muon_groups(params), lr=2e-3, weight_decay=0.01)
     if name == "shampoo":
         return dist_optim.DistributedShampoo(
             params,

@@ -128,7 +128,7 @@ _add(
 )
 
 
-def _muon_groups(params: list[torch.Tensor], vocab: tuple[int, ...] = (8192, 4096)) -> list[dict[str, Any]]:
+def muon_groups(params: list[torch.Tensor], vocab: tuple[int, ...] = (8192, 4096)) -> list[dict[str, Any]]:
     """Hidden matrices to Muon; the embedding and the vectors to its AdamW (the usual split)."""
     mats = [p for p in params if p.dim() == 2 and p.shape[0] not in vocab]
     others = [p for p in params if all(p is not m for m in mats)]
@@ -138,8 +138,8 @@ def _muon_groups(params: list[torch.Tensor], vocab: tuple[int, ...] = (8192, 409
 def _plain_muon(params: list[torch.Tensor]) -> Any:
     from bench.plain_muon import PlainMuon
 
-    return PlainMuon(_muon_groups(params), lr=2e-3, wd=0.01)
+    return PlainMuon(muon_groups(params), lr=2e-3, wd=0.01)
 
 
-_add("dist_optim Muon", "muon", lambda p: _dist("DistributedMuon")(_muon_groups(p), lr=2e-3, weight_decay=0.01))
+_add("dist_optim Muon", "muon", lambda p: _dist("DistributedMuon")(muon_groups(p), lr=2e-3, weight_decay=0.01))
 _add("plain Muon (bench/plain_muon.py)", "muon", _plain_muon)
