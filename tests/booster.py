@@ -117,20 +117,23 @@ def train_boosted(booster: Any, model: Any, wrapper: Any, plugin: Any, steps: ra
         wrapper.zero_grad()
 
 
+def named_masters(model: Any, wrapper: Any) -> tuple[list[torch.Tensor], list[str]]:
+    """The boosted optimizer's masters in param-group order, and each one's model name (through
+    the wrapper's master-to-working map where ColossalAI keeps separate masters)."""
+    masters = [p for g in wrapper.optim.param_groups for p in g["params"]]
+    to_working = wrapper.get_master_to_working_map() if hasattr(wrapper, "get_master_to_working_map") else None
+    names = {id(p): n for n, p in model.unwrap().named_parameters()}
+    return masters, [names[id(to_working[id(m)] if to_working else m)] for m in masters]
+
+
 def master_weights(model: Any, wrapper: Any) -> dict[str, torch.Tensor]:
     """Full fp32 weights by parameter name, gathered from the optimizer's masters and layouts."""
     from dist_optim import comm
 
     opt = wrapper.optim
-    masters = [p for g in opt.param_groups for p in g["params"]]
+    masters, names = named_masters(model, wrapper)
     fulls = comm.gather_full([(opt.layout(p), p) for p in masters])
-    to_working = wrapper.get_master_to_working_map() if hasattr(wrapper, "get_master_to_working_map") else None
-    names = {id(p): n for n, p in model.unwrap().named_parameters()}
-    out = {}
-    for master, full in zip(masters, fulls):
-        working = to_working[id(master)] if to_working else master
-        out[names[id(working)]] = full.float()
-    return out
+    return {name: full.float() for name, full in zip(names, fulls)}
 
 
 #: ColossalAI's initial fp16 loss scale in these tests (tests/test_booster.py plugin_config).
@@ -226,10 +229,7 @@ def record_steps(wrapper: Any, model: Any) -> list[dict[str, Any]]:
     from dist_optim import comm
 
     opt = wrapper.optim
-    masters = [p for g in opt.param_groups for p in g["params"]]
-    to_working = wrapper.get_master_to_working_map() if hasattr(wrapper, "get_master_to_working_map") else None
-    names = {id(p): n for n, p in model.unwrap().named_parameters()}
-    mnames = [names[id(to_working[id(m)] if to_working else m)] for m in masters]
+    masters, mnames = named_masters(model, wrapper)
     records: list[dict[str, Any]] = []
     real_step = opt.step
 
@@ -312,11 +312,8 @@ def replay(
 
 def boosted_states(model: Any, wrapper: Any) -> dict[str, dict[str, Any]]:
     """The boosted optimizer's full-form state (collective), by parameter name."""
-    opt = wrapper.optim
-    masters = [p for g in opt.param_groups for p in g["params"]]
-    to_working = wrapper.get_master_to_working_map() if hasattr(wrapper, "get_master_to_working_map") else None
-    names = {id(p): n for n, p in model.unwrap().named_parameters()}
-    return {names[id(to_working[id(m)] if to_working else m)]: s for m, s in zip(masters, opt.full_state())}
+    _, names = named_masters(model, wrapper)
+    return dict(zip(names, wrapper.optim.full_state()))
 
 
 def replay_mismatches(
