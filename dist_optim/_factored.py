@@ -356,20 +356,9 @@ class FactoredOptimizer(DistOptimizer):
         self._scratch = torch.empty(0, dtype=torch.float32)
         super().__init__(params, defaults, nonfinite=nonfinite)
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        """The optimizer's own option checks for one group (ValueError/TypeError)."""
-        raise NotImplementedError
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; a group with a bad option or non-floating params is refused and not kept."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            check_floating(group["params"], type(self).__name__)
-            self._validate_group(group)
-        except (ValueError, TypeError):
-            self.param_groups.pop()
-            raise
+    def validate_group(self, group: dict[str, Any]) -> None:
+        super().validate_group(group)
+        check_floating(group["params"], type(self).__name__)
 
     def _on_bind(self) -> None:
         self._factored.clear()

@@ -152,7 +152,8 @@ class DistributedAdafactor(FactoredOptimizer):
         _validate(defaults)
         super().__init__(params, defaults, nonfinite=nonfinite)
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
+    def validate_group(self, group: dict[str, Any]) -> None:
+        super().validate_group(group)
         _validate(group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

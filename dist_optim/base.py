@@ -122,6 +122,23 @@ class DistOptimizer(torch.optim.Optimizer):
         # Set by dist_optim.plugins while ColossalAI configures (see setup_distributed).
         self._plugin_binds = False
 
+    # ---- options ------------------------------------------------------------------------
+    def validate_group(self, group: dict[str, Any]) -> None:
+        """Check one param group's options (defaults already filled in), raising ``ValueError`` or
+        ``TypeError`` that names the option and the fix. The one validation hook of every
+        optimizer: called for each group, from ``__init__`` and :meth:`add_param_group`; a group
+        that fails is not kept. Subclasses override it (and call ``super()``)."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (torch's semantics), then :meth:`validate_group` it: a group with a bad
+        option is refused and the optimizer is left as it was."""
+        super().add_param_group(param_group)
+        try:
+            self.validate_group(self.param_groups[-1])
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+
     @property
     def nonfinite(self) -> str:
         """The NaN/Inf gradient policy: ``"raise"``, ``"skip"`` or ``"ignore"`` (class docstring)."""

@@ -96,7 +96,8 @@ class DistributedCAME(FactoredOptimizer):
         _validate(defaults)
         super().__init__(params, defaults, nonfinite=nonfinite)
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
+    def validate_group(self, group: dict[str, Any]) -> None:
+        super().validate_group(group)
         _validate(group)
 
     def _init_state(self, item: Item) -> None:
