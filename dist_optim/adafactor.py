@@ -149,12 +149,28 @@ class DistributedAdafactor(FactoredOptimizer):
             variant=variant,
             maximize=bool(maximize),
         )
-        _validate(defaults)
         super().__init__(params, defaults, nonfinite=nonfinite)
 
     def validate_group(self, group: dict[str, Any]) -> None:
         super().validate_group(group)
-        _validate(group)
+        if group["variant"] not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {group['variant']!r}")
+        _check_eps(group["eps"], group["variant"])
+        check_range("clip_threshold", group["clip_threshold"], 0.0, open_low=True)
+        decay = group["decay_rate"]
+        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not -math.inf < decay <= 0:
+            raise ValueError(f"decay_rate must be a finite number <= 0, got {decay!r}")
+        if group["beta1"] is not None:
+            check_range("beta1", group["beta1"], 0.0, 1.0)
+        check_range("weight_decay", group["weight_decay"], 0.0)
+        if group["warmup_init"] and not group["relative_step"]:
+            raise ValueError("warmup_init=True requires relative_step=True")
+        if group["lr"] is not None:
+            check_range("lr", group["lr"], 0.0)
+        elif not group["relative_step"]:
+            raise ValueError("lr: relative_step=False needs an explicit lr")
+        if group["variant"] == "torch":
+            _check_torch_variant(group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -245,50 +261,28 @@ class DistributedAdafactor(FactoredOptimizer):
             p.copy_(w)
 
 
-def _validate(group: Mapping[str, Any]) -> None:
-    variant = group["variant"]
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    eps = group["eps"]
+def _check_eps(eps: Any, variant: str) -> None:
     if not isinstance(eps, (tuple, list)) or len(eps) != 2:
         raise ValueError(f"eps must be a pair (eps1, eps2), got {eps!r}")
     if eps[0] is None:
         if variant != "torch":
             raise ValueError("eps[0]=None (machine epsilon) is torch.optim.Adafactor's; use variant='torch'")
     else:
-        check_range("eps[0]", eps[0], 0.0)
-        if eps[0] <= 0:
-            raise ValueError(f"eps[0] must be > 0, got {eps[0]}")
-    check_range("eps[1]", eps[1], 0.0)
-    if eps[1] <= 0:
-        raise ValueError(f"eps[1] must be > 0, got {eps[1]}")
-    check_range("clip_threshold", group["clip_threshold"], 0.0)
-    if group["clip_threshold"] <= 0:
-        raise ValueError(f"clip_threshold must be > 0, got {group['clip_threshold']}")
-    decay = group["decay_rate"]
-    if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not -math.inf < decay <= 0:
-        raise ValueError(f"decay_rate must be a finite number <= 0, got {decay!r}")
+        check_range("eps[0]", eps[0], 0.0, open_low=True)
+    check_range("eps[1]", eps[1], 0.0, open_low=True)
+
+
+def _check_torch_variant(group: Mapping[str, Any]) -> None:
+    # torch.optim.Adafactor has no switch for these: refuse rather than run a third algorithm.
+    if not group["relative_step"] or not group["scale_parameter"] or group["warmup_init"]:
+        raise ValueError(
+            "variant='torch' is always relative_step=True, scale_parameter=True, warmup_init=False "
+            "(lr caps the relative step); use variant='transformers' for the other combinations"
+        )
     if group["beta1"] is not None:
-        check_range("beta1", group["beta1"], 0.0, 1.0)
-    check_range("weight_decay", group["weight_decay"], 0.0)
-    if group["warmup_init"] and not group["relative_step"]:
-        raise ValueError("warmup_init=True requires relative_step=True")
-    lr = group["lr"]
-    if lr is not None:
-        check_range("lr", lr, 0.0)
-    elif not group["relative_step"]:
-        raise ValueError("lr: relative_step=False needs an explicit lr")
-    if variant == "torch":
-        # torch.optim.Adafactor has no switch for these: refuse rather than run a third algorithm.
-        if not group["relative_step"] or not group["scale_parameter"] or group["warmup_init"]:
-            raise ValueError(
-                "variant='torch' is always relative_step=True, scale_parameter=True, warmup_init=False "
-                "(lr caps the relative step); use variant='transformers' for the other combinations"
-            )
-        if group["beta1"] is not None:
-            raise ValueError("beta1: torch.optim.Adafactor has no first moment; use variant='transformers'")
-        if lr is None:
-            raise ValueError("lr: variant='torch' needs lr (the cap of the relative step)")
+        raise ValueError("beta1: torch.optim.Adafactor has no first moment; use variant='transformers'")
+    if group["lr"] is None:
+        raise ValueError("lr: variant='torch' needs lr (the cap of the relative step)")
 
 
 # ---- conversions from the Adafactor classes users have -----------------------------------------

@@ -93,12 +93,25 @@ class DistributedCAME(FactoredOptimizer):
             betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
             weight_decay=weight_decay,
         )
-        _validate(defaults)
         super().__init__(params, defaults, nonfinite=nonfinite)
 
     def validate_group(self, group: dict[str, Any]) -> None:
         super().validate_group(group)
-        _validate(group)
+        if group["lr"] is None:
+            raise ValueError("lr: DistributedCAME needs an explicit lr > 0 (came_pytorch has no default)")
+        check_range("lr", group["lr"], 0.0, open_low=True)
+        eps = group["eps"]
+        if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+            raise ValueError(f"eps must be a pair (eps1, eps2), got {eps!r}")
+        for i, e in enumerate(eps):
+            check_range(f"eps[{i}]", e, 0.0, open_low=True)
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 3:
+            raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {betas!r}")
+        for i, b in enumerate(betas):
+            check_range(f"betas[{i}]", b, 0.0, 1.0)
+        check_range("clip_threshold", group["clip_threshold"], 0.0, open_low=True)
+        check_range("weight_decay", group["weight_decay"], 0.0)
 
     def _init_state(self, item: Item) -> None:
         state = item.state
@@ -163,31 +176,6 @@ class DistributedCAME(FactoredOptimizer):
             if w is not p:
                 p.copy_(w)
         return loss
-
-
-def _validate(group: Mapping[str, Any]) -> None:
-    lr = group["lr"]
-    if lr is None:
-        raise ValueError("lr: DistributedCAME needs an explicit lr > 0 (came_pytorch has no default)")
-    check_range("lr", lr, 0.0)
-    if lr <= 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
-    eps = group["eps"]
-    if not isinstance(eps, (tuple, list)) or len(eps) != 2:
-        raise ValueError(f"eps must be a pair (eps1, eps2), got {eps!r}")
-    for i, e in enumerate(eps):
-        check_range(f"eps[{i}]", e, 0.0)
-        if e <= 0:
-            raise ValueError(f"eps[{i}] must be > 0, got {e}")
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 3:
-        raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {betas!r}")
-    for i, b in enumerate(betas):
-        check_range(f"betas[{i}]", b, 0.0, 1.0)
-    check_range("clip_threshold", group["clip_threshold"], 0.0)
-    if group["clip_threshold"] <= 0:
-        raise ValueError(f"clip_threshold must be > 0, got {group['clip_threshold']}")
-    check_range("weight_decay", group["weight_decay"], 0.0)
 
 
 # ---- conversions from the CAME classes users have -----------------------------------------------

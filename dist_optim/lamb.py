@@ -72,7 +72,6 @@ class DistributedLamb(DistOptimizer):
         *,
         nonfinite: str = "raise",
     ) -> None:
-        _validate(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -85,11 +84,11 @@ class DistributedLamb(DistOptimizer):
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        for key in ("lr", "betas", "eps", "weight_decay", "clamp_value"):
-            if key in param_group:
-                _validate(**{key: param_group[key]})
-        super().add_param_group(param_group)
+    def validate_group(self, group: dict[str, Any]) -> None:
+        super().validate_group(group)
+        check_adam_options(**{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
+        if group["clamp_value"] is not None:
+            check_range("clamp_value", group["clamp_value"], 0.0)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -214,12 +213,6 @@ def _updates_per_tensor(
         sq[1, i] = torch.linalg.vector_norm(u, dtype=acc)
         updates.append(u)
     return updates, sq.square_()
-
-
-def _validate(**options: Any) -> None:
-    check_adam_options(**options)
-    if options.get("clamp_value") is not None:
-        check_range("clamp_value", options["clamp_value"], 0.0)
 
 
 # ---- conversions from the LAMB classes users have -------------------------------------------

@@ -251,7 +251,6 @@ class DistributedMuon(DistOptimizer):
             adamw_eps=adamw_eps,
             use_muon=True,
         )
-        _validate_group(defaults)
         self._plans: dict[torch.Tensor, tuple[Any, list[int]]] | None = None
         self._routes: dict[torch.Tensor, Route | None] | None = None
         self._grids: dict[tuple[int, ...], Any] = {}
@@ -260,10 +259,57 @@ class DistributedMuon(DistOptimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        _validate_group(self.param_groups[-1])
         self._plans = None
         self._routes = None
         self._checked = False
+
+    def validate_group(self, group: dict[str, Any]) -> None:
+        """ValueError/TypeError naming the option for anything out of range in a param group."""
+        super().validate_group(group)
+        use_muon = group.get("use_muon", True)
+        if not isinstance(use_muon, bool):
+            raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
+        check_range("lr", group["lr"], 0.0)
+        check_range("weight_decay", group["weight_decay"], 0.0)
+        check_range("momentum", group["momentum"], 0.0, 1.0)
+        check_range("eps", group["eps"], 0.0, open_low=True)
+        for flag in ("nesterov", "momentum_ema", "stacked"):
+            if not isinstance(group[flag], bool):
+                raise TypeError(f"{flag} must be True or False, got {group[flag]!r}")
+        steps = group["ns_steps"]
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 100:
+            raise ValueError(f"ns_steps must be an integer in [1, 100], got {steps!r}")
+        coeffs = group["ns_coefficients"]
+        triples = [coeffs] if _is_triple(coeffs) else coeffs
+        if (
+            not isinstance(triples, (tuple, list))
+            or not triples
+            or not all(_is_triple(t) for t in triples)
+            or len(triples) > 100
+        ):
+            raise ValueError(
+                "ns_coefficients must be a triple (a, b, c) of numbers or a list of 1 to 100 such triples "
+                f"(one per iteration), got {coeffs!r}"
+            )
+        for i, triple in enumerate(triples):
+            for name, v in zip("abc", triple):
+                if not math.isfinite(v):
+                    raise ValueError(f"ns_coefficients[{i}].{name} must be finite, got {v}")
+        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            raise ValueError(
+                f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {group['adjust_lr_fn']!r}"
+            )
+        dtype = group["ns_dtype"]
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"ns_dtype must be None or a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+        if group["eps_form"] not in EPS_FORMS:
+            raise ValueError(f"eps_form must be 'max' or 'add', got {group['eps_form']!r}")
+        betas = group["adamw_betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"adamw_betas must be a pair (beta1, beta2), got {betas!r}")
+        check_range("adamw_betas[0]", betas[0], 0.0, 1.0)
+        check_range("adamw_betas[1]", betas[1], 0.0, 1.0)
+        check_range("adamw_eps", group["adamw_eps"], 0.0)
 
     # ---- binding and planning ---------------------------------------------------------------
     def _on_bind(self) -> None:
@@ -552,53 +598,6 @@ def _apply(p: torch.Tensor, update: torch.Tensor, layout: ParamLayout, group: di
     if group["weight_decay"] != 0:
         p.mul_(1.0 - lr * group["weight_decay"])
     p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m, n))
-
-
-# ---- options ------------------------------------------------------------------------------------
-def _validate_group(group: dict[str, Any]) -> None:
-    """ValueError/TypeError naming the option for anything out of range in a param group."""
-    use_muon = group.get("use_muon", True)
-    if not isinstance(use_muon, bool):
-        raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
-    check_range("lr", group["lr"], 0.0)
-    check_range("weight_decay", group["weight_decay"], 0.0)
-    check_range("momentum", group["momentum"], 0.0, 1.0)
-    check_range("eps", group["eps"], 0.0, open_low=True)
-    for flag in ("nesterov", "momentum_ema", "stacked"):
-        if not isinstance(group[flag], bool):
-            raise TypeError(f"{flag} must be True or False, got {group[flag]!r}")
-    steps = group["ns_steps"]
-    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 100:
-        raise ValueError(f"ns_steps must be an integer in [1, 100], got {steps!r}")
-    coeffs = group["ns_coefficients"]
-    triples = [coeffs] if _is_triple(coeffs) else coeffs
-    if (
-        not isinstance(triples, (tuple, list))
-        or not triples
-        or not all(_is_triple(t) for t in triples)
-        or len(triples) > 100
-    ):
-        raise ValueError(
-            "ns_coefficients must be a triple (a, b, c) of numbers or a list of 1 to 100 such triples "
-            f"(one per iteration), got {coeffs!r}"
-        )
-    for i, triple in enumerate(triples):
-        for name, v in zip("abc", triple):
-            if not math.isfinite(v):
-                raise ValueError(f"ns_coefficients[{i}].{name} must be finite, got {v}")
-    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise ValueError(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {group['adjust_lr_fn']!r}")
-    dtype = group["ns_dtype"]
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise ValueError(f"ns_dtype must be None or a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
-    if group["eps_form"] not in EPS_FORMS:
-        raise ValueError(f"eps_form must be 'max' or 'add', got {group['eps_form']!r}")
-    betas = group["adamw_betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"adamw_betas must be a pair (beta1, beta2), got {betas!r}")
-    check_range("adamw_betas[0]", betas[0], 0.0, 1.0)
-    check_range("adamw_betas[1]", betas[1], 0.0, 1.0)
-    check_range("adamw_eps", group["adamw_eps"], 0.0)
 
 
 # ---- the usual split of a model -------------------------------------------------------------------
