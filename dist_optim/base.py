@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .comm import SumBucket, all_gather_objects, gather_full, group_rank, group_size
 from .layout import ParamLayout, TPSplit, ZeroShard, local_layout, read_tp_dim
@@ -309,9 +308,10 @@ class DistOptimizer(torch.optim.Optimizer):
         if self._warned_unbound or self.is_bound:
             return
         self._warned_unbound = True
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        world = group_size(None)
+        if world > 1:
             warnings.warn(
-                f"{type(self).__name__} is stepping without layouts in a {dist.get_world_size()}-process job. "
+                f"{type(self).__name__} is stepping without layouts in a {world}-process job. "
                 "That is right for plain data parallelism (replicated params); with tensor parallelism or "
                 "ZeRO, boost through dist_optim.plugins or call setup_distributed(...).",
                 stacklevel=3,

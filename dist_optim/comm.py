@@ -94,11 +94,6 @@ def ordered_groups(groups: Iterable[Any]) -> list[Any]:
     return [unique[k] for k in sorted(unique, key=lambda k: k[0])]
 
 
-# The former private spellings, for code written against them (use the public names).
-_group_key = group_key
-_ordered = ordered_groups
-
-
 @dataclass
 class SumBucket:
     """Collects in-place all-reduce (sum) requests and runs them in as few collectives as it can.

@@ -31,7 +31,7 @@ from dist_optim import comm
 from dist_optim.base import DistOptimizer
 from dist_optim.registry import class_path
 
-__all__ = ["FORMAT", "INDEX_NAME", "DistOptimCheckpointMixin"]
+__all__ = ["FORMAT", "INDEX_NAME", "DistOptimCheckpointMixin", "read_checkpoint"]
 
 FORMAT = "dist_optim.optimizer/1"
 MASTER_KEY = "__master__"  # a parameter's fp32 master weight, next to its state in sharded files
@@ -172,7 +172,7 @@ class DistOptimCheckpointMixin:
         optim = _inner(optimizer)
         if not isinstance(optim, DistOptimizer):
             return super().load_optimizer(optimizer, checkpoint, *args, **kwargs)  # type: ignore[misc]
-        payload = _read(checkpoint)
+        payload = read_checkpoint(checkpoint)
         names = _names(optim)
         saved_cls = payload["optimizer"]
         if saved_cls.rsplit(".", 1)[-1] != type(optim).__name__:
@@ -262,7 +262,9 @@ def _flush(folder: str, rank: int, k: int, chunk: dict[str, Any], files: dict[st
     return k + 1
 
 
-def _read(checkpoint: str) -> dict[str, Any]:
+def read_checkpoint(checkpoint: str) -> dict[str, Any]:
+    """The payload of a dist_optim optimizer checkpoint (a directory with its index, or one file),
+    checked for format; a clear ValueError for anything else."""
     try:
         if os.path.isdir(checkpoint):
             index_path = os.path.join(checkpoint, INDEX_NAME)

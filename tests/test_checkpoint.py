@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_optim import AdamGraftingConfig
-from plugins.checkpoint import _read
+from plugins.checkpoint import read_checkpoint
 from tests import booster, ckpt
 from tests._check import differences
 
@@ -128,7 +128,7 @@ def test_files_do_not_depend_on_layout(name, saved, loaded, pool4, tmp_path) -> 
     pool4.run(ckpt.train_and_save, *saved, *opt, 3, path, True)
     resave = os.path.join(path, "resaved.pt")
     pool4.run(ckpt.load_and_train, *loaded, *opt, 3, 0, path, True, resave)
-    a, b = _read(os.path.join(path, "optim")), _read(resave)
+    a, b = read_checkpoint(os.path.join(path, "optim")), read_checkpoint(resave)
     assert set(a["state"]) == set(b["state"]) and a["state"]
     for pname, state in a["state"].items():
         assert set(state) == set(b["state"][pname])
