@@ -252,7 +252,7 @@ def _dist_options(fam: str, options: dict[str, Any]) -> dict[str, Any]:
 def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from tests._colossal_cpu import install, quiet_colossal
+    from dist_optim.plugins.cpu import install, quiet_colossal
 
     install()
     from colossalai.booster import Booster

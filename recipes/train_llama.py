@@ -166,8 +166,8 @@ def launch(seed: int) -> torch.device:
     import colossalai
 
     if not torch.cuda.is_available():
-        # ColossalAI's CPU accelerator lacks calls its plugins make; the test suite's shims fill them.
-        from tests._colossal_cpu import install
+        # ColossalAI's CPU accelerator lacks calls its plugins make; dist_optim.plugins.cpu fills them.
+        from dist_optim.plugins.cpu import install
 
         install()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dist_optim.plugins.cpu import install, quiet_colossal
 from tests._check import describe, excess, max_rel_err
-from tests._colossal_cpu import install, quiet_colossal
 
 #: Element-wise tolerance of the replayed single-device run: the parity grid's (tests/parity.py).
 REPLAY_RTOL = 1e-5

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests._colossal_cpu import install, quiet_colossal
+from dist_optim.plugins.cpu import install, quiet_colossal
 from tests.booster import boosted_states, make_optimizer, master_weights, model_for, record_steps, train_boosted
 
 

@@ -180,9 +180,9 @@ def setup_traps() -> dict[str, Any]:
 
 def colossal_reader() -> list[Any]:
     """ColossalAI's own dtensors: the plugin reader finds the split dim."""
-    import dist_optim.plugins  # noqa: F401  (registers the ColossalAI reader)
     from colossalai.tensor.d_tensor.api import shard_colwise, shard_rowwise
 
+    import dist_optim.plugins  # noqa: F401  (registers the ColossalAI reader)
     from dist_optim.layout import read_tp_dim
 
     tg, _ = grid_groups(2, 2)
@@ -193,7 +193,7 @@ def colossal_reader() -> list[Any]:
 
 def refusals() -> dict[str, str]:
     """Gemini and FSDP refuse layout-dependent optimizers at boost, with what to use instead."""
-    from tests._colossal_cpu import install
+    from dist_optim.plugins.cpu import install
 
     install()
     from colossalai.booster import Booster

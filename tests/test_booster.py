@@ -179,6 +179,7 @@ def test_swap_log_lists_the_converted_options() -> None:
     kron_torch schedule), per parameter group."""
     import torch
     import transformers
+
     from dist_optim.plugins import options_summary
 
     model = torch.nn.Linear(3, 4)

@@ -414,7 +414,7 @@ def boost_one_rank(steps: int) -> dict[str, Any]:
     from colossalai.nn.optimizer import Lamb
 
     from dist_optim import plugins
-    from tests._colossal_cpu import install, quiet_colossal
+    from dist_optim.plugins.cpu import install, quiet_colossal
 
     cuda = dist.get_backend() == "nccl"
     if not cuda:
