@@ -95,64 +95,15 @@ class DistributedLamb(DistOptimizer):
         loss = self._begin_step(closure)
         if not self._gradients_ok():
             return loss
-
+        # Every group's sums of squares go into one bucket: one collective per process group
+        # for the whole step, then each group finishes with the reduced norms.
         bucket = SumBucket()
-        pending = []
-        for group in self.param_groups:
-            params, grads = self._grads(group)
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            states = [self.state[p] for p in params]
-            exp_avgs = [s["exp_avg"] for s in states]
-            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1.0)
-            on_cpu = params[0].device.type == "cpu"
-            use_foreach = group["foreach"] if group["foreach"] is not None else not on_cpu
-            compute = _updates_foreach if use_foreach else _updates_per_tensor
-            updates, sq = compute(params, grads, exp_avgs, exp_avg_sqs, group)
-            parts = []
-            by_groups: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
-            group_objs: dict[tuple[int, ...], tuple[Any, ...]] = {}
-            for i, p in enumerate(params):
-                sum_groups = self.layout(p).sum_groups
-                if sum_groups:
-                    key = tuple(id(g) for g in sum_groups)
-                    by_groups[key].append(i)
-                    group_objs[key] = sum_groups
-            for key, idx in by_groups.items():
-                index = torch.tensor(idx, device=sq.device)
-                parts.append((index, bucket.add(sq.index_select(1, index), group_objs[key])))
-            pending.append((group, params, updates, steps, sq, parts))
-
+        pending = [item for group in self.param_groups if (item := self._queue_group(group, bucket)) is not None]
         bucket.flush()
-
         for group, params, updates, steps, sq, parts in pending:
             for index, reduced in parts:
                 sq.index_copy_(1, index, reduced)
-            norms = sq.sqrt_()
-            w_norm, u_norm = norms[0], norms[1]
-            if group["clamp_value"] is not None:
-                w_norm = w_norm.clamp(0, group["clamp_value"])
-            if group["adam"]:
-                ratio = torch.ones_like(w_norm)
-            else:
-                ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-            beta1, beta2 = group["betas"]
-            if group["bias_correction"]:
-                # ``step`` lives on the CPU (as in torch's optimizers), so reading it is no device sync.
-                t = torch.stack(steps).double()
-                coef = (1 - beta2**t).sqrt() / (1 - beta1**t)
-            else:
-                coef = torch.ones(len(steps), dtype=torch.float64)
-            scale = (-group["lr"] * coef).to(ratio) * ratio
+            scale = _trust_scale(group, sq, steps)
             if params[0].device.type != "cpu":
                 torch._foreach_mul_(updates, list(scale.to(updates[0].dtype).unbind()))
                 torch._foreach_add_(params, updates)
@@ -161,6 +112,59 @@ class DistributedLamb(DistOptimizer):
                 for p, u, c in zip(params, updates, scale.tolist()):
                     p.add_(u, alpha=c)
         return loss
+
+    def _queue_group(self, group: dict[str, Any], bucket: SumBucket) -> tuple[Any, ...] | None:
+        """Moments and updates of one group; the local sums of squares of the parameters held in
+        pieces queued in ``bucket``. None for a group without gradients."""
+        params, grads = self._grads(group)
+        if not params:
+            return None
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)
+        use_foreach = group["foreach"] if group["foreach"] is not None else params[0].device.type != "cpu"
+        compute = _updates_foreach if use_foreach else _updates_per_tensor
+        updates, sq = compute(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], group)
+        by_groups: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
+        group_objs: dict[tuple[int, ...], tuple[Any, ...]] = {}
+        for i, p in enumerate(params):
+            sum_groups = self.layout(p).sum_groups
+            if sum_groups:
+                key = tuple(id(g) for g in sum_groups)
+                by_groups[key].append(i)
+                group_objs[key] = sum_groups
+        parts = []
+        for key, idx in by_groups.items():
+            index = torch.tensor(idx, device=sq.device)
+            parts.append((index, bucket.add(sq.index_select(1, index), group_objs[key])))
+        return group, params, updates, steps, sq, parts
+
+
+def _trust_scale(group: dict[str, Any], sq: torch.Tensor, steps: list[torch.Tensor]) -> torch.Tensor:
+    """Each parameter's step factor ``-lr * bias correction * trust ratio`` from the full sums of
+    squares ``sq`` ([2, n]: weights, updates)."""
+    norms = sq.sqrt_()
+    w_norm, u_norm = norms[0], norms[1]
+    if group["clamp_value"] is not None:
+        w_norm = w_norm.clamp(0, group["clamp_value"])
+    if group["adam"]:
+        ratio = torch.ones_like(w_norm)
+    else:
+        ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+    beta1, beta2 = group["betas"]
+    if group["bias_correction"]:
+        # ``step`` lives on the CPU (as in torch's optimizers), so reading it is no device sync.
+        t = torch.stack(steps).double()
+        coef = (1 - beta2**t).sqrt() / (1 - beta1**t)
+    else:
+        coef = torch.ones(len(steps), dtype=torch.float64)
+    return (-group["lr"] * coef).to(ratio) * ratio
 
 
 def _updates_foreach(
