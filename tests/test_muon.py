@@ -313,24 +313,39 @@ def test_convert_torch_muon() -> None:
     assert torch.equal(ours.state[params[0]]["momentum_buffer"], src.state[params[0]]["momentum_buffer"])
 
 
+def _kj_muon_update(grad: torch.Tensor, buf: torch.Tensor, beta: float) -> torch.Tensor:
+    """KellerJordan's ``muon_update`` (EMA momentum, nesterov, 5 iterations, 1e-7 added)."""
+    buf.lerp_(grad, 1 - beta)
+    update = grad.lerp(buf, beta)
+    x = update.reshape(len(update), -1)
+    tall = x.size(-2) > x.size(-1)
+    x = x.mT if tall else x
+    x = x / (x.norm() + 1e-7)
+    for _ in range(5):
+        a_mat = x @ x.mT
+        x = 3.4445 * x + (-4.7750 * a_mat + 2.0315 * a_mat @ a_mat) @ x
+    x = x.mT if tall else x
+    return x * max(1, grad.size(-2) / grad.size(-1)) ** 0.5
+
+
+def _kj_adam_update(grad: torch.Tensor, st: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
+    """KellerJordan's ``adam_update`` (lerp moments, bias-corrected)."""
+    if not st:
+        st.update(exp_avg=torch.zeros_like(grad), exp_avg_sq=torch.zeros_like(grad), step=0)
+    st["step"] += 1
+    b1, b2 = group["betas"]
+    st["exp_avg"].lerp_(grad, 1 - b1)
+    st["exp_avg_sq"].lerp_(grad.square(), 1 - b2)
+    m_hat = st["exp_avg"] / (1 - b1 ** st["step"])
+    v_hat = st["exp_avg_sq"] / (1 - b2 ** st["step"])
+    return m_hat / (v_hat.sqrt() + group["eps"])
+
+
 def _kj_module() -> types.ModuleType:
     """KellerJordan's ``muon`` module's four classes: their constructors (group defaults filled,
     keys asserted) and, for SingleDeviceMuonWithAuxAdam, the step, transcribed from its source
     (github.com/KellerJordan/Muon, muon.py) with the iteration in the parameter's dtype."""
     mod = types.ModuleType("muon")
-
-    def muon_update(grad: torch.Tensor, buf: torch.Tensor, beta: float) -> torch.Tensor:
-        buf.lerp_(grad, 1 - beta)
-        update = grad.lerp(buf, beta)
-        x = update.reshape(len(update), -1)
-        tall = x.size(-2) > x.size(-1)
-        x = x.mT if tall else x
-        x = x / (x.norm() + 1e-7)
-        for _ in range(5):
-            a_mat = x @ x.mT
-            x = 3.4445 * x + (-4.7750 * a_mat + 2.0315 * a_mat @ a_mat) @ x
-        x = x.mT if tall else x
-        return x * max(1, grad.size(-2) / grad.size(-1)) ** 0.5
 
     class Muon(torch.optim.Optimizer):
         def __init__(self, params: Any, lr: float = 0.02, weight_decay: float = 0, momentum: float = 0.95) -> None:
@@ -360,17 +375,9 @@ def _kj_module() -> types.ModuleType:
                     lr, wd = group["lr"], group["weight_decay"]
                     if group["use_muon"]:
                         st.setdefault("momentum_buffer", torch.zeros_like(p))
-                        update = muon_update(p.grad, st["momentum_buffer"], group["momentum"])
+                        update = _kj_muon_update(p.grad, st["momentum_buffer"], group["momentum"])
                     else:
-                        if not st:
-                            st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=0)
-                        st["step"] += 1
-                        b1, b2 = group["betas"]
-                        st["exp_avg"].lerp_(p.grad, 1 - b1)
-                        st["exp_avg_sq"].lerp_(p.grad.square(), 1 - b2)
-                        m_hat = st["exp_avg"] / (1 - b1 ** st["step"])
-                        v_hat = st["exp_avg_sq"] / (1 - b2 ** st["step"])
-                        update = m_hat / (v_hat.sqrt() + group["eps"])
+                        update = _kj_adam_update(p.grad, st, group)
                     p.mul_(1 - lr * wd)
                     p.add_(update.reshape(p.shape), alpha=-lr)
 
