@@ -17,8 +17,11 @@ $(STAMP): requirements.txt requirements-dev.txt setup.py pyproject.toml
 
 setup: $(STAMP)
 
+# ruff (rules, format, complexity <= 15: pyproject.toml) everywhere; mypy over the package.
 lint: setup
 	$(PY) -m ruff check dist_optim plugins tests bench recipes
+	$(PY) -m ruff format --check dist_optim plugins tests bench recipes
+	$(PY) -m mypy
 
 # runs/junit.xml: the outcomes the README's support table is built from (python -m tests.support
 # --junit runs/junit.xml); the run itself fails if the README's copy differs (tests/conftest.py).

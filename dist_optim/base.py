@@ -118,8 +118,9 @@ class DistOptimizer(torch.optim.Optimizer):
         self.dp_group: Any = None
         self.tp_group: Any = None
         self._warned_unbound = False
-        # Set by dist_optim.plugins while ColossalAI configures (see setup_distributed).
-        self._plugin_binds = False
+        #: True while a dist_optim plugin configures the booster: ColossalAI's own positional
+        #: ``setup_distributed`` call is then ignored, the plugin binds right after it.
+        self.plugin_binds = False
 
     # ---- options ------------------------------------------------------------------------
     def validate_group(self, group: dict[str, Any]) -> None:
@@ -231,7 +232,7 @@ class DistOptimizer(torch.optim.Optimizer):
             zero_group_of: the group that really sharded a working param (defaults to
                 ``dp_group``); e.g. dp×sp under sequence parallelism, the MoE dp group for experts.
         """
-        if self._plugin_binds:
+        if self.plugin_binds:
             # A dist_optim plugin is configuring: it binds from ColossalAI's wrapper right after this
             # positional call, with the groups that really sharded each parameter (ColossalAI passes
             # its dp group even when ZeRO ran over dp x sp).

@@ -182,7 +182,7 @@ def _updates_foreach(
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_add_(denom, group["eps"])
-    updates = torch._foreach_div(exp_avgs, denom)
+    updates = list(torch._foreach_div(exp_avgs, denom))
     del denom
     if group["weight_decay"] != 0:
         torch._foreach_add_(updates, params, alpha=group["weight_decay"])

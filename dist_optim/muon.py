@@ -462,7 +462,7 @@ class DistributedMuon(DistOptimizer):
 
         # Pieces of C to the owners, X back to the holders: one all_to_all per work group each way.
         order = [routed[id(wg)] for wg in ordered_groups(entry[0] for entry in routed.values())]
-        results: list[dict[int, torch.Tensor]] = []
+        results: list[list[dict[int, torch.Tensor]]] = []
         for wg, members in order:
             blocks = [
                 {i: c.new_empty(_box_shape(boxes[i])) for i in route.owned}

@@ -153,4 +153,4 @@ def convert(optimizer: torch.optim.Optimizer, *, strict: bool = True) -> torch.o
 def _init_args(cls: type) -> set[str]:
     import inspect
 
-    return set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    return set(inspect.signature(cls).parameters) - {"params"}

@@ -88,7 +88,7 @@ def _with_dist_optim_checkpoints(io: Any, writer: Callable[[], bool]) -> Any:
     format (see plugins/checkpoint.py); everything else is unchanged."""
     cls = type(io)
     sub = type(cls.__name__, (DistOptimCheckpointMixin, cls), {"__module__": __name__})
-    wrapped = object.__new__(sub)
+    wrapped: Any = object.__new__(sub)
     wrapped.__dict__.update(io.__dict__)
     wrapped._dist_optim_is_writer = writer
     return wrapped
@@ -117,14 +117,14 @@ class _SwapAndBind:
         lr_scheduler: Any = None,
     ) -> tuple[Any, ...]:
         optimizer = swap_optimizer(optimizer, lr_scheduler)
-        ours = isinstance(optimizer, DistOptimizer)
-        if ours:
-            optimizer._plugin_binds = True
+        ours = optimizer if isinstance(optimizer, DistOptimizer) else None
+        if ours is not None:
+            ours.plugin_binds = True
         try:
             out = super().configure(model, optimizer, criterion, dataloader, lr_scheduler)  # type: ignore[misc]
         finally:
-            if ours:
-                optimizer._plugin_binds = False
+            if ours is not None:
+                ours.plugin_binds = False
         model, wrapper = out[0], out[1]
         if wrapper is not None and isinstance(getattr(wrapper, "optim", None), DistOptimizer):
             self._bind(wrapper)
@@ -194,7 +194,8 @@ def _refuse(plugin: str, optimizer: torch.optim.Optimizer | None, why: str) -> N
     if optimizer is None:
         return
     if isinstance(optimizer, DistOptimizer) or lookup(optimizer) is not None:
-        ours = type(optimizer).__name__ if isinstance(optimizer, DistOptimizer) else lookup(optimizer).target.__name__
+        conversion = lookup(optimizer)
+        ours = type(optimizer).__name__ if conversion is None else conversion.target.__name__
         raise ValueError(
             f"{plugin} cannot run {class_path(type(optimizer))} correctly: {why} {ours} needs to know how each "
             "parameter is split. Use dist_optim.plugins.LowLevelZeroPlugin (ZeRO-1/2 sharding), "

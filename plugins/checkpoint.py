@@ -104,6 +104,7 @@ class DistOptimCheckpointMixin:
         if shard:
             self._save_sharded(optim, checkpoint, part, size_per_shard)
         elif torch.distributed.get_rank() == 0:
+            assert parts is not None  # gathered above whenever shard is False
             payload = {
                 "format": FORMAT,
                 "optimizer": class_path(type(optim)),
@@ -207,7 +208,8 @@ def _match_groups(stages: list[list[dict[str, Any]]], optim: DistOptimizer, name
         i += len(group["params"])
         saved = [stage[gi] for stage in stages if gi < len(stage)]
         union = set().union(*(s["params"] for s in saved)) if saved else set()
-        found = next((s for s in saved if set(local) & set(s["params"])), None) if local else (saved or [None])[0]
+        candidates = [s for s in saved if set(local) & set(s["params"])] if local else saved
+        found = candidates[0] if candidates else None
         if found is None or not set(local) <= union:
             raise ValueError(
                 f"optimizer checkpoint {path}: param group {gi} of this optimizer ({len(local)} params, e.g. "
