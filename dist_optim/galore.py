@@ -32,19 +32,20 @@ Parameters in groups without ``rank`` get plain AdamW with the same update rule.
 ``exp_avg[_sq]`` of plain params, as bitsandbytes' GaLoreAdamW8bit) are stored as uint8 codes plus
 one fp32 absmax per block of 256 values, quantised with bitsandbytes'
 ``functional.quantize_blockwise`` / ``dequantize_blockwise`` and its signed / unsigned dynamic
-maps (the format of bitsandbytes' own 8-bit blockwise Adam). Each step dequantises, updates in
-fp32, takes the step from the fp32 values and re-quantises, as bitsandbytes' kernel does. Like
-bitsandbytes, moments with fewer than ``min_8bit_size`` elements stay fp32. ``is_paged`` allocates
-moments of >= 1e5 elements in bitsandbytes' paged (CUDA unified) memory; on CPU it warns and uses
-ordinary tensors.
+maps (the format of bitsandbytes' own 8-bit blockwise Adam; :mod:`dist_optim._bnb_states`). Each
+step dequantises, updates in fp32, takes the step from the fp32 values and re-quantises, as
+bitsandbytes' kernel does. Like bitsandbytes, moments with fewer than ``min_8bit_size`` elements
+stay fp32. ``is_paged`` allocates moments of >= 1e5 elements in bitsandbytes' paged (CUDA
+unified) memory; on CPU it warns and uses ordinary tensors.
 
 Distributed (TP slices, ZeRO chunks, both): every quantity the algorithm reads is of the full
 matrix.
 
 * Refresh steps: the full gradients of the refreshing parameters are gathered (one bucketed
-  ``comm.gather_full``), each SVD is computed by one owner rank (``work.assign_owners`` over the
-  TP x ZeRO/data-parallel ranks that hold the matrix) and the projectors are shared with
-  ``comm.share_owned`` (one all-gather per group).
+  ``comm.gather_full``), each SVD is computed by one owner rank of the matrix's work group (the TP
+  x ZeRO/data-parallel grid of the ranks that hold it, :mod:`dist_optim.owners`; owners balanced
+  by the SVDs' cost) and the projectors go to every rank of the work group
+  (``owners.share_results``: one all-gather per work group).
 * Every step: the projection is a sum over the projected dim. Each rank multiplies the pieces of
   ``G`` it holds (a TP slice, or the <= 3 rectangles a flat ZeRO chunk covers: a partial first row,
   whole rows, a partial last row) with the matching rows/cols of the projector, adds them into a
@@ -61,7 +62,7 @@ Deviations from galore_torch (all deliberate):
 * ``reverse_std`` on an ``M < N`` matrix with ``rank == M`` back-projects on the side it
   projected (galore_torch picks the side from the low-rank shape and fails with a shape error).
 * 8-bit plain-param moments are quantised in blocks of the *full* flattened parameter
-  (``_Blocks``), as on one device: a ZeRO chunk or TP slice holds pieces of blocks, whose absmax
+  (``_bnb_states.FullBlocks``), as on one device: a ZeRO chunk or TP slice holds pieces of blocks, whose absmax
   is max-reduced over its holders (one collective per group and step) and forced on
   bitsandbytes' quantiser, so codes and absmax are the same on every layout. Between the two
   passes this needs, the new moments are recomputed rather than held.
@@ -92,20 +93,17 @@ from typing import Any
 
 import torch
 
+from . import _bnb_states as bnb
 from . import comm
 from .base import DistOptimizer, check_adam_options, check_range
 from .layout import ParamLayout
+from .owners import ALONE, WorkGroup, assign, data_group, share_results, work_grids, work_group
 from .registry import Conversion, register
-from .work import assign_owners
 
 __all__ = ["DistributedGaLore", "galore_param_groups"]
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 ADAM_STYLES = ("hf", "bnb")
-#: bitsandbytes' 8-bit optimizers quantise in blocks of 256 values.
-BLOCKSIZE = 256
-#: bitsandbytes pages optimizer states of at least this many elements.
-PAGED_MIN_NUMEL = 100_000
 #: Defaults the paper (and ColossalAI) use for GaLore groups that do not set them.
 GROUP_DEFAULTS: dict[str, Any] = {"update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
 _PROJECTOR_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -138,26 +136,10 @@ def matrix_pieces(layout: ParamLayout) -> tuple[Piece, ...]:
     """
     if layout.ndim != 2:
         raise ValueError(f"matrix_pieces: expected a 2-D layout, got full shape {layout.full_shape}")
-    m, n = layout.local_shape
-    row_off = layout.tp_offset if layout.is_split_along(0) else 0
-    col_off = layout.tp_offset if layout.is_split_along(1) else 0
-    if layout.zero is None:
-        return (Piece(None, m, n, row_off, col_off),) if m * n else ()
-    start, stop = layout.chunk_range
-    stop = min(stop, layout.local_numel)
-    pieces: list[Piece] = []
-    pos = start
-    while pos < stop:
-        row, col = divmod(pos, n)
-        if col or stop - pos < n:  # a partial row
-            cols = min(n - col, stop - pos)
-            pieces.append(Piece(pos - start, 1, cols, row + row_off, col + col_off))
-            pos += cols
-        else:  # whole rows
-            rows = (stop - pos) // n
-            pieces.append(Piece(pos - start, rows, n, row + row_off, col_off))
-            pos += rows * n
-    return tuple(pieces)
+    boxes = layout.local_boxes(layout.full_shape)
+    assert boxes is not None, "a TP slice of a matrix is a box of it"
+    whole = layout.zero is None  # the whole local matrix: offset None (a view of any tensor)
+    return tuple(Piece(None if whole else offset, r1 - r0, c1 - c0, r0, c0) for ((r0, r1), (c0, c1)), offset in boxes)
 
 
 def _view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -182,68 +164,6 @@ def projection_side(shape: tuple[int, ...], proj_type: str) -> str:
 def low_rank_shape(shape: tuple[int, ...], side: str, rank: int) -> tuple[int, int]:
     m, n = shape
     return {"left": (rank, n), "right": (m, rank), "full": (rank, rank)}[side]
-
-
-# ---- 8-bit helpers (bitsandbytes) ------------------------------------------------------------
-_QMAPS: dict[tuple[bool, str], torch.Tensor] = {}
-
-
-def _qmap(signed: bool, device: torch.device) -> torch.Tensor:
-    """bitsandbytes' dynamic quantisation map (signed for exp_avg, unsigned for exp_avg_sq)."""
-    key = (signed, str(device))
-    if key not in _QMAPS:
-        import bitsandbytes.functional as bnbf
-
-        _QMAPS[key] = bnbf.create_dynamic_map(signed=signed).to(device)
-    return _QMAPS[key]
-
-
-def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
-    import bitsandbytes.functional as bnbf
-
-    return bnbf.dequantize_blockwise(codes, absmax=absmax, code=_qmap(signed, codes.device), blocksize=BLOCKSIZE).view(
-        codes.shape
-    )
-
-
-def _quantize_into(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
-    import bitsandbytes.functional as bnbf
-
-    out, qstate = bnbf.quantize_blockwise(
-        values.float().contiguous(), code=_qmap(signed, values.device), blocksize=BLOCKSIZE
-    )
-    codes.copy_(out.view(codes.shape))
-    absmax.copy_(qstate.absmax)
-
-
-def _quant_args(args: Any) -> dict[str, Any]:
-    """Read bitsandbytes-style quantisation arguments (a MockArgs object or a dict).
-
-    ColossalAI's ``cast_to_distributed`` passes ``args=optim.args`` for its GaLoreAdamW8bit:
-    bitsandbytes' ``MockArgs`` with ``optim_bits``, ``min_8bit_size`` and, depending on the
-    bitsandbytes version, ``percentile_clipping``, ``block_wise``, ``max_unorm``, ``skip_zeros``.
-    Options we cannot honour raise ValueError."""
-    get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
-    out: dict[str, Any] = {}
-    if get("optim_bits") is not None:
-        out["optim_bits"] = int(get("optim_bits"))
-    if get("min_8bit_size") is not None:
-        out["min_8bit_size"] = int(get("min_8bit_size"))
-    bad = []
-    if get("percentile_clipping", 100) != 100:
-        bad.append(f"percentile_clipping={get('percentile_clipping')!r}")
-    if not get("block_wise", True):
-        bad.append("block_wise=False")
-    if get("max_unorm", 0.0):
-        bad.append(f"max_unorm={get('max_unorm')!r}")
-    if get("skip_zeros", False):
-        bad.append("skip_zeros=True")
-    if bad:
-        raise ValueError(
-            "DistributedGaLore: bitsandbytes option(s) " + ", ".join(bad) + " are not supported "
-            "(only percentile_clipping=100, block_wise=True, max_unorm=0, skip_zeros=False)"
-        )
-    return out
 
 
 # ---- the optimizer ---------------------------------------------------------------------------
@@ -294,7 +214,7 @@ class DistributedGaLore(DistOptimizer):
         nonfinite: str = "raise",
     ) -> None:
         if args is not None:
-            quant = _quant_args(args)
+            quant = bnb.quant_args(args, "DistributedGaLore")
             optim_bits = quant.get("optim_bits", optim_bits)
             min_8bit_size = quant.get("min_8bit_size", min_8bit_size)
         if adam_style is None:
@@ -304,7 +224,6 @@ class DistributedGaLore(DistOptimizer):
         check_range("min_8bit_size", min_8bit_size, 0)
         if adam_style not in ADAM_STYLES:
             raise ValueError(f"adam_style must be one of {ADAM_STYLES}, got {adam_style!r}")
-        check_adam_options(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         if projector_dtype is not None and projector_dtype not in _PROJECTOR_DTYPES:
             raise TypeError(
                 f"projector_dtype must be None or one of {_PROJECTOR_DTYPES}, got {projector_dtype!r} "
@@ -314,13 +233,17 @@ class DistributedGaLore(DistOptimizer):
         self.optim_bits = int(optim_bits)
         self.min_8bit_size = int(min_8bit_size)
         self.is_paged = bool(is_paged)
+        self._buffers = bnb.Buffers(self.is_paged, "DistributedGaLore")
         self.adam_style = adam_style
         #: Bytes this rank moved per collective kind (gather at refresh, share of projectors,
         #: all-reduce of low-rank partial sums) and the number of refresh steps.
         self.comm_stats: collections.Counter[str] = collections.Counter()
         self._shapes_checked = False
-        self._warned_paged = False
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, correct_bias=bool(correct_bias))
+        #: Process groups of the TP x data-parallel grids (owners.work_grids), made at bind.
+        self._grids: dict[tuple[int, ...], Any] = {}
+        # betas is checked with the group (validate_group); a list becomes the usual tuple
+        betas = tuple(betas) if isinstance(betas, list) else betas
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=bool(correct_bias))
         super().__init__(params, defaults, nonfinite=nonfinite)
         if not any("rank" in g for g in self.param_groups):
             warnings.warn(
@@ -344,24 +267,41 @@ class DistributedGaLore(DistOptimizer):
                         f"DistributedGaLore: {key} is optimizer-wide; a param group sets {key}={value!r} "
                         f"but the optimizer has {getattr(self, key)!r}"
                     )
-        check_adam_options(**{k: param_group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in param_group})
         if "rank" in param_group:
             for key, value in GROUP_DEFAULTS.items():
                 param_group.setdefault(key, value)
-            _validate_galore_group(param_group)
             self._shapes_checked = False
-            params = param_group["params"]
-            params = [params] if isinstance(params, torch.Tensor) else list(params)
-            for p in params:
-                # TP slices keep their dims and ZeRO chunks are 1-D: a param with more than two
-                # dims is never a matrix. Full shapes are checked again at bind / first step.
-                if p.dim() > 2:
-                    raise ValueError(
-                        f"DistributedGaLore: a GaLore group (rank={param_group['rank']}) holds a "
-                        f"{p.dim()}-D parameter of shape {tuple(p.shape)}; GaLore projects 2-D matrices only, "
-                        "put other parameters in a group without 'rank'"
-                    )
         super().add_param_group(param_group)
+
+    def validate_group(self, group: dict[str, Any]) -> None:
+        """AdamW's options, and a GaLore group's (a group with ``rank``): positive int ``rank`` and
+        ``update_proj_gap``, a finite ``scale``, a known ``proj_type``, parameters that can be
+        matrices. Full shapes (2-D, ``rank`` <= both dims) are checked at bind or the first step."""
+        super().validate_group(group)
+        check_adam_options(**{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
+        if "rank" not in group:
+            return
+        rank = group["rank"]
+        if not _positive_int(rank):
+            raise ValueError(f"DistributedGaLore: rank must be a positive int, got {rank!r}")
+        if not _positive_int(group["update_proj_gap"]):
+            raise ValueError(
+                f"DistributedGaLore: update_proj_gap must be a positive int, got {group['update_proj_gap']!r}"
+            )
+        scale = group["scale"]
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+            raise ValueError(f"DistributedGaLore: scale must be a finite number, got {scale!r}")
+        if group["proj_type"] not in PROJ_TYPES:
+            raise ValueError(f"DistributedGaLore: proj_type must be one of {PROJ_TYPES}, got {group['proj_type']!r}")
+        for p in group["params"]:
+            # TP slices keep their dims and ZeRO chunks are 1-D: a param with more than two
+            # dims is never a matrix. Full shapes are checked again at bind / first step.
+            if p.dim() > 2:
+                raise ValueError(
+                    f"DistributedGaLore: a GaLore group (rank={rank}) holds a {p.dim()}-D parameter of shape "
+                    f"{tuple(p.shape)}; GaLore projects 2-D matrices only, put other parameters in a group "
+                    "without 'rank'"
+                )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader casts every floating param's state tensors to the param's dtype: that would
@@ -390,6 +330,10 @@ class DistributedGaLore(DistOptimizer):
     # ---- validation against full shapes ---------------------------------------------------
     def _on_bind(self) -> None:
         self._check_shapes()
+        # The SVDs are split over the TP x data-parallel grid of each matrix's ranks: the grids are
+        # process groups, made now, collectively over the job (every process binds).
+        galore = [self.layout(p) for g in self.param_groups if "rank" in g for p in g["params"]]
+        self._grids = work_grids(self.tp_group, [data_group(lay, self.dp_group) for lay in galore])
 
     def _check_shapes(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -469,54 +413,24 @@ class DistributedGaLore(DistOptimizer):
                 self.comm_stats["gather_bytes"] += full.numel() * full.element_size()
             it.full_grad = full
 
-        # Owners over the ranks that hold the matrix: TP rank (fastest) x ZeRO / data-parallel rank.
-        keyed: dict[tuple[int, int], list[_Item]] = collections.defaultdict(list)
-        groups_of: dict[tuple[int, int], tuple[Any, Any]] = {}
-        for it in items:
-            tp_group = it.layout.tp.group if it.layout.tp is not None else None
-            dp_group = self._work_group(it.layout)
-            key = (id(tp_group) if it.layout.tp is not None else 0, id(dp_group) if dp_group is not _NONE else 0)
-            keyed[key].append(it)
-            groups_of[key] = (tp_group if it.layout.tp is not None else _NONE, dp_group)
-
-        stage_tp: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
-        stage_dp: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
-        for key, its in keyed.items():
-            tp_group, dp_group = groups_of[key]
-            tp_size, tp_rank = _size_rank(tp_group)
-            dp_size, dp_rank = _size_rank(dp_group)
-            costs = [_svd_cost(it.layout.full_shape) for it in its]
-            owners = assign_owners(costs, tp_size * dp_size)
-            for it, owner in zip(its, owners):
-                o_tp, o_dp = owner % tp_size, owner // tp_size
-                tensors = self._new_projectors(
-                    it, compute=(o_tp == tp_rank and o_dp == dp_rank), shared=tp_size * dp_size > 1
-                )
-                if tp_size > 1 and o_dp == dp_rank:
-                    entry = stage_tp.setdefault(id(tp_group), (tp_group, [], []))
-                    entry[1].extend(tensors)
-                    entry[2].extend([o_tp] * len(tensors))
-                if dp_size > 1:
-                    entry = stage_dp.setdefault(id(dp_group), (dp_group, [], []))
-                    entry[1].extend(tensors)
-                    entry[2].extend([o_dp] * len(tensors))
-        # Stage 1 within each TP group (its members share the data-parallel coordinate, as the
-        # axes of ColossalAI's process-group mesh do), stage 2 across the data-parallel group.
-        for stage in (stage_tp, stage_dp):
-            for group, tensors, owners in stage.values():
-                comm.share_owned(tensors, owners, group)
-                self.comm_stats["share_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+        # One owner per SVD in the matrix's work group; the projectors then go to its other ranks.
+        owners = assign([(self._work_group(it.layout), _svd_cost(it.layout.full_shape)) for it in items])
+        results = []
+        for it, owner in zip(items, owners):
+            results.append((owner, self._new_projectors(it, compute=owner.mine, shared=owner.shared)))
+        share_results(results)
+        self.comm_stats["share_bytes"] += sum(
+            t.numel() * t.element_size() for owner, tensors in results if owner.shared for t in tensors
+        )
         for it in items:
             it.full_grad = None
 
-    def _work_group(self, layout: ParamLayout) -> Any:
-        """The group over which the full matrix is available besides TP: ZeRO's, else the
-        data-parallel replicas (``_NONE`` when there is none)."""
-        if layout.zero is not None:
-            return layout.zero.group
-        if self.dp_group is not None:
-            return self.dp_group
-        return _NONE
+    def _work_group(self, layout: ParamLayout) -> WorkGroup:
+        """The ranks that share a matrix's SVDs (:func:`dist_optim.owners.work_group`); this rank
+        alone when unbound."""
+        if not self.is_bound:
+            return ALONE
+        return work_group(layout, self.dp_group, self.tp_group, self._grids)
 
     def _new_projectors(self, it: _Item, compute: bool, shared: bool) -> list[torch.Tensor]:
         """Allocate (and on the owner, compute) the item's projectors; stored in its state.
@@ -633,21 +547,19 @@ class DistributedGaLore(DistOptimizer):
             self._init_low_rank_state(state, low, eight_bit)
         state["step"] += 1
         t = float(state["step"])
-        if eight_bit:
-            self._prefetch(state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"])
-            exp_avg = _dequantize(state["low_rank_exp_avg"], state["low_rank_exp_avg_absmax"], True)
-            exp_avg_sq = _dequantize(state["low_rank_exp_avg_sq"], state["low_rank_exp_avg_sq_absmax"], False)
-            exp_avg, exp_avg_sq = exp_avg.to(low.dtype), exp_avg_sq.to(low.dtype)
+        self._buffers.prefetch(state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"])
+        # The low-rank moments are whole on every rank: bitsandbytes' own blocks of them.
+        blocks = bnb.FullBlocks(ParamLayout(tuple(low.shape)), low.device) if eight_bit else None
+        if blocks is not None:
+            exp_avg, exp_avg_sq = (m.to(low.dtype) for m in bnb.read_moments_8bit(state, "low_rank_", blocks))
         else:
             exp_avg, exp_avg_sq = state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"]
-            self._prefetch(exp_avg, exp_avg_sq)
         exp_avg.mul_(beta1).add_(low, alpha=1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(low, low, value=1.0 - beta2)
         step_size, denom = self._step_size_and_denom(group, exp_avg_sq, t)
         norm = exp_avg / denom
-        if eight_bit:
-            _quantize_into(exp_avg, state["low_rank_exp_avg"], state["low_rank_exp_avg_absmax"], True)
-            _quantize_into(exp_avg_sq, state["low_rank_exp_avg_sq"], state["low_rank_exp_avg_sq_absmax"], False)
+        if blocks is not None:
+            bnb.write_moments_8bit(state, "low_rank_", blocks, [exp_avg, exp_avg_sq])
         self._add_back_projection(it, norm, -step_size)
         if group["weight_decay"] > 0.0:
             it.param.add_(it.param, alpha=-group["lr"] * group["weight_decay"])
@@ -669,41 +581,10 @@ class DistributedGaLore(DistOptimizer):
 
     def _init_low_rank_state(self, state: dict[str, Any], low: torch.Tensor, eight_bit: bool) -> None:
         if eight_bit:
-            blocks = -(-low.numel() // BLOCKSIZE)
-            state["low_rank_exp_avg"] = self._buffer(low.shape, torch.uint8, low.device)
-            state["low_rank_exp_avg_sq"] = self._buffer(low.shape, torch.uint8, low.device)
-            # Zero moments as bitsandbytes starts them: any code with absmax 0 dequantises to 0.
-            state["low_rank_exp_avg_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=low.device)
-            state["low_rank_exp_avg_sq_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=low.device)
+            bnb.new_moments_8bit(state, "low_rank_", low.shape, low.numel(), self._buffers, low.device)
         else:
-            state["low_rank_exp_avg"] = self._buffer(low.shape, low.dtype, low.device)
-            state["low_rank_exp_avg_sq"] = self._buffer(low.shape, low.dtype, low.device)
-
-    def _buffer(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = math.prod(shape)
-        if self.is_paged and _paging_supported(device) and numel >= PAGED_MIN_NUMEL:
-            import bitsandbytes.functional as bnbf
-
-            buf = paged_on_device(bnbf.get_paged(*shape, dtype=dtype, device=device), device)
-            buf.zero_()
-            return buf
-        if self.is_paged and not _paging_supported(device) and not self._warned_paged:
-            self._warned_paged = True
-            warnings.warn(
-                "DistributedGaLore: is_paged=True needs CUDA (bitsandbytes' paged memory); on "
-                f"{device.type} the states are ordinary tensors",
-                stacklevel=4,
-            )
-        return torch.zeros(shape, dtype=dtype, device=device)
-
-    def _prefetch(self, *tensors: torch.Tensor) -> None:
-        if not self.is_paged:
-            return
-        for t in tensors:
-            if getattr(t, "is_paged", False):
-                import bitsandbytes.functional as bnbf
-
-                bnbf.prefetch_tensor(t)
+            state["low_rank_exp_avg"] = self._buffers.zeros(low.shape, low.dtype, low.device)
+            state["low_rank_exp_avg_sq"] = self._buffers.zeros(low.shape, low.dtype, low.device)
 
     # ---- plain AdamW params ---------------------------------------------------------------
     def _plain_adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -714,14 +595,11 @@ class DistributedGaLore(DistOptimizer):
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 if e:
-                    blocks = -(-self.layout(p).full_numel // BLOCKSIZE)
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        state[key] = self._buffer(p.shape, torch.uint8, p.device)
-                        state[f"{key}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                    bnb.new_moments_8bit(state, "", p.shape, self.layout(p).full_numel, self._buffers, p.device)
                 else:
-                    state["exp_avg"] = self._buffer(p.shape, p.dtype, p.device)
-                    state["exp_avg_sq"] = self._buffer(p.shape, p.dtype, p.device)
-        self._prefetch(*(self.state[p][key] for p in params for key in ("exp_avg", "exp_avg_sq")))
+                    state["exp_avg"] = self._buffers.zeros(p.shape, p.dtype, p.device)
+                    state["exp_avg_sq"] = self._buffers.zeros(p.shape, p.dtype, p.device)
+        self._buffers.prefetch(*(self.state[p][key] for p in params for key in ("exp_avg", "exp_avg_sq")))
         wd, lr = group["weight_decay"], group["lr"]
         if not any(eight):
             fused = self._fused_plain_adamw(group, params, grads)
@@ -733,15 +611,14 @@ class DistributedGaLore(DistOptimizer):
         # 8-bit moments of a parameter held in pieces: the absmax of every quantisation block of
         # the full tensor first (the new moments are recomputed below rather than held), in one
         # max-reduction per process group for the whole parameter group.
-        sharded: dict[int, tuple[_Blocks, torch.Tensor, torch.Tensor]] = {}
+        sharded: dict[int, tuple[bnb.FullBlocks, list[torch.Tensor]]] = {}
         maxes = comm.MaxBucket()
         for i, (p, grad, e) in enumerate(zip(params, grads, eight)):
             layout = self.layout(p)
             if e and not layout.is_local:
-                blocks = _Blocks(layout, p.device)
-                m, v = self._plain_moments_8bit(self.state[p], grad, blocks, beta1, beta2)
-                groups = layout.sum_groups
-                sharded[i] = (blocks, maxes.add(blocks.amax(m), groups), maxes.add(blocks.amax(v), groups))
+                blocks = bnb.FullBlocks(layout, p.device)
+                moments = self._plain_moments_8bit(self.state[p], grad, blocks, beta1, beta2)
+                sharded[i] = (blocks, [maxes.add(blocks.amax(m), layout.sum_groups) for m in moments])
         maxes.flush()
 
         for i, (p, grad, e) in enumerate(zip(params, grads, eight)):
@@ -749,7 +626,7 @@ class DistributedGaLore(DistOptimizer):
             state["step"] += 1
             if e:
                 # A whole tensor: bitsandbytes computes each block's absmax itself (None here).
-                blocks, m_max, v_max = sharded.get(i) or (_Blocks(self.layout(p), p.device), None, None)
+                blocks, absmax = sharded.get(i) or (bnb.FullBlocks(self.layout(p), p.device), None)
                 m, v = self._plain_moments_8bit(state, grad, blocks, beta1, beta2)
             else:
                 m, v = state["exp_avg"], state["exp_avg_sq"]
@@ -758,8 +635,7 @@ class DistributedGaLore(DistOptimizer):
             step_size, denom = self._step_size_and_denom(group, v, float(state["step"]))
             p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-step_size)
             if e:
-                blocks.quantize_into(m, m_max, state["exp_avg"], state["exp_avg_absmax"], signed=True)
-                blocks.quantize_into(v, v_max, state["exp_avg_sq"], state["exp_avg_sq_absmax"], signed=False)
+                bnb.write_moments_8bit(state, "", blocks, [m, v], absmax)
         if self.adam_style == "hf" and wd > 0.0:
             torch._foreach_add_(params, params, alpha=-lr * wd)
 
@@ -815,122 +691,14 @@ class DistributedGaLore(DistOptimizer):
 
     @staticmethod
     def _plain_moments_8bit(
-        state: dict[str, Any], grad: torch.Tensor, blocks: _Blocks, beta1: float, beta2: float
+        state: dict[str, Any], grad: torch.Tensor, blocks: bnb.FullBlocks, beta1: float, beta2: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's fp32 moments of a plain parameter from its 8-bit state (not stored)."""
         g = grad.float()
-        m = blocks.dequantize(state["exp_avg"], state["exp_avg_absmax"], signed=True)
-        v = blocks.dequantize(state["exp_avg_sq"], state["exp_avg_sq_absmax"], signed=False)
+        m, v = bnb.read_moments_8bit(state, "", blocks)
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         return m, v
-
-
-class _Blocks:
-    """8-bit block-wise quantisation of a plain parameter's moments with blocks of ``BLOCKSIZE``
-    consecutive elements of the *full* flattened tensor (bitsandbytes' blocks on one device), so
-    that codes and absmax do not depend on how the parameter is split: a TP slice or a ZeRO chunk
-    holds pieces of blocks, whose absmax is max-reduced over the ranks that hold them. The absmax
-    of all blocks is kept (replicated; 1/256 of the parameter's elements).
-
-    Codes come from bitsandbytes' own ``quantize_blockwise`` (its nearest-code search is not an
-    exact nearest, so we do not reimplement it): a piece of a block is quantised in a 256-slot
-    buffer whose slots this rank does not hold carry the block's global absmax, so bitsandbytes
-    computes exactly that absmax and gives every held element the code it gives on one device.
-    """
-
-    def __init__(self, layout: ParamLayout, device: torch.device) -> None:
-        self.layout = layout
-        self.n = -(-layout.full_numel // BLOCKSIZE)
-        self.ids: torch.Tensor | None = None
-        if not layout.is_local:
-            flat = layout.full_flat_index(device=device)
-            # ZeRO padding (index -1) goes to an extra block whose absmax is 0.
-            self.ids = torch.where(flat < 0, self.n, torch.div(flat, BLOCKSIZE, rounding_mode="floor"))
-            self.slot = torch.where(flat < 0, 0, flat % BLOCKSIZE)
-
-    def dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
-        if self.ids is None:
-            return _dequantize(codes.reshape(-1), absmax, signed).view(codes.shape)
-        per_element = torch.cat([absmax, absmax.new_zeros(1)])[self.ids]
-        values = _qmap(signed, codes.device)[codes.reshape(-1).long()]
-        return values.mul_(per_element).view(codes.shape)
-
-    def amax(self, values: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the block absmax of a tensor held in pieces (zeros for blocks it
-        holds nothing of)."""
-        assert self.ids is not None, "a whole tensor's absmax is bitsandbytes' to compute"
-        flat = values.detach().reshape(-1).abs()
-        out = flat.new_zeros(self.n + 1)
-        return out.scatter_reduce_(0, self.ids, flat, reduce="amax")[: self.n].contiguous()
-
-    def quantize_into(
-        self,
-        values: torch.Tensor,
-        absmax: torch.Tensor | None,
-        codes: torch.Tensor,
-        absmax_out: torch.Tensor,
-        signed: bool,
-    ) -> None:
-        """Codes of ``values`` into ``codes`` and the block absmax into ``absmax_out``; ``absmax``
-        is the reduced absmax of a tensor held in pieces (None for a whole tensor)."""
-        if self.ids is None:
-            _quantize_into(values.reshape(-1), codes.view(-1), absmax_out, signed)
-            return
-        assert absmax is not None, "a tensor held in pieces needs its reduced absmax"
-        absmax_out.copy_(absmax)
-        # Local elements come in increasing full index (row-major slices, contiguous chunks).
-        blocks, row = torch.unique_consecutive(self.ids, return_inverse=True)
-        full_absmax = torch.cat([absmax, absmax.new_zeros(1)])
-        buf = full_absmax[blocks].unsqueeze(1).repeat(1, BLOCKSIZE)
-        buf[row, self.slot] = values.reshape(-1).float()
-        out = torch.empty(buf.shape, dtype=torch.uint8, device=buf.device)
-        _quantize_into(buf.view(-1), out.view(-1), full_absmax.new_empty(blocks.numel()), signed)
-        codes.copy_(out[row, self.slot].view(codes.shape))
-
-
-class _NoGroup:
-    def __repr__(self) -> str:
-        return "no group"
-
-
-#: "No such group" (``None`` means the world group to torch.distributed).
-_NONE: Any = _NoGroup()
-
-
-def _size_rank(group: Any) -> tuple[int, int]:
-    if group is _NONE:
-        return 1, 0
-    return comm.group_size(group), comm.group_rank(group)
-
-
-def paged_on_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """bitsandbytes' paged buffer as a tensor on ``device`` over the same memory.
-
-    bitsandbytes (0.45-0.50) allocates paged state with ``cudaMallocManaged`` and hands it to
-    torch through ``torch.frombuffer``, so torch sees a CPU tensor; its own paged optimizers only
-    pass the pointer to their CUDA kernels, but our update mixes the moments with CUDA tensors in
-    torch operations, which refuse a CPU operand. Managed memory is addressable from the device
-    with the same pointer, so the buffer is re-described as a CUDA tensor (``__cuda_array_interface__``,
-    as bytes, then viewed in its dtype and shape); ``is_paged`` and ``page_deviceid`` are kept for
-    ``prefetch_tensor``. A buffer already on ``device`` is returned as it is. bitsandbytes never
-    frees managed buffers, so the view cannot outlive its memory."""
-    if buf.device == device:
-        return buf
-    nbytes = buf.numel() * buf.element_size()
-
-    class _Managed:
-        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (buf.data_ptr(), False), "version": 3}
-
-    out = torch.as_tensor(_Managed(), device=device).view(buf.dtype).view(buf.shape)
-    out.is_paged = True  # type: ignore[attr-defined]
-    out.page_deviceid = getattr(buf, "page_deviceid", device.index)  # type: ignore[attr-defined]
-    return out
-
-
-def _paging_supported(device: torch.device) -> bool:
-    """bitsandbytes' paged (CUDA unified) memory exists on CUDA devices only."""
-    return device.type == "cuda"
 
 
 def _projectors(state: dict[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -975,18 +743,8 @@ class _Item:
         self.low: torch.Tensor | None = None
 
 
-def _validate_galore_group(group: Mapping[str, Any]) -> None:
-    rank = group["rank"]
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ValueError(f"DistributedGaLore: rank must be a positive int, got {rank!r}")
-    gap = group["update_proj_gap"]
-    if not isinstance(gap, int) or isinstance(gap, bool) or gap < 1:
-        raise ValueError(f"DistributedGaLore: update_proj_gap must be a positive int, got {gap!r}")
-    scale = group["scale"]
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise ValueError(f"DistributedGaLore: scale must be a finite number, got {scale!r}")
-    if group["proj_type"] not in PROJ_TYPES:
-        raise ValueError(f"DistributedGaLore: proj_type must be one of {PROJ_TYPES}, got {group['proj_type']!r}")
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 # ---- building GaLore groups from a model ------------------------------------------------------
@@ -1057,8 +815,7 @@ def _galore_keys(g: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str,
             out[key] = defaults[key]
         else:
             raise ValueError(f"convert: GaLore group with rank={g['rank']} has no {key!r}")
-    _validate_galore_group(out)
-    return out
+    return out  # checked by DistributedGaLore.validate_group
 
 
 def _galore_torch_adamw(opt: torch.optim.Optimizer, g: Mapping[str, Any]) -> dict[str, Any]:
@@ -1087,7 +844,7 @@ def _bnb_galore(opt: torch.optim.Optimizer, g: Mapping[str, Any], positional_shi
             "percentile_clipping": getattr(args, "max_unorm", 100),
             "block_wise": getattr(args, "skip_zeros", True),
         }
-    quant = _quant_args(args) if args is not None else {}
+    quant = bnb.quant_args(args, "DistributedGaLore") if args is not None else {}
     if "weight_decay_saved" in g:
         raise ValueError("convert: the optimizer is in the middle of a step (weight_decay_saved is set)")
     return dict(

@@ -74,24 +74,26 @@ Deviations from ``kron_torch.kron.Kron``:
   DistributedKron.
 
 Distribution. Preconditioners are functions of the *full* tensor, so each parameter has one
-owner rank among the ranks that hold pieces of it (its ZeRO group, or the data-parallel group,
-times its TP group; assigned once at bind time by :func:`dist_optim.work.assign_owners` with the
-cost model :func:`precond_cost`). The owner keeps the factors. Per step:
+owner rank among the ranks that hold pieces of it: its work group (:mod:`dist_optim.owners`: the
+TP x data-parallel grid of its ZeRO group, or of the data-parallel group; assigned once at bind
+time by :func:`dist_optim.owners.assign` with the cost model :func:`precond_cost`). The owner keeps
+the factors. Per step:
 
 1. every rank updates its local piece of the momentum (elementwise, exact);
 2. :func:`dist_optim.comm.gather_full` gives the full momentum (one all_gather per ZeRO/TP group);
 3. the owner debiases, updates its factors, preconditions and clips;
-4. :func:`dist_optim.comm.share_owned` sends the full directions to every rank: one all_gather over
-   the data group, then one over the TP group (the owner grid is TP x data);
+4. :func:`dist_optim.owners.share_results` sends the full directions to every rank of the work
+   group: one all_gather per work group;
 5. each rank applies weight decay and the step to its own piece (``layout.take_local``).
 
-So a step issues at most two gathers and two shares (four collectives), whatever the number of
-parameters, plus the NaN/Inf check's flag before anything changes (one all-reduce over the job and
-one host read, unless ``nonfinite="ignore"``; see :class:`~dist_optim.base.DistOptimizer`).
-``communication_dtype`` (default: fp32, exact) sets the precision of the gathers and shares. A
-parameter replicated across the TP group is owned on the TP x data grid too when the optimizer sees
-exactly one TP group among its parameters (ColossalAI's case); otherwise its TP replicas compute it
-redundantly. :meth:`DistributedKron.full_state` returns every factor in full on every rank.
+So a step issues at most two gathers and one share per work group (three collectives under TP x
+ZeRO), whatever the number of parameters, plus the NaN/Inf check's flag before anything changes
+(one all-reduce over the job and one host read, unless ``nonfinite="ignore"``; see
+:class:`~dist_optim.base.DistOptimizer`). ``communication_dtype`` (default: fp32, exact) sets the
+precision of the gathers and shares. A parameter replicated across the TP group is owned on the
+TP x data grid too (its TP replicas hold the same gradient); where no grid could be made (or a
+parameter's TP group is not the optimizer's), the TP replicas compute it redundantly.
+:meth:`DistributedKron.full_state` returns every factor in full on every rank.
 
 Limitations: the gathers materialise full-size fp32 copies of the momenta and directions on every
 rank for the duration of a step; under MoE without ZeRO, expert parameters would be owned across
@@ -111,9 +113,9 @@ import torch
 
 from ._structured import gram, matmul_triangular, upper_times_upper
 from .base import DistOptimizer, check_range
-from .comm import gather_full, group_rank, group_size, share_owned
+from .comm import gather_full
+from .owners import Owner, assign, data_group, share_results, work_grids, work_group
 from .registry import Conversion, register
-from .work import assign_owners
 
 __all__ = ["DistributedKron", "ProbabilitySchedule", "precond_update_prob_schedule", "precond_cost"]
 
@@ -332,17 +334,6 @@ def _clip_rms(u: torch.Tensor) -> torch.Tensor:
     return u.mul_(torch.clamp(_CLIP_RMS / (rms + 1e-12), max=1.0))
 
 
-# ---- ownership ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Owner:
-    data_group: Any
-    data_owner: int  # rank in data_group
-    tp_group: Any  # None: the TP replicas (if any) all compute
-    tp_owner: int  # rank in tp_group
-    mine: bool
-    shared: bool  # whether the result travels to other ranks (its grid has more than one rank)
-
-
 class DistributedKron(DistOptimizer):
     """PSGD Kron (Li 2015, 2018; kron_torch's ``Kron``), exact under TP and ZeRO (see the module
     docstring for the algorithm, the distribution and the deviations from kron_torch).
@@ -425,7 +416,6 @@ class DistributedKron(DistOptimizer):
             precond_dtype=precond_dtype,
             clip_update_rms=bool(clip_update_rms),
         )
-        _validate(**defaults)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an int, got {seed!r}")
         if communication_dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -439,11 +429,29 @@ class DistributedKron(DistOptimizer):
         self._balance_rng = random.Random(seed)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._plans: dict[torch.Tensor, _Plan] = {}
-        self._owners: dict[torch.Tensor, _Owner] = {}
+        self._owners: dict[torch.Tensor, Owner] = {}
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        _validate(**{k: v for k, v in param_group.items() if k in _VALIDATED})
-        super().add_param_group(param_group)
+    def validate_group(self, group: dict[str, Any]) -> None:
+        """The options of one param group (see the class docstring for their ranges)."""
+        super().validate_group(group)
+        check_range("lr", group["lr"], 0.0)
+        check_range("b1", group["b1"], 0.0, 1.0)
+        check_range("weight_decay", group["weight_decay"], 0.0)
+        check_range("precond_lr", group["precond_lr"], 0.0)
+        check_range("precond_init_scale", group["precond_init_scale"], 0.0)
+        if group["precond_init_scale"] <= 0:
+            raise ValueError(f"precond_init_scale must be > 0, got {group['precond_init_scale']}")
+        for name in ("max_size_triangular", "min_ndim_triangular"):
+            value = group[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if group["memory_save_mode"] not in MEMORY_SAVE_MODES:
+            raise ValueError(f"memory_save_mode must be one of {MEMORY_SAVE_MODES}, got {group['memory_save_mode']!r}")
+        _check_probability(group["preconditioner_update_probability"])
+        for name in ("mu_dtype", "precond_dtype"):
+            value = group[name]
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(f"{name} must be None or a floating-point torch.dtype, got {value!r}")
 
     # ---- plans and owners ---------------------------------------------------------------------
     def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
@@ -460,34 +468,19 @@ class DistributedKron(DistOptimizer):
         return plan
 
     def _on_bind(self) -> None:
-        """Assign every parameter an owner on its (data group) x (TP group) grid, balancing
-        :func:`precond_cost` with :func:`~dist_optim.work.assign_owners`; computed once."""
+        """Give every parameter an owner in its work group (:func:`dist_optim.owners.work_group`:
+        the TP x data grid), balancing :func:`precond_cost` with :func:`dist_optim.owners.assign`;
+        computed once. Collective over the job under TP (the grids are process groups)."""
         self._plans = {}
-        self._owners = {}
         params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
-        tp_groups = {id(lay.tp.group): lay.tp.group for lay in (self.layout(p) for p, _ in params_groups) if lay.tp}
-        common_tp = next(iter(tp_groups.values())) if len(tp_groups) == 1 else None
-        grids: dict[tuple[int, int], list[tuple[torch.Tensor, float]]] = {}
-        groups_of: dict[tuple[int, int], tuple[Any, Any]] = {}
-        for p, group in params_groups:
-            layout = self.layout(p)
-            data = layout.zero.group if layout.zero is not None else self.dp_group
-            tp = layout.tp.group if layout.tp is not None else common_tp
-            if _size(tp) == 1:
-                tp = None
-            key = (id(data), id(tp))
-            groups_of[key] = (data, tp)
+        layouts = [self.layout(p) for p, _ in params_groups]
+        grids = work_grids(self.tp_group, [data_group(lay, self.dp_group) for lay in layouts])
+        items = []
+        for (p, group), layout in zip(params_groups, layouts):
             plan = self._plan(p, group)
-            grids.setdefault(key, []).append((p, precond_cost(plan.shape, plan.diag)))
-        for key, items in grids.items():
-            data, tp = groups_of[key]
-            dsize, tsize = _size(data), _size(tp)
-            owners = assign_owners([c for _, c in items], dsize * tsize)
-            my_data, my_tp = _rank(data), _rank(tp)
-            for (p, _), o in zip(items, owners):
-                d_own, t_own = o % dsize, o // dsize
-                mine = d_own == my_data and t_own == my_tp
-                self._owners[p] = _Owner(data, d_own, tp, t_own, mine, dsize * tsize > 1)
+            work = work_group(layout, self.dp_group, self.tp_group, grids)
+            items.append((work, precond_cost(plan.shape, plan.diag)))
+        self._owners = dict(zip((p for p, _ in params_groups), assign(items)))
 
     def _mine(self, param: torch.Tensor) -> bool:
         owner = self._owners.get(param)
@@ -506,27 +499,10 @@ class DistributedKron(DistOptimizer):
 
     def _share(self, entries: Sequence[tuple[torch.Tensor, list[torch.Tensor]]], dtype: torch.dtype | None) -> None:
         """Fill every rank's tensors of ``entries`` (param, tensors) from the param's owner: one
-        ``share_owned`` per data group (items whose TP owner is this rank's TP coordinate), then
-        one per TP group. ``entries`` must list the same params in the same order on every rank."""
-        stage1: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
-        stage2: dict[int, tuple[Any, list[torch.Tensor], list[int]]] = {}
-        for p, tensors in entries:
-            owner = self._owners.get(p)
-            if owner is None:
-                continue
-            if _size(owner.data_group) > 1 and (owner.tp_group is None or _rank(owner.tp_group) == owner.tp_owner):
-                _, ts, os_ = stage1.setdefault(id(owner.data_group), (owner.data_group, [], []))
-                ts.extend(tensors)
-                os_.extend([owner.data_owner] * len(tensors))
-            if owner.tp_group is not None:
-                _, ts, os_ = stage2.setdefault(id(owner.tp_group), (owner.tp_group, [], []))
-                ts.extend(tensors)
-                os_.extend([owner.tp_owner] * len(tensors))
-        for stage in (stage1, stage2):
-            for group, tensors, owners in stage.values():
-                if tensors:
-                    comm_dtype = dtype or _widest(tensors)
-                    share_owned(tensors, owners, group, dtype=comm_dtype)
+        all_gather per work group (:func:`dist_optim.owners.share_results`; ``dtype`` None: the
+        widest of the group's tensors). ``entries`` must list the same params in the same order on
+        every rank. Unbound (no owners), nothing moves."""
+        share_results([(self._owners[p], tensors) for p, tensors in entries if p in self._owners], dtype)
 
     # ---- randomness and the update decision ------------------------------------------------------
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -761,15 +737,6 @@ class DistributedKron(DistOptimizer):
 
 
 # ---- helpers and validation ----------------------------------------------------------------------
-def _size(group: Any) -> int:
-    """Size of a group; ``None`` stands for "no group" here (not the world)."""
-    return 1 if group is None else group_size(group)
-
-
-def _rank(group: Any) -> int:
-    return 0 if group is None else group_rank(group)
-
-
 def _widest(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     dtype = tensors[0].dtype
     for t in tensors[1:]:
@@ -794,7 +761,8 @@ def _threshold(prob: Any) -> float:
     return recip
 
 
-_VALIDATED = (
+#: The options of a param group (kron_torch's too, but for its two booleans).
+_GROUP_OPTIONS = (
     "lr",
     "b1",
     "weight_decay",
@@ -809,37 +777,12 @@ _VALIDATED = (
 )
 
 
-def _validate(**options: Any) -> None:
-    if "lr" in options:
-        check_range("lr", options["lr"], 0.0)
-    if "b1" in options:
-        check_range("b1", options["b1"], 0.0, 1.0)
-    if "weight_decay" in options:
-        check_range("weight_decay", options["weight_decay"], 0.0)
-    if "precond_lr" in options:
-        check_range("precond_lr", options["precond_lr"], 0.0)
-    if "precond_init_scale" in options:
-        check_range("precond_init_scale", options["precond_init_scale"], 0.0)
-        if options["precond_init_scale"] <= 0:
-            raise ValueError(f"precond_init_scale must be > 0, got {options['precond_init_scale']}")
-    for name in ("max_size_triangular", "min_ndim_triangular"):
-        if name in options:
-            value = options[name]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    if "memory_save_mode" in options and options["memory_save_mode"] not in MEMORY_SAVE_MODES:
-        raise ValueError(f"memory_save_mode must be one of {MEMORY_SAVE_MODES}, got {options['memory_save_mode']!r}")
-    if "preconditioner_update_probability" in options:
-        prob = options["preconditioner_update_probability"]
-        if not callable(prob):
-            if not isinstance(prob, (int, float)) or isinstance(prob, bool) or not 0 < prob <= 1:
-                raise ValueError(
-                    f"preconditioner_update_probability must be in (0, 1] or a callable of the step, got {prob!r}"
-                )
-    for name in ("mu_dtype", "precond_dtype"):
-        value = options.get(name)
-        if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
-            raise ValueError(f"{name} must be None or a floating-point torch.dtype, got {value!r}")
+def _check_probability(prob: Any) -> None:
+    """A probability in (0, 1] or a callable of the step (checked when it is called)."""
+    if callable(prob):
+        return
+    if not isinstance(prob, (int, float)) or isinstance(prob, bool) or not 0 < prob <= 1:
+        raise ValueError(f"preconditioner_update_probability must be in (0, 1] or a callable of the step, got {prob!r}")
 
 
 # ---- conversion from kron_torch ------------------------------------------------------------------
@@ -876,7 +819,7 @@ register(
         "kron_torch.kron.Kron",
         DistributedKron,
         _kron_torch_kron,
-        # kron_torch's options: the validated ones plus the two booleans
-        frozenset(_VALIDATED) | {"momentum_into_precond_update", "merge_dims"},
+        # kron_torch's options: the group options plus the two booleans
+        frozenset(_GROUP_OPTIONS) | {"momentum_into_precond_update", "merge_dims"},
     )
 )

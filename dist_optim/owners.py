@@ -17,6 +17,23 @@ result back to every rank that holds that piece:
   rank receives its blocks and its pieces of the results: about ``2/size`` of the bytes of
   gathering every full tensor, and nobody holds a full tensor it does not own.
 
+Work whose results every rank of the work group needs whole (Kron's preconditioned directions
+and factors, GaLore's projectors) is assigned and shared with the same groups:
+
+* :func:`work_group`: the :class:`WorkGroup` of a parameter (its grid, its data-parallel group, its
+  TP group, or :data:`ALONE`);
+* :func:`assign`: an :class:`Owner` for each item, balancing costs per work group
+  (:func:`dist_optim.work.assign_owners`); pure, so every rank computes the same owners;
+* :func:`share_results`: the owners' results to every rank of their work groups, one
+  ``all_gather`` per work group (:func:`dist_optim.comm.share_owned`), in a chosen dtype.
+
+``None`` as a group. A process group of ``None`` is the default group, the whole job, here as in
+:mod:`dist_optim.comm` and ``torch.distributed`` (``comm.group_size(None)`` is the world size). The
+only ``None`` that means "no group" is an optimizer's ``dp_group`` / ``tp_group`` attribute when it
+was bound without one (:meth:`~dist_optim.base.DistOptimizer.bind`): :func:`work_grids` and
+:func:`work_group` read those, and turn "none" into :data:`ALONE` (a work group of one rank, which
+issues no collective), so that no size or rank is ever computed from a ``None`` that means "none".
+
 Pure planning here, every collective in :mod:`dist_optim.comm`.
 """
 
@@ -28,11 +45,35 @@ from typing import Any
 
 import torch
 
-from .comm import all_gather_objects, exchange, grid_groups, group_key, group_rank, group_size, ordered_groups
+from .comm import (
+    all_gather_objects,
+    exchange,
+    grid_groups,
+    group_key,
+    group_rank,
+    group_size,
+    ordered_groups,
+    share_owned,
+)
 from .layout import Box, ParamLayout
-from .work import Route, plan_route
+from .work import Route, assign_owners, plan_route
 
-__all__ = ["Holding", "holding", "member_layout", "work_grids", "plan_routes", "to_owners", "from_owners"]
+__all__ = [
+    "Holding",
+    "holding",
+    "member_layout",
+    "work_grids",
+    "plan_routes",
+    "to_owners",
+    "from_owners",
+    "WorkGroup",
+    "ALONE",
+    "data_group",
+    "work_group",
+    "Owner",
+    "assign",
+    "share_results",
+]
 
 #: What a rank tells the others of its work group about its piece of a tensor: the full shape, its
 #: TP rank and its ZeRO rank (None where not split that way).
@@ -140,3 +181,116 @@ def _move(
         for rank, pieces in in_pieces.items():
             recv[rank] += [pc.view(target) for pc in pieces]
     exchange(send, recv, group, dtype, device)
+
+
+# ---- whole results that every rank of the work group needs ------------------------------------
+@dataclasses.dataclass(frozen=True)
+class WorkGroup:
+    """The ranks that split a set of whole-tensor work (a TP x DP grid, a data-parallel group, a TP
+    group) and this rank's place among them: ``size`` ranks, this one ``rank``.
+
+    ``group`` is their process group, read only when ``size > 1`` (a work group of one rank issues
+    no collective); there ``None`` would be the default group, as everywhere in dist_optim."""
+
+    group: Any
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, group: Any) -> WorkGroup:
+        """The work group of the ranks of ``group`` (a process group; None: the whole job);
+        :data:`ALONE` when it has one rank."""
+        size = group_size(group)
+        return cls(group, size, group_rank(group)) if size > 1 else ALONE
+
+
+#: This rank alone: the work is not split (unbound, or no other rank holds the tensor).
+ALONE = WorkGroup(group=None, size=1, rank=0)
+
+
+def data_group(layout: ParamLayout, dp_group: Any) -> Any:
+    """The data-parallel group over which a tensor of ``layout`` is split or replicated: its ZeRO
+    group, else the optimizer's ``dp_group`` (None where it was bound without one: none)."""
+    return layout.zero.group if layout.zero is not None else dp_group
+
+
+def work_group(layout: ParamLayout, dp_group: Any, tp_group: Any, grids: Mapping[tuple[int, ...], Any]) -> WorkGroup:
+    """The ranks that share the whole-tensor work of a tensor of ``layout``: the TP x DP grid of its
+    :func:`data_group` (``grids``: from :func:`work_grids`) when it has one, else that data-parallel
+    group alone (its TP peers then compute the same results), else, with no data-parallel group, its
+    TP group (``layout``'s, or the optimizer's ``tp_group`` for a tensor replicated over TP);
+    :data:`ALONE` without either.
+
+    ``dp_group`` / ``tp_group`` are the optimizer's (None: bound without one). A grid is used for
+    a TP-split tensor only when its TP group is the optimizer's (the one the grids were made with).
+    Every rank that holds pieces of the tensor gets the same ranks."""
+    base = data_group(layout, dp_group)
+    own_tp = layout.tp.group if layout.tp is not None else tp_group
+    if base is not None:
+        same_tp = layout.tp is None or (tp_group is not None and group_key(own_tp) == group_key(tp_group))
+        grid = grids.get(group_key(base)) if same_tp else None
+        return WorkGroup.of(grid if grid is not None else base)
+    return WorkGroup.of(own_tp) if own_tp is not None else ALONE
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """Who computes one item of whole-tensor work: rank ``rank`` of the work group ``work``."""
+
+    work: WorkGroup
+    rank: int
+
+    @property
+    def mine(self) -> bool:
+        """Whether this rank computes the item."""
+        return self.rank == self.work.rank
+
+    @property
+    def shared(self) -> bool:
+        """Whether the result travels to other ranks (the work group has more than this one)."""
+        return self.work.size > 1
+
+
+def _bucket(work: WorkGroup) -> tuple[int, int]:
+    # By process group (WorkGroup.of makes a new object per call) and size (ALONE's None is no group).
+    return id(work.group), work.size
+
+
+def assign(items: Sequence[tuple[WorkGroup, float]]) -> list[Owner]:
+    """The :class:`Owner` of each ``(work group, cost)`` item: the items of each work group, in
+    their order, balanced by cost over its ranks (:func:`~dist_optim.work.assign_owners`).
+
+    Pure: every rank of a work group computes the same owners when it lists the same items in the
+    same order with the same costs (from full shapes, never from local ones)."""
+    by_group: dict[tuple[int, int], list[int]] = {}
+    for i, (work, _) in enumerate(items):
+        by_group.setdefault(_bucket(work), []).append(i)
+    owners: list[Owner | None] = [None] * len(items)
+    for idx in by_group.values():
+        work = items[idx[0]][0]
+        for i, rank in zip(idx, assign_owners([float(items[i][1]) for i in idx], work.size)):
+            owners[i] = Owner(items[i][0], rank)
+    return owners  # type: ignore[return-value]
+
+
+def share_results(results: Sequence[tuple[Owner, Sequence[torch.Tensor]]], dtype: torch.dtype | None = None) -> None:
+    """Every rank of each item's work group gets the item's tensors from its owner, in place: one
+    ``all_gather`` per work group for all its items (:func:`~dist_optim.comm.share_owned`), work
+    groups in the one global order (:func:`~dist_optim.comm.ordered_groups`).
+
+    ``results`` are ``(owner, tensors)``: on the owner the computed tensors, elsewhere tensors of
+    the same shapes and dtypes to fill. Collective over every work group of more than one rank
+    among them: every rank of a work group lists the same items in the same order. ``dtype`` is
+    the communication precision (None: the widest dtype of each work group's tensors); results
+    are written back in each tensor's own dtype."""
+    by_group: dict[tuple[int, int], tuple[Any, list[torch.Tensor], list[int]]] = {}
+    for owner, tensors in results:
+        if not owner.shared:
+            continue
+        _, shared, owners = by_group.setdefault(_bucket(owner.work), (owner.work.group, [], []))
+        shared.extend(tensors)
+        owners.extend([owner.rank] * len(tensors))
+    groups = {id(group): key for key, (group, _, _) in by_group.items()}
+    for group in ordered_groups(group for group, _, _ in by_group.values()):
+        _, tensors, owners = by_group[groups[id(group)]]
+        share_owned(tensors, owners, group, dtype=dtype)

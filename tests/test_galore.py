@@ -531,7 +531,7 @@ def test_paged_states_allocation_and_prefetch(monkeypatch: pytest.MonkeyPatch, o
     are ordinary tensors, and the run is identical to the unpaged one."""
     import bitsandbytes.functional as bnbf
 
-    from dist_optim import galore as galore_mod
+    from dist_optim import _bnb_states
 
     allocated: list[torch.Tensor] = []
     prefetched: list[int] = []
@@ -542,7 +542,7 @@ def test_paged_states_allocation_and_prefetch(monkeypatch: pytest.MonkeyPatch, o
         allocated.append(t)
         return t
 
-    monkeypatch.setattr(galore_mod, "_paging_supported", lambda device: True)
+    monkeypatch.setattr(_bnb_states, "paging_supported", lambda device: True)
     monkeypatch.setattr(bnbf, "get_paged", fake_get_paged)
     monkeypatch.setattr(bnbf, "prefetch_tensor", lambda t, to_cpu=False: prefetched.append(t.data_ptr()))
     shapes = [(512, 256), (400, 300), (64, 48), (700,)]  # big GaLore, big plain, small GaLore, small plain
@@ -690,20 +690,33 @@ def _dist_worker(copies: int, proj_type: str, optim_bits: int) -> dict[str, Any]
         run(opt, params, local, record)
         label = f"[tp={tp} dp={dp} zero={zero}]"
         fulls = comm.gather_full([(layouts[p], p) for p in params])
-        for i, (a, b) in enumerate(zip(fulls, ref_params)):
-            if _rel(a, b) > RTOL:
-                failures.append(f"{label} param {i}: {_rel(a, b):.3g}")
-        for i, (s, r) in enumerate(zip(opt.full_state(), ref.full_state())):
-            for key in r:
-                a, b = s[key], r[key]
-                if isinstance(b, torch.Tensor) and b.dtype == torch.uint8:
-                    # 8-bit codes: identical but for values that sit on a code boundary.
-                    if (a != b).float().mean() > 0.01:
-                        failures.append(f"{label} state {i}.{key}: codes differ")
-                elif isinstance(b, torch.Tensor) and _rel(a, b) > (RTOL if optim_bits == 32 else 1e-3):
-                    failures.append(f"{label} state {i}.{key}: {_rel(a, b):.3g}")
+        failures += _differences(label, fulls, ref_params, opt.full_state(), ref.full_state(), optim_bits)
         per_layout[label] = record
     return {"failures": failures, "record": per_layout}
+
+
+def _differences(
+    label: str,
+    params: list[torch.Tensor],
+    ref_params: list[torch.Tensor],
+    states: list[dict[str, Any]],
+    ref_states: list[dict[str, Any]],
+    optim_bits: int,
+) -> list[str]:
+    """What differs between a distributed run's full parameters and states and the reference's."""
+    out = [
+        f"{label} param {i}: {_rel(a, b):.3g}" for i, (a, b) in enumerate(zip(params, ref_params)) if _rel(a, b) > RTOL
+    ]
+    for i, (s, r) in enumerate(zip(states, ref_states)):
+        for key in r:
+            a, b = s[key], r[key]
+            if isinstance(b, torch.Tensor) and b.dtype == torch.uint8:
+                # 8-bit codes: identical but for values that sit on a code boundary.
+                if (a != b).float().mean() > 0.01:
+                    out.append(f"{label} state {i}.{key}: codes differ")
+            elif isinstance(b, torch.Tensor) and _rel(a, b) > (RTOL if optim_bits == 32 else 1e-3):
+                out.append(f"{label} state {i}.{key}: {_rel(a, b):.3g}")
+    return out
 
 
 @pytest.mark.parametrize(("proj_type", "optim_bits"), [("std", 32), ("reverse_std", 32), ("std", 8)])

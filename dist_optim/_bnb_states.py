@@ -1,0 +1,291 @@
+"""Optimizer states in bitsandbytes' formats: 8-bit block-wise quantised Adam moments and paged
+buffers (Dettmers et al., 2022, "8-bit Optimizers via Block-wise Quantization", arXiv:2110.02861).
+
+GaLore's 8-bit mode (:mod:`dist_optim.galore`) keeps its moments as bitsandbytes' 8-bit blockwise
+Adam does: uint8 codes plus one fp32 absmax per block of :data:`BLOCKSIZE` values, with
+bitsandbytes' signed (first moment) and unsigned (second moment) dynamic maps. This module holds
+what is specific to that format, none of GaLore's math:
+
+* the codes themselves (:func:`dequantize`, :func:`quantize_into`, through bitsandbytes'
+  ``quantize_blockwise`` / ``dequantize_blockwise``, whose nearest-code search we do not
+  reimplement);
+* :class:`FullBlocks`: blocks of the *full* flattened tensor for a tensor held in pieces (a TP
+  slice, a ZeRO chunk), so that codes and absmax do not depend on the layout;
+* the state entries (:func:`new_moments_8bit`, :func:`read_moments_8bit`,
+  :func:`write_moments_8bit`: ``exp_avg``, ``exp_avg_sq`` and their ``*_absmax``, under a prefix);
+* paged (CUDA unified) memory (:class:`Buffers`, :func:`paged_on_device`);
+* bitsandbytes' quantisation arguments as ColossalAI passes them (:func:`quant_args`).
+
+bitsandbytes is imported only when one of these runs (32-bit GaLore does not need it).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .layout import ParamLayout
+
+__all__ = [
+    "BLOCKSIZE",
+    "PAGED_MIN_NUMEL",
+    "qmap",
+    "dequantize",
+    "quantize_into",
+    "FullBlocks",
+    "MOMENTS",
+    "new_moments_8bit",
+    "read_moments_8bit",
+    "write_moments_8bit",
+    "Buffers",
+    "paged_on_device",
+    "paging_supported",
+    "quant_args",
+]
+
+#: bitsandbytes' 8-bit optimizers quantise in blocks of 256 values.
+BLOCKSIZE = 256
+#: bitsandbytes pages optimizer states of at least this many elements.
+PAGED_MIN_NUMEL = 100_000
+
+_QMAPS: dict[tuple[bool, str], torch.Tensor] = {}
+
+
+# ---- codes -----------------------------------------------------------------------------------
+def qmap(signed: bool, device: torch.device) -> torch.Tensor:
+    """bitsandbytes' dynamic quantisation map (signed for exp_avg, unsigned for exp_avg_sq)."""
+    key = (signed, str(device))
+    if key not in _QMAPS:
+        import bitsandbytes.functional as bnbf
+
+        _QMAPS[key] = bnbf.create_dynamic_map(signed=signed).to(device)
+    return _QMAPS[key]
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """fp32 values of a whole tensor's codes (blocks of its own flattened elements)."""
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_blockwise(codes, absmax=absmax, code=qmap(signed, codes.device), blocksize=BLOCKSIZE).view(
+        codes.shape
+    )
+
+
+def quantize_into(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
+    """Codes of a whole tensor's ``values`` into ``codes``, its block absmax into ``absmax``."""
+    import bitsandbytes.functional as bnbf
+
+    out, qstate = bnbf.quantize_blockwise(
+        values.float().contiguous(), code=qmap(signed, values.device), blocksize=BLOCKSIZE
+    )
+    codes.copy_(out.view(codes.shape))
+    absmax.copy_(qstate.absmax)
+
+
+class FullBlocks:
+    """8-bit block-wise quantisation of a tensor's moments with blocks of ``BLOCKSIZE``
+    consecutive elements of the *full* flattened tensor (bitsandbytes' blocks on one device), so
+    that codes and absmax do not depend on how the tensor is split: a TP slice or a ZeRO chunk
+    holds pieces of blocks, whose absmax is max-reduced over the ranks that hold them. The absmax
+    of all blocks is kept (replicated; 1/256 of the tensor's elements).
+
+    Codes come from bitsandbytes' own ``quantize_blockwise`` (its nearest-code search is not an
+    exact nearest, so we do not reimplement it): a piece of a block is quantised in a 256-slot
+    buffer whose slots this rank does not hold carry the block's global absmax, so bitsandbytes
+    computes exactly that absmax and gives every held element the code it gives on one device.
+    """
+
+    def __init__(self, layout: ParamLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.n = -(-layout.full_numel // BLOCKSIZE)
+        self.ids: torch.Tensor | None = None
+        if not layout.is_local:
+            flat = layout.full_flat_index(device=device)
+            # ZeRO padding (index -1) goes to an extra block whose absmax is 0.
+            self.ids = torch.where(flat < 0, self.n, torch.div(flat, BLOCKSIZE, rounding_mode="floor"))
+            self.slot = torch.where(flat < 0, 0, flat % BLOCKSIZE)
+
+    @property
+    def whole(self) -> bool:
+        """Whether this rank holds the whole tensor (bitsandbytes then computes the absmax)."""
+        return self.ids is None
+
+    def dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+        if self.ids is None:
+            return dequantize(codes.reshape(-1), absmax, signed).view(codes.shape)
+        per_element = torch.cat([absmax, absmax.new_zeros(1)])[self.ids]
+        values = qmap(signed, codes.device)[codes.reshape(-1).long()]
+        return values.mul_(per_element).view(codes.shape)
+
+    def amax(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the block absmax of a tensor held in pieces (zeros for blocks it
+        holds nothing of)."""
+        assert self.ids is not None, "a whole tensor's absmax is bitsandbytes' to compute"
+        flat = values.detach().reshape(-1).abs()
+        out = flat.new_zeros(self.n + 1)
+        return out.scatter_reduce_(0, self.ids, flat, reduce="amax")[: self.n].contiguous()
+
+    def quantize_into(
+        self,
+        values: torch.Tensor,
+        absmax: torch.Tensor | None,
+        codes: torch.Tensor,
+        absmax_out: torch.Tensor,
+        signed: bool,
+    ) -> None:
+        """Codes of ``values`` into ``codes`` and the block absmax into ``absmax_out``; ``absmax``
+        is the reduced absmax of a tensor held in pieces (None for a whole tensor)."""
+        if self.ids is None:
+            quantize_into(values.reshape(-1), codes.view(-1), absmax_out, signed)
+            return
+        assert absmax is not None, "a tensor held in pieces needs its reduced absmax"
+        absmax_out.copy_(absmax)
+        # Local elements come in increasing full index (row-major slices, contiguous chunks).
+        blocks, row = torch.unique_consecutive(self.ids, return_inverse=True)
+        full_absmax = torch.cat([absmax, absmax.new_zeros(1)])
+        buf = full_absmax[blocks].unsqueeze(1).repeat(1, BLOCKSIZE)
+        buf[row, self.slot] = values.reshape(-1).float()
+        out = torch.empty(buf.shape, dtype=torch.uint8, device=buf.device)
+        quantize_into(buf.view(-1), out.view(-1), full_absmax.new_empty(blocks.numel()), signed)
+        codes.copy_(out[row, self.slot].view(codes.shape))
+
+
+# ---- the moments as state entries --------------------------------------------------------------
+#: The two Adam moments: state key and whether bitsandbytes' signed map quantises it.
+MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))
+
+
+def new_moments_8bit(
+    state: dict[str, Any], prefix: str, shape: torch.Size, full_numel: int, buffers: Buffers, device: torch.device
+) -> None:
+    """Zero 8-bit moments ``{prefix}exp_avg[_sq]`` (codes of ``shape``) with the absmax of the
+    blocks of a tensor of ``full_numel`` elements: any code with absmax 0 dequantises to 0, which
+    is how bitsandbytes starts them."""
+    blocks = -(-full_numel // BLOCKSIZE)
+    for key, _ in MOMENTS:
+        state[prefix + key] = buffers.zeros(shape, torch.uint8, device)
+        state[f"{prefix}{key}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=device)
+
+
+def read_moments_8bit(state: dict[str, Any], prefix: str, blocks: FullBlocks) -> list[torch.Tensor]:
+    """The fp32 values of the 8-bit moments ``{prefix}exp_avg``, ``{prefix}exp_avg_sq``."""
+    return [
+        blocks.dequantize(state[prefix + key], state[f"{prefix}{key}_absmax"], signed=signed) for key, signed in MOMENTS
+    ]
+
+
+def write_moments_8bit(
+    state: dict[str, Any],
+    prefix: str,
+    blocks: FullBlocks,
+    values: list[torch.Tensor],
+    absmax: list[torch.Tensor] | None = None,
+) -> None:
+    """Re-quantise the moments ``values`` (as :func:`read_moments_8bit` orders them) into the
+    state; ``absmax`` their reduced block absmax when the tensor is held in pieces."""
+    for i, ((key, signed), value) in enumerate(zip(MOMENTS, values)):
+        reduced = None if absmax is None else absmax[i]
+        blocks.quantize_into(value, reduced, state[prefix + key], state[f"{prefix}{key}_absmax"], signed=signed)
+
+
+# ---- paged memory ------------------------------------------------------------------------------
+def paging_supported(device: torch.device) -> bool:
+    """bitsandbytes' paged (CUDA unified) memory exists on CUDA devices only."""
+    return device.type == "cuda"
+
+
+def paged_on_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """bitsandbytes' paged buffer as a tensor on ``device`` over the same memory.
+
+    bitsandbytes (0.45-0.50) allocates paged state with ``cudaMallocManaged`` and hands it to
+    torch through ``torch.frombuffer``, so torch sees a CPU tensor; its own paged optimizers only
+    pass the pointer to their CUDA kernels, but our update mixes the moments with CUDA tensors in
+    torch operations, which refuse a CPU operand. Managed memory is addressable from the device
+    with the same pointer, so the buffer is re-described as a CUDA tensor (``__cuda_array_interface__``,
+    as bytes, then viewed in its dtype and shape); ``is_paged`` and ``page_deviceid`` are kept for
+    ``prefetch_tensor``. A buffer already on ``device`` is returned as it is. bitsandbytes never
+    frees managed buffers, so the view cannot outlive its memory."""
+    if buf.device == device:
+        return buf
+    nbytes = buf.numel() * buf.element_size()
+
+    class _Managed:
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (buf.data_ptr(), False), "version": 3}
+
+    out = torch.as_tensor(_Managed(), device=device).view(buf.dtype).view(buf.shape)
+    out.is_paged = True  # type: ignore[attr-defined]
+    out.page_deviceid = getattr(buf, "page_deviceid", device.index)  # type: ignore[attr-defined]
+    return out
+
+
+class Buffers:
+    """Where state buffers live: ordinary zero tensors, or with ``is_paged`` bitsandbytes' paged
+    memory for buffers of at least :data:`PAGED_MIN_NUMEL` elements on CUDA (as its paged
+    optimizers do). On other devices paging is refused once, with a warning, naming ``owner``."""
+
+    def __init__(self, is_paged: bool, owner: str) -> None:
+        self.is_paged = is_paged
+        self.owner = owner
+        self._warned = False
+
+    def zeros(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        if self.is_paged and paging_supported(device) and numel >= PAGED_MIN_NUMEL:
+            import bitsandbytes.functional as bnbf
+
+            buf = paged_on_device(bnbf.get_paged(*shape, dtype=dtype, device=device), device)
+            buf.zero_()
+            return buf
+        if self.is_paged and not paging_supported(device) and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self.owner}: is_paged=True needs CUDA (bitsandbytes' paged memory); on "
+                f"{device.type} the states are ordinary tensors",
+                stacklevel=5,
+            )
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def prefetch(self, *tensors: torch.Tensor) -> None:
+        """Ask bitsandbytes to bring paged buffers to their device before they are used."""
+        if not self.is_paged:
+            return
+        for t in tensors:
+            if getattr(t, "is_paged", False):
+                import bitsandbytes.functional as bnbf
+
+                bnbf.prefetch_tensor(t)
+
+
+# ---- bitsandbytes' arguments -------------------------------------------------------------------
+def quant_args(args: Any, owner: str) -> dict[str, Any]:
+    """Read bitsandbytes-style quantisation arguments (a MockArgs object or a dict).
+
+    ColossalAI's ``cast_to_distributed`` passes ``args=optim.args`` for its GaLoreAdamW8bit:
+    bitsandbytes' ``MockArgs`` with ``optim_bits``, ``min_8bit_size`` and, depending on the
+    bitsandbytes version, ``percentile_clipping``, ``block_wise``, ``max_unorm``, ``skip_zeros``.
+    Options we cannot honour raise ValueError (naming ``owner``)."""
+    get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
+    out: dict[str, Any] = {}
+    if get("optim_bits") is not None:
+        out["optim_bits"] = int(get("optim_bits"))
+    if get("min_8bit_size") is not None:
+        out["min_8bit_size"] = int(get("min_8bit_size"))
+    bad = []
+    if get("percentile_clipping", 100) != 100:
+        bad.append(f"percentile_clipping={get('percentile_clipping')!r}")
+    if not get("block_wise", True):
+        bad.append("block_wise=False")
+    if get("max_unorm", 0.0):
+        bad.append(f"max_unorm={get('max_unorm')!r}")
+    if get("skip_zeros", False):
+        bad.append("skip_zeros=True")
+    if bad:
+        raise ValueError(
+            f"{owner}: bitsandbytes option(s) " + ", ".join(bad) + " are not supported "
+            "(only percentile_clipping=100, block_wise=True, max_unorm=0, skip_zeros=False)"
+        )
+    return out
