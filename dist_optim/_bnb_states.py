@@ -270,10 +270,10 @@ def quant_args(args: Any, owner: str) -> dict[str, Any]:
     Options we cannot honour raise ValueError (naming ``owner``)."""
     get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
     out: dict[str, Any] = {}
-    if get("optim_bits") is not None:
-        out["optim_bits"] = int(get("optim_bits"))
-    if get("min_8bit_size") is not None:
-        out["min_8bit_size"] = int(get("min_8bit_size"))
+    for key in ("optim_bits", "min_8bit_size"):
+        value = get(key)
+        if value is not None:
+            out[key] = int(value)
     bad = []
     if get("percentile_clipping", 100) != 100:
         bad.append(f"percentile_clipping={get('percentile_clipping')!r}")

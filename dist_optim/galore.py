@@ -452,14 +452,14 @@ class DistributedGaLore(DistOptimizer):
                 # Raising here would leave the other ranks waiting in share_owned: keep the previous
                 # projector (NaN if there is none, which the NaN gradient has earned), as ColossalAI does.
                 warnings.warn(f"DistributedGaLore: SVD failed ({exc}); keeping the previous projector", stacklevel=4)
-        for key, side, shape, take in (
-            ("proj_left", ("left", "full"), (m, rank), lambda: u[:, :rank]),
-            ("proj_right", ("right", "full"), (rank, n), lambda: vh[:rank, :]),
+        for key, side, shape in (
+            ("proj_left", ("left", "full"), (m, rank)),
+            ("proj_right", ("right", "full"), (rank, n)),
         ):
             if it.side not in side:
                 continue
-            if compute and u is not None:
-                tensor = take().to(dtype)
+            if compute and u is not None and vh is not None:
+                tensor = (u[:, :rank] if key == "proj_left" else vh[:rank, :]).to(dtype)
                 tensor = tensor.contiguous() if shared else tensor
             elif compute and key in it.state:
                 tensor = it.state[key].clone()
@@ -541,6 +541,7 @@ class DistributedGaLore(DistOptimizer):
 
     def _galore_update(self, it: _Item) -> None:
         group, state, low = it.group, it.state, it.low
+        assert low is not None, "projected before the update"
         beta1, beta2 = group["betas"]
         eight_bit = self.optim_bits == 8 and low.numel() >= self.min_8bit_size
         if "low_rank_exp_avg" not in state:
@@ -701,11 +702,13 @@ class DistributedGaLore(DistOptimizer):
         return m, v
 
 
-def _projectors(state: dict[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _projectors(state: dict[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The stored projectors in the dtype they multiply (fp16-stored ones are widened per use:
-    r x N or M x r, small next to the matrix)."""
+    r x N or M x r, small next to the matrix). A side without one gets an empty tensor: a
+    projection that used it would fail on shapes, never compute with a stale value."""
     left, right = state.get("proj_left"), state.get("proj_right")
-    return (None if left is None else left.to(dtype), None if right is None else right.to(dtype))
+    absent = torch.empty(0, dtype=dtype)
+    return (absent if left is None else left.to(dtype), absent if right is None else right.to(dtype))
 
 
 #: torch's fused AdamW kernel (CPU and CUDA since torch 2.4).

@@ -102,6 +102,7 @@ the plain data-parallel group, which spans different experts (pass ``zero_group_
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -224,6 +225,16 @@ def precond_cost(shape: Sequence[int], diag: Sequence[bool]) -> float:
 
 
 # ---- the math on full tensors (owner side) -------------------------------------------------------
+def _times_upper_t(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``rows @ q.T`` for an upper-triangular ``q`` (only the triangle is read: half the flops)."""
+    return matmul_triangular(rows, q.T, upper=False)
+
+
+def _times_upper_t_upper(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``rows @ q.T @ q`` for an upper-triangular ``q``."""
+    return matmul_triangular(matmul_triangular(rows, q.T, upper=False), q)
+
+
 def _along(t: torch.Tensor, dim: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Apply ``fn`` to the rows of ``t`` seen as a matrix whose columns index ``dim``."""
     moved = t.movedim(dim, -1)
@@ -244,7 +255,7 @@ def _apply_factors(t: torch.Tensor, factors: Sequence[torch.Tensor]) -> torch.Te
         if q.dim() < 2:
             t = _scale_along(t, dim, q)
         else:
-            t = _along(t, dim, lambda rows, q=q: matmul_triangular(rows, q.T, upper=False))
+            t = _along(t, dim, functools.partial(_times_upper_t, q=q))
     return t
 
 
@@ -325,7 +336,7 @@ def _precondition(factors: Sequence[torch.Tensor], g: torch.Tensor) -> torch.Ten
         if q.dim() < 2:
             g = _scale_along(g, dim, q * q)
         else:
-            g = _along(g, dim, lambda rows, q=q: matmul_triangular(matmul_triangular(rows, q.T, upper=False), q))
+            g = _along(g, dim, functools.partial(_times_upper_t_upper, q=q))
     return g.contiguous()
 
 

@@ -97,8 +97,8 @@ def member_layout(layout: ParamLayout, theirs: Holding) -> ParamLayout | None:
         return None
     if (zero_rank is None) != (layout.zero is None):
         return None
-    tp = None if layout.tp is None else dataclasses.replace(layout.tp, rank=tp_rank)
-    zero = None if layout.zero is None else dataclasses.replace(layout.zero, rank=zero_rank)
+    tp = None if layout.tp is None or tp_rank is None else dataclasses.replace(layout.tp, rank=tp_rank)
+    zero = None if layout.zero is None or zero_rank is None else dataclasses.replace(layout.zero, rank=zero_rank)
     return dataclasses.replace(layout, tp=tp, zero=zero)
 
 
