@@ -133,6 +133,39 @@ def test_newton_schulz_orthogonalizes() -> None:
     assert 0.6 < float(s.min()) and float(s.max()) < 1.2, s
 
 
+@pytest.mark.parametrize("shape", [(8, 24), (40, 12), (16, 33)])
+def test_gram_space_iteration_matches_the_formula(shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wide fp32 matrices (n >= 2m after the wide orientation) iterate in Gram space: it must land
+    where the formula lands in float64, element-wise at 1e-5 like the formula's own fp32 run, and
+    it must really be the other computation (not bit-identical to the formula in fp32)."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    c = torch.randn(*shape, generator=gen)
+    coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
+    exact = dist_optim.muon.newton_schulz(c.double(), coeffs, 1e-7)
+    gram = dist_optim.muon.newton_schulz(c, coeffs, 1e-7)
+    # float64 takes the Gram-space form too: the formula itself, in fp32 and float64.
+    monkeypatch.setattr(dist_optim.muon, "GRAM_SPACE_RATIO", math.inf)
+    formula = dist_optim.muon.newton_schulz(c, coeffs, 1e-7)
+    exact_formula = dist_optim.muon.newton_schulz(c.double(), coeffs, 1e-7)
+    assert_close(exact, exact_formula, rtol=1e-12)
+    assert_close(gram.double(), exact_formula, rtol=1e-5)
+    assert_close(formula.double(), exact_formula, rtol=1e-5)
+    assert not torch.equal(gram, formula)
+
+
+def test_bfloat16_iteration_keeps_the_formula() -> None:
+    """In bfloat16 (torch.optim.Muon's iteration dtype) the formula's own order is kept, so a
+    converted optimizer computes what torch's does."""
+    c = torch.randn(8, 24, generator=torch.Generator().manual_seed(0))
+    coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
+    x = c.bfloat16()
+    x = x / x.norm().clamp(min=1e-7)
+    for a, b, cc in coeffs:
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=cc), x, beta=a)
+    assert torch.equal(dist_optim.muon.newton_schulz(c, coeffs, 1e-7, dtype=torch.bfloat16), x)
+
+
 # ---- the usual split of a model ------------------------------------------------------------------
 class _Tiny(torch.nn.Module):
     def __init__(self) -> None:
