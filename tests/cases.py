@@ -1,4 +1,8 @@
-"""Optimizer configurations the generic tests run: every public optimizer must appear here."""
+r"""Optimizer configurations the generic tests run: every public optimizer must appear here.
+
+Adding an optimizer: one :class:`Family` (the booster columns, the checkpoint tests and the
+README's support-table row derive from :data:`FAMILIES`) and its :class:`Case`\ s of the parity
+grid (:data:`PARITY_CASES`, and :data:`PRODUCTION_CASES` where large blocks take other kernels)."""
 
 from __future__ import annotations
 
@@ -6,6 +10,111 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dist_optim
+
+
+@dataclass(frozen=True)
+class Family:
+    """One optimizer as the booster and checkpoint tests run it.
+
+    ``name`` is its row of the README's support table; ``booster`` and ``checkpoint`` are what a
+    user passes to ``booster.boost``: the ordinary optimizer's class path and options (ours for
+    Shampoo and Muon, which have no ordinary class on the pinned torch). The plugins must swap it
+    for ``cls``."""
+
+    name: str
+    cls: type
+    booster: tuple[str, dict[str, Any]]
+    checkpoint: tuple[str, dict[str, Any]]
+
+
+FAMILIES: list[Family] = [
+    Family(
+        "LAMB",
+        dist_optim.DistributedLamb,
+        booster=("colossalai.nn.optimizer.Lamb", dict(lr=1e-2, weight_decay=1e-2, bias_correction=True)),
+        checkpoint=("colossalai.nn.optimizer.Lamb", dict(lr=1e-2, weight_decay=1e-2)),
+    ),
+    Family(
+        "Adafactor",
+        dist_optim.DistributedAdafactor,
+        booster=("transformers.optimization.Adafactor", dict(beta1=0.9, weight_decay=1e-2)),
+        checkpoint=(
+            "transformers.optimization.Adafactor",
+            dict(lr=1e-2, relative_step=False, scale_parameter=False, beta1=0.9),
+        ),
+    ),
+    # CAME moves every weight by ~lr per step whatever its scale: at lr=1e-2 the tiny Llama's
+    # weights (~0.02) move by half their size per step, and at lr >= 1e-3 its trajectory amplifies
+    # 1-ulp differences of gradient averaging (see test_adafactor_came.py); at 1e-4 the run is tame.
+    Family(
+        "CAME",
+        dist_optim.DistributedCAME,
+        booster=("colossalai.nn.optimizer.CAME", dict(lr=1e-4, weight_decay=1e-2)),
+        checkpoint=("came_pytorch.CAME", dict(lr=1e-4)),
+    ),
+    # GaLore: one projector refresh (step 1: full-gradient gathers, owner SVDs, shared projectors),
+    # which a checkpoint must restore, not recompute. A second refresh is hypersensitive to
+    # rounding in GaLore itself: on ONE process, gradients times (1 + 1e-6 noise) change the 5-step
+    # updates by ~40% once a second refresh happens (Adam moments carried across a refresh meet
+    # singular vectors whose signs/order changed).
+    Family(
+        "GaLore",
+        dist_optim.DistributedGaLore,
+        booster=(
+            "galore_torch.GaLoreAdamW",
+            dict(lr=1e-3, eps=1e-3, galore=dict(rank=8, update_proj_gap=100, scale=0.25), weight_decay=0.0),
+        ),
+        checkpoint=(
+            "galore_torch.GaLoreAdamW",
+            dict(lr=1e-3, eps=1e-3, galore=dict(rank=8, update_proj_gap=100, scale=0.25)),
+        ),
+    ),
+    # Shampoo: passed as ours. epsilon=1e-4: with 1e-8, 1e-7 relative gradient noise on ONE process
+    # moves the embedding by ~2% in 5 steps; with 1e-4 by ~4e-6. Checkpoints: per-block factors,
+    # roots and grafting state held by owner ranks.
+    Family(
+        "Shampoo",
+        dist_optim.DistributedShampoo,
+        booster=(
+            "dist_optim.DistributedShampoo",
+            dict(
+                lr=1e-2,
+                epsilon=1e-4,
+                max_preconditioner_dim=64,
+                precondition_frequency=2,
+                grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+            ),
+        ),
+        checkpoint=(
+            "dist_optim.DistributedShampoo",
+            dict(
+                lr=1e-3,
+                epsilon=1e-4,
+                max_preconditioner_dim=64,
+                precondition_frequency=2,
+                momentum=0.5,
+                grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+            ),
+        ),
+    ),
+    # Kron checkpoints: owner-held preconditioner factors, random generators and update counters.
+    Family(
+        "Kron",
+        dist_optim.DistributedKron,
+        booster=("kron_torch.Kron", dict(lr=3e-3, weight_decay=1e-2)),
+        checkpoint=("kron_torch.Kron", dict(lr=3e-3, weight_decay=1e-2)),
+    ),
+    # Muon: passed as ours (the pinned torch has no torch.optim.Muon), with the usual split of the
+    # model (dist_optim.muon_param_groups): hidden matrices orthogonalized on their owner ranks,
+    # embeddings, LM head and norms in its AdamW group. Checkpoints: momentum in each rank's pieces,
+    # AdamW moments and step counters of the auxiliary groups.
+    Family(
+        "Muon",
+        dist_optim.DistributedMuon,
+        booster=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=dict(adamw_lr=1e-3))),
+        checkpoint=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=dict(adamw_lr=1e-3))),
+    ),
+]
 
 
 @dataclass(frozen=True)

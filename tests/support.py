@@ -1,9 +1,9 @@
 """The README's support table, built from the outcomes of a test run.
 
 Each cell of the table is backed by a set of tests, derived from the same configurations the tests
-are parametrized with (``tests/test_booster.py`` ``CASES``, ``tests/cases.py`` ``PARITY_CASES``,
-``tests/test_checkpoint.py`` ``OPTIMIZERS``), so adding an optimizer there adds its row. A cell
-shows what those tests did in one run:
+are parametrized with (``tests/cases.py``: ``FAMILIES``, from which ``tests/test_booster.py``
+``CASES`` and ``tests/test_checkpoint.py`` ``OPTIMIZERS`` derive, and ``PARITY_CASES``), so adding
+an optimizer there adds its row. A cell shows what those tests did in one run:
 
 * ✔ every test backing the cell passed;
 * ✘ one of them failed or errored;

@@ -37,6 +37,7 @@ import pytest
 
 import dist_optim
 from tests import booster
+from tests.cases import FAMILIES
 from tests.support import COLUMNS
 
 #: fp32 end-to-end: ``update_rel <= FP32_FLOOR_MARGIN * floor`` (module docstring).
@@ -53,52 +54,8 @@ class Spec:
     expected_cls: str
 
 
-SPECS = {
-    "LAMB": Spec(
-        ("colossalai.nn.optimizer.Lamb", dict(lr=1e-2, weight_decay=1e-2, bias_correction=True)), "DistributedLamb"
-    ),
-    "Adafactor": Spec(
-        ("transformers.optimization.Adafactor", dict(beta1=0.9, weight_decay=1e-2)),
-        "DistributedAdafactor",
-    ),
-    # CAME moves every weight by ~lr per step whatever its scale: at lr=1e-2 the tiny Llama's
-    # weights (~0.02) move by half their size per step; at 1e-4 the run is tame.
-    "CAME": Spec(("colossalai.nn.optimizer.CAME", dict(lr=1e-4, weight_decay=1e-2)), "DistributedCAME"),
-    # GaLore: one projector refresh (step 1: full-gradient gathers, owner SVDs, shared projectors).
-    # A second refresh is hypersensitive to rounding in GaLore itself: on ONE process, gradients
-    # times (1 + 1e-6 noise) change the 5-step updates by ~40% once a second refresh happens
-    # (Adam moments carried across a refresh meet singular vectors whose signs/order changed).
-    "GaLore": Spec(
-        (
-            "galore_torch.GaLoreAdamW",
-            dict(lr=1e-3, eps=1e-3, galore=dict(rank=8, update_proj_gap=100, scale=0.25), weight_decay=0.0),
-        ),
-        "DistributedGaLore",
-    ),
-    # Shampoo: passed as ours. epsilon=1e-4: with 1e-8, 1e-7 relative gradient noise on ONE process
-    # moves the embedding by ~2% in 5 steps; with 1e-4 by ~4e-6.
-    "Shampoo": Spec(
-        (
-            "dist_optim.DistributedShampoo",
-            dict(
-                lr=1e-2,
-                epsilon=1e-4,
-                max_preconditioner_dim=64,
-                precondition_frequency=2,
-                grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
-            ),
-        ),
-        "DistributedShampoo",
-    ),
-    "Kron": Spec(("kron_torch.Kron", dict(lr=3e-3, weight_decay=1e-2)), "DistributedKron"),
-    # Muon: passed as ours (the pinned torch has no torch.optim.Muon), with the usual split of the
-    # model (dist_optim.muon_param_groups): hidden matrices orthogonalized on their owner ranks,
-    # embeddings, LM head and norms in its AdamW group.
-    "Muon": Spec(
-        ("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=dict(adamw_lr=1e-3))),
-        "DistributedMuon",
-    ),
-}
+#: The optimizer passed to ``booster.boost`` per support-table row, and the class it must become.
+SPECS = {f.name: Spec(f.booster, f.cls.__name__) for f in FAMILIES}
 
 
 def plugin_config(col: tuple) -> tuple[str, dict, int]:

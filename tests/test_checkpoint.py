@@ -8,43 +8,13 @@ import os
 import pytest
 import torch
 
-from dist_optim import AdamGraftingConfig
 from plugins.checkpoint import read_checkpoint
 from tests import booster, ckpt
 from tests._check import differences
+from tests.cases import FAMILIES
 
-OPTIMIZERS = {
-    "lamb": ("colossalai.nn.optimizer.Lamb", dict(lr=1e-2, weight_decay=1e-2)),
-    "adafactor": (
-        "transformers.optimization.Adafactor",
-        dict(lr=1e-2, relative_step=False, scale_parameter=False, beta1=0.9),
-    ),
-    # CAME moves every weight by ~lr per step whatever its scale; at lr >= 1e-3 the tiny Llama's
-    # trajectory amplifies 1-ulp differences of gradient averaging (see test_adafactor_came.py).
-    "came": ("came_pytorch.CAME", dict(lr=1e-4)),
-    # owner-held preconditioner factors, random generators and update counters
-    "kron": ("kron_torch.Kron", dict(lr=3e-3, weight_decay=1e-2)),
-    # per-block factors, roots and grafting state held by owner ranks
-    "shampoo": (
-        "dist_optim.DistributedShampoo",
-        dict(
-            lr=1e-3,
-            epsilon=1e-4,
-            max_preconditioner_dim=64,
-            precondition_frequency=2,
-            momentum=0.5,
-            grafting_config=AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
-        ),
-    ),
-    # momentum in each rank's pieces, AdamW moments and step counters of the auxiliary groups
-    "muon": ("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=dict(adamw_lr=1e-3))),
-    # the projector computed at step 1 must be restored, not recomputed (a second refresh is too
-    # sensitive to reduction order to compare across layouts: see test_booster.py)
-    "galore": (
-        "galore_torch.GaLoreAdamW",
-        dict(lr=1e-3, eps=1e-3, galore=dict(rank=8, update_proj_gap=100, scale=0.25)),
-    ),
-}
+#: What a user passes to ``booster.boost`` per optimizer (tests/cases.py ``FAMILIES``), by test id.
+OPTIMIZERS = {f.name.lower(): f.checkpoint for f in FAMILIES}
 
 HP_TP2 = ("HybridParallelPlugin", dict(tp_size=2, pp_size=1, zero_stage=0, precision="fp32"))
 LLZ_FP32 = ("LowLevelZeroPlugin", dict(stage=2, precision="fp32", overlap_communication=False))
