@@ -34,17 +34,21 @@ def gather_and_sum(n: int) -> dict[str, Any]:
     comm.reset_counts()
     gathered = comm.gather_full(list(zip(layouts, pieces)))
     gathers = comm.COUNTS["all_gather"]
-    ok_gather = all(torch.equal(g, f) for g, f in zip(gathered, fulls))
+    for i, (g, f) in enumerate(zip(gathered, fulls)):
+        assert torch.equal(g, f), f"gather_full: tensor {i} differs from the full tensor"
     comm.reset_counts()
     bucket = comm.SumBucket()
     sums = [bucket.add(p.square().sum().reshape(1), lay.sum_groups) for lay, p in zip(layouts, pieces)]
     bucket.flush()
     reduces = comm.COUNTS["all_reduce"]
-    ok_sum = all(torch.allclose(s, f.square().sum().reshape(1)) for s, f in zip(sums, fulls))
+    for i, (s, f) in enumerate(zip(sums, fulls)):
+        torch.testing.assert_close(s, f.square().sum().reshape(1), msg=f"SumBucket: tensor {i}'s sum")
     # bf16 communication keeps the result dtype
     half = comm.gather_full(list(zip(layouts, pieces)), dtype=torch.bfloat16)
-    ok_half = all(h.dtype == torch.float32 and torch.allclose(h, f, rtol=1e-2, atol=1e-2) for h, f in zip(half, fulls))
-    return dict(gathers=gathers, reduces=reduces, ok_gather=ok_gather, ok_sum=ok_sum, ok_half=ok_half)
+    for i, (h, f) in enumerate(zip(half, fulls)):
+        assert h.dtype == torch.float32, f"gather_full(dtype=bf16): tensor {i} came back as {h.dtype}"
+        torch.testing.assert_close(h, f, rtol=1e-2, atol=1e-2)
+    return dict(gathers=gathers, reduces=reduces)
 
 
 def share_and_broadcast() -> dict[str, Any]:
@@ -55,12 +59,14 @@ def share_and_broadcast() -> dict[str, Any]:
     tensors = [torch.full(s, float(o if o == rank else -1)) for s, o in zip(shapes, owners)]
     comm.reset_counts()
     comm.share_owned(tensors, owners, dg)
-    ok_share = all(torch.equal(t, torch.full(t.shape, float(o))) for t, o in zip(tensors, owners))
+    for i, (t, o) in enumerate(zip(tensors, owners)):
+        assert torch.equal(t, torch.full(t.shape, float(o))), f"share_owned: tensor {i} is not its owner's ({o})"
     shared = comm.COUNTS["all_gather"]
     b = [torch.full((2,), float(rank)), torch.full((3,), float(rank))]
     comm.broadcast_from(b, 2, dg)
-    ok_bcast = all(torch.equal(t, torch.full(t.shape, 2.0)) for t in b)
-    return dict(ok_share=ok_share, shared=shared, ok_bcast=ok_bcast)
+    for t in b:
+        assert torch.equal(t, torch.full(t.shape, 2.0)), f"broadcast_from rank 2: got {t}"
+    return dict(shared=shared)
 
 
 def exchange_pieces() -> dict[str, Any]:

@@ -128,7 +128,6 @@ def test_bad_checkpoints_are_refused(pool4, tmp_path) -> None:
         assert "cannot read optimizer checkpoint" in res["corrupted"], res
         assert "not a dist_optim optimizer checkpoint" in res["foreign"], res
         assert "not a dist_optim optimizer checkpoint" in res["folder"], res
-        assert res["unchanged"] == "True"
 
 
 def test_checkpoint_of_another_optimizer_is_refused(pool4, tmp_path) -> None:
