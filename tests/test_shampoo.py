@@ -383,7 +383,7 @@ def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatc
     separate operations otherwise; both follow the reference. Before the start (no momentum,
     bias correction), a contiguous block's whole update is that kernel run on the parameter
     itself (AdamW's for decoupled decay); the other blocks get the direction, then the update."""
-    from dist_optim import shampoo
+    from dist_optim.shampoo import optimizer as shampoo
 
     calls: dict[str, list[bool]] = {"_fused_adam_": [], "_fused_adamw_": []}
     param_ptrs: set[int] = set()

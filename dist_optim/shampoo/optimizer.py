@@ -124,9 +124,9 @@ from typing import Any
 
 import torch
 
-from . import _matrix, _structured
-from .base import DistOptimizer, check_range
-from .comm import (
+from .. import _matrix, _structured
+from ..base import DistOptimizer, check_range
+from ..comm import (
     SumBucket,
     gather_full,
     group_key,
@@ -135,9 +135,9 @@ from .comm import (
     ordered_groups,
     share_owned,
 )
-from .layout import ParamLayout
-from .owners import from_owners, plan_routes, to_owners, work_grids
-from .work import Route, assign_owners
+from ..layout import ParamLayout
+from ..owners import from_owners, plan_routes, to_owners, work_grids
+from ..work import Route, assign_owners
 
 __all__ = [
     "DistributedShampoo",
