@@ -60,7 +60,8 @@ if ROOT not in sys.path:
 
 import dist_optim  # noqa: E402  (ours)
 from bench.bench_step import fixed_params, llama_like  # noqa: E402
-from dist_optim import _structured, shampoo  # noqa: E402
+from dist_optim import _structured  # noqa: E402
+from dist_optim.shampoo import apply_each_dim, kept_triangle, plan_blocks  # noqa: E402
 
 try:  # from its modules: the package's __init__.py exports nothing at b91f46b
     from distributed_shampoo.distributed_shampoo import DistributedShampoo as MetaShampoo
@@ -91,13 +92,8 @@ class SameProducts:
         gen = torch.Generator().manual_seed(1)
         self.beta2 = beta2
         self.items: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]] = []
-        blocking = {
-            "max_preconditioner_dim": block,
-            "merge_small_dims": False,
-            "skip_preconditioning_dim_size_gt": None,
-        }
         for shape in shapes:
-            for blk in shampoo._plan_blocks(shape, blocking)[1]:
+            for blk in plan_blocks(shape, block)[1]:
                 g = torch.randn(blk.shape, generator=gen) * 1e-3
                 factors = [torch.zeros(n, n) for n in blk.shape]
                 roots = [torch.eye(n) + 1e-3 * torch.randn(n, n, generator=gen) for n in blk.shape]
@@ -111,10 +107,10 @@ class SameProducts:
             order = g.dim()
             for k, factor in enumerate(factors):
                 gk = g.movedim(k, 0).reshape(g.shape[k], -1)
-                _structured.gram_update_(shampoo._kept_triangle(factor, order, k), gk, b2, 1 - b2)
+                _structured.gram_update_(kept_triangle(factor, order, k), gk, b2, 1 - b2)
             if out is not None:
                 tmp = self.tmp[: g.numel()].view(g.shape)
-                shampoo._apply_each_dim(g, roots, transpose=False, out=out, tmp=tmp)
+                apply_each_dim(g, roots, transpose=False, out=out, tmp=tmp)
 
 
 def main() -> None:

@@ -383,7 +383,7 @@ def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatc
     separate operations otherwise; both follow the reference. Before the start (no momentum,
     bias correction), a contiguous block's whole update is that kernel run on the parameter
     itself (AdamW's for decoupled decay); the other blocks get the direction, then the update."""
-    from dist_optim.shampoo import optimizer as shampoo
+    from dist_optim.shampoo.preconditioner import grafting
 
     calls: dict[str, list[bool]] = {"_fused_adam_": [], "_fused_adamw_": []}
     param_ptrs: set[int] = set()
@@ -399,15 +399,15 @@ def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatc
 
     for name in calls:
         monkeypatch.setattr(torch, name, counting(name))
-    monkeypatch.setattr(shampoo, "_FUSED_ADAM", fused)
-    real_check = shampoo.DistributedShampoo.__init__
+    monkeypatch.setattr(grafting, "FUSED_ADAM", fused)
+    real_check = dist_optim.DistributedShampoo.__init__
 
     def init(self: object, params: list[torch.Tensor], *args: object, **kwargs: object) -> None:
         params = list(params)
         param_ptrs.update(p.untyped_storage().data_ptr() for p in params)
         real_check(self, params, *args, **kwargs)
 
-    monkeypatch.setattr(shampoo.DistributedShampoo, "__init__", init)
+    monkeypatch.setattr(dist_optim.DistributedShampoo, "__init__", init)
     names = (
         "adam-pf3-start3-decoupled-wd-momentum",
         "adam-pf2-start4-nobc-exponents",

@@ -1,0 +1,150 @@
+"""Typed state of one block, its flat form in ``optimizer.state``, and reused scratch memory.
+
+The preconditioners read and update a :class:`BlockState`. ``optimizer.state[p]`` (what torch's
+``state_dict``, ZeRO's sharded state and the checkpoints serialise) holds the same tensors under
+flat keys ``"block<i>.<name>"`` in the order of :func:`block_spec`: ``exp_avg``, ``graft_sq``,
+``factor<k>``, ``root<k>`` (Shampoo) or ``basis<k>`` (SOAP), ``failures``, ``exp_avg_sq`` (SOAP).
+:meth:`BlockState.flat` writes that form and :meth:`BlockState.of` views it (the same tensors,
+updated in place); nothing else spells a key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .blocking import Block
+from .options import SQUARED_GRAFTING_TYPES
+
+__all__ = ["BlockState", "block_spec", "block_prefix", "keeps_saved_dtype", "Scratch"]
+
+#: Names (before their dim index) of the preconditioner matrices: :meth:`DistributedShampoo.state_bytes`.
+_MATRICES = ("factor", "root", "basis")
+
+
+def block_prefix(index: int) -> str:
+    """The flat keys of block ``index`` of a parameter start with this."""
+    return f"block{index}."
+
+
+def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
+    """Names (after :func:`block_prefix`), shapes and dtypes of one block's state, in the order of
+    its flat form; the same on every rank. ``dtype``: the moments' (the gradient's)."""
+    pdt = group["preconditioner_dtype"]
+    soap = group["eigenvalue_correction"]
+    spec: list[tuple[str, tuple, torch.dtype]] = []
+    if group["betas"][0] > 0:
+        spec.append(("exp_avg", block.shape, dtype))
+    if isinstance(group["grafting_config"], SQUARED_GRAFTING_TYPES):
+        spec.append(("graft_sq", block.shape, dtype))
+    if block.precondition:
+        spec += [(f"factor{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
+        spec += [(f"{'basis' if soap else 'root'}{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
+        spec.append(("failures", (), torch.float32))
+    if soap:
+        spec.append(("exp_avg_sq", block.shape, pdt))
+    return spec
+
+
+def keeps_saved_dtype(key: str) -> bool:
+    """Whether a flat key's saved tensor is restored in its saved dtype (preconditioner matrices in
+    ``preconditioner_dtype``, SOAP's second moment, failure counters) rather than cast to its
+    parameter's dtype as torch's loader does: the one rule read from the serialised form."""
+    name = key.rsplit(".", 1)[-1]
+    return name.startswith(_MATRICES) or name in ("exp_avg_sq", "failures")
+
+
+@dataclass
+class BlockState:
+    """What one block's owner keeps (None / empty where the options need no such state)."""
+
+    exp_avg: torch.Tensor | None = None  # M, the first moment (betas[0] > 0)
+    graft_sq: torch.Tensor | None = None  # V of AdaGrad / RMSprop / Adam grafting
+    factors: list[torch.Tensor] = dataclasses.field(default_factory=list)  # L_k (large ones: one triangle kept)
+    roots: list[torch.Tensor] = dataclasses.field(default_factory=list)  # R_k (Shampoo)
+    bases: list[torch.Tensor] = dataclasses.field(default_factory=list)  # Q_k (SOAP)
+    failures: torch.Tensor | None = None  # discarded roots / basis refreshes
+    exp_avg_sq: torch.Tensor | None = None  # S, SOAP's second moment in the eigenbasis
+
+    @classmethod
+    def of(cls, flat: Mapping[str, Any], prefix: str, order: int) -> BlockState:
+        """A view of the block state held in ``flat`` under keys ``prefix + name`` (the same tensors)."""
+        get = flat.get
+
+        def mats(name: str) -> list[torch.Tensor]:
+            first = get(f"{prefix}{name}0")
+            return [] if first is None else [first] + [flat[f"{prefix}{name}{k}"] for k in range(1, order)]
+
+        return cls(
+            exp_avg=get(prefix + "exp_avg"),
+            graft_sq=get(prefix + "graft_sq"),
+            factors=mats("factor"),
+            roots=mats("root"),
+            bases=mats("basis"),
+            failures=get(prefix + "failures"),
+            exp_avg_sq=get(prefix + "exp_avg_sq"),
+        )
+
+    @classmethod
+    def create(cls, block: Block, group: dict[str, Any], dtype: torch.dtype, device: torch.device) -> BlockState:
+        """A block's initial state: zeros, identity roots and bases."""
+        values: dict[str, torch.Tensor] = {}
+        for name, shape, dt in block_spec(block, group, dtype):
+            if name.startswith(("root", "basis")):
+                values[name] = torch.eye(shape[0], dtype=dt, device=device)
+            else:
+                values[name] = torch.zeros(shape, dtype=dt, device=device)
+        return cls.of(values, "", block.order)
+
+    def flat(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The flat form, keys in :func:`block_spec` order."""
+        out: dict[str, torch.Tensor] = {}
+        for name in ("exp_avg", "graft_sq"):
+            value = getattr(self, name)
+            if value is not None:
+                out[prefix + name] = value
+        for name, mats in (("factor", self.factors), ("root", self.roots), ("basis", self.bases)):
+            out.update((f"{prefix}{name}{k}", m) for k, m in enumerate(mats))
+        for name in ("failures", "exp_avg_sq"):
+            value = getattr(self, name)
+            if value is not None:
+                out[prefix + name] = value
+        return out
+
+    @property
+    def matrices(self) -> list[torch.Tensor]:
+        """The preconditioner: factors, roots, bases."""
+        return self.factors + self.roots + self.bases
+
+    def moment_dtype(self, default: torch.dtype) -> torch.dtype:
+        """The dtype of the moments (the gradient's when the state was made), ``default`` without any."""
+        for value in (self.exp_avg, self.graft_sq):
+            if value is not None:
+                return value.dtype
+        return default
+
+
+class Scratch:
+    """Reused scratch memory, one buffer per slot and dtype and device, grown as needed. On the CPU
+    a fresh block-sized tensor costs page faults comparable to the arithmetic of a memory-bound
+    operation on it (copying a 1024 x 1024 block into fresh memory took 2.4 ms in a step, into
+    reused memory 0.1 ms)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: str = "out") -> torch.Tensor:
+        """A contiguous tensor of ``shape`` over the memory of ``slot``: ``"out"`` (a block's
+        direction), ``"grad"`` (a contiguous copy of a strided block gradient), ``"left"`` (``R_0^T M``
+        before it is multiplied by ``R_1``)."""
+        n = math.prod(shape)
+        key = (slot, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
