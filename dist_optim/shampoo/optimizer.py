@@ -20,11 +20,20 @@ from ..layout import ParamLayout
 from ..owners import work_grids
 from ..work import Route
 from .blocking import Block, kept_triangle
-from .options import GraftingConfig, check_communication, validate_options
+from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
 from .preconditioner import block_direction
-from .routing import Plan, Routed, Shares, exchange_routed, plan_owners, plan_piece_routes
-from .state import BlockState, Scratch, block_prefix, block_spec, keeps_saved_dtype
-from .update import apply_block_update, apply_update, join_blocks
+from .routing import Plan, Routed, Shares, buckets, exchange_routed, plan_owners, plan_piece_routes
+from .state import (
+    BlockState,
+    Scratch,
+    block_prefix,
+    checked_block_entries,
+    full_block_entries,
+    initial_state,
+    kept_dtype_entries,
+    non_block_entries,
+)
+from .update import apply_block_update, apply_update, join_blocks, whole_views
 
 __all__ = ["DistributedShampoo"]
 
@@ -71,9 +80,8 @@ class DistributedShampoo(DistOptimizer):
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
 
-    #: Parameters held in pieces move only the pieces their block owners and holders need
-    #: (:func:`.routing.plan_piece_routes`); False gathers full gradients and shares every direction instead
-    #: (the same result bit for bit; tests and ``bench/bench_step.py --dist`` compare the two).
+    #: Parameters held in pieces move only the pieces their block owners and holders need (:mod:`.routing`);
+    #: False gathers full gradients and shares every direction (the same result bit for bit, compared by tests).
     _route_pieces: bool = True
 
     _sharded_state = ("momentum_buffer",)
@@ -109,35 +117,7 @@ class DistributedShampoo(DistOptimizer):
         *,
         nonfinite: str = "raise",
     ) -> None:
-        if start_preconditioning_step is None:
-            start_preconditioning_step = precondition_frequency
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
-            epsilon=epsilon,
-            momentum=momentum,
-            weight_decay=weight_decay,
-            max_preconditioner_dim=max_preconditioner_dim,
-            precondition_frequency=precondition_frequency,
-            start_preconditioning_step=start_preconditioning_step,
-            use_nesterov=bool(use_nesterov),
-            use_bias_correction=bool(use_bias_correction),
-            use_decoupled_weight_decay=bool(use_decoupled_weight_decay),
-            grafting_config=grafting_config,
-            root_inverse=root_inverse,
-            eigenvalue_correction=bool(eigenvalue_correction),
-            eigenbasis=eigenbasis,
-            merge_small_dims=bool(merge_small_dims),
-            exponent_override=exponent_override,
-            exponent_multiplier=exponent_multiplier,
-            preconditioner_dtype=preconditioner_dtype,
-            statistics_compute_steps=statistics_compute_steps,
-            skip_preconditioning_dim_size_gt=skip_preconditioning_dim_size_gt,
-            inverse_failure_threshold=inverse_failure_threshold,
-            higher_order_degree=higher_order_degree,
-        )
-        validate_options(defaults)
-        check_communication(communication_dtype, max_gather_bytes)
+        defaults = group_defaults(**{k: v for k, v in locals().items() if k in GROUP_OPTIONS})
         self.communication_dtype = communication_dtype
         self.max_gather_bytes = max_gather_bytes
         self._plans: dict[torch.Tensor, Plan] = {}
@@ -146,7 +126,8 @@ class DistributedShampoo(DistOptimizer):
         # Per parameter held in pieces: which pieces go to which block owner (see _ensure_routes);
         # None until made in a step.
         self._routes: dict[torch.Tensor, Route | None] | None = None
-        super().__init__(params, defaults, nonfinite=nonfinite)
+        super().__init__(params, defaults, nonfinite=nonfinite)  # validate_group checks every group
+        check_communication(communication_dtype, max_gather_bytes)
 
     def validate_group(self, group: dict[str, Any]) -> None:
         super().validate_group(group)
@@ -242,15 +223,10 @@ class DistributedShampoo(DistOptimizer):
         # No rank sees every full gradient (gradient pieces go to block owners, or full gradients
         # are gathered in buckets of at most max_gather_bytes); _gradients_ok checked the local
         # pieces of all of them before the first one moved.
-        limit = self.max_gather_bytes
-        start = 0
-        while start < len(items):
-            stop, size = start, 0
-            while stop < len(items) and (limit is None or stop == start or size + _full_bytes(items[stop]) <= limit):
-                size += _full_bytes(items[stop])
-                stop += 1
+        for start, stop in buckets(
+            [layout.full_numel * g.element_size() for layout, g in items], self.max_gather_bytes
+        ):
             self._update(entries[start:stop], items[start:stop], comm_dtype)
-            start = stop
         return loss
 
     def _update(
@@ -281,18 +257,16 @@ class DistributedShampoo(DistOptimizer):
             t = int(state["step"])
             route = self._route(p)
             if route is not None:
-                routed.append(Routed(group, p, route, g_local.detach(), t, self._plans[p], layout))
+                routed.append(Routed(group, p, state, route, g_local.detach(), t, self._plans[p], layout))
                 continue
             directions = self._held_directions(group, p, g_full, t, shares)
             if directions is not None:
                 pending.append((group, p, directions))
         if routed:
-            exchange_routed(routed, self._routed_direction, comm_dtype, self.communication_dtype)
+            exchange_routed(routed, self._block_direction, comm_dtype, self.communication_dtype)
             for r in routed:
-                assert r.update is not None
-                apply_update(
-                    r.p.detach(), r.update.to(r.p.dtype).view_as(r.p), self.state[r.p].get("momentum_buffer"), r.group
-                )
+                update = r.update.to(r.p.dtype).view_as(r.p)  # type: ignore[union-attr]
+                apply_update(r.p.detach(), update, self.state[r.p].get("momentum_buffer"), r.group)
         shares.share_rounded(self.communication_dtype, self._my_rank)
         # Every rank applies its part of the full update. The directions are this step's own
         # tensors, so they are updated in place; a parameter held whole takes them block by block,
@@ -338,11 +312,6 @@ class DistributedShampoo(DistOptimizer):
             shares.add(plan.work_group, directions, plan.owners)
         return directions
 
-    def _routed_direction(self, r: Routed, i: int, g: torch.Tensor) -> torch.Tensor:
-        d = self._block_direction(self.state[r.p], i, r.plan.blocks[i], g, r.group, r.t)
-        assert d is not None
-        return d
-
     def _block_direction(
         self,
         state: dict[str, Any],
@@ -361,24 +330,13 @@ class DistributedShampoo(DistOptimizer):
         return block_direction(bs, block, g, group, t, state["step"], self._scratch, out, apply_to)
 
     def _whole_views(self, p: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``p`` and its momentum buffer viewed in the blocking's (merged) shape, where this rank
-        holds ``p`` whole and contiguous (its blocks' updates then apply slice by slice), else None."""
-        if not (self.layout(p).is_local and p.is_contiguous()):
-            return None
-        buf = self.state[p].get("momentum_buffer")
-        return p.detach().view(plan.view_shape), None if buf is None else buf.view(plan.view_shape)
+        return whole_views(p, self.layout(p).is_local, self.state[p].get("momentum_buffer"), plan.view_shape)
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype) -> None:
         """``step``, ``momentum_buffer`` and the state of the blocks this rank owns, in flat form."""
-        state = self.state[p]
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        if group["momentum"] > 0:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         plan = self._plans[p]
-        me = self._my_rank(plan.work_group)
-        for i, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
-            if owner == me:
-                state.update(BlockState.create(block, group, dtype, p.device).flat(block_prefix(i)))
+        owned = [owner == self._my_rank(plan.work_group) for owner in plan.owners]
+        self.state[p].update(initial_state(p, group, dtype, plan.blocks, owned))
 
     # ---- state: export, import, memory, failures ---------------------------------------------
     def _block_states(self) -> Iterable[tuple[torch.Tensor, Block, BlockState]]:
@@ -415,13 +373,10 @@ class DistributedShampoo(DistOptimizer):
             me = self._my_rank(plan.work_group)
             dtype = state["momentum_buffer"].dtype if "momentum_buffer" in state else p.dtype
             for b, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
-                prefix = block_prefix(b)
-                moment_dtype = BlockState.of(state, prefix, block.order).moment_dtype(dtype)
-                for name, shape, dt in block_spec(block, group, moment_dtype):
-                    t = state[prefix + name].clone() if owner == me else torch.empty(shape, dtype=dt, device=p.device)
-                    entry[prefix + name] = t
-                    if self._work_size(plan.work_group) > 1:
-                        shares.add(plan.work_group, [t], [owner])
+                tensors = full_block_entries(state, b, block, group, dtype, owner == me, p.device)
+                entry.update(tensors)
+                if self._work_size(plan.work_group) > 1:
+                    shares.add(plan.work_group, list(tensors.values()), [owner] * len(tensors))
         shares.share_exact()
         return out
 
@@ -429,16 +384,12 @@ class DistributedShampoo(DistOptimizer):
         """torch's loader casts every floating-point state tensor to its parameter's dtype; block
         state kept in ``preconditioner_dtype`` (e.g. float64 factors of fp32 params) and the
         failure counters are restored in their saved dtype instead."""
-        keep: dict[tuple[int, str], torch.Tensor] = {}
-        for pid, st in state_dict["state"].items():
-            for key, value in st.items():
-                if isinstance(value, torch.Tensor) and keeps_saved_dtype(key):
-                    keep[(pid, key)] = value
+        keep = kept_dtype_entries(state_dict["state"])
         super().load_state_dict(state_dict)
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             for pid, p in zip(saved["params"], group["params"]):
-                for (kid, key), value in keep.items():
-                    if kid == pid and key in self.state.get(p, {}):
+                for key, value in keep.get(pid, {}).items():
+                    if key in self.state.get(p, {}):
                         self.state[p][key] = value.detach().clone().to(device=p.device)
         self._plans = {}
 
@@ -450,21 +401,10 @@ class DistributedShampoo(DistOptimizer):
         plan = self._plans[param]
         group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
         me = self._my_rank(plan.work_group)
-        out = {k: v for k, v in state.items() if not k.startswith("block")}
+        out = non_block_entries(state)
         for b, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
-            if owner != me:
-                continue
-            for name, shape, _ in block_spec(block, group, param.dtype):
-                key = block_prefix(b) + name
-                value = state.get(key)
-                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
-                    raise ValueError(
-                        f"load_full_state: state {key!r} of a parameter of full shape {plan.full_shape} should be a "
-                        f"tensor of shape {tuple(shape)}, got {got!r}; was it saved with other blocking options "
-                        "(max_preconditioner_dim, merge_small_dims, eigenvalue_correction, grafting)?"
-                    )
-                out[key] = value.to(param.device)
+            if owner == me:
+                out.update(checked_block_entries(state, b, block, group, param, plan.full_shape))
         return out
 
     def state_bytes(self) -> dict[str, int]:
@@ -477,9 +417,8 @@ class DistributedShampoo(DistOptimizer):
     def root_failures(self) -> int:
         """Failed root inverses / basis refreshes so far, over all blocks (collective when bound)."""
         self._ensure_plans()
-        totals: dict[int, tuple[Any, torch.Tensor]] = {}
-        for plan in self._plans.values():
-            totals.setdefault(id(plan.work_group), (plan.work_group, torch.zeros((), dtype=torch.float64)))
+        zero = torch.zeros((), dtype=torch.float64)
+        totals = {id(plan.work_group): (plan.work_group, zero.clone()) for plan in self._plans.values()}
         for p, _, bs in self._block_states():
             if bs.failures is not None:
                 totals[id(self._plans[p].work_group)][1].add_(bs.failures.double())
@@ -489,11 +428,6 @@ class DistributedShampoo(DistOptimizer):
                 bucket.add(total, [wg])
         bucket.flush()
         return int(sum(float(total) for _, total in totals.values()))
-
-
-def _full_bytes(item: tuple[ParamLayout, torch.Tensor]) -> int:
-    layout, g = item
-    return layout.full_numel * g.element_size()
 
 
 def _nbytes(t: torch.Tensor) -> int:

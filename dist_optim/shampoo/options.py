@@ -32,6 +32,8 @@ __all__ = [
     "check_communication",
     "validate_options",
     "start_step",
+    "GROUP_OPTIONS",
+    "group_defaults",
 ]
 
 
@@ -102,6 +104,55 @@ GRAFTING_TYPES = (SGDGraftingConfig, AdaGradGraftingConfig, RMSpropGraftingConfi
 SQUARED_GRAFTING_TYPES = (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
 EIGENBASES = ("eigh", "qr", "qr-eigh-start")
 COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+#: The per-group options of :class:`~dist_optim.shampoo.optimizer.DistributedShampoo` (its other
+#: arguments, ``communication_dtype``, ``max_gather_bytes`` and ``nonfinite``, are optimizer-wide).
+GROUP_OPTIONS = (
+    "lr",
+    "betas",
+    "epsilon",
+    "momentum",
+    "weight_decay",
+    "max_preconditioner_dim",
+    "precondition_frequency",
+    "start_preconditioning_step",
+    "use_nesterov",
+    "use_bias_correction",
+    "use_decoupled_weight_decay",
+    "grafting_config",
+    "root_inverse",
+    "eigenvalue_correction",
+    "eigenbasis",
+    "merge_small_dims",
+    "exponent_override",
+    "exponent_multiplier",
+    "preconditioner_dtype",
+    "statistics_compute_steps",
+    "skip_preconditioning_dim_size_gt",
+    "inverse_failure_threshold",
+    "higher_order_degree",
+)
+_FLAGS = (
+    "use_nesterov",
+    "use_bias_correction",
+    "use_decoupled_weight_decay",
+    "eigenvalue_correction",
+    "merge_small_dims",
+)
+
+
+def group_defaults(**options: Any) -> dict[str, Any]:
+    """The param-group defaults, in :data:`GROUP_OPTIONS` order, from the constructor's arguments:
+    ``start_preconditioning_step=None`` is ``precondition_frequency``, ``betas`` a tuple, flags bools."""
+    out = {name: options[name] for name in GROUP_OPTIONS}
+    if out["start_preconditioning_step"] is None:
+        out["start_preconditioning_step"] = out["precondition_frequency"]
+    if isinstance(out["betas"], (tuple, list)):
+        out["betas"] = tuple(out["betas"])
+    for name in _FLAGS:
+        out[name] = bool(out[name])
+    return out
 
 
 def start_step(group: dict[str, Any]) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from ..owners import from_owners, plan_routes, to_owners
 from ..work import Route, assign_owners
 from .blocking import Block, plan_blocks
 
-__all__ = ["Plan", "Routed", "Shares", "plan_owners", "plan_piece_routes", "exchange_routed"]
+__all__ = ["Plan", "Routed", "Shares", "plan_owners", "plan_piece_routes", "exchange_routed", "buckets"]
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Routed:
 
     group: dict[str, Any]
     p: torch.Tensor
+    state: dict[str, Any]
     route: Route
     grad: torch.Tensor
     t: int
@@ -118,13 +119,14 @@ def plan_piece_routes(layouts: Sequence[ParamLayout], plans: Sequence[Plan]) -> 
 
 def exchange_routed(
     routed: Sequence[Routed],
-    direction: Callable[[Routed, int, torch.Tensor], torch.Tensor],
+    direction: Callable[..., torch.Tensor | None],
     comm_dtype: torch.dtype | None,
     share_dtype: torch.dtype,
 ) -> None:
     """Each rank's gradient pieces to the owners of their blocks (one ``all_to_all`` per work
-    group, in ``comm_dtype``; None: the widest of the gradients' dtypes), ``direction(routed, i,
-    gradient)`` on the owner of every block ``i``, the directions' pieces back to every rank that
+    group, in ``comm_dtype``; None: the widest of the gradients' dtypes), ``direction(state, i, block,
+    gradient, group, t)`` on the owner of every block ``i`` of a parameter (the optimizer's state
+    of it, its param group and step), the directions' pieces back to every rank that
     holds them (another ``all_to_all``, in ``share_dtype``) into each :attr:`Routed.update`. Owners
     keep no full gradient and nobody assembles a full direction."""
     by_group: dict[int, tuple[Any, list[Routed]]] = {}
@@ -137,11 +139,26 @@ def exchange_routed(
         _move(wg, members, True, comm_dtype)
     for r in routed:  # each owned block's gradient is replaced by its direction
         for i in r.route.owned:
-            r.blocks[i] = direction(r, i, r.blocks[i])
+            d = direction(r.state, i, r.plan.blocks[i], r.blocks[i], r.group, r.t)
+            assert d is not None  # no parameter to apply to: always a direction
+            r.blocks[i] = d
         r.update = r.grad.new_empty(r.grad.numel())
         r.update[r.layout.valid_numel :].zero_()  # ZeRO padding at the end of the chunk
     for wg, members in order:
         _move(wg, members, False, share_dtype)
+
+
+def buckets(sizes: Sequence[int], limit: int | None) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of consecutive items whose ``sizes`` (bytes of full gradients) sum to at
+    most ``limit`` (an item larger than that alone); one bucket of everything when ``limit`` is None."""
+    start = 0
+    while start < len(sizes):
+        stop, size = start, 0
+        while stop < len(sizes) and (limit is None or stop == start or size + sizes[stop] <= limit):
+            size += sizes[stop]
+            stop += 1
+        yield start, stop
+        start = stop
 
 
 def _move(wg: Any, members: list[Routed], gather: bool, dtype: torch.dtype | None) -> None:

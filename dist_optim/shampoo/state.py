@@ -21,7 +21,18 @@ import torch
 from .blocking import Block
 from .options import SQUARED_GRAFTING_TYPES
 
-__all__ = ["BlockState", "block_spec", "block_prefix", "keeps_saved_dtype", "Scratch"]
+__all__ = [
+    "BlockState",
+    "block_spec",
+    "block_prefix",
+    "keeps_saved_dtype",
+    "kept_dtype_entries",
+    "non_block_entries",
+    "full_block_entries",
+    "checked_block_entries",
+    "initial_state",
+    "Scratch",
+]
 
 #: Names (before their dim index) of the preconditioner matrices: :meth:`DistributedShampoo.state_bytes`.
 _MATRICES = ("factor", "root", "basis")
@@ -57,6 +68,79 @@ def keeps_saved_dtype(key: str) -> bool:
     parameter's dtype as torch's loader does: the one rule read from the serialised form."""
     name = key.rsplit(".", 1)[-1]
     return name.startswith(_MATRICES) or name in ("exp_avg_sq", "failures")
+
+
+def initial_state(
+    p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype, blocks: list[Block], owned: list[bool]
+) -> dict[str, torch.Tensor]:
+    """A parameter's first state, in flat form: ``step``, ``momentum_buffer`` (with momentum) and
+    the state of the blocks this rank owns (``owned``), the moments in ``dtype``."""
+    out = {"step": torch.zeros((), dtype=torch.float32)}
+    if group["momentum"] > 0:
+        out["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    for i, (block, mine) in enumerate(zip(blocks, owned)):
+        if mine:
+            out.update(BlockState.create(block, group, dtype, p.device).flat(block_prefix(i)))
+    return out
+
+
+def kept_dtype_entries(saved: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, torch.Tensor]]:
+    """Per parameter id of a saved state dict's ``"state"``, its tensors that :func:`keeps_saved_dtype`."""
+    return {
+        pid: {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and keeps_saved_dtype(k)}
+        for pid, st in saved.items()
+    }
+
+
+def non_block_entries(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's state without its blocks' (``step``, ``momentum_buffer``)."""
+    return {k: v for k, v in state.items() if not k.startswith("block")}
+
+
+def full_block_entries(
+    state: Mapping[str, Any],
+    index: int,
+    block: Block,
+    group: dict[str, Any],
+    dtype: torch.dtype,
+    owned: bool,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Block ``index``'s flat entries for a full-form state: copies where ``owned``, else empty
+    tensors of the :func:`block_spec` shapes and dtypes (moments: those of the state's own moments,
+    else ``dtype``), to be filled by the owner."""
+    prefix = block_prefix(index)
+    moments = BlockState.of(state, prefix, block.order).moment_dtype(dtype)
+    return {
+        prefix + name: state[prefix + name].clone() if owned else torch.empty(shape, dtype=dt, device=device)
+        for name, shape, dt in block_spec(block, group, moments)
+    }
+
+
+def checked_block_entries(
+    state: Mapping[str, Any],
+    index: int,
+    block: Block,
+    group: dict[str, Any],
+    param: torch.Tensor,
+    full_shape: tuple[int, ...],
+) -> dict[str, torch.Tensor]:
+    """Block ``index``'s flat entries of a full-form state, on ``param``'s device, after checking
+    that it has every entry with the shapes of this blocking (a checkpoint saved with other blocking
+    options is refused)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, shape, _ in block_spec(block, group, param.dtype):
+        key = block_prefix(index) + name
+        value = state.get(key)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+            raise ValueError(
+                f"load_full_state: state {key!r} of a parameter of full shape {full_shape} should be a "
+                f"tensor of shape {tuple(shape)}, got {got!r}; was it saved with other blocking options "
+                "(max_preconditioner_dim, merge_small_dims, eigenvalue_correction, grafting)?"
+            )
+        out[key] = value.to(param.device)
+    return out
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 
 from .blocking import Block
 
-__all__ = ["apply_update", "apply_block_update", "join_blocks"]
+__all__ = ["apply_update", "apply_block_update", "join_blocks", "whole_views"]
 
 
 def apply_update(p: torch.Tensor, update: torch.Tensor, buf: torch.Tensor | None, group: dict[str, Any]) -> None:
@@ -43,3 +43,14 @@ def join_blocks(view_shape: tuple[int, ...], blocks: list[Block], tensors: list[
     for block, d in zip(blocks, tensors):
         full[block.slices] = d
     return full
+
+
+def whole_views(
+    p: torch.Tensor, is_local: bool, buf: torch.Tensor | None, view_shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``p`` and its momentum buffer ``buf`` viewed in the blocking's (merged) shape, where this rank
+    holds ``p`` whole (``is_local``) and contiguous (its blocks' updates then apply slice by slice),
+    else None."""
+    if not (is_local and p.is_contiguous()):
+        return None
+    return p.detach().view(view_shape), None if buf is None else buf.view(view_shape)
