@@ -59,7 +59,7 @@ class DistributedShampoo(DistOptimizer):
         root_inverse: ``"eigh"``, ``"coupled_newton"`` or ``"higher_order"``.
         eigenvalue_correction: SOAP.
         eigenbasis: SOAP basis refresh: ``"eigh"``, ``"qr"`` (Meta's ``DefaultSOAPConfig``) or
-            ``"qr-eigh-start"`` (Vyas et al.'s); see the module docstring.
+            ``"qr-eigh-start"`` (Vyas et al.'s); see the package docstring.
         merge_small_dims: merge small consecutive dims before blocking.
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
@@ -335,7 +335,8 @@ class DistributedShampoo(DistOptimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype) -> None:
         """``step``, ``momentum_buffer`` and the state of the blocks this rank owns, in flat form."""
         plan = self._plans[p]
-        owned = [owner == self._my_rank(plan.work_group) for owner in plan.owners]
+        me = self._my_rank(plan.work_group)
+        owned = [owner == me for owner in plan.owners]
         self.state[p].update(initial_state(p, group, dtype, plan.blocks, owned))
 
     # ---- state: export, import, memory, failures ---------------------------------------------
@@ -343,7 +344,8 @@ class DistributedShampoo(DistOptimizer):
         """Every parameter's blocks that this rank holds state of, with their typed state."""
         self._ensure_plans()
         for p, state in self.state.items():
-            for i, block in enumerate(self._plans[p].blocks):
+            plan = self._plans.get(p)
+            for i, block in enumerate(plan.blocks if plan is not None else []):
                 yield p, block, BlockState.of(state, block_prefix(i), block.order)
 
     def _symmetrize_factors(self) -> None:

@@ -100,6 +100,11 @@ class AdamGraftingConfig:
 
 GraftingConfig = SGDGraftingConfig | AdaGradGraftingConfig | RMSpropGraftingConfig | AdamGraftingConfig
 GRAFTING_TYPES = (SGDGraftingConfig, AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
+# Saved param groups (state_dict, checkpoints) pickle a grafting config by its class's module and
+# name: keep the public ``dist_optim.shampoo.<Name>`` of the single-module version, which loads under
+# every version (the package re-exports them).
+for _cls in GRAFTING_TYPES:
+    _cls.__module__ = "dist_optim.shampoo"
 #: The grafting methods that keep a second moment ``V`` per block (state ``graft_sq``).
 SQUARED_GRAFTING_TYPES = (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
 EIGENBASES = ("eigh", "qr", "qr-eigh-start")
