@@ -302,12 +302,10 @@ class DistributedShampoo(DistOptimizer):
                     apply_block_update(*whole, block, d, group)
             return None
         me = self._my_rank(plan.work_group)
-        directions = [
-            self._block_direction(state, i, block, g_view[block.slices], group, t)
-            if owner == me
-            else torch.empty(block.shape, dtype=g_full.dtype, device=g_full.device)
-            for i, (block, owner) in enumerate(zip(plan.blocks, plan.owners))
-        ]
+        directions: list[torch.Tensor] = []
+        for i, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):  # owners: a direction (no apply_to)
+            d = self._block_direction(state, i, block, g_view[block.slices], group, t) if owner == me else None
+            directions.append(torch.empty(block.shape, dtype=g_full.dtype, device=g_full.device) if d is None else d)
         if self._work_size(plan.work_group) > 1:
             shares.add(plan.work_group, directions, plan.owners)
         return directions

@@ -113,10 +113,11 @@ def update_moments(
     if b1 == 0:
         mom = g
     else:
-        assert bs.exp_avg is not None
-        if fused and isinstance(graft, AdamGraftingConfig) and fused_adam_applies(out, g, bs.exp_avg, bs.graft_sq):
+        m, v = bs.exp_avg, bs.graft_sq
+        assert m is not None
+        if fused and isinstance(graft, AdamGraftingConfig) and v is not None and fused_adam_applies(out, g, m, v):
             return _fused_adam(bs, g, group, t, step, out, apply_to)
-        mom = bs.exp_avg.mul_(b1).add_(g, alpha=1 - b1)
+        mom = m.mul_(b1).add_(g, alpha=1 - b1)
     if not isinstance(graft, SQUARED_GRAFTING_TYPES):
         return Moments(mom, m_div, False)
     v = bs.graft_sq
