@@ -60,7 +60,8 @@ if ROOT not in sys.path:
 
 import dist_optim  # noqa: E402  (ours)
 from bench.bench_step import fixed_params, llama_like  # noqa: E402
-from dist_optim import _structured, shampoo  # noqa: E402
+from dist_optim import _structured  # noqa: E402
+from dist_optim.shampoo import apply_each_dim, kept_triangle, plan_blocks  # noqa: E402
 
 try:  # from its modules: the package's __init__.py exports nothing at b91f46b
     from distributed_shampoo.distributed_shampoo import DistributedShampoo as MetaShampoo
@@ -91,13 +92,8 @@ class SameProducts:
         gen = torch.Generator().manual_seed(1)
         self.beta2 = beta2
         self.items: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]] = []
-        blocking = {
-            "max_preconditioner_dim": block,
-            "merge_small_dims": False,
-            "skip_preconditioning_dim_size_gt": None,
-        }
         for shape in shapes:
-            for blk in shampoo._plan_blocks(shape, blocking)[1]:
+            for blk in plan_blocks(shape, block)[1]:
                 g = torch.randn(blk.shape, generator=gen) * 1e-3
                 factors = [torch.zeros(n, n) for n in blk.shape]
                 roots = [torch.eye(n) + 1e-3 * torch.randn(n, n, generator=gen) for n in blk.shape]
@@ -111,10 +107,66 @@ class SameProducts:
             order = g.dim()
             for k, factor in enumerate(factors):
                 gk = g.movedim(k, 0).reshape(g.shape[k], -1)
-                _structured.gram_update_(shampoo._kept_triangle(factor, order, k), gk, b2, 1 - b2)
+                _structured.gram_update_(kept_triangle(factor, order, k), gk, b2, 1 - b2)
             if out is not None:
                 tmp = self.tmp[: g.numel()].view(g.shape)
-                shampoo._apply_each_dim(g, roots, transpose=False, out=out, tmp=tmp)
+                apply_each_dim(g, roots, transpose=False, out=out, tmp=tmp)
+
+
+def _pf10_run(pf10: dict[str, Any], steps: int, times: dict[str, list[float]], finite: dict[str, bool | str]) -> None:
+    """Steps of the pf=10 optimizers in turn, timed into ``times``; the refresh steps (10, 20, ...:
+    root refreshes timed in turn, without state setup) also under their own rows."""
+    for k in pf10:
+        times[k] = []
+    for _ in range(steps):
+        for name, opt in pf10.items():
+            t0 = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - t0)
+    finite.update({k: _finite(o) for k, o in pf10.items()})
+    for who in ("Meta", "ours"):
+        refreshes = times[f"{who}, pf=10 run"][9::10]
+        if refreshes:
+            times[f"{who}, root refresh in the pf=10 run"] = refreshes
+
+
+def _print_table(
+    times: dict[str, list[float]],
+    finite: dict[str, bool | str],
+    shapes: list[tuple[int, ...]],
+    repeats: int,
+    pf10_steps: int,
+    warm_meta: float,
+    warm_ours: float,
+) -> None:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mean = {k: statistics.mean(v) for k, v in times.items()}
+    adamw = med["torch AdamW (foreach)"]
+    n = sum(torch.Size(s).numel() for s in shapes)
+    print(
+        f"\n{n / 1e6:.1f}M params, {torch.get_num_threads()} threads, {repeats} repeats, "
+        f"pf=10 run {pf10_steps} steps; "
+        f"first-refresh warm-up step: Meta {warm_meta:.2f} s, ours {warm_ours:.2f} s"
+    )
+    print(
+        "| step | median (ms) | mean (ms) | median / AdamW | / Meta (median) | / Meta (mean) "
+        "| ours / products only | finite |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for name in times:
+        r_med = r_mean = r_floor = ""
+        kind, _, mode = name.partition(", ")
+        if kind in ("ours", "products only"):
+            other = f"Meta, {mode}"
+            r_med = f"{med[name] / med[other]:.2f}x"
+            r_mean = f"{mean[name] / mean[other]:.2f}x"
+            floor = f"products only, {mode}"
+            if kind == "ours" and floor in med:
+                r_floor = f"{med[name] / med[floor]:.2f}x"
+        print(
+            f"| {name} | {1e3 * med[name]:.1f} | {1e3 * mean[name]:.1f} | {med[name] / adamw:.2f}x "
+            f"| {r_med} | {r_mean} | {r_floor} | {finite.get(name, '')} |"
+        )
 
 
 def main() -> None:
@@ -178,50 +230,10 @@ def main() -> None:
     gc.collect()
 
     # ---- pf=10 run: fresh optimizers, default start, Meta and ours round-robin ----
-    pf10 = {"Meta, pf=10 run": metas(-1, 10), "ours, pf=10 run": ours(None, 10)}
-    for k in pf10:
-        times[k] = []
-    for _ in range(args.pf10_steps):
-        for name, opt in pf10.items():
-            t0 = time.perf_counter()
-            opt.step()
-            times[name].append(time.perf_counter() - t0)
-    finite.update({k: _finite(o) for k, o in pf10.items()})
-    del pf10
-    for who in ("Meta", "ours"):  # steps 10, 20, ...: root refreshes timed in turn, without state setup
-        refreshes = times[f"{who}, pf=10 run"][9::10]
-        if refreshes:
-            times[f"{who}, root refresh in the pf=10 run"] = refreshes
+    _pf10_run({"Meta, pf=10 run": metas(-1, 10), "ours, pf=10 run": ours(None, 10)}, args.pf10_steps, times, finite)
     gc.collect()
 
-    med = {k: statistics.median(v) for k, v in times.items()}
-    mean = {k: statistics.mean(v) for k, v in times.items()}
-    adamw = med["torch AdamW (foreach)"]
-    n = sum(torch.Size(s).numel() for s in shapes)
-    print(
-        f"\n{n / 1e6:.1f}M params, {torch.get_num_threads()} threads, {args.repeats} repeats, "
-        f"pf=10 run {args.pf10_steps} steps; "
-        f"first-refresh warm-up step: Meta {warm_meta:.2f} s, ours {warm_ours:.2f} s"
-    )
-    print(
-        "| step | median (ms) | mean (ms) | median / AdamW | / Meta (median) | / Meta (mean) "
-        "| ours / products only | finite |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
-    for name in times:
-        r_med = r_mean = r_floor = ""
-        kind, _, mode = name.partition(", ")
-        if kind in ("ours", "products only"):
-            other = f"Meta, {mode}"
-            r_med = f"{med[name] / med[other]:.2f}x"
-            r_mean = f"{mean[name] / mean[other]:.2f}x"
-            floor = f"products only, {mode}"
-            if kind == "ours" and floor in med:
-                r_floor = f"{med[name] / med[floor]:.2f}x"
-        print(
-            f"| {name} | {1e3 * med[name]:.1f} | {1e3 * mean[name]:.1f} | {med[name] / adamw:.2f}x "
-            f"| {r_med} | {r_mean} | {r_floor} | {finite.get(name, '')} |"
-        )
+    _print_table(times, finite, shapes, args.repeats, args.pf10_steps, warm_meta, warm_ours)
 
 
 if __name__ == "__main__":

@@ -166,50 +166,81 @@ class ReferenceShampoo:
         return st[key]
 
     def _block(self, st: dict[str, Any], key: str, g: torch.Tensor, t: int) -> torch.Tensor:
-        b1, b2, eps = self.b1, self.b2, self.eps
-        # first moment
+        mhat, d = self._moments(st, key, g, t)
+        self._factors(st, key, g)
+        st.setdefault(key + "failures", 0.0)
+        refresh = t == self.start or (t > self.start and t % self.pf == 0)
+        corr = (1 - self.b2**t) if (self.bc and self.b2 < 1) else 1.0
+        if self.soap:
+            return self._soap(st, key, g, t, mhat, d, refresh, corr)
+        return self._shampoo(st, key, g, t, mhat, d, refresh, corr)
+
+    def _moments(self, st: dict[str, Any], key: str, g: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Mhat`` and the grafting direction ``D``."""
+        b1 = self.b1
         if b1 > 0:
             m = b1 * self._get(st, key + "exp_avg", g) + (1 - b1) * g
             st[key + "exp_avg"] = m
             mhat = m / (1 - b1**t) if self.bc else m
         else:
             mhat = g
-        # grafting direction
         if self.graft is None or self.graft[0] == "sgd":
-            d = mhat
-        else:
-            kind, gb2, geps = self.graft
-            v = self._get(st, key + "graft_sq", g)
-            v = v + g**2 if kind == "adagrad" else gb2 * v + (1 - gb2) * g**2
-            st[key + "graft_sq"] = v
-            vhat = v / (1 - gb2**t) if kind == "adam" else v
-            d = mhat / (vhat.sqrt() + geps)
-        # factors
-        order = g.dim()
-        for k in range(order):
+            return mhat, mhat
+        kind, gb2, geps = self.graft
+        v = self._get(st, key + "graft_sq", g)
+        v = v + g**2 if kind == "adagrad" else gb2 * v + (1 - gb2) * g**2
+        st[key + "graft_sq"] = v
+        vhat = v / (1 - gb2**t) if kind == "adam" else v
+        return mhat, mhat / (vhat.sqrt() + geps)
+
+    def _factors(self, st: dict[str, Any], key: str, g: torch.Tensor) -> None:
+        b2 = self.b2
+        for k in range(g.dim()):
             f = self._get(st, f"{key}factor{k}", torch.empty(g.shape[k], g.shape[k], dtype=torch.float64))
             f = f + unfold_outer(g, k) if b2 == 1 else b2 * f + (1 - b2) * unfold_outer(g, k)
             st[f"{key}factor{k}"] = f
-        st.setdefault(key + "failures", 0.0)
-        refresh = t == self.start or (t > self.start and t % self.pf == 0)
-        corr = (1 - b2**t) if (self.bc and b2 < 1) else 1.0
-        if not self.soap:
-            for k in range(order):
-                st.setdefault(f"{key}root{k}", torch.eye(g.shape[k], dtype=torch.float64))
-                if refresh:
-                    r = self.override or 2 * order
-                    st[f"{key}root{k}"] = root_inverse(st[f"{key}factor{k}"] / corr, eps, self.mult / r)
-            if t < self.start:
-                return d
-            p = mhat
-            for k in range(order):
-                p = mode_product(p, st[f"{key}root{k}"], k)  # roots are symmetric
-            if self.graft is not None:
-                p = p * d.norm() / (p.norm() + 1e-16)
-            return p
-        # SOAP
-        s = self._get(st, key + "exp_avg_sq", g)
+
+    def _graft(self, p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return p * d.norm() / (p.norm() + 1e-16) if self.graft is not None else p
+
+    def _shampoo(
+        self,
+        st: dict[str, Any],
+        key: str,
+        g: torch.Tensor,
+        t: int,
+        mhat: torch.Tensor,
+        d: torch.Tensor,
+        refresh: bool,
+        corr: float,
+    ) -> torch.Tensor:
+        order = g.dim()
         for k in range(order):
+            st.setdefault(f"{key}root{k}", torch.eye(g.shape[k], dtype=torch.float64))
+            if refresh:
+                r = self.override or 2 * order
+                st[f"{key}root{k}"] = root_inverse(st[f"{key}factor{k}"] / corr, self.eps, self.mult / r)
+        if t < self.start:
+            return d
+        p = mhat
+        for k in range(order):
+            p = mode_product(p, st[f"{key}root{k}"], k)  # roots are symmetric
+        return self._graft(p, d)
+
+    def _soap(
+        self,
+        st: dict[str, Any],
+        key: str,
+        g: torch.Tensor,
+        t: int,
+        mhat: torch.Tensor,
+        d: torch.Tensor,
+        refresh: bool,
+        corr: float,
+    ) -> torch.Tensor:
+        b2, eps = self.b2, self.eps
+        s = self._get(st, key + "exp_avg_sq", g)
+        for k in range(g.dim()):
             st.setdefault(f"{key}basis{k}", torch.eye(g.shape[k], dtype=torch.float64))
             if refresh:
                 a = st[f"{key}factor{k}"] / corr
@@ -220,7 +251,7 @@ class ReferenceShampoo:
                 else:  # "qr-eigh-start"
                     st[f"{key}basis{k}"], perm = qr_power_refresh(a, st[f"{key}basis{k}"])
                     s = s.index_select(k, perm)
-        qs = [st[f"{key}basis{k}"] for k in range(order)]
+        qs = [st[f"{key}basis{k}"] for k in range(g.dim())]
 
         def rotate(x: torch.Tensor) -> torch.Tensor:  # x ×_k Q_k^T
             for k, q in enumerate(qs):
@@ -236,7 +267,4 @@ class ReferenceShampoo:
         s = s + gr**2 if b2 == 1 else b2 * s + (1 - b2) * gr**2
         st[key + "exp_avg_sq"] = s
         shat = s / (1 - b2**t) if (self.bc and b2 < 1) else s
-        p = unrotate(rotate(mhat) / (shat.sqrt() + eps))
-        if self.graft is not None:
-            p = p * d.norm() / (p.norm() + 1e-16)
-        return p
+        return self._graft(unrotate(rotate(mhat) / (shat.sqrt() + eps)), d)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import pickle
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -331,7 +332,8 @@ def test_soap_qr_refresh_is_one_qr_step_from_the_previous_basis() -> None:
         torch.testing.assert_close(state[w]["block0.exp_avg_sq"], b2 * s_prev + (1 - b2) * rotated**2)
 
 
-# Shampoo (not SOAP: its update depends on the last bits of degenerate factors, see _moments)
+# Shampoo (not SOAP: its update depends on the last bits of degenerate factors, see
+# dist_optim.shampoo.preconditioner.grafting.update_moments)
 # configurations with steps between refreshes, each a different grafting, root method or blocking.
 # The panel products round differently from the reference's plain ones, and epsilon 1e-12 on the
 # tiny model's rank-deficient factors amplifies that (3e-5 measured): a damping that keeps the
@@ -383,7 +385,7 @@ def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatc
     separate operations otherwise; both follow the reference. Before the start (no momentum,
     bias correction), a contiguous block's whole update is that kernel run on the parameter
     itself (AdamW's for decoupled decay); the other blocks get the direction, then the update."""
-    from dist_optim import shampoo
+    from dist_optim.shampoo.preconditioner import grafting
 
     calls: dict[str, list[bool]] = {"_fused_adam_": [], "_fused_adamw_": []}
     param_ptrs: set[int] = set()
@@ -399,15 +401,15 @@ def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatc
 
     for name in calls:
         monkeypatch.setattr(torch, name, counting(name))
-    monkeypatch.setattr(shampoo, "_FUSED_ADAM", fused)
-    real_check = shampoo.DistributedShampoo.__init__
+    monkeypatch.setattr(grafting, "FUSED_ADAM", fused)
+    real_check = dist_optim.DistributedShampoo.__init__
 
     def init(self: object, params: list[torch.Tensor], *args: object, **kwargs: object) -> None:
         params = list(params)
         param_ptrs.update(p.untyped_storage().data_ptr() for p in params)
         real_check(self, params, *args, **kwargs)
 
-    monkeypatch.setattr(shampoo.DistributedShampoo, "__init__", init)
+    monkeypatch.setattr(dist_optim.DistributedShampoo, "__init__", init)
     names = (
         "adam-pf3-start3-decoupled-wd-momentum",
         "adam-pf2-start4-nobc-exponents",
@@ -488,6 +490,19 @@ def test_bad_input(kwargs: dict, option: str) -> None:
 def test_bad_grafting_config(make, option: str) -> None:
     with pytest.raises(ValueError, match=option):
         make()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [dist_optim.SGDGraftingConfig(), dist_optim.AdaGradGraftingConfig(), dist_optim.RMSpropGraftingConfig(), ADAM],
+)
+def test_grafting_configs_are_saved_under_their_public_name(config: object) -> None:
+    """Saved param groups (state_dict, checkpoints) pickle the grafting config by its class's
+    module: ``dist_optim.shampoo``, as before the module became a package, so that files load
+    under either version."""
+    saved = pickle.dumps(config)
+    assert b"dist_optim.shampoo\x94" in saved and b"dist_optim.shampoo.options" not in saved
+    assert pickle.loads(saved) == config
 
 
 def test_start_rules_like_meta() -> None:

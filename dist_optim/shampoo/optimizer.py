@@ -1,0 +1,434 @@
+"""The optimizer class: a coordinator of the package's parts (see :mod:`dist_optim.shampoo`).
+
+A step counts each parameter's step, sends gradients to the owners of their blocks
+(:mod:`.routing`), has the owners compute their blocks' directions (:mod:`.preconditioner` on the
+typed :class:`~.state.BlockState` views of ``optimizer.state``), brings the directions back to the
+ranks that hold them and applies them (:mod:`.update`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .. import _structured
+from ..base import DistOptimizer
+from ..comm import SumBucket, gather_full, group_key, group_rank, group_size
+from ..layout import ParamLayout
+from ..owners import work_grids
+from ..work import Route
+from .blocking import Block, kept_triangle
+from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
+from .preconditioner import block_direction
+from .routing import Plan, Routed, Shares, buckets, exchange_routed, plan_owners, plan_piece_routes
+from .state import (
+    BlockState,
+    Scratch,
+    block_prefix,
+    checked_block_entries,
+    full_block_entries,
+    initial_state,
+    kept_dtype_entries,
+    non_block_entries,
+)
+from .update import apply_block_update, apply_update, join_blocks, whole_views
+
+__all__ = ["DistributedShampoo"]
+
+
+class DistributedShampoo(DistOptimizer):
+    """Shampoo / SOAP with blocking, grafting and amortised roots (see the package docstring).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        betas: ``(b1, b2)``: first-moment EMA in [0, 1), factor EMA in (0, 1] (1: plain sum).
+        epsilon: damping added to the factors (Shampoo) or to ``sqrt`` of the second moment (SOAP).
+        momentum: heavy-ball momentum on the search direction (0 = off).
+        weight_decay: L2 (``use_decoupled_weight_decay=False``) or AdamW-style decay.
+        max_preconditioner_dim: largest block side.
+        precondition_frequency: steps between root / basis refreshes.
+        start_preconditioning_step: first step that uses the preconditioner (default:
+            ``precondition_frequency``; 0 and 1 both mean the first step).
+        use_nesterov: Nesterov momentum.
+        use_bias_correction: bias-correct the first moment and the factors.
+        use_decoupled_weight_decay: AdamW-style decay.
+        grafting_config: one of the ``*GraftingConfig`` classes, or None.
+        root_inverse: ``"eigh"``, ``"coupled_newton"`` or ``"higher_order"``.
+        eigenvalue_correction: SOAP.
+        eigenbasis: SOAP basis refresh: ``"eigh"``, ``"qr"`` (Meta's ``DefaultSOAPConfig``) or
+            ``"qr-eigh-start"`` (Vyas et al.'s); see the package docstring.
+        merge_small_dims: merge small consecutive dims before blocking.
+        exponent_override: root ``r`` for every factor (0: ``2 * order``).
+        exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
+        preconditioner_dtype: dtype of factors, roots and bases (float32 or float64).
+        communication_dtype: dtype of the gradient gather and direction sharing (float32, bfloat16,
+            float16).
+        statistics_compute_steps: update the factors every this many steps (Anil et al.).
+        skip_preconditioning_dim_size_gt: parameters with a dim above this use grafting only.
+        inverse_failure_threshold: an iterative root with error above this counts as failed.
+        higher_order_degree: order of the ``"higher_order"`` iteration (>= 3; 2 would be Newton).
+        max_gather_bytes: when bound, move and finish the parameters in buckets of at most this
+            many bytes of full gradients (a parameter larger than that is its own bucket), one
+            bucket after the other: caps the transient memory of gathered full gradients (and of
+            the owners' block gradients and exchange buffers), at the cost of collectives per
+            bucket. None (default): all parameters at once, the fewest collectives. Gradients
+            are checked for NaN/Inf on the local pieces before any bucket moves (``nonfinite``).
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
+            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
+    """
+
+    #: Parameters held in pieces move only the pieces their block owners and holders need (:mod:`.routing`);
+    #: False gathers full gradients and shares every direction (the same result bit for bit, compared by tests).
+    _route_pieces: bool = True
+
+    _sharded_state = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        betas: tuple[float, float] = (0.9, 0.999),
+        epsilon: float = 1e-12,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 1,
+        start_preconditioning_step: int | None = None,
+        use_nesterov: bool = False,
+        use_bias_correction: bool = True,
+        use_decoupled_weight_decay: bool = True,
+        grafting_config: GraftingConfig | None = None,
+        root_inverse: str = "eigh",
+        eigenvalue_correction: bool = False,
+        eigenbasis: str = "eigh",
+        merge_small_dims: bool = False,
+        exponent_override: float = 0,
+        exponent_multiplier: float = 1.0,
+        preconditioner_dtype: torch.dtype = torch.float32,
+        communication_dtype: torch.dtype = torch.float32,
+        statistics_compute_steps: int = 1,
+        skip_preconditioning_dim_size_gt: int | None = None,
+        inverse_failure_threshold: float = 0.1,
+        higher_order_degree: int = 3,
+        max_gather_bytes: int | None = None,
+        *,
+        nonfinite: str = "raise",
+    ) -> None:
+        defaults = group_defaults(**{k: v for k, v in locals().items() if k in GROUP_OPTIONS})
+        self.communication_dtype = communication_dtype
+        self.max_gather_bytes = max_gather_bytes
+        self._plans: dict[torch.Tensor, Plan] = {}
+        self._grids: dict[tuple[int, ...], Any] = {}  # data-parallel group -> TP x DP grid (see _on_bind)
+        self._scratch = Scratch()  # one block's direction, reused across blocks applied as soon as computed
+        # Per parameter held in pieces: which pieces go to which block owner (see _ensure_routes);
+        # None until made in a step.
+        self._routes: dict[torch.Tensor, Route | None] | None = None
+        super().__init__(params, defaults, nonfinite=nonfinite)  # validate_group checks every group
+        check_communication(communication_dtype, max_gather_bytes)
+
+    def validate_group(self, group: dict[str, Any]) -> None:
+        super().validate_group(group)
+        validate_options(group)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._plans = {}
+
+    def _on_bind(self) -> None:
+        self._plans = {}
+        self._grids = {}
+        # Under TP the blocks are split over the TP x data-parallel grid, not over each TP
+        # rank's data-parallel group alone: every rank of the grid gathers the same full
+        # gradients, so a TP rank need not repeat its TP peers' blocks. Collective over the job.
+        self._grids = work_grids(self.tp_group, [self._base_work_group(p) for p in self._all_params()])
+        self._ensure_plans()
+
+    # ---- planning (see routing.py) ----------------------------------------------------------
+    def _base_work_group(self, p: torch.Tensor) -> Any:
+        layout = self.layout(p)
+        return layout.zero.group if layout.zero is not None else self.dp_group
+
+    def _work_group(self, p: torch.Tensor) -> Any:
+        """The ranks that split ``p``'s blocks: its data-parallel (ZeRO) group, or under TP the
+        grid of that group and the TP group."""
+        base = self._base_work_group(p)
+        if base is None or not self._grids:
+            return base
+        return self._grids.get(group_key(base), base)
+
+    def _work_size(self, group: Any) -> int:
+        return group_size(group) if self.is_bound and group is not None else 1
+
+    def _my_rank(self, group: Any) -> int:
+        return group_rank(group) if self._work_size(group) > 1 else 0
+
+    def _ensure_plans(self) -> None:
+        if self._plans:
+            return
+        params = self._all_params()
+        groups = [g for g in self.param_groups for _ in g["params"]]
+        specs = [(self.layout(p).full_shape, g, self._work_group(p)) for p, g in zip(params, groups)]
+        self._plans = dict(zip(params, plan_owners(specs, self._work_size)))
+        self._routes = None
+
+    def _ensure_routes(self) -> None:
+        """Routes of the parameters held in pieces whose blocks are split over a work group
+        (:func:`.routing.plan_piece_routes`); collective, once after every re-planning: called
+        from ``step()``, which every rank calls."""
+        if self._routes is not None:
+            return
+        self._routes = dict.fromkeys(self._all_params())
+        pieces = [
+            p
+            for p in self._all_params()
+            if self._route_pieces and not self.layout(p).is_local and self._work_size(self._plans[p].work_group) > 1
+        ]
+        found = plan_piece_routes([self.layout(p) for p in pieces], [self._plans[p] for p in pieces])
+        self._routes.update(zip(pieces, found))
+
+    def _route(self, p: torch.Tensor) -> Route | None:
+        return None if self._routes is None else self._routes.get(p)
+
+    # ---- the step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = self._begin_step(closure)
+        if not self._gradients_ok():
+            return loss
+        self._ensure_plans()
+        entries: list[tuple[dict[str, Any], torch.Tensor]] = []
+        items = []
+        for group in self.param_groups:
+            for p, g in zip(*self._grads(group)):
+                wd = group["weight_decay"]
+                if wd != 0 and not group["use_decoupled_weight_decay"]:
+                    g = g + p.detach() * wd  # elementwise: the same bits on a shard as on the full tensor
+                items.append((self.layout(p), g))
+                entries.append((group, p))
+        if not entries:
+            return loss
+        comm_dtype = self.communication_dtype if self.is_bound else None
+        if comm_dtype is not None and all(g.dtype == comm_dtype for _, g in items):
+            comm_dtype = None
+        if self.is_bound:
+            self._ensure_routes()
+        routed = self.is_bound and any(self._route(p) is not None for _, p in entries)
+        if not self.is_bound or (self.max_gather_bytes is None and not routed):
+            full_grads = gather_full(items, dtype=comm_dtype) if self.is_bound else [g.detach() for _, g in items]
+            self._update(entries, items, comm_dtype, full_grads)
+            return loss
+        # No rank sees every full gradient (gradient pieces go to block owners, or full gradients
+        # are gathered in buckets of at most max_gather_bytes); _gradients_ok checked the local
+        # pieces of all of them before the first one moved.
+        for start, stop in buckets(
+            [layout.full_numel * g.element_size() for layout, g in items], self.max_gather_bytes
+        ):
+            self._update(entries[start:stop], items[start:stop], comm_dtype)
+        return loss
+
+    def _update(
+        self,
+        entries: list[tuple[dict[str, Any], torch.Tensor]],
+        items: list[tuple[ParamLayout, torch.Tensor]],
+        comm_dtype: torch.dtype | None,
+        full_grads: list[torch.Tensor] | None = None,
+    ) -> None:
+        """State updates, directions (owners), their sharing and the parameter updates for
+        ``entries`` (with ``items``: their layouts and local gradients). Parameters with a route
+        move pieces to and from their block owners (:func:`.routing.exchange_routed`); the others
+        use their full gradients (``full_grads``, gathered here when not given)."""
+        if full_grads is None:
+            plain = [i for i, (_, p) in enumerate(entries) if self._route(p) is None]
+            gathered = gather_full([items[i] for i in plain], dtype=comm_dtype) if plain else []
+            full_grads = [g for _, g in items]  # local gradients stand in for the routed ones
+            for i, g in zip(plain, gathered):
+                full_grads[i] = g
+        shares = Shares()
+        pending: list[tuple[dict[str, Any], torch.Tensor, list[torch.Tensor]]] = []
+        routed: list[Routed] = []
+        for (group, p), (layout, g_local), g_full in zip(entries, items, full_grads):
+            state = self.state[p]
+            if not state:
+                self._init_state(p, group, g_full.dtype)
+            state["step"] += 1
+            t = int(state["step"])
+            route = self._route(p)
+            if route is not None:
+                routed.append(Routed(group, p, state, route, g_local.detach(), t, self._plans[p], layout))
+                continue
+            directions = self._held_directions(group, p, g_full, t, shares)
+            if directions is not None:
+                pending.append((group, p, directions))
+        if routed:
+            exchange_routed(routed, self._block_direction, comm_dtype, self.communication_dtype)
+            for r in routed:
+                update = r.update.to(r.p.dtype).view_as(r.p)  # type: ignore[union-attr]
+                apply_update(r.p.detach(), update, self.state[r.p].get("momentum_buffer"), r.group)
+        shares.share_rounded(self.communication_dtype, self._my_rank)
+        # Every rank applies its part of the full update. The directions are this step's own
+        # tensors, so they are updated in place; a parameter held whole takes them block by block,
+        # without assembling a parameter-sized direction.
+        for group, p, directions in pending:
+            plan = self._plans[p]
+            whole = self._whole_views(p, plan)
+            if whole is not None:
+                for block, d in zip(plan.blocks, directions):
+                    apply_block_update(*whole, block, d, group)
+                continue
+            full = join_blocks(plan.view_shape, plan.blocks, directions).reshape(plan.full_shape)
+            update = self.layout(p).take_local(full, copy=False).to(p.dtype).view_as(p)
+            apply_update(p.detach(), update, self.state[p].get("momentum_buffer"), group)
+
+    def _held_directions(
+        self, group: dict[str, Any], p: torch.Tensor, g_full: torch.Tensor, t: int, shares: Shares
+    ) -> list[torch.Tensor] | None:
+        """Directions of the blocks of a parameter with its full gradient: computed on their
+        owners, the others' to be filled by ``shares``. A parameter held whole whose blocks are all
+        this rank's is updated block by block as the directions come, through one reused scratch
+        tensor (fresh block-sized tensors cost page faults on the CPU comparable to the arithmetic
+        of the update): None then."""
+        plan, state = self._plans[p], self.state[p]
+        g_view = g_full.reshape(plan.view_shape)
+        whole = self._whole_views(p, plan)
+        if self._work_size(plan.work_group) == 1 and whole is not None:
+            for i, block in enumerate(plan.blocks):
+                out = self._scratch.get(block.shape, g_full.dtype, g_full.device)
+                target = whole[0][block.slices] if whole[1] is None else None
+                d = self._block_direction(state, i, block, g_view[block.slices], group, t, out, target)
+                if d is not None:  # None: applied to the parameter by the fused kernel
+                    apply_block_update(*whole, block, d, group)
+            return None
+        me = self._my_rank(plan.work_group)
+        directions: list[torch.Tensor] = []
+        for i, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):  # owners: a direction (no apply_to)
+            d = self._block_direction(state, i, block, g_view[block.slices], group, t) if owner == me else None
+            directions.append(torch.empty(block.shape, dtype=g_full.dtype, device=g_full.device) if d is None else d)
+        if self._work_size(plan.work_group) > 1:
+            shares.add(plan.work_group, directions, plan.owners)
+        return directions
+
+    def _block_direction(
+        self,
+        state: dict[str, Any],
+        index: int,
+        block: Block,
+        g: torch.Tensor,
+        group: dict[str, Any],
+        t: int,
+        out: torch.Tensor | None = None,
+        apply_to: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """An owner's work on block ``index`` of a parameter (``state``: its state):
+        :func:`.preconditioner.block_direction` on its typed state. One method, so that
+        ``bench/bench_step.py --split`` can time it."""
+        bs = BlockState.of(state, block_prefix(index), block.order)
+        return block_direction(bs, block, g, group, t, state["step"], self._scratch, out, apply_to)
+
+    def _whole_views(self, p: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        return whole_views(p, self.layout(p).is_local, self.state[p].get("momentum_buffer"), plan.view_shape)
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype) -> None:
+        """``step``, ``momentum_buffer`` and the state of the blocks this rank owns, in flat form."""
+        plan = self._plans[p]
+        me = self._my_rank(plan.work_group)
+        owned = [owner == me for owner in plan.owners]
+        self.state[p].update(initial_state(p, group, dtype, plan.blocks, owned))
+
+    # ---- state: export, import, memory, failures ---------------------------------------------
+    def _block_states(self) -> Iterable[tuple[torch.Tensor, Block, BlockState]]:
+        """Every parameter's blocks that this rank holds state of, with their typed state."""
+        self._ensure_plans()
+        for p, state in self.state.items():
+            plan = self._plans.get(p)
+            for i, block in enumerate(plan.blocks if plan is not None else []):
+                yield p, block, BlockState.of(state, block_prefix(i), block.order)
+
+    def _symmetrize_factors(self) -> None:
+        """Mirror every large factor's kept triangle (the only one its updates keep current,
+        see :func:`_structured.gram_update_`) so that exported state is symmetric."""
+        for _, block, bs in self._block_states():
+            for k, factor in enumerate(bs.factors):
+                _structured.symmetrize_(kept_triangle(factor, block.order, k))
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, with every factor matrix made symmetric first."""
+        self._symmetrize_factors()
+        return super().state_dict()
+
+    def full_state(self) -> list[dict[str, Any]]:
+        """Every parameter's state in full form (block state gathered from the owners), in
+        ``param_groups`` order; the same on every rank. Collective when bound."""
+        self._symmetrize_factors()
+        out = super().full_state()
+        shares = Shares()
+        params = [(g, p) for g in self.param_groups for p in g["params"]]
+        for entry, (group, p) in zip(out, params):
+            state = self.state.get(p)
+            if not state:
+                continue
+            plan = self._plans[p]
+            me = self._my_rank(plan.work_group)
+            dtype = state["momentum_buffer"].dtype if "momentum_buffer" in state else p.dtype
+            for b, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
+                tensors = full_block_entries(state, b, block, group, dtype, owner == me, p.device)
+                entry.update(tensors)
+                if self._work_size(plan.work_group) > 1:
+                    shares.add(plan.work_group, list(tensors.values()), [owner] * len(tensors))
+        shares.share_exact()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader casts every floating-point state tensor to its parameter's dtype; block
+        state kept in ``preconditioner_dtype`` (e.g. float64 factors of fp32 params) and the
+        failure counters are restored in their saved dtype instead."""
+        keep = kept_dtype_entries(state_dict["state"])
+        super().load_state_dict(state_dict)
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            for pid, p in zip(saved["params"], group["params"]):
+                for key, value in keep.get(pid, {}).items():
+                    if key in self.state.get(p, {}):
+                        self.state[p][key] = value.detach().clone().to(device=p.device)
+        self._plans = {}
+
+    def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """Keep the blocks this rank owns of a full-form state (:meth:`load_full_state`), after
+        checking that every owned block has all its entries with the shapes this optimizer's
+        blocking gives (a checkpoint saved with other blocking options is refused)."""
+        self._ensure_plans()
+        plan = self._plans[param]
+        group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
+        me = self._my_rank(plan.work_group)
+        out = non_block_entries(state)
+        for b, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
+            if owner == me:
+                out.update(checked_block_entries(state, b, block, group, param, plan.full_shape))
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state held by this rank: ``preconditioner`` (factors, roots, bases)
+        and ``other`` (moments, grafting state, momentum)."""
+        total = sum(_nbytes(v) for state in self.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+        matrices = sum(_nbytes(m) for _, _, bs in self._block_states() for m in bs.matrices)
+        return {"preconditioner": matrices, "other": total - matrices}
+
+    def root_failures(self) -> int:
+        """Failed root inverses / basis refreshes so far, over all blocks (collective when bound)."""
+        self._ensure_plans()
+        zero = torch.zeros((), dtype=torch.float64)
+        totals = {id(plan.work_group): (plan.work_group, zero.clone()) for plan in self._plans.values()}
+        for p, _, bs in self._block_states():
+            if bs.failures is not None:
+                totals[id(self._plans[p].work_group)][1].add_(bs.failures.double())
+        bucket = SumBucket()
+        for wg, total in totals.values():
+            if self._work_size(wg) > 1:
+                bucket.add(total, [wg])
+        bucket.flush()
+        return int(sum(float(total) for _, total in totals.values()))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

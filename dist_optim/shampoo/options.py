@@ -1,0 +1,242 @@
+"""Shampoo's options: the grafting configurations (Meta's names) and the checks of a param group.
+
+:func:`validate_options` is what :meth:`DistributedShampoo.validate_group
+<dist_optim.shampoo.optimizer.DistributedShampoo.validate_group>` runs on every group; the
+grafting configurations check their own fields when made.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _matrix
+from ..base import check_range
+
+__all__ = [
+    "SGDGraftingConfig",
+    "AdaGradGraftingConfig",
+    "RMSpropGraftingConfig",
+    "AdamGraftingConfig",
+    "GraftingConfig",
+    "GRAFTING_TYPES",
+    "SQUARED_GRAFTING_TYPES",
+    "EIGENBASES",
+    "COMM_DTYPES",
+    "check_int",
+    "check_positive",
+    "check_beta2",
+    "check_communication",
+    "validate_options",
+    "start_step",
+    "GROUP_OPTIONS",
+    "group_defaults",
+]
+
+
+def check_positive(name: str, value: Any) -> None:
+    """A finite number > 0."""
+    check_range(name, value, 0.0, open_low=True)
+
+
+def check_beta2(name: str, value: Any) -> None:
+    """A finite number in (0, 1]: a second-moment EMA (1: a plain sum)."""
+    check_range(name, value, 0.0, 1.0, open_low=True, closed_high=True)
+
+
+def check_int(name: str, value: Any, low: int) -> None:
+    """An integer (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+# ---- grafting configurations (Meta's names) ---------------------------------------------------
+@dataclass(frozen=True)
+class SGDGraftingConfig:
+    """Graft the per-block norm of ``Mhat`` (SGD with the first moment)."""
+
+
+@dataclass(frozen=True)
+class AdaGradGraftingConfig:
+    """Graft the per-block norm of AdaGrad's direction: ``V += G^2``, ``Mhat / (sqrt(V) + epsilon)``."""
+
+    epsilon: float = 1e-10
+
+    def __post_init__(self) -> None:
+        check_positive("AdaGradGraftingConfig.epsilon", self.epsilon)
+
+
+@dataclass(frozen=True)
+class RMSpropGraftingConfig:
+    """Graft RMSprop: ``V <- beta2 V + (1 - beta2) G^2``, ``Mhat / (sqrt(V) + epsilon)``."""
+
+    beta2: float = 0.99
+    epsilon: float = 1e-8
+
+    def __post_init__(self) -> None:
+        check_beta2("RMSpropGraftingConfig.beta2", self.beta2)
+        check_positive("RMSpropGraftingConfig.epsilon", self.epsilon)
+
+
+@dataclass(frozen=True)
+class AdamGraftingConfig:
+    """Graft Adam: as RMSprop, with ``V`` bias-corrected by ``1 - beta2^t``."""
+
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beta2, (int, float)) and not isinstance(self.beta2, bool) and self.beta2 == 1:
+            # 1 - beta2^t would be 0: V would never move and the bias correction divide by zero.
+            raise ValueError(
+                "AdamGraftingConfig.beta2 must be in (0, 1), got 1; use AdaGradGraftingConfig for a plain sum"
+            )
+        check_beta2("AdamGraftingConfig.beta2", self.beta2)
+        check_positive("AdamGraftingConfig.epsilon", self.epsilon)
+
+
+GraftingConfig = SGDGraftingConfig | AdaGradGraftingConfig | RMSpropGraftingConfig | AdamGraftingConfig
+GRAFTING_TYPES = (SGDGraftingConfig, AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
+# Saved param groups (state_dict, checkpoints) pickle a grafting config by its class's module and
+# name: keep the public ``dist_optim.shampoo.<Name>`` of the single-module version, which loads under
+# every version (the package re-exports them).
+for _cls in GRAFTING_TYPES:
+    _cls.__module__ = "dist_optim.shampoo"
+#: The grafting methods that keep a second moment ``V`` per block (state ``graft_sq``).
+SQUARED_GRAFTING_TYPES = (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
+EIGENBASES = ("eigh", "qr", "qr-eigh-start")
+COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+#: The per-group options of :class:`~dist_optim.shampoo.optimizer.DistributedShampoo` (its other
+#: arguments, ``communication_dtype``, ``max_gather_bytes`` and ``nonfinite``, are optimizer-wide).
+GROUP_OPTIONS = (
+    "lr",
+    "betas",
+    "epsilon",
+    "momentum",
+    "weight_decay",
+    "max_preconditioner_dim",
+    "precondition_frequency",
+    "start_preconditioning_step",
+    "use_nesterov",
+    "use_bias_correction",
+    "use_decoupled_weight_decay",
+    "grafting_config",
+    "root_inverse",
+    "eigenvalue_correction",
+    "eigenbasis",
+    "merge_small_dims",
+    "exponent_override",
+    "exponent_multiplier",
+    "preconditioner_dtype",
+    "statistics_compute_steps",
+    "skip_preconditioning_dim_size_gt",
+    "inverse_failure_threshold",
+    "higher_order_degree",
+)
+_FLAGS = (
+    "use_nesterov",
+    "use_bias_correction",
+    "use_decoupled_weight_decay",
+    "eigenvalue_correction",
+    "merge_small_dims",
+)
+
+
+def group_defaults(**options: Any) -> dict[str, Any]:
+    """The param-group defaults, in :data:`GROUP_OPTIONS` order, from the constructor's arguments:
+    ``start_preconditioning_step=None`` is ``precondition_frequency``, ``betas`` a tuple, flags bools."""
+    out = {name: options[name] for name in GROUP_OPTIONS}
+    if out["start_preconditioning_step"] is None:
+        out["start_preconditioning_step"] = out["precondition_frequency"]
+    if isinstance(out["betas"], (tuple, list)):
+        out["betas"] = tuple(out["betas"])
+    for name in _FLAGS:
+        out[name] = bool(out[name])
+    return out
+
+
+def start_step(group: dict[str, Any]) -> int:
+    """The first step that uses the preconditioner (``start_preconditioning_step`` 0 and 1 alike)."""
+    return max(1, group["start_preconditioning_step"])
+
+
+def check_communication(communication_dtype: Any, max_gather_bytes: Any) -> None:
+    """The optimizer-wide options (not per group)."""
+    if communication_dtype not in COMM_DTYPES:
+        raise ValueError(f"communication_dtype must be one of {COMM_DTYPES}, got {communication_dtype!r}")
+    if max_gather_bytes is not None:
+        check_int("max_gather_bytes", max_gather_bytes, 1)
+
+
+def validate_options(group: dict[str, Any]) -> None:
+    """Check one param group's Shampoo options, raising a ValueError (TypeError for a non-number)
+    that names the option."""
+    _check_step_options(group)
+    _check_integers(group)
+    _check_methods(group)
+    _check_roots(group)
+    if group["preconditioner_dtype"] not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"preconditioner_dtype must be torch.float32 or torch.float64, got {group['preconditioner_dtype']}"
+        )
+    skip = group["skip_preconditioning_dim_size_gt"]
+    if skip is not None:
+        check_int("skip_preconditioning_dim_size_gt", skip, 1)
+    check_positive("inverse_failure_threshold", group["inverse_failure_threshold"])
+
+
+def _check_step_options(group: dict[str, Any]) -> None:
+    check_range("lr", group["lr"], 0.0)
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    check_range("betas[0]", betas[0], 0.0, 1.0)
+    check_beta2("betas[1]", betas[1])
+    check_positive("epsilon", group["epsilon"])
+    check_range("momentum", group["momentum"], 0.0, 1.0)
+    check_range("weight_decay", group["weight_decay"], 0.0)
+
+
+def _check_integers(group: dict[str, Any]) -> None:
+    check_int("max_preconditioner_dim", group["max_preconditioner_dim"], 1)
+    check_int("precondition_frequency", group["precondition_frequency"], 1)
+    check_int("statistics_compute_steps", group["statistics_compute_steps"], 1)
+    check_int("higher_order_degree", group["higher_order_degree"], 3)
+    start, pf = group["start_preconditioning_step"], group["precondition_frequency"]
+    check_int("start_preconditioning_step", start, 0)
+    if start not in (0, 1) and start < pf:
+        raise ValueError(
+            f"start_preconditioning_step ({start}) must be >= precondition_frequency ({pf}), or 0/1 to "
+            "precondition from the first step"
+        )
+
+
+def _check_methods(group: dict[str, Any]) -> None:
+    if group["root_inverse"] not in _matrix.ROOT_METHODS:
+        raise ValueError(f"root_inverse must be one of {_matrix.ROOT_METHODS}, got {group['root_inverse']!r}")
+    if group["eigenbasis"] not in EIGENBASES:
+        raise ValueError(f"eigenbasis must be one of {EIGENBASES}, got {group['eigenbasis']!r}")
+    graft = group["grafting_config"]
+    if graft is not None and not isinstance(graft, GRAFTING_TYPES):
+        raise ValueError(
+            "grafting_config must be None or one of SGDGraftingConfig, AdaGradGraftingConfig, "
+            f"RMSpropGraftingConfig, AdamGraftingConfig; got {graft!r}"
+        )
+
+
+def _check_roots(group: dict[str, Any]) -> None:
+    override = group["exponent_override"]
+    if isinstance(override, bool) or not isinstance(override, (int, float)) or not 0 <= override < math.inf:
+        raise ValueError(f"exponent_override must be a finite number >= 0 (0: 2 * order), got {override!r}")
+    check_positive("exponent_multiplier", group["exponent_multiplier"])
+    if group["root_inverse"] != "eigh" and not group["eigenvalue_correction"]:
+        if group["exponent_multiplier"] != 1.0 or float(override) != int(override):
+            raise ValueError(
+                f"root_inverse={group['root_inverse']!r} needs exponent_multiplier=1 and an integer "
+                "exponent_override; use root_inverse='eigh'"
+            )

@@ -1,0 +1,55 @@
+"""Shampoo's root-inverse preconditioner of one block: roots refreshed from the factors, and the
+preconditioned direction (steps 4 and 5 of the package docstring)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _matrix
+from ..blocking import apply_each_dim
+from ..state import BlockState, Scratch
+from .grafting import Moments, scale_direction
+
+__all__ = ["refresh_roots", "direction"]
+
+
+def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any]) -> None:
+    """``R_k = (scale L_k + epsilon I)^(-exponent_multiplier / r)``; a root that is not finite or
+    whose iteration error exceeds ``inverse_failure_threshold`` keeps the previous one and counts
+    in ``failures``."""
+    failures = bs.failures
+    assert failures is not None
+    root, mult = _matrix.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
+    for factor, r_k in zip(bs.factors, bs.roots):
+        try:
+            x, err, ok = _matrix.matrix_inverse_root(
+                factor * scale,
+                root,
+                group["epsilon"],
+                group["root_inverse"],
+                exponent_multiplier=mult,
+                order=group["higher_order_degree"],
+                overwrite=True,  # a fresh product of a factor mirrored by the caller
+            )
+            ok = ok & (err <= group["inverse_failure_threshold"])
+        except torch.linalg.LinAlgError:
+            x, ok = r_k, torch.zeros((), dtype=torch.bool)
+        torch.where(ok, x.to(r_k.dtype), r_k, out=r_k)
+        failures.add_((~ok).to(failures.dtype))
+
+
+def direction(
+    bs: BlockState, moments: Moments, group: dict[str, Any], out: torch.Tensor, scratch: Scratch
+) -> torch.Tensor:
+    """``P = Mhat x_0 R_0 x_1 R_1 ...`` into ``out``, grafted to ``||D||`` when grafting is
+    configured."""
+    pdt = group["preconditioner_dtype"]
+    norm_d = moments.graft_norm(out) if group["grafting_config"] is not None else None
+    x = moments.mom.to(pdt)
+    tmp = scratch.get(x.shape, pdt, x.device, "left")
+    p = apply_each_dim(x, bs.roots, transpose=False, out=out if pdt == out.dtype else None, tmp=tmp)
+    if p is not out:
+        out.copy_(p)
+    return scale_direction(out, moments.m_div, norm_d)

@@ -1,0 +1,234 @@
+"""Typed state of one block, its flat form in ``optimizer.state``, and reused scratch memory.
+
+The preconditioners read and update a :class:`BlockState`. ``optimizer.state[p]`` (what torch's
+``state_dict``, ZeRO's sharded state and the checkpoints serialise) holds the same tensors under
+flat keys ``"block<i>.<name>"`` in the order of :func:`block_spec`: ``exp_avg``, ``graft_sq``,
+``factor<k>``, ``root<k>`` (Shampoo) or ``basis<k>`` (SOAP), ``failures``, ``exp_avg_sq`` (SOAP).
+:meth:`BlockState.flat` writes that form and :meth:`BlockState.of` views it (the same tensors,
+updated in place); nothing else spells a key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .blocking import Block
+from .options import SQUARED_GRAFTING_TYPES
+
+__all__ = [
+    "BlockState",
+    "block_spec",
+    "block_prefix",
+    "keeps_saved_dtype",
+    "kept_dtype_entries",
+    "non_block_entries",
+    "full_block_entries",
+    "checked_block_entries",
+    "initial_state",
+    "Scratch",
+]
+
+#: Names (before their dim index) of the preconditioner matrices: :meth:`DistributedShampoo.state_bytes`.
+_MATRICES = ("factor", "root", "basis")
+
+
+def block_prefix(index: int) -> str:
+    """The flat keys of block ``index`` of a parameter start with this."""
+    return f"block{index}."
+
+
+def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
+    """Names (after :func:`block_prefix`), shapes and dtypes of one block's state, in the order of
+    its flat form; the same on every rank. ``dtype``: the moments' (the gradient's)."""
+    pdt = group["preconditioner_dtype"]
+    soap = group["eigenvalue_correction"]
+    spec: list[tuple[str, tuple, torch.dtype]] = []
+    if group["betas"][0] > 0:
+        spec.append(("exp_avg", block.shape, dtype))
+    if isinstance(group["grafting_config"], SQUARED_GRAFTING_TYPES):
+        spec.append(("graft_sq", block.shape, dtype))
+    if block.precondition:
+        spec += [(f"factor{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
+        spec += [(f"{'basis' if soap else 'root'}{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
+        spec.append(("failures", (), torch.float32))
+    if soap:
+        spec.append(("exp_avg_sq", block.shape, pdt))
+    return spec
+
+
+def keeps_saved_dtype(key: str) -> bool:
+    """Whether a flat key's saved tensor is restored in its saved dtype (preconditioner matrices in
+    ``preconditioner_dtype``, SOAP's second moment, failure counters) rather than cast to its
+    parameter's dtype as torch's loader does: the one rule read from the serialised form."""
+    name = key.rsplit(".", 1)[-1]
+    return name.startswith(_MATRICES) or name in ("exp_avg_sq", "failures")
+
+
+def initial_state(
+    p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype, blocks: list[Block], owned: list[bool]
+) -> dict[str, torch.Tensor]:
+    """A parameter's first state, in flat form: ``step``, ``momentum_buffer`` (with momentum) and
+    the state of the blocks this rank owns (``owned``), the moments in ``dtype``."""
+    out = {"step": torch.zeros((), dtype=torch.float32)}
+    if group["momentum"] > 0:
+        out["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    for i, (block, mine) in enumerate(zip(blocks, owned)):
+        if mine:
+            out.update(BlockState.create(block, group, dtype, p.device).flat(block_prefix(i)))
+    return out
+
+
+def kept_dtype_entries(saved: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, torch.Tensor]]:
+    """Per parameter id of a saved state dict's ``"state"``, its tensors that :func:`keeps_saved_dtype`."""
+    return {
+        pid: {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and keeps_saved_dtype(k)}
+        for pid, st in saved.items()
+    }
+
+
+def non_block_entries(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's state without its blocks' (``step``, ``momentum_buffer``)."""
+    return {k: v for k, v in state.items() if not k.startswith("block")}
+
+
+def full_block_entries(
+    state: Mapping[str, Any],
+    index: int,
+    block: Block,
+    group: dict[str, Any],
+    dtype: torch.dtype,
+    owned: bool,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Block ``index``'s flat entries for a full-form state: copies where ``owned``, else empty
+    tensors of the :func:`block_spec` shapes and dtypes (moments: those of the state's own moments,
+    else ``dtype``), to be filled by the owner."""
+    prefix = block_prefix(index)
+    moments = BlockState.of(state, prefix, block.order).moment_dtype(dtype)
+    return {
+        prefix + name: state[prefix + name].clone() if owned else torch.empty(shape, dtype=dt, device=device)
+        for name, shape, dt in block_spec(block, group, moments)
+    }
+
+
+def checked_block_entries(
+    state: Mapping[str, Any],
+    index: int,
+    block: Block,
+    group: dict[str, Any],
+    param: torch.Tensor,
+    full_shape: tuple[int, ...],
+) -> dict[str, torch.Tensor]:
+    """Block ``index``'s flat entries of a full-form state, on ``param``'s device, after checking
+    that it has every entry with the shapes of this blocking (a checkpoint saved with other blocking
+    options is refused)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, shape, _ in block_spec(block, group, param.dtype):
+        key = block_prefix(index) + name
+        value = state.get(key)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+            raise ValueError(
+                f"load_full_state: state {key!r} of a parameter of full shape {full_shape} should be a "
+                f"tensor of shape {tuple(shape)}, got {got!r}; was it saved with other blocking options "
+                "(max_preconditioner_dim, merge_small_dims, eigenvalue_correction, grafting)?"
+            )
+        out[key] = value.to(param.device)
+    return out
+
+
+@dataclass
+class BlockState:
+    """What one block's owner keeps (None / empty where the options need no such state)."""
+
+    exp_avg: torch.Tensor | None = None  # M, the first moment (betas[0] > 0)
+    graft_sq: torch.Tensor | None = None  # V of AdaGrad / RMSprop / Adam grafting
+    factors: list[torch.Tensor] = dataclasses.field(default_factory=list)  # L_k (large ones: one triangle kept)
+    roots: list[torch.Tensor] = dataclasses.field(default_factory=list)  # R_k (Shampoo)
+    bases: list[torch.Tensor] = dataclasses.field(default_factory=list)  # Q_k (SOAP)
+    failures: torch.Tensor | None = None  # discarded roots / basis refreshes
+    exp_avg_sq: torch.Tensor | None = None  # S, SOAP's second moment in the eigenbasis
+
+    @classmethod
+    def of(cls, flat: Mapping[str, Any], prefix: str, order: int) -> BlockState:
+        """A view of the block state held in ``flat`` under keys ``prefix + name`` (the same tensors)."""
+        get = flat.get
+
+        def mats(name: str) -> list[torch.Tensor]:
+            first = get(f"{prefix}{name}0")
+            return [] if first is None else [first] + [flat[f"{prefix}{name}{k}"] for k in range(1, order)]
+
+        return cls(
+            exp_avg=get(prefix + "exp_avg"),
+            graft_sq=get(prefix + "graft_sq"),
+            factors=mats("factor"),
+            roots=mats("root"),
+            bases=mats("basis"),
+            failures=get(prefix + "failures"),
+            exp_avg_sq=get(prefix + "exp_avg_sq"),
+        )
+
+    @classmethod
+    def create(cls, block: Block, group: dict[str, Any], dtype: torch.dtype, device: torch.device) -> BlockState:
+        """A block's initial state: zeros, identity roots and bases."""
+        values: dict[str, torch.Tensor] = {}
+        for name, shape, dt in block_spec(block, group, dtype):
+            if name.startswith(("root", "basis")):
+                values[name] = torch.eye(shape[0], dtype=dt, device=device)
+            else:
+                values[name] = torch.zeros(shape, dtype=dt, device=device)
+        return cls.of(values, "", block.order)
+
+    def flat(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The flat form, keys in :func:`block_spec` order."""
+        out: dict[str, torch.Tensor] = {}
+        for name in ("exp_avg", "graft_sq"):
+            value = getattr(self, name)
+            if value is not None:
+                out[prefix + name] = value
+        for name, mats in (("factor", self.factors), ("root", self.roots), ("basis", self.bases)):
+            out.update((f"{prefix}{name}{k}", m) for k, m in enumerate(mats))
+        for name in ("failures", "exp_avg_sq"):
+            value = getattr(self, name)
+            if value is not None:
+                out[prefix + name] = value
+        return out
+
+    @property
+    def matrices(self) -> list[torch.Tensor]:
+        """The preconditioner: factors, roots, bases."""
+        return self.factors + self.roots + self.bases
+
+    def moment_dtype(self, default: torch.dtype) -> torch.dtype:
+        """The dtype of the moments (the gradient's when the state was made), ``default`` without any."""
+        for value in (self.exp_avg, self.graft_sq):
+            if value is not None:
+                return value.dtype
+        return default
+
+
+class Scratch:
+    """Reused scratch memory, one buffer per slot and dtype and device, grown as needed. On the CPU
+    a fresh block-sized tensor costs page faults comparable to the arithmetic of a memory-bound
+    operation on it (copying a 1024 x 1024 block into fresh memory took 2.4 ms in a step, into
+    reused memory 0.1 ms)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: str = "out") -> torch.Tensor:
+        """A contiguous tensor of ``shape`` over the memory of ``slot``: ``"out"`` (a block's
+        direction), ``"grad"`` (a contiguous copy of a strided block gradient), ``"left"`` (``R_0^T M``
+        before it is multiplied by ``R_1``)."""
+        n = math.prod(shape)
+        key = (slot, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)

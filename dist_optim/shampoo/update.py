@@ -1,0 +1,56 @@
+"""The parameter update from a direction (step 6 of the package docstring), on local tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .blocking import Block
+
+__all__ = ["apply_update", "apply_block_update", "join_blocks", "whole_views"]
+
+
+def apply_update(p: torch.Tensor, update: torch.Tensor, buf: torch.Tensor | None, group: dict[str, Any]) -> None:
+    """``P + weight_decay W`` (decoupled), momentum / Nesterov, ``W <- W - lr P`` on matching pieces
+    of a parameter, its direction (updated in place) and its momentum buffer."""
+    wd = group["weight_decay"]
+    if wd != 0 and group["use_decoupled_weight_decay"]:
+        update.add_(p, alpha=wd)
+    mom = group["momentum"]
+    if mom > 0 and buf is not None:
+        buf.mul_(mom).add_(update)
+        if group["use_nesterov"]:
+            update.add_(buf, alpha=mom)
+        else:
+            update = buf
+    p.add_(update, alpha=-group["lr"])
+
+
+def apply_block_update(
+    pv: torch.Tensor, bv: torch.Tensor | None, block: Block, d: torch.Tensor, group: dict[str, Any]
+) -> None:
+    """:func:`apply_update` for one block of a parameter held whole (``pv``, ``bv``: the parameter
+    and its momentum buffer in the blocking's shape)."""
+    apply_update(pv[block.slices], d.to(pv.dtype), None if bv is None else bv[block.slices], group)
+
+
+def join_blocks(view_shape: tuple[int, ...], blocks: list[Block], tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensor of ``view_shape`` made of one tensor per block (the only one itself, reshaped)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(view_shape)
+    full = tensors[0].new_empty(view_shape)
+    for block, d in zip(blocks, tensors):
+        full[block.slices] = d
+    return full
+
+
+def whole_views(
+    p: torch.Tensor, is_local: bool, buf: torch.Tensor | None, view_shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``p`` and its momentum buffer ``buf`` viewed in the blocking's (merged) shape, where this rank
+    holds ``p`` whole (``is_local``) and contiguous (its blocks' updates then apply slice by slice),
+    else None."""
+    if not (is_local and p.is_contiguous()):
+        return None
+    return p.detach().view(view_shape), None if buf is None else buf.view(view_shape)
