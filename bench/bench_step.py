@@ -310,8 +310,8 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
     from dist_optim import DistributedMuon, DistributedShampoo
 
     for fam, label, plugin_cls, make, options, route in runs:
-        DistributedShampoo._route_pieces = route
-        DistributedMuon._route_pieces = route
+        DistributedShampoo.route_pieces = route
+        DistributedMuon.route_pieces = route
         with quiet_colossal():
             torch.manual_seed(0)
             model = tiny_llama(hidden=256, inter=688, layers=2, vocab=1024)
@@ -336,8 +336,8 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
                 out[label] = dict(family=fam, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
                 continue
             finally:
-                DistributedShampoo._route_pieces = True
-                DistributedMuon._route_pieces = True
+                DistributedShampoo.route_pieces = True
+                DistributedMuon.route_pieces = True
             out[label] = dict(
                 family=fam,
                 ms=1e3 * statistics.median(times[2:]),

@@ -3,7 +3,7 @@ block, by every triangle kernel reachable from this environment, timed in turn::
 
     .venv/bin/python bench/blas_triangle.py [--n 1024] [--repeats 30] [--threads 1]
 
-Rows: torch's full product (``addmm_``, both triangles), ours (:func:`dist_optim._structured.
+Rows: torch's full product (``addmm_``, both triangles), ours (:func:`dist_optim.structured.
 gram_update_`: the lower triangle in column panels of 128, each one ``addmm_``), and the BLAS
 triangle kernels torch does not expose, called through ctypes: MKL's ``ssyrk`` and ``sgemmt``
 (the triangle-only gemm) from the MKL linked into libtorch, and OpenBLAS's ``ssyrk`` from the
@@ -34,7 +34,7 @@ ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from dist_optim import _structured  # noqa: E402
+from dist_optim import structured  # noqa: E402
 
 BETA, ALPHA = 0.999, 0.001
 FULL, OURS = "torch addmm_ (full product)", "ours: gram_update_ (panels of 128)"
@@ -104,7 +104,7 @@ def torch_kernels() -> tuple[dict[str, Kernel], dict[str, str]]:
     reason for each that cannot be called here."""
     found: dict[str, Kernel] = {
         FULL: lambda c, rows: c.addmm_(rows, rows.T, beta=BETA, alpha=ALPHA),
-        OURS: lambda c, rows: _structured.gram_update_(c, rows, BETA, ALPHA),
+        OURS: lambda c, rows: structured.gram_update_(c, rows, BETA, ALPHA),
     }
     missing: dict[str, str] = {}
     libtorch = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))

@@ -35,7 +35,7 @@ round-robin (one step of each optimizer in turn), the first round dropped, media
   timed in turn; the warm-up steps above include setting up the state and run one after the other).
 * "products only": the multiply-adds that the same math cannot avoid, on the same blocks and with
   nothing else (no grafting, no update, no checks): every factor's statistics by our fastest
-  triangle update (:func:`dist_optim._structured.gram_update_`), and, preconditioned, ``R_0^T M R_1``
+  triangle update (:func:`dist_optim.structured.gram_update_`), and, preconditioned, ``R_0^T M R_1``
   by two ``mm`` into reused outputs. Its ratio to Meta's step is the lowest ratio any implementation
   of this math reaches with torch's BLAS on this machine; "ours / products only" is what we spend
   beyond it.
@@ -60,7 +60,7 @@ if ROOT not in sys.path:
 
 import dist_optim  # noqa: E402  (ours)
 from bench.bench_step import fixed_params, llama_like  # noqa: E402
-from dist_optim import _structured  # noqa: E402
+from dist_optim import structured  # noqa: E402
 from dist_optim.shampoo import apply_each_dim, kept_triangle, plan_blocks  # noqa: E402
 
 try:  # from its modules: the package's __init__.py exports nothing at b91f46b
@@ -107,7 +107,7 @@ class SameProducts:
             order = g.dim()
             for k, factor in enumerate(factors):
                 gk = g.movedim(k, 0).reshape(g.shape[k], -1)
-                _structured.gram_update_(kept_triangle(factor, order, k), gk, b2, 1 - b2)
+                structured.gram_update_(kept_triangle(factor, order, k), gk, b2, 1 - b2)
             if out is not None:
                 tmp = self.tmp[: g.numel()].view(g.shape)
                 apply_each_dim(g, roots, transpose=False, out=out, tmp=tmp)

@@ -37,7 +37,7 @@ and ``col_var`` (``full[:-2] + (1, C)``) for parameters with >= 2 dims, replicat
 full-matrix form under every layout; ``variance`` for vectors and ``exp_avg`` (beta1), which have
 the parameter's local form.
 
-Distributed (see :mod:`dist_optim._factored`): the row/column statistics, RMS(W) and RMS(U)
+Distributed (see :mod:`dist_optim.factored`): the row/column statistics, RMS(W) and RMS(U)
 are those of the full tensor. A step issues two flushes of one :class:`~dist_optim.comm.SumBucket`
 (the statistics and RMS(W) of every parameter, then RMS(U) of every parameter): at most one
 all-reduce per process group and flush, whatever the number of parameters, plus the NaN/Inf
@@ -55,7 +55,9 @@ from typing import Any
 
 import torch
 
-from ._factored import (
+from .base import check_range
+from .comm import SumBucket
+from .factored import (
     EPS_ADD,
     EPS_CLAMP,
     FactoredOptimizer,
@@ -70,8 +72,6 @@ from ._factored import (
     queue_sumsq,
     rms,
 )
-from .base import check_range
-from .comm import SumBucket
 from .registry import ANY, Conversion, register
 
 __all__ = ["DistributedAdafactor"]

@@ -16,7 +16,7 @@ Per parameter tensor, as in the authors' ``came_pytorch.CAME`` (and ColossalAI's
 Deviations from the paper, kept for compatibility with the implementation users run: the
 second moment has no bias correction, and the factored statistics are over the last two dims
 with leading dims kept. The second moment and its preconditioning are Adafactor's
-(:mod:`dist_optim._factored`, shared with :class:`~dist_optim.DistributedAdafactor`).
+(:mod:`dist_optim.factored`, shared with :class:`~dist_optim.DistributedAdafactor`).
 
 State keys: ``step``, ``exp_avg``; ``row_var``/``col_var`` (second moment) and
 ``res_row_var``/``res_col_var`` (confidence) in full-matrix form for >= 2-D parameters;
@@ -36,7 +36,9 @@ from typing import Any
 
 import torch
 
-from ._factored import (
+from .base import check_range
+from .comm import SumBucket
+from .factored import (
     EPS_ADD,
     FactoredOptimizer,
     Item,
@@ -52,8 +54,6 @@ from ._factored import (
     queue_factored_sums,
     queue_sumsq,
 )
-from .base import check_range
-from .comm import SumBucket
 from .registry import Conversion, register
 
 __all__ = ["DistributedCAME"]

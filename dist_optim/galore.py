@@ -32,7 +32,7 @@ Parameters in groups without ``rank`` get plain AdamW with the same update rule.
 ``exp_avg[_sq]`` of plain params, as bitsandbytes' GaLoreAdamW8bit) are stored as uint8 codes plus
 one fp32 absmax per block of 256 values, quantised with bitsandbytes'
 ``functional.quantize_blockwise`` / ``dequantize_blockwise`` and its signed / unsigned dynamic
-maps (the format of bitsandbytes' own 8-bit blockwise Adam; :mod:`dist_optim._bnb_states`). Each
+maps (the format of bitsandbytes' own 8-bit blockwise Adam; :mod:`dist_optim.bnb_states`). Each
 step dequantises, updates in fp32, takes the step from the fp32 values and re-quantises, as
 bitsandbytes' kernel does. Like bitsandbytes, moments with fewer than ``min_8bit_size`` elements
 stay fp32. ``is_paged`` allocates moments of >= 1e5 elements in bitsandbytes' paged (CUDA
@@ -62,7 +62,7 @@ Deviations from galore_torch (all deliberate):
 * ``reverse_std`` on an ``M < N`` matrix with ``rank == M`` back-projects on the side it
   projected (galore_torch picks the side from the low-rank shape and fails with a shape error).
 * 8-bit plain-param moments are quantised in blocks of the *full* flattened parameter
-  (``_bnb_states.FullBlocks``), as on one device: a ZeRO chunk or TP slice holds pieces of blocks, whose absmax
+  (``bnb_states.FullBlocks``), as on one device: a ZeRO chunk or TP slice holds pieces of blocks, whose absmax
   is max-reduced over its holders (one collective per group and step) and forced on
   bitsandbytes' quantiser, so codes and absmax are the same on every layout. Between the two
   passes this needs, the new moments are recomputed rather than held.
@@ -93,7 +93,7 @@ from typing import Any
 
 import torch
 
-from . import _bnb_states as bnb
+from . import bnb_states as bnb
 from . import comm
 from .base import DistOptimizer, check_adam_options, check_range
 from .layout import ParamLayout

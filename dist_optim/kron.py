@@ -67,7 +67,7 @@ Deviations from ``kron_torch.kron.Kron``:
   ``momentum_into_precond_update=False``; we do not touch gradients. kron_torch prints buffer
   sizes on the first step; we do not.
 * The contractions are written as matrix products along one dim at a time instead of einsum,
-  and they skip what the structure makes known (:mod:`dist_optim._structured`: the zero half of
+  and they skip what the structure makes known (:mod:`dist_optim.structured`: the zero half of
   the upper-triangular factors, the mirrored half of the Gram matrices): the same math, fp32
   rounding differs (~1e-7 relative), about a third of the multiply-adds of a large factor.
 * ``clip_update_rms`` (default True) can switch the RMS clipping off, as in kron_torch's
@@ -112,11 +112,11 @@ from typing import Any
 
 import torch
 
-from ._structured import gram, matmul_triangular, upper_times_upper
 from .base import DistOptimizer, check_range
 from .comm import gather_full
 from .owners import Owner, assign, data_group, share_results, work_grids, work_group
 from .registry import Conversion, register
+from .structured import gram, matmul_triangular, upper_times_upper
 
 __all__ = ["DistributedKron", "ProbabilitySchedule", "precond_update_prob_schedule", "precond_cost"]
 
@@ -213,7 +213,7 @@ def precond_cost(shape: Sequence[int], diag: Sequence[bool]) -> float:
     """Work of one preconditioner update plus preconditioning, in multiply-adds (a model).
 
     Per triangular factor of size ``n`` on a tensor of ``N`` elements, with the structured
-    products of :mod:`dist_optim._structured`: ``A`` and the triangular solve ~N n / 2 each, the
+    products of :mod:`dist_optim.structured`: ``A`` and the triangular solve ~N n / 2 each, the
     two Gram products ~N n / 2 each, the two triangular applications in the preconditioning
     ~N n / 2 each (3 N n together), the factor update ``triu(D) Q`` ~n^3 / 3. A diagonal factor
     costs ~8 N."""

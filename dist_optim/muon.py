@@ -237,7 +237,7 @@ class DistributedMuon(DistOptimizer):
     #: Route pieces of C to the matrices' owners (the default). False: every rank gathers every
     #: full C and iterates on every matrix, the way a port without owners works (the benchmark's
     #: and the tests' comparison).
-    _route_pieces = True
+    route_pieces = True
 
     def __init__(
         self,
@@ -428,7 +428,7 @@ class DistributedMuon(DistOptimizer):
         groups = {p: g for g in self.param_groups for p in g["params"]}
         by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
         for p, (wg, _) in plans.items():
-            if self._route_pieces and self._work_size(wg) > 1:
+            if self.route_pieces and self._work_size(wg) > 1:
                 by_group.setdefault(id(wg), (wg, []))[1].append(p)
         for wg in ordered_groups(entry[0] for entry in by_group.values()):
             params = by_group[id(wg)][1]

@@ -407,7 +407,7 @@ def test_bad_input() -> None:
 def test_factored_layout_sums_and_expansion(shape: tuple[int, ...], tp_dim: int | None, tp: int, zero: int) -> None:
     """Partial row/column sums over every (TP rank, ZeRO rank) add up to the full tensor's, and
     expansion puts row i's and column j's values on every element, padding left at zero."""
-    from dist_optim._factored import FactoredLayout
+    from dist_optim.factored import FactoredLayout
 
     gen = torch.Generator().manual_seed(0)
     full = torch.rand(shape, generator=gen, dtype=torch.float64) + 0.1

@@ -49,7 +49,7 @@ DEVICES = [
 
 # Matrices (GaLore-projected where a case has GaLore options), a 3-D tensor and a vector.
 SHAPES = {"w": (24, 16), "v": (16, 40), "t3": (4, 6, 5), "b": (24,)}
-# bitsandbytes pages states of >= 1e5 elements (dist_optim._bnb_states.PAGED_MIN_NUMEL): a plain
+# bitsandbytes pages states of >= 1e5 elements (dist_optim.bnb_states.PAGED_MIN_NUMEL): a plain
 # parameter that large, for the paged cases.
 BIG = {"big": (256, 400)}
 

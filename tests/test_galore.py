@@ -531,7 +531,7 @@ def test_paged_states_allocation_and_prefetch(monkeypatch: pytest.MonkeyPatch, o
     are ordinary tensors, and the run is identical to the unpaged one."""
     import bitsandbytes.functional as bnbf
 
-    from dist_optim import _bnb_states
+    from dist_optim import bnb_states
 
     allocated: list[torch.Tensor] = []
     prefetched: list[int] = []
@@ -542,7 +542,7 @@ def test_paged_states_allocation_and_prefetch(monkeypatch: pytest.MonkeyPatch, o
         allocated.append(t)
         return t
 
-    monkeypatch.setattr(_bnb_states, "paging_supported", lambda device: True)
+    monkeypatch.setattr(bnb_states, "paging_supported", lambda device: True)
     monkeypatch.setattr(bnbf, "get_paged", fake_get_paged)
     monkeypatch.setattr(bnbf, "prefetch_tensor", lambda t, to_cpu=False: prefetched.append(t.data_ptr()))
     shapes = [(512, 256), (400, 300), (64, 48), (700,)]  # big GaLore, big plain, small GaLore, small plain

@@ -349,13 +349,13 @@ LARGE_FACTOR_CASES = {
 
 @pytest.mark.parametrize("name", list(LARGE_FACTOR_CASES))
 def test_large_factors_keep_lower_triangles_between_refreshes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Factors above _structured.MIN_SIZE are updated in one triangle only and mirrored
+    """Factors above structured.MIN_SIZE are updated in one triangle only and mirrored
     at refreshes and exports. With MIN_SIZE lowered to 1 every factor of the tiny model takes that
     path: the reference still agrees, and exported factors are symmetric."""
-    from dist_optim import _structured
+    from dist_optim import structured
 
-    monkeypatch.setattr(_structured, "MIN_SIZE", 1)
-    monkeypatch.setattr(_structured, "PANEL", 2)
+    monkeypatch.setattr(structured, "MIN_SIZE", 1)
+    monkeypatch.setattr(structured, "PANEL", 2)
     stale: list[bool] = []
     real_step = dist_optim.DistributedShampoo.step
 
@@ -428,7 +428,7 @@ def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatc
 
 
 def test_iterative_roots_match_eigh() -> None:
-    from dist_optim._matrix import matrix_inverse_root
+    from dist_optim.matrix_functions import matrix_inverse_root
 
     gen = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float64, 1e-8), (torch.float32, 1e-3)):
@@ -800,11 +800,11 @@ ROUTE_LAYOUTS = ((1, 4, 1), (2, 2, 2), (2, 2, 0), (4, 1, 0))
 def _pieces_routed(routed: bool) -> Iterator[None]:
     """Optimizers built and stepped inside move pieces to block owners (True, the default) or
     gather full gradients (False)."""
-    dist_optim.DistributedShampoo._route_pieces = routed
+    dist_optim.DistributedShampoo.route_pieces = routed
     try:
         yield
     finally:
-        dist_optim.DistributedShampoo._route_pieces = True
+        dist_optim.DistributedShampoo.route_pieces = True
 
 
 def _route_worker(comm_dtype: torch.dtype) -> dict:

@@ -1,12 +1,12 @@
-"""The structured products of dist_optim._structured against plain matrix products."""
+"""The structured products of dist_optim.structured against plain matrix products."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dist_optim import _structured
-from dist_optim._structured import (
+from dist_optim import structured
+from dist_optim.structured import (
     gram,
     gram_update_,
     matmul_triangular,
@@ -104,7 +104,7 @@ def test_min_size_is_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(_structured, "MIN_SIZE", 4)
+    monkeypatch.setattr(structured, "MIN_SIZE", 4)
     monkeypatch.setattr(torch, "addmm", counting)
     f, t = torch.randn(3, 16), torch.randn(16, 16)
     torch.testing.assert_close(matmul_triangular(f, t), f @ t.triu())

@@ -21,7 +21,7 @@ Per parameter, with ``t`` its 1-based step (steps without a gradient do not coun
 4. Roots at ``t == start`` and whenever ``t % precondition_frequency == 0 and t > start``:
    ``A = L / (1 - b2^n)`` (bias correction, ``n`` factor updates so far),
    ``R = (A + epsilon I)^(-exponent_multiplier / r)``, ``r = 2 * order of the block`` unless
-   ``exponent_override``; see :func:`dist_optim._matrix.matrix_inverse_root`. A root that is not
+   ``exponent_override``; see :func:`dist_optim.matrix_functions.matrix_inverse_root`. A root that is not
    finite or whose iteration error exceeds ``inverse_failure_threshold`` is discarded: the previous
    root is kept (identity before the first) and ``block<i>.failures`` counts it.
 5. Direction: before ``start`` ``P = D``; then ``P = Mhat x_0 R_0 x_1 R_1 ...`` scaled per block to
@@ -36,11 +36,11 @@ until the first refresh. At the steps of (4), with ``A = L / (1 - b2^n)``, the b
 * ``eigenbasis="qr"``: Meta's ``DefaultSOAPConfig`` (``QREigendecompositionConfig(max_iterations=1)``):
   one QR-algorithm step from the current basis (the identity at the first refresh),
   ``B = Q^T (A + epsilon I) Q``, ``Q' R = qr(B)``, ``Q <- Q Q'``, columns sorted by ``diag(R Q')``
-  increasing (:func:`dist_optim._matrix.qr_algorithm_step`).
+  increasing (:func:`dist_optim.matrix_functions.qr_algorithm_step`).
 * ``eigenbasis="qr-eigh-start"``: Vyas et al.'s recipe: the eigenvectors at the first refresh, then
   one power step ``Q' R = qr(A Q)`` from the current basis whose columns are first sorted by
   decreasing ``diag(Q^T A Q)``, ``S`` below permuted with them
-  (:func:`dist_optim._matrix.qr_power_step`).
+  (:func:`dist_optim.matrix_functions.qr_power_step`).
 
 Otherwise ``S`` is kept as it is across a refresh, not rotated into the new basis (as in Meta's
 and Vyas et al.'s code). Then ``Gr = G x_k Q_k^T`` (the refreshed basis), ``S <- b2 S + (1 - b2) Gr^2``,
@@ -104,7 +104,7 @@ Block state (factors, roots, bases, moments, grafting state) lives only on its o
 the preconditioners is divided across the group (:meth:`DistributedShampoo.state_bytes`);
 :meth:`DistributedShampoo.full_state` gathers it back.
 
-Cost (see the README's benchmark): factors larger than ``_structured.MIN_SIZE`` (256) are updated
+Cost (see the README's benchmark): factors larger than ``structured.MIN_SIZE`` (256) are updated
 in one triangle only (:func:`blocking.kept_triangle`), ~0.56 of a full product's multiply-adds, and
 mirrored when a root is computed and by ``state_dict()`` / ``full_state()``, so
 ``optimizer.state`` read directly between refreshes holds a stale triangle there. Adam

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import _structured
+from .. import structured
 from ..base import DistOptimizer
 from ..comm import SumBucket, gather_full, group_key, group_rank, group_size
 from ..layout import ParamLayout
@@ -82,7 +82,7 @@ class DistributedShampoo(DistOptimizer):
 
     #: Parameters held in pieces move only the pieces their block owners and holders need (:mod:`.routing`);
     #: False gathers full gradients and shares every direction (the same result bit for bit, compared by tests).
-    _route_pieces: bool = True
+    route_pieces: bool = True
 
     _sharded_state = ("momentum_buffer",)
 
@@ -184,7 +184,7 @@ class DistributedShampoo(DistOptimizer):
         pieces = [
             p
             for p in self._all_params()
-            if self._route_pieces and not self.layout(p).is_local and self._work_size(self._plans[p].work_group) > 1
+            if self.route_pieces and not self.layout(p).is_local and self._work_size(self._plans[p].work_group) > 1
         ]
         found = plan_piece_routes([self.layout(p) for p in pieces], [self._plans[p] for p in pieces])
         self._routes.update(zip(pieces, found))
@@ -348,10 +348,10 @@ class DistributedShampoo(DistOptimizer):
 
     def _symmetrize_factors(self) -> None:
         """Mirror every large factor's kept triangle (the only one its updates keep current,
-        see :func:`_structured.gram_update_`) so that exported state is symmetric."""
+        see :func:`structured.gram_update_`) so that exported state is symmetric."""
         for _, block, bs in self._block_states():
             for k, factor in enumerate(bs.factors):
-                _structured.symmetrize_(kept_triangle(factor, block.order, k))
+                structured.symmetrize_(kept_triangle(factor, block.order, k))
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, with every factor matrix made symmetric first."""

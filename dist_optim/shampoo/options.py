@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import _matrix
+from .. import matrix_functions
 from ..base import check_range
 
 __all__ = [
@@ -217,8 +217,8 @@ def _check_integers(group: dict[str, Any]) -> None:
 
 
 def _check_methods(group: dict[str, Any]) -> None:
-    if group["root_inverse"] not in _matrix.ROOT_METHODS:
-        raise ValueError(f"root_inverse must be one of {_matrix.ROOT_METHODS}, got {group['root_inverse']!r}")
+    if group["root_inverse"] not in matrix_functions.ROOT_METHODS:
+        raise ValueError(f"root_inverse must be one of {matrix_functions.ROOT_METHODS}, got {group['root_inverse']!r}")
     if group["eigenbasis"] not in EIGENBASES:
         raise ValueError(f"eigenbasis must be one of {EIGENBASES}, got {group['eigenbasis']!r}")
     graft = group["grafting_config"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ... import _structured
+from ... import structured
 from ..blocking import Block, kept_triangle
 from ..state import BlockState
 
@@ -29,10 +29,10 @@ def update_factors(
         gp = g.to(group["preconditioner_dtype"])
         for k, factor in enumerate(bs.factors):
             gk = gp.movedim(k, 0).reshape(block.shape[k], -1)
-            _structured.gram_update_(kept_triangle(factor, order, k), gk, b2, 1.0 if b2 == 1 else 1 - b2)
+            structured.gram_update_(kept_triangle(factor, order, k), gk, b2, 1.0 if b2 == 1 else 1 - b2)
     n = t // scs  # factor updates so far
     if not (n > 0 and (t == start or (t > start and t % group["precondition_frequency"] == 0))):
         return None
     for k, factor in enumerate(bs.factors):  # gram_update_ keeps one triangle of large factors
-        _structured.symmetrize_(kept_triangle(factor, order, k))
+        structured.symmetrize_(kept_triangle(factor, order, k))
     return 1.0 / (1 - b2**n) if (group["use_bias_correction"] and b2 < 1) else 1.0

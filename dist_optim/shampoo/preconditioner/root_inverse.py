@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ... import _matrix
+from ... import matrix_functions
 from ..blocking import apply_each_dim
 from ..state import BlockState, Scratch
 from .grafting import Moments, scale_direction
@@ -21,10 +21,10 @@ def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any
     in ``failures``."""
     failures = bs.failures
     assert failures is not None
-    root, mult = _matrix.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
+    root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
     for factor, r_k in zip(bs.factors, bs.roots):
         try:
-            x, err, ok = _matrix.matrix_inverse_root(
+            x, err, ok = matrix_functions.matrix_inverse_root(
                 factor * scale,
                 root,
                 group["epsilon"],

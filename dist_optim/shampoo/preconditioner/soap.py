@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ... import _matrix
+from ... import matrix_functions
 from ..blocking import apply_each_dim
 from ..state import BlockState
 from .grafting import Moments, scale_direction
@@ -27,11 +27,11 @@ def refresh_bases(bs: BlockState, scale: float, group: dict[str, Any], first: bo
         perm = None
         try:
             if mode == "qr":
-                q_new, ok = _matrix.qr_algorithm_step(a, q, group["epsilon"])
+                q_new, ok = matrix_functions.qr_algorithm_step(a, q, group["epsilon"])
             elif mode == "eigh" or first:
-                q_new, ok = _matrix.eigenbasis(a)
+                q_new, ok = matrix_functions.eigenbasis(a)
             else:  # "qr-eigh-start" after its first refresh
-                q_new, perm, ok = _matrix.qr_power_step(a, q)
+                q_new, perm, ok = matrix_functions.qr_power_step(a, q)
         except torch.linalg.LinAlgError:
             q_new, perm, ok = q, None, torch.zeros((), dtype=torch.bool)
         q.copy_(torch.where(ok, q_new.to(q.dtype), q))

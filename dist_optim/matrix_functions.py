@@ -56,7 +56,7 @@ def matrix_inverse_root(
     """``(matrix + epsilon I)^(-exponent_multiplier / root)`` of a symmetric PSD matrix.
 
     The matrix is symmetrised first (``(A + A^T) / 2``) unless ``overwrite``: the caller's matrix is
-    then exactly symmetric already (Shampoo's factors after ``_structured.symmetrize_``; the
+    then exactly symmetric already (Shampoo's factors after ``structured.symmetrize_``; the
     symmetrised copy would equal it bit for bit) and may be overwritten, so no copy is made (two
     block-sized temporaries less per root: ~15% of a 1024-factor's refresh on the CPU here).
 
