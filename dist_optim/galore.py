@@ -461,6 +461,12 @@ class DistributedGaLore(DistOptimizer):
             if compute and u is not None and vh is not None:
                 tensor = (u[:, :rank] if key == "proj_left" else vh[:rank, :]).to(dtype)
                 tensor = tensor.contiguous() if shared else tensor
+                if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+                    # A slice of the SVD's factors keeps all of U (m x k) or Vh (k x n) alive: a
+                    # GPU's row-major Vh slice is contiguous and stays a view. Copy it; a dense
+                    # slice (LAPACK's column-major U[:, :r]) keeps its strides, so its products
+                    # round as before.
+                    tensor = tensor.clone()
             elif compute and key in it.state:
                 tensor = it.state[key].clone()
             elif compute:
@@ -656,7 +662,8 @@ class DistributedGaLore(DistOptimizer):
         for p, g in zip(params, grads):
             st = self.state[p]
             m, v = st["exp_avg"], st["exp_avg_sq"]
-            if p.device.type not in ("cpu", "cuda") or not p.dtype.is_floating_point:
+            # meta: the kernel has a meta implementation; dist_optim.plan then simulates the GPU's path
+            if p.device.type not in ("cpu", "cuda", "meta") or not p.dtype.is_floating_point:
                 return False
             if not all(t.dtype == p.dtype and t.device == p.device and t.is_contiguous() for t in (p, g, m, v)):
                 return False

@@ -592,12 +592,13 @@ class DistributedMuon(DistOptimizer):
 
 def _fused_applies(tensors: Sequence[torch.Tensor]) -> bool | None:
     """Torch's fused AdamW kernel reads dense memory of one dtype per parameter on the CPU or a
-    CUDA device; elsewhere the per-tensor path (the same update) runs."""
+    CUDA device (and on meta tensors, where it has a meta kernel: the planner then takes the
+    path a GPU takes); elsewhere the per-tensor path (the same update) runs."""
     ok = (
         _FUSED_ADAMW
         and bool(tensors)
         and all(
-            t.device.type in ("cpu", "cuda")
+            t.device.type in ("cpu", "cuda", "meta")
             and t.dtype.is_floating_point
             and t.is_contiguous()
             and t.dtype == tensors[0].dtype

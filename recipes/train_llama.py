@@ -544,8 +544,30 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
             f"({n * 4 / 2**30:.2f} GiB in fp32, before vocabulary padding)"
         )
     log(f"dry run: optimizer {class_path(cls)} -> {swapped}")
-    log("dry run: the optimizer's memory plan is not computed yet (it comes with the memory planner)")
+    info["plan"] = dry_run_plan(args, config, dp)
     return info
+
+
+def dry_run_plan(args: argparse.Namespace, config: Any, dp: int) -> dict[str, Any] | None:
+    """The optimizer's memory and communication plan for these arguments (``dist_optim.plan``:
+    simulated on meta tensors, nothing allocated), printed; None where the planner does not
+    cover the layout or the optimizer (said in the log)."""
+    from dist_optim.plan import OPTIMIZERS, Layout, PlanError, format_plan, make_plan
+
+    name = args.optimizer if args.optimizer in OPTIMIZERS else None
+    if name is None:
+        log(f"dry run: no plan: the planner knows the optimizers {', '.join(OPTIMIZERS)} by short name")
+        return None
+    try:
+        layout = Layout(args.plugin, tp=args.tp, pp=args.pp, zero=args.zero, dp=dp, precision=args.precision)
+        if args.sp > 1:
+            raise PlanError("--sp: sequence parallelism is not simulated")
+        plan = make_plan(config, layout, name, args.optimizer_args)
+    except PlanError as exc:
+        log(f"dry run: no plan: {exc}")
+        return None
+    log(format_plan(plan))
+    return plan.to_json()
 
 
 # ---- checkpoints -----------------------------------------------------------------------------

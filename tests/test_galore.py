@@ -142,6 +142,20 @@ def test_projector_refreshes_on_schedule() -> None:
     assert opt.comm_stats["refresh_steps"] == 3
 
 
+@pytest.mark.parametrize("shape", [(10, 6), (6, 10), (8, 8)])
+def test_projectors_do_not_keep_the_svd_alive(shape: tuple[int, int]) -> None:
+    """A stored projector owns exactly its own memory: a slice of U (m x k) or Vh (k x n) kept as a
+    view holds the whole factor (on a GPU, Vh's row-major slice is contiguous and stays a view; on
+    the CPU, U's column-major slice does)."""
+    p = torch.randn(*shape)
+    opt = DistributedGaLore([{"params": [p], "rank": 2, "proj_type": "full", "scale": 1.0}], lr=1e-2)
+    p.grad = torch.randn(*shape)
+    opt.step()
+    for key in ("proj_left", "proj_right"):
+        t = opt.state[p][key]
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (key, t.shape)
+
+
 def test_convert_galore_torch_trains_identically() -> None:
     from galore_torch import GaLoreAdamW
 

@@ -53,11 +53,12 @@ class Moments:
 
 def fused_adam_applies(*tensors: torch.Tensor) -> bool:
     """The kernel reads dense memory of one dtype and device: anything else takes the per-op path
-    (it would silently misread a strided view)."""
+    (it would silently misread a strided view). Meta tensors take it as a GPU does (the kernel has
+    a meta implementation), so that dist_optim.plan simulates the GPU's path."""
     first = tensors[0]
     return (
         FUSED_ADAM
-        and first.device.type in ("cpu", "cuda")
+        and first.device.type in ("cpu", "cuda", "meta")
         and first.dtype.is_floating_point
         and all(t.dtype == first.dtype and t.device == first.device and t.is_contiguous() for t in tensors)
     )

@@ -1,0 +1,333 @@
+"""``python -m dist_optim.plan``: will a Llama run fit, and what does an optimizer step cost?
+
+The plan is the simulation of the code that runs (:mod:`dist_optim.plan.simulate`): rank 0 of the
+job, then the rank the optimizer's own owner assignment loads most, each through a few optimizer
+steps on meta tensors over ``fake`` process groups of the job's world size. Every figure says
+whether it was simulated or derived (:data:`NOT_SIMULATED` lists what the planner does not run).
+
+This module imports ColossalAI (its ShardFormer splits the model): it is a tool beside the core,
+like ``dist_optim.plugins``, and the optimizers never import it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .simulate import (
+    MODELS,
+    OPTIMIZERS,
+    REFRESH_OPTIONS,
+    Layout,
+    PlanError,
+    RankResult,
+    ideal_share,
+    load_config,
+    simulate_rank,
+    single_device_state,
+)
+
+__all__ = [
+    "Layout",
+    "PlanError",
+    "Plan",
+    "RankPlan",
+    "make_plan",
+    "format_plan",
+    "format_sweep",
+    "parse_bytes",
+    "MODELS",
+    "OPTIMIZERS",
+    "NOT_SIMULATED",
+    "SWEEP_LAYOUTS",
+]
+
+GB = 1e9
+
+#: What the planner does not run, printed with every plan.
+NOT_SIMULATED = (
+    "ColossalAI's own collectives (gradient all-reduce / reduce-scatter, ZeRO's parameter all-gather, "
+    "TP activations) and activation memory: not counted",
+    "ZeRO padding and chunking: LowLevelZero's rule (-numel mod ZeRO size), derived, checked by ParamLayout",
+    "working params, fp32 masters and gradients beside the optimizer: derived from ColossalAI's wrappers "
+    "(ZeRO-0/1 keep working-precision gradients whole, ZeRO-2 only the fp32 chunk)",
+    "values that depend on tensor contents (.item() of a meta tensor): answered 0 / True; iterations run to "
+    "their limit, NaN checks find none",
+    "pipeline parallelism (--pp) and expert parallelism (--ep): refused, not simulated",
+)
+
+#: The layouts of ``--sweep`` for a world of N ranks: (plugin, tp, zero, precision).
+SWEEP_LAYOUTS: tuple[tuple[str, int, int, str], ...] = (
+    ("hybrid", 8, 0, "bf16"),
+    ("hybrid", 8, 1, "bf16"),
+    ("hybrid", 2, 1, "bf16"),
+    ("zero", 1, 2, "bf16"),
+)
+
+
+@dataclass
+class RankPlan:
+    """Bytes per rank (simulated unless said) and one step's traffic."""
+
+    rank: int
+    working_params: int  # derived: the TP slices in working precision
+    fp32_masters: int  # derived: separate fp32 masters (0 when the working params are the masters)
+    gradients: int  # derived: fp32 master gradients + working-precision gradients ColossalAI keeps
+    optimizer_state: int  # simulated: every tensor in optimizer.state
+    kept_buffers: int  # simulated: allocated by step() and kept beyond optimizer.state
+    peak_transient: int  # simulated: the largest bytes alive inside one step() that it freed
+    transient_step: int  # which simulated step reached it (1-based)
+    steps: list[dict[str, Any]]  # per simulated step: collectives, bytes sent, transient
+    owner_load: float  # the optimizer's cost model: this rank's owned work
+
+    @property
+    def total(self) -> int:
+        return (
+            self.working_params
+            + self.fp32_masters
+            + self.gradients
+            + self.optimizer_state
+            + self.kept_buffers
+            + self.peak_transient
+        )
+
+
+@dataclass
+class Plan:
+    model: str
+    layout: Layout
+    optimizer: str
+    optimizer_args: dict[str, Any]
+    busiest: RankPlan
+    ranks: list[RankPlan]  # every simulated rank
+    ideal_state: int  # single-device state / ranks sharing it
+    single_device_state: int
+    ideal_how: str
+    owner_balance: float  # busiest / mean owned work (1.0 without owners)
+    transient_option: str
+    refresh_note: str
+    seconds: float
+    gpu_memory: int | None = None
+    not_simulated: tuple[str, ...] = NOT_SIMULATED
+    meta_items: int = 0
+
+    @property
+    def steady(self) -> dict[str, Any]:
+        later = self.busiest.steps[1:] or self.busiest.steps
+        return min(later, key=lambda s: (s["bytes_sent"], s["collectives"]))
+
+    @property
+    def refresh(self) -> dict[str, Any]:
+        return max(self.busiest.steps, key=lambda s: (s["bytes_sent"], s["collectives"]))
+
+    @property
+    def state_vs_ideal(self) -> float:
+        return self.busiest.optimizer_state / self.ideal_state if self.ideal_state else math.inf
+
+    def mean(self, key: str) -> float:
+        return sum(getattr(r, key) for r in self.ranks) / len(self.ranks)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "model": self.model,
+            "layout": asdict(self.layout),
+            "world": self.layout.world,
+            "optimizer": self.optimizer,
+            "optimizer_args": self.optimizer_args,
+            "busiest": asdict(self.busiest),
+            "simulated_ranks": [r.rank for r in self.ranks],
+            "mean": {k: self.mean(k) for k in ("optimizer_state", "peak_transient", "fp32_masters", "gradients")},
+            "ideal_state": self.ideal_state,
+            "single_device_state": self.single_device_state,
+            "ideal_how": self.ideal_how,
+            "state_vs_ideal": self.state_vs_ideal,
+            "owner_balance": self.owner_balance,
+            "steady": self.steady,
+            "refresh": self.refresh,
+            "transient_option": self.transient_option,
+            "refresh_note": self.refresh_note,
+            "seconds": self.seconds,
+            "not_simulated": list(self.not_simulated),
+        }
+        if self.gpu_memory is not None:
+            out["gpu_memory"] = self.gpu_memory
+            out["fits"] = self.busiest.total <= self.gpu_memory
+            out["headroom"] = self.gpu_memory - self.busiest.total
+        return out
+
+
+#: The option that bounds each optimizer's largest transient buffers.
+TRANSIENT_OPTIONS = {
+    "shampoo": "max_gather_bytes (gathered gradients per bucket), communication_dtype",
+    "muon": "communication_dtype (routed pieces), ns_dtype (Newton-Schulz workspace)",
+    "galore": "the rank and update_proj_gap (SVD workspace on refresh steps)",
+    "kron": "communication_dtype, max_size_triangular (dense factors)",
+    "lamb": "none: the foreach update holds one update per parameter",
+    "adamw": "foreach=False (torch's per-parameter loop)",
+    "adafactor": "none (row/column statistics are small)",
+    "came": "none (row/column statistics are small)",
+}
+
+
+def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
+    working = sum(p.working.numel() for p in result.pieces) * layout.working_dtype.itemsize
+    master_bytes = sum(p.master.numel() * 4 for p in result.pieces)
+    separate = layout.zero > 0 or layout.precision != "fp32"
+    working_grads = working if (layout.zero < 2 and layout.precision != "fp32") or not separate else 0
+    grads = (master_bytes if separate else 0) + working_grads
+    steps: list[dict[str, Any]] = [
+        {
+            "step": i + 1,
+            "collectives": s.traffic.collectives,
+            "by_kind": dict(s.traffic.counts),
+            "bytes_sent": float(s.traffic.bytes_sent),
+            "transient": s.transient,
+        }
+        for i, s in enumerate(result.steps)
+    ]
+    peak = max(steps, key=lambda s: s["transient"])
+    load = result.owner_loads[result.rank] if result.rank < len(result.owner_loads) else 0.0
+    return RankPlan(
+        result.rank, working, master_bytes if separate else 0, grads, result.state_bytes, result.kept_bytes,
+        peak["transient"], peak["step"], steps, load,
+    )  # fmt: skip
+
+
+def make_plan(
+    model: Any,
+    layout: Layout,
+    optimizer: str,
+    optimizer_args: dict[str, Any] | None = None,
+    steps: int = 3,
+    all_ranks_up_to: int = 8,
+    gpu_memory: int | None = None,
+    log: Callable[[str], None] | None = None,
+    device: str = "cuda",
+) -> Plan:
+    """Simulate ``optimizer`` on ``model`` (a :data:`MODELS` name, a config.json path or a config)
+    under ``layout``: rank 0, the busiest owner, and every rank when the world has at most
+    ``all_ranks_up_to`` ranks; as on ``device`` (``"cuda"``, or ``"cpu"`` to compare with a CPU run:
+    :func:`~dist_optim.plan.simulate.as_device`)."""
+    t0 = time.perf_counter()
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if steps < 2:
+        raise PlanError(f"--steps {steps}: at least 2 (the first step also creates the state)")
+    config = load_config(model)
+    args = dict(optimizer_args or {})
+    say = log or (lambda _: None)
+    say(f"simulating rank 0 of {layout.describe()} with {optimizer}")
+    first = simulate_rank(config, layout, optimizer, args, 0, steps, device)
+    results = {0: first}
+    loads = first.owner_loads
+    busiest = max(range(len(loads)), key=lambda r: (loads[r], -r)) if loads else 0
+    wanted = list(range(layout.world)) if layout.world <= all_ranks_up_to else [busiest]
+    for r in wanted:
+        if r not in results:
+            say(f"simulating rank {r}")
+            results[r] = simulate_rank(config, layout, optimizer, args, r, steps, device)
+    ranks = [_rank_plan(results[r], layout) for r in sorted(results)]
+    top = max(ranks, key=lambda r: (r.optimizer_state + r.kept_buffers + r.peak_transient, -r.rank))
+    single, how = single_device_state(config, optimizer, args, device)
+    mean_load = sum(loads) / len(loads) if loads else 0.0
+    refresh = {k: v for k, v in REFRESH_OPTIONS.get(optimizer, {}).items() if k not in args}
+    note = (
+        f"refreshes set to every 2nd step for the simulation ({', '.join(f'{k}={v}' for k, v in refresh.items())}); "
+        "a refresh step costs the same whatever the period"
+        if refresh
+        else "every simulated step as configured"
+    )
+    return Plan(
+        model if isinstance(model, str) else "config", layout, optimizer, args, top, ranks,
+        single // ideal_share(layout), single, how, max(loads) / mean_load if mean_load else 1.0,
+        TRANSIENT_OPTIONS[optimizer], note, time.perf_counter() - t0, gpu_memory,
+        meta_items=sum(r.meta_items for r in results.values()),
+    )  # fmt: skip
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.2f} GB"
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable plan."""
+    b = plan.busiest
+    lines = [
+        f"{plan.model}, {plan.layout.describe()}, optimizer {plan.optimizer}"
+        + (f" {plan.optimizer_args}" if plan.optimizer_args else ""),
+        f"simulated ranks: {', '.join(map(str, (r.rank for r in plan.ranks)))}; busiest: rank {b.rank} "
+        f"({plan.seconds:.1f} s)",
+        "",
+        f"{'per rank':<34}{'busiest':>12}{'mean of simulated':>20}",
+    ]
+    for label, key in (
+        ("working params (derived)", "working_params"),
+        ("fp32 masters (derived)", "fp32_masters"),
+        ("gradients (derived)", "gradients"),
+        ("optimizer state", "optimizer_state"),
+        ("buffers kept by step()", "kept_buffers"),
+        ("peak transient in step()", "peak_transient"),
+    ):
+        lines.append(f"{label:<34}{_gb(getattr(b, key)):>12}{_gb(plan.mean(key)):>20}")
+    lines += [
+        f"{'total':<34}{_gb(b.total):>12}",
+        "",
+        f"ideal state per rank: {_gb(plan.ideal_state)} (single-device {_gb(plan.single_device_state)}, "
+        f"{plan.ideal_how}, / {ideal_share(plan.layout)} ranks); busiest/ideal = {plan.state_vs_ideal:.3f}",
+        f"peak transient at step {b.transient_step}; bounded by: {plan.transient_option}",
+        f"owner work balance (the optimizer's cost model): busiest/mean = {plan.owner_balance:.3f}",
+    ]
+    for s in b.steps:
+        kinds = ", ".join(f"{k} x{v}" for k, v in sorted(s["by_kind"].items())) or "none"
+        lines.append(f"step {s['step']}: {s['collectives']} collectives ({kinds}), {_gb(s['bytes_sent'])} sent")
+    lines.append(
+        f"steady step: {plan.steady['collectives']} collectives, {_gb(plan.steady['bytes_sent'])} sent; "
+        f"refresh step: {plan.refresh['collectives']} collectives, {_gb(plan.refresh['bytes_sent'])} sent "
+        f"({plan.refresh_note})"
+    )
+    if plan.gpu_memory is not None:
+        room = plan.gpu_memory - b.total
+        verdict = "fits" if room >= 0 else "does NOT fit"
+        lines.append(
+            f"--gpu-memory {_gb(plan.gpu_memory)}: {verdict} "
+            f"({_gb(abs(room))} {'left' if room >= 0 else 'short'}, before activations)"
+        )
+    lines.append("not simulated:")
+    lines += [f"  - {n}" for n in plan.not_simulated]
+    if plan.meta_items:
+        lines.append(f"  - {plan.meta_items} .item() values answered without data in this plan")
+    return "\n".join(lines)
+
+
+def format_sweep(plans: Sequence[Plan]) -> str:
+    """One row per plan: state per rank vs ideal, transient, bytes sent, the ideal + 5% goal."""
+    head = (
+        "| optimizer | layout | state GB/rank | ideal GB | state/ideal | transient GB | "
+        "GB sent/step (steady) | GB sent (refresh) | owner balance | within ideal+5% |"
+    )
+    rows = [head, "|" + "---|" * 10]
+    for p in plans:
+        ok = "yes" if p.state_vs_ideal <= 1.05 else "no"
+        rows.append(
+            f"| {p.optimizer} | {p.layout.describe()} | {p.busiest.optimizer_state / GB:.2f} | "
+            f"{p.ideal_state / GB:.2f} | "
+            f"{p.state_vs_ideal:.2f} | {p.busiest.peak_transient / GB:.2f} | {p.steady['bytes_sent'] / GB:.3f} | "
+            f"{p.refresh['bytes_sent'] / GB:.3f} | {p.owner_balance:.2f} | {ok} |"
+        )
+    return "\n".join(rows)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20}
+_UNITS.update({"gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80GB``, ``8e10`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise PlanError(f"--gpu-memory {text!r}: a size such as 80GiB, 141GB or 8e10 (bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -1,0 +1,92 @@
+"""Command line of the planner: ``python -m dist_optim.plan --help``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import (
+    MODELS,
+    OPTIMIZERS,
+    SWEEP_LAYOUTS,
+    Layout,
+    PlanError,
+    format_plan,
+    format_sweep,
+    make_plan,
+    parse_bytes,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m dist_optim.plan",
+        description="Simulate one optimizer step of a ColossalAI Llama job: memory per rank, collectives, bytes sent.",
+    )
+    ap.add_argument("--model", default="llama-7b", help=f"{', '.join(MODELS)} or a path to a Llama config.json")
+    ap.add_argument("--plugin", default="hybrid", help="hybrid, zero (LowLevelZeroPlugin) or ddp")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--zero", type=int, default=0)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
+    ap.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
+    ap.add_argument("--optimizer-args", default="{}", help="constructor options as JSON, e.g. '{\"lr\": 0.01}'")
+    ap.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB: says whether the plan fits")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps to simulate (at least 2)")
+    ap.add_argument("--device", default="cuda", help="the device type simulated: cuda (default) or cpu")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument(
+        "--sweep", action="store_true", help="every optimizer x the sweep layouts for --dp x --tp ranks, as a table"
+    )
+    return ap.parse_args(argv)
+
+
+def _optimizer_args(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"--optimizer-args {text!r}: not JSON ({exc}); e.g. '{{\"lr\": 0.01}}'") from exc
+    if not isinstance(value, dict):
+        raise PlanError(f"--optimizer-args {text!r}: a JSON object of keyword arguments, e.g. '{{\"lr\": 0.01}}'")
+    return value
+
+
+def run(argv: list[str] | None = None) -> str:
+    """The planner's output for ``argv`` (raises :class:`PlanError` on bad input)."""
+    a = parse_args(argv)
+    args = _optimizer_args(a.optimizer_args)
+    gpu = parse_bytes(a.gpu_memory) if a.gpu_memory else None
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if not a.json else None
+    if a.sweep:
+        world = a.tp * a.dp * a.pp
+        plans = []
+        for plugin, tp, zero, precision in SWEEP_LAYOUTS:
+            if world % tp:
+                continue
+            layout = Layout(plugin, tp=tp, zero=zero, dp=world // tp, precision=precision)
+            for name in OPTIMIZERS:
+                plans.append(
+                    make_plan(
+                        a.model, layout, name, args if name == a.optimizer else {}, a.steps, log=log, device=a.device
+                    )
+                )
+        if a.json:
+            return json.dumps([p.to_json() for p in plans], indent=1)
+        return format_sweep(plans)
+    layout = Layout(a.plugin, tp=a.tp, pp=a.pp, zero=a.zero, dp=a.dp, ep=a.ep, precision=a.precision)
+    plan = make_plan(a.model, layout, a.optimizer, args, a.steps, gpu_memory=gpu, log=log, device=a.device)
+    return json.dumps(plan.to_json(), indent=1) if a.json else format_plan(plan)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        print(run(argv))
+    except PlanError as exc:
+        raise SystemExit(f"dist_optim.plan: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,562 @@
+"""One rank of a ColossalAI job, simulated: the model on the meta device, split by ColossalAI's own
+ShardFormer policy over ``fake``-backend process groups of the job's world size, our optimizer bound
+to the layouts the plugin would give it, and its ``step()`` run on meta tensors.
+
+What is run, not re-derived: the TP split (ShardFormer's Llama policy, vocabulary padding
+included), the optimizer's construction, binding (:meth:`DistOptimizer.bind`), owner assignment,
+route planning and bucketing, state initialisation and every collective of a step (counted by
+:mod:`dist_optim.plan.traffic` as :mod:`dist_optim.comm` issues them). What is derived: the ZeRO
+padding and chunking (LowLevelZero's rule, ``-numel mod zero size``, checked by
+:class:`~dist_optim.layout.ParamLayout`), which tensors ColossalAI keeps beside the optimizer
+(working params, masters, gradients), and the values of ``.item()`` calls (0 on meta tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
+
+from .traffic import LiveBytes, StepTraffic, Traffic, traffic_of
+
+__all__ = [
+    "Layout",
+    "MODELS",
+    "OPTIMIZERS",
+    "REFRESH_OPTIONS",
+    "load_config",
+    "Piece",
+    "SimWorld",
+    "build_pieces",
+    "build_optimizer",
+    "StepResult",
+    "RankResult",
+    "simulate_rank",
+    "single_device_state",
+    "PlanError",
+    "DEVICES",
+    "as_device",
+]
+
+PLUGINS = ("hybrid", "zero", "ddp")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PlanError(ValueError):
+    """Bad input to the planner: the message names the option and the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout as the plugins take it (pipeline and expert parallelism are checked, not simulated)."""
+
+    plugin: str = "hybrid"
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    dp: int = 1
+    ep: int = 1
+    precision: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.plugin not in PLUGINS:
+            raise PlanError(f"--plugin {self.plugin!r}: choose one of {', '.join(PLUGINS)}")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        for name in ("tp", "pp", "dp", "ep"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"--{name} {getattr(self, name)}: must be at least 1")
+        if self.zero not in (0, 1, 2):
+            raise PlanError(
+                f"--zero {self.zero}: ZeRO stage 0, 1 or 2 (stage 3 is Gemini, which refuses our optimizers)"
+            )
+        if self.pp != 1:
+            raise PlanError(f"--pp {self.pp}: the planner does not simulate pipeline parallelism yet; plan with --pp 1")
+        if self.ep != 1:
+            raise PlanError(f"--ep {self.ep}: Llama has no experts; expert parallelism needs an MoE model (--ep 1)")
+        if self.plugin != "hybrid" and self.tp > 1:
+            raise PlanError(
+                f"--tp {self.tp} needs --plugin hybrid (the {self.plugin} plugin has no tensor parallelism)"
+            )
+        if self.plugin == "zero" and self.zero == 0:
+            raise PlanError("--plugin zero needs --zero 1 or 2 (LowLevelZeroPlugin always shards)")
+        if self.plugin == "ddp" and (self.zero or self.precision != "fp32"):
+            raise PlanError(
+                "--plugin ddp runs --zero 0 --precision fp32 (TorchDDPPlugin has no ZeRO or mixed precision)"
+            )
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def zero_size(self) -> int:
+        """Ranks one parameter's ZeRO chunks are spread over (0: no ZeRO)."""
+        return self.dp if self.zero else 0
+
+    @property
+    def working_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    def describe(self) -> str:
+        zero = f" x ZeRO-{self.zero}" if self.zero else ""
+        return f"{self.plugin} tp={self.tp} x dp={self.dp}{zero} ({self.world} ranks, {self.precision})"
+
+
+# Llama-2 (Touvron et al. 2023, the released config.json files): hidden, intermediate, layers,
+# heads, kv heads, vocab.
+MODELS: dict[str, tuple[int, int, int, int, int, int]] = {
+    "llama-7b": (4096, 11008, 32, 32, 32, 32000),
+    "llama-13b": (5120, 13824, 40, 40, 40, 32000),
+    "llama-70b": (8192, 28672, 80, 64, 8, 32000),
+}
+
+
+def load_config(model: Any) -> Any:
+    """A ``LlamaConfig`` from a name of :data:`MODELS`, a path to a ``config.json`` (or its
+    directory), or a config object (returned as it is)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if not isinstance(model, str):
+        return model
+    if model in MODELS:
+        hidden, inter, layers, heads, kv, vocab = MODELS[model]
+        return LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+    path = model[: -len("config.json")] if model.endswith("config.json") else model
+    if not os.path.exists(os.path.join(path or ".", "config.json")):
+        raise PlanError(f"--model {model!r}: neither one of {', '.join(MODELS)} nor a path to a config.json")
+    config = AutoConfig.from_pretrained(path or ".")
+    if config.model_type != "llama":
+        raise PlanError(f"--model {model!r}: a {config.model_type!r} config; the planner shards Llama models")
+    return config
+
+
+# ---- the simulated world ------------------------------------------------------------------
+def _install_cpu_shims() -> None:
+    """ColossalAI's CPU accelerator lacks calls ShardFormer makes (random state with a device
+    argument, ...); :mod:`dist_optim.plugins.cpu` fills them, so ShardFormer runs without a GPU."""
+    from dist_optim.plugins.cpu import install
+
+    install()
+
+
+class SimWorld:
+    """``rank`` of a job of ``layout.world`` ranks on the ``fake`` backend (collectives are
+    no-ops; groups, ranks and sizes are real), with its TP and data-parallel groups laid out as
+    ColossalAI's ProcessGroupMesh does for pp=1: TP innermost (ranks ``d * tp + t``)."""
+
+    def __init__(self, layout: Layout, rank: int) -> None:
+        if not 0 <= rank < layout.world:
+            raise PlanError(f"rank {rank} is outside a world of {layout.world}")
+        self.layout = layout
+        self.rank = rank
+        self.tp_group: Any = None
+        self.dp_group: Any = None
+
+    def tp_ranks(self, rank: int) -> tuple[int, ...]:
+        base = (rank // self.layout.tp) * self.layout.tp
+        return tuple(range(base, base + self.layout.tp))
+
+    def dp_ranks(self, rank: int) -> tuple[int, ...]:
+        return tuple(range(rank % self.layout.tp, self.layout.world, self.layout.tp))
+
+    def zero_rank(self, rank: int) -> int:
+        """``rank``'s index in its ZeRO group (its data-parallel group)."""
+        return rank // self.layout.tp
+
+    def __enter__(self) -> SimWorld:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            raise PlanError("the planner needs its own process: a process group is already initialised here")
+        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.layout.world)
+        self.tp_group = dist.new_group(list(self.tp_ranks(self.rank)))
+        self.dp_group = dist.new_group(list(self.dp_ranks(self.rank)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.destroy_process_group()
+
+    def peers(self, obj: Any, group: Any) -> list[Any]:
+        """What every member of ``group`` sends in an ``all_gather_object`` of ``obj``: this rank's
+        object with its TP and ZeRO ranks and its groups replaced by the member's. The objects
+        dist_optim exchanges are holdings (``owners.holding``) and group keys (``comm.grid_groups``);
+        anything else is a gap of the simulation and raises."""
+        members = dist.get_process_group_ranks(group) if group is not None else range(self.layout.world)
+        return [self._as(obj, m) for m in members]
+
+    def _as(self, obj: Any, member: int) -> Any:
+        if _is_holding(obj):
+            shape, tp_rank, zero_rank = obj
+            return (
+                shape,
+                None if tp_rank is None else member % self.layout.tp,
+                None if zero_rank is None else self._zero_rank_of(member),
+            )
+        if isinstance(obj, tuple) and obj and all(isinstance(i, int) for i in obj):
+            for ranks_of in (self.tp_ranks, self.dp_ranks, lambda r: tuple(range(self.layout.world))):
+                if obj == ranks_of(self.rank):
+                    return ranks_of(member)
+        elif isinstance(obj, (list, tuple)):
+            return type(obj)(self._as(x, member) for x in obj)
+        raise PlanError(f"the simulation cannot tell what other ranks send for {obj!r} (all_gather_object)")
+
+    def _zero_rank_of(self, member: int) -> int:
+        return member if self.layout.plugin == "zero" else self.zero_rank(member)
+
+
+def _is_holding(obj: Any) -> bool:
+    return (
+        isinstance(obj, tuple)
+        and len(obj) == 3
+        and isinstance(obj[0], tuple)
+        and all(isinstance(i, int) for i in obj[0])
+        and all(x is None or isinstance(x, int) for x in obj[1:])
+    )
+
+
+@contextlib.contextmanager
+def _meta_device_mesh() -> Iterator[None]:
+    """ColossalAI's DeviceMesh maps a group's backend to a device; teach it that the ``fake``
+    backend's tensors live on the meta device, for the duration of the sharding."""
+    from colossalai.device.device_mesh import DeviceMesh
+
+    table = DeviceMesh._DIST_BACKEND
+    table["meta"] = "fake"
+    try:
+        yield
+    finally:
+        table.pop("meta", None)
+
+
+# ---- what the optimizer is handed ------------------------------------------------------------
+@dataclass
+class Piece:
+    """One parameter as the plugin hands it to the optimizer on this rank."""
+
+    name: str
+    working: torch.Tensor  # the TP slice forward/backward uses (meta)
+    master: torch.Tensor  # what the optimizer steps: fp32, a flat ZeRO chunk under ZeRO (meta)
+    layout: ParamLayout
+
+
+def _meta_model(config: Any) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    config = type(config).from_dict(config.to_dict())
+    config.use_cache = False
+    config._attn_implementation = "eager"
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cast(torch.nn.Module, LlamaForCausalLM(config))
+
+
+def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[torch.nn.Module, list[Piece]]:
+    """The meta model before sharding (for name-based param groups) and, in its parameter order,
+    what the plugin hands the optimizer on ``world``'s rank. Without a world: single-device."""
+    model = _meta_model(config)
+    sharded = model
+    tp_dims: dict[str, int | None] = {}
+    if world is not None and layout.tp > 1:
+        _install_cpu_shims()
+        from colossalai.shardformer import ShardConfig, ShardFormer
+
+        from dist_optim.plugins.colossal import tp_dim_of
+
+        # ShardFormer replaces modules in place: shard a second meta model, keep the first whole.
+        sharded = _meta_model(config)
+        with _meta_device_mesh(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # The plugin's own ShardConfig for this layout (HybridParallelPlugin: TP only, no
+            # fused kernels on CPU).
+            sharded, _ = ShardFormer(
+                ShardConfig(tensor_parallel_process_group=world.tp_group, enable_tensor_parallelism=True)
+            ).optimize(sharded)
+        tp_dims = {n: tp_dim_of(p) for n, p in sharded.named_parameters()}
+    pieces = []
+    for name, working in sharded.named_parameters():
+        pieces.append(_piece(name, working, tp_dims.get(name), layout, world))
+    return model, pieces
+
+
+def _piece(name: str, param: torch.Tensor, tp_dim: int | None, layout: Layout, world: SimWorld | None) -> Piece:
+    working = torch.empty(param.shape, dtype=layout.working_dtype, device="meta")
+    if world is None:
+        return Piece(name, working, torch.empty(param.shape, device="meta"), ParamLayout(tuple(param.shape)))
+    full = list(param.shape)
+    tp = None
+    if tp_dim is not None:
+        full[tp_dim] *= layout.tp
+        tp = TPSplit(tp_dim, layout.tp, world.rank % layout.tp, world.tp_group)
+    zero = None
+    numel = param.numel()
+    if layout.zero:
+        # LowLevelZeroPlugin shards over the whole world (its wrapper's param_to_pg is WORLD)
+        group = world.dp_group if layout.plugin == "hybrid" else dist.group.WORLD
+        size = layout.dp if layout.plugin == "hybrid" else layout.world
+        padding = (-numel) % size  # LowLevelZero: flatten, pad to a multiple of the ZeRO group size
+        zero = ZeroShard(size, world._zero_rank_of(world.rank), padding, group)
+        master = torch.empty((numel + padding) // size, device="meta")
+    else:
+        master = torch.empty(param.shape, device="meta")
+    return Piece(name, working, master, ParamLayout(tuple(full), tp, zero))
+
+
+#: name -> (class path, constructor defaults used by the planner)
+OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "adamw": ("torch.optim.AdamW", {}),
+    "lamb": ("dist_optim.DistributedLamb", {}),
+    "adafactor": ("dist_optim.DistributedAdafactor", {"relative_step": False, "lr": 1e-3}),
+    "came": ("dist_optim.DistributedCAME", {"lr": 1e-4}),
+    "galore": ("dist_optim.DistributedGaLore", {}),
+    "shampoo": ("dist_optim.DistributedShampoo", {}),
+    "kron": ("dist_optim.DistributedKron", {}),
+    "muon": ("dist_optim.DistributedMuon", {}),
+}
+
+#: Options that set how often an optimizer refreshes what it computes rarely (roots, projectors),
+#: and the values the planner uses so that its few simulated steps contain a refresh step (a
+#: refresh costs the same whatever the period). An explicit --optimizer-args value wins.
+REFRESH_OPTIONS: dict[str, dict[str, Any]] = {
+    "shampoo": {"precondition_frequency": 2, "start_preconditioning_step": 2},
+    "galore": {"update_proj_gap": 2},
+}
+
+#: GaLore's rank and Muon's options go to their param-group builders (as in tests/booster.py).
+GROUP_BUILDERS = {"galore": ("galore_param_groups", {"rank": 128}), "muon": ("muon_param_groups", {})}
+
+
+def build_optimizer(
+    name: str, model: torch.nn.Module, masters: dict[str, torch.Tensor], args: dict[str, Any] | None = None
+) -> torch.optim.Optimizer:
+    """Optimizer ``name`` over ``masters`` (by parameter name), with its param groups made from
+    the unsharded ``model`` as a user builds them before boosting. ``args``: constructor options,
+    with ``galore`` / ``muon`` entries passed to the param-group builder."""
+    if name not in OPTIMIZERS:
+        raise PlanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    path, defaults = OPTIMIZERS[name]
+    kwargs = {**defaults, **REFRESH_OPTIONS.get(name, {}), **(args or {})}
+    module, cls_name = path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), cls_name)
+    params: Any
+    if name in GROUP_BUILDERS:
+        builder, builder_defaults = GROUP_BUILDERS[name]
+        builder_args = {**builder_defaults, **kwargs.pop(name, {})}
+        if name == "galore":
+            builder_args.setdefault("update_proj_gap", kwargs.pop("update_proj_gap", 200))
+        groups = getattr(importlib.import_module("dist_optim"), builder)(model, **builder_args)
+        names = {id(p): n for n, p in model.named_parameters()}
+        params = [{**g, "params": [masters[names[id(p)]] for p in g["params"]]} for g in groups]
+    else:
+        params = list(masters.values())
+    try:
+        return cls(params, **kwargs)
+    except TypeError as exc:
+        raise PlanError(f"--optimizer-args for {name}: {exc}") from exc
+
+
+# ---- running it ----------------------------------------------------------------------------
+@dataclass
+class StepResult:
+    """One simulated (or measured) ``step()``."""
+
+    traffic: StepTraffic
+    transient: int  # peak bytes alive inside step() that did not outlive it
+    kept: int  # bytes allocated inside step() still alive after it (new state, kept buffers)
+    meta_items: int = 0  # .item() calls on meta tensors answered with 0
+
+
+@dataclass
+class RankResult:
+    rank: int
+    pieces: list[Piece]
+    state_bytes: int
+    bind: StepTraffic
+    steps: list[StepResult]
+    owner_loads: list[float]  # the optimizers' own cost per owner rank (their assign_owners inputs)
+    meta_items: int
+    seconds: float
+    kept_bytes: int = 0  # allocated by the steps and alive after them, beyond opt.state
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``opt.state``, each storage counted once."""
+    seen: dict[int, int] = {}
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                seen[value.untyped_storage()._cdata] = value.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def meta_generators() -> Iterator[None]:
+    """``torch.Generator(device="meta")`` does not exist; random draws on meta tensors accept a CPU
+    generator (their values are not computed anyway). Inside the block a meta generator is a CPU one."""
+    real = torch.Generator
+
+    def generator(device: Any = "cpu") -> torch.Generator:
+        return real(device="cpu" if torch.device(device).type == "meta" else device)
+
+    torch.Generator = generator  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        torch.Generator = real  # type: ignore[misc]
+
+
+#: Device types a simulation can stand for (:func:`as_device`).
+DEVICES = ("cuda", "cpu")
+
+
+@contextlib.contextmanager
+def as_device(device: str) -> Iterator[None]:
+    """Meta kernels whose output layout depends on the device shape their outputs as on ``device``
+    inside the block: ``linalg.svd``'s ``Vh`` is row-major from cuSOLVER, column-major from LAPACK
+    (torch's meta kernel asks ``device_hint``, which says "cuda" for a meta tensor). That stride
+    decides whether a slice of ``Vh`` is contiguous, i.e. whether GaLore's stored projector is a
+    copy or a view that keeps the whole ``Vh`` alive. Branches on ``tensor.device.type`` in the
+    optimizers see "meta": they take the accelerator's branch where they test ``!= "cpu"``."""
+    if device not in DEVICES:
+        raise PlanError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
+    from torch import _meta_registrations as registrations
+
+    real = registrations.device_hint
+    registrations.device_hint = lambda tensor: device  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        registrations.device_hint = real  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def recording_owners(loads: list[list[float]]) -> Iterator[None]:
+    """Record, per call of ``work.assign_owners`` by an optimizer, the summed cost per owner."""
+    from dist_optim import work
+
+    real = work.assign_owners
+
+    def assign(costs: Sequence[float], world_size: int) -> list[int]:
+        owners = real(costs, world_size)
+        per = [0.0] * world_size
+        for c, o in zip(costs, owners):
+            per[o] += float(c)
+        loads.append(per)
+        return owners
+
+    modules: list[Any] = [m for m in list(sys.modules.values()) if getattr(m, "assign_owners", None) is real]
+    for m in modules:
+        m.assign_owners = assign
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.assign_owners = real
+
+
+def run_steps(opt: torch.optim.Optimizer, traffic: Traffic, steps: int, meta: bool) -> list[StepResult]:
+    """``steps`` calls of ``opt.step()``, each measured by ``traffic`` and :class:`LiveBytes`."""
+    out = []
+    shadows: dict[int, torch.Tensor] = {}
+    for _ in range(steps):
+        traffic.step = StepTraffic()
+        with traffic_of(traffic), LiveBytes(answer_meta_items=meta, shadows=shadows) as live:
+            opt.step()
+        out.append(StepResult(traffic.step, live.peak - live.live, live.live, live.meta_items))
+    return out
+
+
+def simulate_rank(
+    config: Any,
+    layout: Layout,
+    optimizer: str,
+    args: dict[str, Any] | None,
+    rank: int,
+    steps: int,
+    device: str = "cuda",
+) -> RankResult:
+    """Rank ``rank`` of ``layout``, simulated through ``steps`` optimizer steps as on ``device``
+    (:func:`as_device`)."""
+    from dist_optim.base import DistOptimizer
+
+    t0 = time.perf_counter()
+    loads: list[list[float]] = []
+    with SimWorld(layout, rank) as world, recording_owners(loads), meta_generators(), as_device(device):
+        model, pieces = build_pieces(config, layout, world)
+        opt = build_optimizer(optimizer, model, {p.name: p.master for p in pieces}, args)
+        for p in pieces:
+            p.master.grad = torch.empty_like(p.master)
+        traffic = Traffic(simulate=True, peers=world.peers)
+        if isinstance(opt, DistOptimizer):
+            with traffic_of(traffic), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                bind_like_plugin(opt, pieces, layout, world.tp_group, world.dp_group)
+        bind = traffic.step
+        results = run_steps(opt, traffic, steps, meta=True)
+        total = state_bytes(opt)
+    meta_items = sum(s.meta_items for s in results)
+    owner_loads = [sum(col) for col in zip(*loads)] if loads and len({len(x) for x in loads}) == 1 else []
+    return RankResult(
+        rank, pieces, total, bind, results, owner_loads, meta_items, time.perf_counter() - t0,
+        kept_bytes=max(0, sum(s.kept for s in results) - total),
+    )  # fmt: skip
+
+
+def bind_like_plugin(opt: Any, pieces: Sequence[Piece], layout: Layout, tp_group: Any, dp_group: Any) -> None:
+    """Bind as dist_optim.plugins does for ``layout``: HybridParallelPlugin and LowLevelZeroPlugin
+    through ``setup_distributed``'s layouts with the data-parallel group (the world for
+    LowLevelZero), TorchDDPPlugin with whole layouts and the world."""
+    layouts = {p.master: p.layout for p in pieces}
+    if layout.plugin == "hybrid":
+        opt.bind(layouts, dp_group=dp_group, tp_group=tp_group if layout.tp > 1 else None)
+    else:
+        opt.bind(layouts, dp_group=dist.group.WORLD)
+
+
+def single_device_state(
+    config: Any, optimizer: str, args: dict[str, Any] | None, device: str = "cuda"
+) -> tuple[int, str]:
+    """The unbound (single-device) optimizer's state bytes for the whole model, after the same
+    steps as the simulation, and how it was obtained. Per-parameter state adds up over the
+    decoder layers, which are identical: the models with 1 and 2 layers give the embedding, head
+    and norm share and the per-layer share, extrapolated to every layer."""
+    layers = config.num_hidden_layers
+    totals = []
+    for n in sorted({1, min(2, layers)}):
+        small = type(config).from_dict({**config.to_dict(), "num_hidden_layers": n})
+        model, pieces = build_pieces(small, Layout(precision="fp32"), None)
+        opt = build_optimizer(optimizer, model, {p.name: p.master for p in pieces}, args)
+        for p in pieces:
+            p.master.grad = torch.empty_like(p.master)
+        with warnings.catch_warnings(), meta_generators(), as_device(device):
+            warnings.simplefilter("ignore")
+            run_steps(opt, Traffic(), 2, meta=True)
+        totals.append(state_bytes(opt))
+    per_layer = totals[-1] - totals[0] if len(totals) == 2 else 0
+    how = "simulated on 1- and 2-layer models, extrapolated over the identical decoder layers"
+    return totals[0] + (layers - 1) * per_layer, how
+
+
+def ideal_share(layout: Layout) -> int:
+    """Ranks that share one copy of the model's optimizer state: every rank of a stage (TP x DP)."""
+    return layout.tp * layout.dp

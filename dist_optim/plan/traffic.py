@@ -1,0 +1,257 @@
+"""Measuring what an optimizer step sends and allocates, on a real job or on a simulated one.
+
+Both the planner (meta tensors, a fake process group) and the tests that check it against real
+gloo runs use the same two instruments, so "the plan equals the run" compares like with like:
+
+* :class:`Traffic` stands in for ``torch.distributed`` inside :mod:`dist_optim.comm` (the only
+  module of the package that communicates, see docs/design.md "Communication") for the duration of
+  a ``with`` block. It counts every collective and the bytes this rank sends in it. ``measure``
+  mode passes each call on to torch.distributed (a real run); ``simulate`` mode does not: the
+  tensors are meta tensors, nothing moves, and ``all_gather_object`` answers with what every peer
+  would have sent (:class:`Peers`).
+* :class:`LiveBytes` is a ``TorchDispatchMode`` that follows every tensor storage allocated inside
+  its block until it is freed: the peak of the bytes alive is the step's transient peak. On meta
+  tensors it also answers ``.item()``: scalars computed only from other scalars (step counters)
+  are computed exactly on CPU beside the meta tensor; a value that depends on tensor contents
+  cannot be known, and is answered 0 (a number: no NaN/Inf seen) or True (a condition: an
+  iteration goes on to its limit), which the planner's output names.
+
+Bytes sent per rank follow NCCL's bus-bandwidth convention (ring algorithms), so figures compare
+with ``nccl-tests``: all-reduce ``2 (g-1)/g`` of the buffer, all-gather ``(g-1)/g`` of the output,
+broadcast the buffer, all-to-all exactly the pieces sent to other ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Traffic", "StepTraffic", "LiveBytes", "traffic_of", "Peers"]
+
+#: Answers ``all_gather_object`` in a simulation: (this rank's object, the group) -> every member's.
+Peers = Callable[[Any, Any], list[Any]]
+
+
+@dataclass
+class StepTraffic:
+    """Collectives issued and bytes sent by this rank, by collective name."""
+
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    sent: dict[str, Fraction] = field(default_factory=lambda: collections.defaultdict(Fraction))
+
+    @property
+    def collectives(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def bytes_sent(self) -> Fraction:
+        return sum(self.sent.values(), Fraction(0))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Traffic:
+    """A stand-in for the ``torch.distributed`` module that counts collectives and bytes.
+
+    Everything it does not override (group sizes, ranks, ``new_group``) goes to torch.distributed:
+    the groups of a simulation are real ``fake``-backend groups."""
+
+    def __init__(self, simulate: bool = False, peers: Peers | None = None) -> None:
+        self.simulate = simulate
+        self.peers = peers
+        self.step = StepTraffic()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def _size(self, group: Any) -> int:
+        return dist.get_world_size(group)
+
+    def _record(self, name: str, sent: Fraction) -> None:
+        self.step.counts[name] += 1
+        self.step.sent[name] += sent
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, **kw: Any) -> Any:
+        g = self._size(group)
+        self._record("all_reduce", Fraction(2 * (g - 1) * _nbytes(tensor), g))
+        return None if self.simulate else dist.all_reduce(tensor, op=op, group=group, **kw)
+
+    def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor, group: Any = None, **kw: Any) -> Any:
+        g = self._size(group)
+        self._record("all_gather", Fraction((g - 1) * _nbytes(out), g))
+        return None if self.simulate else dist.all_gather_into_tensor(out, inp, group=group, **kw)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, **kw: Any) -> Any:
+        self._record("broadcast", Fraction(_nbytes(tensor)))
+        return None if self.simulate else dist.broadcast(tensor, src=src, group=group, **kw)
+
+    def all_to_all_single(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        group: Any = None,
+        **kw: Any,
+    ) -> Any:
+        g = self._size(group)
+        me = dist.get_rank(group)
+        splits = input_split_sizes or [inp.numel() // g] * g
+        self._record("all_to_all", Fraction(sum(n for r, n in enumerate(splits) if r != me) * inp.element_size()))
+        if self.simulate:
+            return None
+        return dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, **kw)
+
+    def all_gather_object(self, out: list[Any], obj: Any, group: Any = None) -> None:
+        # Planning metadata (which pieces a rank holds), exchanged when an optimizer (re)plans, not
+        # per step: counted as a collective, its pickled bytes are not step traffic.
+        self._record("all_gather_object", Fraction(0))
+        if not self.simulate:
+            dist.all_gather_object(out, obj, group=group)
+            return
+        if self.peers is None:
+            raise RuntimeError("Traffic(simulate=True) needs peers= to answer all_gather_object")
+        out[:] = self.peers(obj, group)
+
+    def barrier(self, group: Any = None, **kw: Any) -> Any:
+        self._record("barrier", Fraction(0))
+        return None if self.simulate else dist.barrier(group=group, **kw)
+
+
+@contextmanager
+def traffic_of(traffic: Traffic) -> Iterator[Traffic]:
+    """Route :mod:`dist_optim.comm`'s collectives through ``traffic`` inside the block."""
+    from dist_optim import comm
+
+    saved = comm.dist
+    comm.dist = traffic  # type: ignore[assignment]
+    try:
+        yield traffic
+    finally:
+        comm.dist = saved
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages allocated inside the block that are still alive, and their peak.
+
+    A storage counts from the op that creates it until the last tensor on it made inside the block
+    dies; storages that existed before (parameters, gradients, earlier state) are not counted. With
+    ``answer_meta_items`` the ``.item()`` of a meta tensor is answered from its CPU shadow where
+    it has one (a scalar computed from scalars), else 0 or True (:attr:`meta_items` counts those
+    guesses)."""
+
+    #: Meta tensors of at most this many elements get a CPU shadow when all their inputs have one.
+    SHADOW_NUMEL = 16
+
+    def __init__(self, answer_meta_items: bool = False, shadows: dict[int, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.answer_meta_items = answer_meta_items
+        self.live = 0
+        self.peak = 0
+        #: The largest single storage allocated inside the block.
+        self.largest = 0
+        self.meta_items = 0
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, int] = collections.Counter()
+        # ids of the tensors already followed (a set of ids, not a WeakSet: WeakSet membership
+        # compares tensors with ==, which is element-wise)
+        self._seen: set[int] = set()
+        # CPU shadows by id of their meta tensor; pass the same dict to the LiveBytes of every
+        # step so that state scalars (step counters) keep theirs across steps
+        self._shadows = {} if shadows is None else shadows
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _release(self, key: int, tid: int) -> None:
+        self._seen.discard(tid)
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live -= self._sizes.pop(key)
+
+    def _track(self, t: torch.Tensor, existing: set[int]) -> None:
+        if id(t) in self._seen:
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in existing and key not in self._sizes:
+            return  # a view of, or an in-place result on, a storage from before the block
+        if key not in self._sizes:
+            self._sizes[key] = storage.nbytes()
+            self.largest = max(self.largest, self._sizes[key])
+            self.live += self._sizes[key]
+            self.peak = max(self.peak, self.live)
+        self._refs[key] += 1
+        self._seen.add(id(t))
+        weakref.finalize(t, self._release, key, id(t))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.answer_meta_items and func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            shadow = self._shadows.get(id(args[0]))
+            if shadow is not None:
+                return shadow.item()
+            self.meta_items += 1
+            return True if args[0].dtype == torch.bool else 0
+        out = func(*args, **kwargs)
+        if self.answer_meta_items:
+            self._shadow(func, args, kwargs, out)
+        existing = {
+            a.untyped_storage()._cdata
+            for a in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor) and not _is_sparse(a)
+        }
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not _is_sparse(t):
+                self._track(t, existing)
+        return out
+
+    def _shadow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Compute ``func`` on the CPU shadows of its inputs when every meta input is a small tensor
+        with a shadow, and keep the results as the shadows of its small meta outputs."""
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_meta]
+        if not outs or any(t.numel() > self.SHADOW_NUMEL for t in outs):
+            return
+        missing = False
+
+        def to_cpu(x: Any) -> Any:
+            nonlocal missing
+            if isinstance(x, torch.Tensor) and x.is_meta:
+                shadow = self._shadows.get(id(x))
+                if shadow is None:
+                    missing = True
+                return shadow
+            if isinstance(x, torch.device) and x.type == "meta":
+                return torch.device("cpu")
+            return x
+
+        cpu_args, cpu_kwargs = torch.utils._pytree.tree_map(to_cpu, (args, kwargs))
+        if missing:
+            for t in outs:  # an in-place op on a shadowed scalar with unknown inputs: forget it
+                self._shadows.pop(id(t), None)
+            return
+        result = func(*cpu_args, **cpu_kwargs)
+        leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        cpu_leaves = [t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        if result is None or len(leaves) != len(cpu_leaves):
+            return  # an in-place op without outputs: the shadows were updated in place
+        for t, c in zip(leaves, cpu_leaves):
+            if t.is_meta and id(t) not in self._shadows:
+                self._shadows[id(t)] = c
+                weakref.finalize(t, self._shadows.pop, id(t), None)
+
+
+def _is_sparse(t: torch.Tensor) -> bool:
+    return t.layout != torch.strided

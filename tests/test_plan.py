@@ -1,0 +1,203 @@
+"""The planner against real runs: a tiny Llama boosted by dist_optim.plugins on gloo processes,
+every optimizer, tp=2 x dp=2 x ZeRO-1, LowLevelZero ZeRO-2 x 4 and DDP x 2. For every rank and
+every step, the optimizer state bytes, the collectives (by kind) and the bytes sent that the
+planner simulates on meta tensors equal what the run measures; the peak transient bytes of a
+step are within 10%; the layouts the planner derives equal the ones the plugin bound."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dist_optim.plan import Layout, PlanError, make_plan, parse_bytes
+from dist_optim.plan.simulate import OPTIMIZERS, build_optimizer, state_bytes
+from dist_optim.plan.traffic import LiveBytes, StepTraffic, Traffic, traffic_of
+from tests.booster import rank_batch, tiny_llama
+
+STEPS = 3
+
+#: (plugin class, its CPU kwargs, pool size, the planner's Layout)
+LAYOUTS = {
+    "tp2-dp2-zero1": (
+        "HybridParallelPlugin",
+        dict(tp_size=2, pp_size=1, zero_stage=1, precision="bf16", overlap_communication=False),
+        4,
+        Layout("hybrid", tp=2, zero=1, dp=2, precision="bf16"),
+    ),
+    "zero2-x4": (
+        "LowLevelZeroPlugin",
+        dict(stage=2, precision="bf16", overlap_communication=False),
+        4,
+        Layout("zero", zero=2, dp=4, precision="bf16"),
+    ),
+    "ddp-x2": ("TorchDDPPlugin", {}, 2, Layout("ddp", dp=2, precision="fp32")),
+}
+
+
+#: Optimizer options for the tiny model (GaLore's default rank 128 exceeds its 64-wide matrices).
+#: LAMB's foreach=None picks per-tensor kernels on the CPU and foreach ones on an accelerator (the
+#: path the planner simulates): the test runs the accelerator's path on the CPU, like with like.
+ARGS: dict[str, dict[str, Any]] = {"galore": {"galore": {"rank": 8}}, "lamb": {"foreach": True}}
+
+
+def _measured_run(name: str, plugin_name: str, plugin_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """On every rank: boost the tiny Llama with optimizer ``name`` built as the planner builds it,
+    train STEPS steps, and measure each ``optimizer.step()`` with the planner's instruments on real
+    tensors: collectives and bytes through dist_optim.comm, live bytes of the step."""
+    from colossalai.booster import Booster
+
+    from dist_optim import plugins
+    from dist_optim.plugins.cpu import install, quiet_colossal
+    from tests.booster import dp_coords
+
+    install()
+    with quiet_colossal():
+        model = tiny_llama()
+        opt = build_optimizer(name, model, dict(model.named_parameters()), ARGS.get(name))
+        plugin = getattr(plugins, plugin_name)(**plugin_kwargs)
+        booster = Booster(plugin=plugin)
+        model, wrapper, *_ = booster.boost(model, opt)
+        inner = wrapper.optim
+        real_step = inner.step
+        measured: list[dict[str, Any]] = []
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            traffic = Traffic()
+            with traffic_of(traffic), LiveBytes() as live:
+                out = real_step(*args, **kwargs)
+            measured.append(_step_record(traffic.step, live.peak - live.live, live.largest))
+            return out
+
+        inner.step = step
+        _accelerator_workspaces(inner)
+        dp_size, dp_rank = dp_coords(plugin)
+        for s in range(STEPS):
+            x = rank_batch(s, dp_size, dp_rank)
+            booster.backward(model(input_ids=x, labels=x).loss, wrapper)
+            wrapper.step()
+            wrapper.zero_grad()
+        layouts = []
+        for p in (p for g in inner.param_groups for p in g["params"]):
+            lay = inner.layout(p) if hasattr(inner, "layout") else None
+            layouts.append(None if lay is None else _layout_key(lay))
+        return {"steps": measured, "state": state_bytes(inner), "layouts": layouts}
+
+
+def _accelerator_workspaces(opt: Any) -> None:
+    """Adafactor and CAME keep one scratch buffer across steps on the CPU only (page faults cost
+    more there than the arithmetic); on an accelerator each workspace is a fresh tensor, which is
+    the path the planner simulates (a meta tensor is not a CPU tensor). The measured CPU run takes
+    the accelerator's branch, so that the transient compares like with like."""
+    if hasattr(opt, "_workspace"):
+        opt._workspace = lambda like: torch.empty(like.shape, dtype=torch.promote_types(like.dtype, torch.float32))
+
+
+def _layout_key(layout: Any) -> tuple:
+    tp = None if layout.tp is None else (layout.tp.dim, layout.tp.size, layout.tp.rank)
+    zero = None if layout.zero is None else (layout.zero.size, layout.zero.rank, layout.zero.padding)
+    return (layout.full_shape, tp, zero)
+
+
+def _step_record(traffic: StepTraffic, transient: int, largest: int) -> dict[str, Any]:
+    return {"counts": dict(traffic.counts), "bytes": traffic.bytes_sent, "transient": transient, "largest": largest}
+
+
+@pytest.fixture(scope="module")
+def tiny_config() -> Any:
+    return tiny_llama().config
+
+
+@pytest.mark.parametrize("layout_id", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_plan_equals_the_run(name: str, layout_id: str, tiny_config: Any, request: pytest.FixtureRequest) -> None:
+    plugin_name, kwargs, procs, layout = LAYOUTS[layout_id]
+    pool = request.getfixturevalue("pool4" if procs == 4 else "pool2")
+    runs = pool.run(_measured_run, name, plugin_name, kwargs)
+    plan = make_plan(tiny_config, layout, name, ARGS.get(name), steps=STEPS, device="cpu")
+    assert [r.rank for r in plan.ranks] == list(range(procs))  # every rank of a small world is simulated
+    from dist_optim.plan.simulate import simulate_rank
+
+    off: list[tuple[int, int, int, int, int]] = []
+    for rank, run in enumerate(runs):
+        planned = plan.ranks[rank]
+        assert planned.optimizer_state == run["state"], f"rank {rank}: state bytes"
+        got = [(s["by_kind"], s["bytes_sent"]) for s in planned.steps]
+        want = [(s["counts"], float(s["bytes"])) for s in run["steps"]]
+        assert got == want, f"rank {rank}: collectives and bytes per step"
+        for s, m in zip(planned.steps, run["steps"]):
+            off.append((rank, s["step"], s["transient"], m["transient"], m["largest"]))
+    if layout_id != "ddp-x2" and name != "adamw":  # torch's AdamW is not bound: nothing to compare
+        # The layouts the planner hands the optimizer are those the plugin bound (ShardFormer's
+        # TP split, LowLevelZero's padding): read back from a simulation of rank 1.
+        sim = simulate_rank(tiny_config, layout, name, ARGS.get(name), 1, 2, "cpu")
+        assert [_layout_key(p.layout) for p in _in_group_order(sim, name)] == runs[1]["layouts"]
+    print(f"transient (rank, step, planned, measured, largest buffer): {off}")
+    # The peak over the steps, per rank (what the planner reports), within 10% plus one buffer: in a
+    # measured gloo run the moment a temporary is released varies from run to run (seen: one step of
+    # one rank 180 KB above or below the simulation in repeated runs, every other step exact to the
+    # byte), which a simulation cannot reproduce.
+    bad = []
+    for rank in range(procs):
+        mine = [o for o in off if o[0] == rank]
+        planned_peak, measured_peak = max(o[2] for o in mine), max(o[3] for o in mine)
+        if abs(planned_peak - measured_peak) > 0.10 * max(measured_peak, 1) + max(o[4] for o in mine):
+            bad.append((rank, planned_peak, measured_peak))
+    assert not bad, f"peak transient off by more than 10% + one buffer (rank, planned, measured): {bad}"
+
+
+def _in_group_order(sim: Any, name: str) -> list[Any]:
+    """The simulated pieces in the optimizer's param-group order (GaLore and Muon regroup them)."""
+    from dist_optim.plan.simulate import build_optimizer as build
+
+    model = tiny_llama()
+    opt = build(name, model, {p.name: p.master for p in sim.pieces}, ARGS.get(name))
+    by_master = {id(p.master): p for p in sim.pieces}
+    return [by_master[id(m)] for g in opt.param_groups for m in g["params"]]
+
+
+def test_bad_input_names_the_option_and_the_fix() -> None:
+    with pytest.raises(PlanError, match="--tp 2 needs --plugin hybrid"):
+        Layout("zero", tp=2, zero=1, dp=2)
+    with pytest.raises(PlanError, match="--pp 2: .*--pp 1"):
+        Layout("hybrid", pp=2)
+    with pytest.raises(PlanError, match="--optimizer 'adam': choose one of"):
+        make_plan("llama-7b", Layout(), "adam")
+    with pytest.raises(PlanError, match="--model 'nope'"):
+        make_plan("nope", Layout(), "adamw")
+    with pytest.raises(PlanError, match="--gpu-memory '80 parsecs'"):
+        parse_bytes("80 parsecs")
+    assert parse_bytes("80GiB") == 80 * 2**30
+
+
+def test_cli_reports_fit_and_gaps(capsys: pytest.CaptureFixture[str], tmp_path: Any, tiny_config: Any) -> None:
+    from dist_optim.plan.__main__ import main
+
+    path = tmp_path / "config.json"
+    tiny_config.to_json_file(path)
+    main(["--model", str(path), "--tp", "2", "--dp", "2", "--zero", "1", "--optimizer", "adamw", "--gpu-memory", "1KB"])
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "not simulated:" in out
+    with pytest.raises(SystemExit, match="--optimizer-args"):
+        main(["--model", str(path), "--optimizer-args", "[1]"])
+
+
+def test_live_bytes_counts_temporaries_not_inputs() -> None:
+    x = torch.ones(1000)
+    with LiveBytes() as live:
+        y = x * 2  # 4000 bytes, alive after
+        z = (y + 1) * 3  # one 4000-byte temporary freed inside
+        del z
+        x.add_(1)  # in place on an input: nothing new
+    assert live.live == 4000 and live.peak == 12000
+    del y
+
+
+def test_train_llama_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from recipes.train_llama import main
+
+    main(["--model", "tiny", "--tp", "2", "--zero", "1", "--world-size", "4", "--optimizer", "lamb", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "hybrid tp=2 x dp=2 x ZeRO-1 (4 ranks, bf16), optimizer lamb" in out
+    assert "optimizer state" in out and "not simulated:" in out
