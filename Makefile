@@ -23,12 +23,12 @@ lint: setup
 	$(PY) -m ruff format --check dist_optim plugins tests bench recipes
 	$(PY) -m mypy
 
-# runs/junit.xml: the outcomes the README's support table is built from (python -m tests.support
+# runs/junit.xml: the outcomes the README's support table is built from (python -m tests.helpers.support
 # --junit runs/junit.xml); the run itself fails if the README's copy differs (tests/conftest.py).
 test: setup lint
 	$(PY) -m pytest -q --junitxml=runs/junit.xml
 
-# The GPU smoke suite (tests/test_devices.py, marked gpu): every optimizer's device branches against
+# The GPU smoke suite (tests/distributed/test_devices.py, marked gpu): every optimizer's device branches against
 # the float64 CPU result, and a 1-rank NCCL booster run; skipped with a reason without CUDA.
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu

@@ -258,7 +258,7 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
     from colossalai.booster import Booster
 
     from dist_optim import comm, plugins
-    from tests.booster import tiny_llama
+    from tests.helpers.booster import tiny_llama
 
     out: dict[str, Any] = {}
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_to_all_single")
@@ -350,7 +350,7 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
 
 
 def run_dist(steps: int, families: list[str], zero_stage: int, precision: str) -> None:
-    from tests._dist import DistPool
+    from tests.helpers.pools import DistPool
 
     pool = DistPool(4)
     try:
@@ -423,7 +423,7 @@ def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int)
 
     from dist_optim import comm
     from dist_optim.layout import ParamLayout, TPSplit, local_layout
-    from tests._dist import grid_groups
+    from tests.helpers.pools import grid_groups
 
     torch.manual_seed(0)
     base = [torch.randn(s) * 0.02 for s in shapes]
@@ -484,7 +484,7 @@ def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int)
 
 
 def run_split(name: str, steps: int, pf: int, layers: int) -> None:
-    from tests._dist import DistPool
+    from tests.helpers.pools import DistPool
 
     shapes = llama_like(512, 1376, layers, 4096)
     pool = DistPool(4)

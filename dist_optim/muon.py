@@ -138,7 +138,7 @@ def _newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficien
     final ``Q X_0`` cost ``4 m^2 n`` flops, the ``m x m`` products ``(8k - 6) m^3``; the formula as
     written costs ``k (4 m^2 n + 2 m^3)``: 0.70x at ``n = 2.7 m`` (a Llama MLP) with 5 iterations.
     Equal in exact arithmetic; in fp32 the rounding differs by the same order as the formula's
-    own (tests/test_muon.py compares both with a float64 run)."""
+    own (tests/unit/test_muon.py compares both with a float64 run)."""
     a_mat = x @ x.T
     q: torch.Tensor | None = None
     last = len(coefficients) - 1

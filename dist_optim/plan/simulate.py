@@ -342,7 +342,7 @@ REFRESH_OPTIONS: dict[str, dict[str, Any]] = {
     "galore": {"update_proj_gap": 2},
 }
 
-#: GaLore's rank and Muon's options go to their param-group builders (as in tests/booster.py).
+#: GaLore's rank and Muon's options go to their param-group builders (as in tests/helpers/booster.py).
 GROUP_BUILDERS = {"galore": ("galore_param_groups", {"rank": 128}), "muon": ("muon_param_groups", {})}
 
 

@@ -1,7 +1,7 @@
-"""The README's support table built from a run's outcomes (tests/support.py): the JUnit parser,
+"""The README's support table built from a run's outcomes (tests/helpers/support.py): the JUnit parser,
 the session recorder the conftest check uses, the table builder and the README check, on small
 synthetic runs and reports. The check of the README against a whole run happens at the end of
-that run (tests/conftest.py); regenerate: make test, then python -m tests.support --junit runs/junit.xml.
+that run (tests/conftest.py); regenerate: make test, then python -m tests.helpers.support --junit runs/junit.xml.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import subprocess
 import sys
 from xml.sax.saxutils import quoteattr
 
-from tests import support
-from tests.support import FAILED, PASSED, SKIPPED, Outcome
+from tests.helpers import support
+from tests.helpers.support import FAILED, PASSED, SKIPPED, Outcome
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SYNTHETIC_TESTS = """
 import pytest
@@ -46,7 +46,7 @@ class TestK:
 
 RECORDING_CONFTEST = """
 import json, os
-from tests.support import OutcomeRecorder
+from tests.helpers.support import OutcomeRecorder
 REC = OutcomeRecorder()
 def pytest_runtest_logreport(report):
     REC.add(report)
@@ -64,7 +64,7 @@ def _pytest(args: list[str], cwd: str, **env: str) -> subprocess.CompletedProces
 
 def test_recorder_and_junit_report_agree(tmp_path) -> None:
     """A session's recorded outcomes (what the conftest check uses) are what its JUnit report says
-    (what `python -m tests.support --junit` reads), for every kind of outcome."""
+    (what `python -m tests.helpers.support --junit` reads), for every kind of outcome."""
     (tmp_path / "test_synth.py").write_text(SYNTHETIC_TESTS)
     (tmp_path / "conftest.py").write_text(RECORDING_CONFTEST)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
@@ -157,7 +157,7 @@ def test_readme_check_fails_only_a_complete_run_that_disagrees() -> None:
     partial = dict(one_failed)
     partial.pop(next(iter(support.cells()[row][support.headers()[1]])))
     assert support.check_readme(partial, readme) is None
-    assert support.check_readme({"tests.test_lamb::test_x": Outcome(FAILED)}, readme) is None
+    assert support.check_readme({"tests.unit.test_lamb::test_x": Outcome(FAILED)}, readme) is None
     # a README without the table fails a complete run
     assert support.check_readme(passed, "# title\n") is not None
 
@@ -190,5 +190,5 @@ def test_readme_documents_the_marks() -> None:
         text = f.read()
     table = support.readme_table(text)
     assert table is not None and table.splitlines()[0] == support.markdown({}).splitlines()[0]
-    assert "python -m tests.support --junit runs/junit.xml" in text
+    assert "python -m tests.helpers.support --junit runs/junit.xml" in text
     assert all(mark in text for mark in ("✔", "✘", "⊘", "—"))

@@ -1,8 +1,8 @@
 """The README's support table, built from the outcomes of a test run.
 
 Each cell of the table is backed by a set of tests, derived from the same configurations the tests
-are parametrized with (``tests/cases.py``: ``FAMILIES``, from which ``tests/test_booster.py``
-``CASES`` and ``tests/test_checkpoint.py`` ``OPTIMIZERS`` derive, and ``PARITY_CASES``), so adding
+are parametrized with (``tests/helpers/cases.py``: ``FAMILIES``, from which ``tests/distributed/test_booster.py``
+``CASES`` and ``tests/distributed/test_checkpoint.py`` ``OPTIMIZERS`` derive, and ``PARITY_CASES``), so adding
 an optimizer there adds its row. A cell shows what those tests did in one run:
 
 * ✔ every test backing the cell passed;
@@ -10,7 +10,7 @@ an optimizer there adds its row. A cell shows what those tests did in one run:
 * ⊘ one of them was skipped (or xfailed) and none failed: the reasons are listed under the table;
 * — no test backs the cell, or not every test backing it ran.
 
-``python -m tests.support --junit runs/junit.xml`` prints the table of a JUnit report (pytest
+``python -m tests.helpers.support --junit runs/junit.xml`` prints the table of a JUnit report (pytest
 ``--junitxml``; ``make test`` writes that one). A pytest run that executed every test backing the
 table (``make test``) builds it from its own outcomes at the end and fails if the README's copy
 differs (``tests/conftest.py``); a partial run (one file, ``-k``, ``-m``) is not checked.
@@ -27,7 +27,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from typing import Any
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 
 # Booster layouts, in the order of the table's columns: (plugin, tp, pp, ZeRO stage, precision)
 # and, for sequence parallelism, a sixth entry: the SP mode. "all_to_all" runs on its own sp=2
@@ -60,7 +60,7 @@ NOT_RUN = "—"
 _SEVERITY = {PASSED: 0, SKIPPED: 1, FAILED: 2, ERROR: 3}
 
 # The modules whose tests back the table: a run that touched none of them is not checked.
-TABLE_MODULES = ("tests.test_booster", "tests.test_parity", "tests.test_checkpoint")
+TABLE_MODULES = ("tests.distributed.test_booster", "tests.distributed.test_parity", "tests.distributed.test_checkpoint")
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def _junit_message(child: ET.Element) -> str:
 
 class OutcomeRecorder:
     """Collects the outcomes of a pytest session by test key, classified as pytest's JUnit report
-    classifies them (``tests/test_support_table.py`` checks that the two agree)."""
+    classifies them (``tests/unit/test_support_table.py`` checks that the two agree)."""
 
     def __init__(self) -> None:
         self.outcomes: dict[str, Outcome] = {}
@@ -179,12 +179,12 @@ def headers() -> list[str]:
 def cells() -> dict[str, dict[str, list[str]]]:
     """Row (optimizer) -> column header -> the keys of the tests backing that cell.
 
-    Rows are named by tests/test_booster.py's ``SPECS``; a parity case maps to the row whose
+    Rows are named by tests/distributed/test_booster.py's ``SPECS``; a parity case maps to the row whose
     spec expects its class, a checkpoint entry to the row of the same name (any case case-blind).
     A configuration that matches no row gets a row of its own, so it cannot go unreported.
     """
-    from tests import test_booster, test_checkpoint
-    from tests.cases import PARITY_CASES
+    from tests.distributed import test_booster, test_checkpoint
+    from tests.helpers.cases import PARITY_CASES
 
     table: dict[str, dict[str, list[str]]] = {}
 
@@ -198,15 +198,15 @@ def cells() -> dict[str, dict[str, list[str]]]:
 
     for case in PARITY_CASES:
         row = by_class.get(case.cls.__name__, case.cls.__name__.removeprefix("Distributed"))
-        cell(row, PARITY_HEADER).append(f"tests.test_parity::test_parity_grid[{case.id}]")
+        cell(row, PARITY_HEADER).append(f"tests.distributed.test_parity::test_parity_grid[{case.id}]")
     for param in test_booster.CASES:
         name, col = param.values
-        cell(name, _header(col)).append(f"tests.test_booster::test_booster_parity[{param.id}]")
+        cell(name, _header(col)).append(f"tests.distributed.test_booster::test_booster_parity[{param.id}]")
     for name in test_checkpoint.OPTIMIZERS:
         backing = cell(by_lower.get(name.lower(), name), CHECKPOINT_HEADER)
         for test, layouts in test_checkpoint.TABLE_TESTS.items():
             ids = [f"{layout.id}-{name}" for layout in layouts] if layouts else [name]
-            backing += [f"tests.test_checkpoint::{test}[{i}]" for i in ids]
+            backing += [f"tests.distributed.test_checkpoint::{test}[{i}]" for i in ids]
     return table
 
 
@@ -282,13 +282,13 @@ def check_readme(outcomes: dict[str, Outcome], readme_text: str) -> str | None:
     )
     return (
         "README.md's support table differs from the outcomes of this run (every test backing it ran).\n"
-        "Fix the failing tests, or regenerate it: make test, then python -m tests.support --junit runs/junit.xml\n"
-        + "\n".join(diff)
+        "Fix the failing tests, or regenerate it: make test, then "
+        "python -m tests.helpers.support --junit runs/junit.xml\n" + "\n".join(diff)
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.support", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.helpers.support", description=__doc__.splitlines()[0])
     ap.add_argument("--junit", required=True, help="JUnit XML report of a pytest run (make test: runs/junit.xml)")
     ap.add_argument("--check", action="store_true", help="exit 1 (printing a diff) if README.md's copy differs")
     args = ap.parse_args(argv)

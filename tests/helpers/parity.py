@@ -12,7 +12,7 @@ ZeRO stages 1 and 2 hand the optimizer the same thing, a flat fp32 chunk of the 
 and its gradient's chunk; they differ only in how ColossalAI reduced that gradient (all-reduce,
 then slice, or reduce-scatter). So the grid has one sharded layout per (tp, dp) pair; the stages
 themselves, with ColossalAI's real reductions, are the booster tests' columns
-(tests/test_booster.py: ZeRO-1 and ZeRO-2 under HybridParallelPlugin and LowLevelZeroPlugin).
+(tests/distributed/test_booster.py: ZeRO-1 and ZeRO-2 under HybridParallelPlugin and LowLevelZeroPlugin).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from dist_optim import comm
 from dist_optim.layout import register_tp_reader
-from tests._check import describe, excess
-from tests._dist import grid_groups
+from tests.helpers.check import describe, excess
+from tests.helpers.pools import grid_groups
 
 #: (tp, dp, ZeRO-sharded): TP only, TP x DDP, ZeRO over 4, TP x ZeRO, TP over 4.
 LAYOUTS: list[tuple[int, int, int]] = [(2, 1, 0), (2, 2, 0), (1, 4, 1), (2, 2, 1), (4, 1, 0)]
@@ -248,7 +248,7 @@ def full_result(opt: Any, masters: list[torch.Tensor]) -> tuple[list[torch.Tenso
 
 
 def _mismatch(actual: Any, expected: torch.Tensor) -> str | None:
-    """Why ``actual`` is not element-wise within RTOL of ``expected`` (tests/_check.py), or None."""
+    """Why ``actual`` is not element-wise within RTOL of ``expected`` (tests/helpers/check.py), or None."""
     if not isinstance(actual, torch.Tensor):
         return f"{type(actual).__name__} where a tensor was expected"
     e = excess(actual, expected, RTOL)

@@ -14,7 +14,7 @@ import torch
 from dist_optim.plan import Layout, PlanError, make_plan, parse_bytes
 from dist_optim.plan.simulate import OPTIMIZERS, build_optimizer, state_bytes
 from dist_optim.plan.traffic import LiveBytes, StepTraffic, Traffic, traffic_of
-from tests.booster import rank_batch, tiny_llama
+from tests.helpers.booster import rank_batch, tiny_llama
 
 STEPS = 3
 
@@ -50,7 +50,7 @@ def _measured_run(name: str, plugin_name: str, plugin_kwargs: dict[str, Any]) ->
 
     from dist_optim import plugins
     from dist_optim.plugins.cpu import install, quiet_colossal
-    from tests.booster import dp_coords
+    from tests.helpers.booster import dp_coords
 
     install()
     with quiet_colossal():

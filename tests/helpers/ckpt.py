@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dist_optim.plugins.cpu import install, quiet_colossal
-from tests.booster import boosted_states, make_optimizer, master_weights, model_for, record_steps, train_boosted
+from tests.helpers.booster import boosted_states, make_optimizer, master_weights, model_for, record_steps, train_boosted
 
 
 def _boost(plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any]) -> tuple:
@@ -66,7 +66,7 @@ def load_and_train(
     """Load at ``start``, train ``steps`` more; full fp32 master weights by name of this rank's
     parameters, and with ``with_state`` also everything the optimizer holds (:func:`everything`).
     ``record``: that, plus the optimizer's full state right after loading (``loaded``) and what it
-    was handed at each step after it (``records``, tests/booster.py ``record_steps``)."""
+    was handed at each step after it (``records``, tests/helpers/booster.py ``record_steps``)."""
     with quiet_colossal():
         booster, model, wrapper, plugin = _boost(plugin_name, plugin_kwargs, opt_path, opt_kwargs)
         booster.load_model(model, os.path.join(path, "model"))
@@ -110,7 +110,7 @@ def uninterrupted(
 
 
 def single_process(opt_path: str, opt_kwargs: dict[str, Any], steps: int) -> dict[str, torch.Tensor]:
-    from tests.booster import reference_run
+    from tests.helpers.booster import reference_run
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

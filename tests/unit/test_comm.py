@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests import dist_cases
+from tests.helpers import dist_cases
 
 
 def test_gather_and_bucketed_sums(pool4) -> None:

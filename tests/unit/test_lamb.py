@@ -9,7 +9,7 @@ import torch
 
 import dist_optim
 from dist_optim import DistributedLamb
-from tests._check import assert_close
+from tests.helpers.check import assert_close
 
 STEPS = 8
 NONE_STEP = 3

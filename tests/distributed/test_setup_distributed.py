@@ -7,7 +7,7 @@ import torch
 
 import dist_optim
 from dist_optim import ParamLayout, TPSplit
-from tests import dist_cases
+from tests.helpers import dist_cases
 
 
 def test_traps(pool4) -> None:

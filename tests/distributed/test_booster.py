@@ -3,12 +3,12 @@
 An ordinary optimizer (or ours, for Shampoo, which has no ordinary counterpart) is passed to
 ``booster.boost`` with dist_optim's drop-in plugins; it must be swapped for ours, bound to the real
 layouts (every TP-split parameter with its split, every ZeRO master with its shard), and trained
-for 5 steps on a tiny Llama (a tiny Mixtral for MoE). Two checks, on every rank (tests/booster.py):
+for 5 steps on a tiny Llama (a tiny Mixtral for MoE). Two checks, on every rank (tests/helpers/booster.py):
 
 * **Replay, element-wise 1e-5** (every column and precision): the boosted optimizer records the
   full form of each gradient and master it is handed; the same optimizer, unbound, on full fp32
   tensors, fed those gradients from those masters, must end with the same weights and the same full
-  optimizer state, ``|a - b| <= 1e-5 |b| + 1e-6 max|b|`` per element (tests/_check.py). This is
+  optimizer state, ``|a - b| <= 1e-5 |b| + 1e-6 max|b|`` per element (tests/helpers/check.py). This is
   the single-device algorithm on exactly what ColossalAI computed, so nothing but the optimizer's
   own distributed arithmetic can differ.
 * **End to end** (sanity of the whole run: the working weights follow our masters, gradients are
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import pytest
 
 import dist_optim
-from tests import booster
-from tests.cases import FAMILIES
-from tests.support import COLUMNS
+from tests.helpers import booster
+from tests.helpers.cases import FAMILIES
+from tests.helpers.support import COLUMNS
 
 #: fp32 end-to-end: ``update_rel <= FP32_FLOOR_MARGIN * floor`` (module docstring).
 FP32_FLOOR_MARGIN = 50.0

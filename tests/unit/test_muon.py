@@ -1,7 +1,7 @@
-"""DistributedMuon on one process against the float64 reference (tests/muon_reference.py), the
+"""DistributedMuon on one process against the float64 reference (tests/helpers/muon_reference.py), the
 usual split of a model, conversions, bad input; distributed: collectives per step, where the
 Newton-Schulz work lands, bytes moved and bf16 communication (the parity grid is in
-tests/cases.py)."""
+tests/helpers/cases.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 import dist_optim
 from dist_optim import DistributedMuon, comm, muon_param_groups
-from tests import parity
-from tests._check import assert_close
-from tests.muon_reference import MuonReference
+from tests.helpers import parity
+from tests.helpers.check import assert_close
+from tests.helpers.muon_reference import MuonReference
 
 STEPS = 20
 NONE_STEP = 7

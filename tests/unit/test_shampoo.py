@@ -1,4 +1,4 @@
-"""DistributedShampoo: single-device semantics against tests/shampoo_reference.py, bad input,
+"""DistributedShampoo: single-device semantics against tests/helpers/shampoo_reference.py, bad input,
 failure paths, and the distributed extras the parity grid does not cover (bf16 communication,
 memory per rank, collectives per step)."""
 
@@ -19,9 +19,9 @@ from torch import nn
 
 import dist_optim
 from dist_optim import comm
-from tests import parity
-from tests._check import excess
-from tests.shampoo_reference import ReferenceShampoo
+from tests.helpers import parity
+from tests.helpers.check import excess
+from tests.helpers.shampoo_reference import ReferenceShampoo
 
 STEPS = 8
 NONE_STEP = 2  # fc2.weight gets no gradient at this step
@@ -653,7 +653,7 @@ def _resume_worker(kwargs: dict, split: int = 3) -> float:
     """The unbound run saved (full_state + extra_state) after ``split`` steps resumes at dp=4 ZeRO
     with the same trajectory as the uninterrupted unbound run."""
 
-    from tests._dist import grid_groups, zero_chunks
+    from tests.helpers.pools import grid_groups, zero_chunks
 
     _, dp_group = grid_groups(1, 4)
     ref_params = [p.clone() for p in parity.full_params("fp32")]
@@ -883,11 +883,11 @@ def test_pieces_that_are_no_boxes_of_the_blocking_are_gathered(pool4) -> None:
         assert res["same"], res
 
 
-# Through a real ColossalAI booster (DistributedShampoo passed to booster.boost): tests/test_booster.py.
+# Through a real ColossalAI booster (DistributedShampoo passed to booster.boost): tests/distributed/test_booster.py.
 
 
 # Booster checkpoints (exact resume, resharding, layout-independent files) are covered for every
-# optimizer, Shampoo included, in tests/test_checkpoint.py.
+# optimizer, Shampoo included, in tests/distributed/test_checkpoint.py.
 
 
 # ---- gathering in buckets (max_gather_bytes) --------------------------------------------------

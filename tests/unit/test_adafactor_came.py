@@ -1,7 +1,7 @@
 """DistributedAdafactor and DistributedCAME against their independent references, conversion from
 the classes users have, collectives per step, and bad input.
 
-The parity grid over layouts (TP, ZeRO, padding, 3-D, vocab padding) runs from tests/cases.py.
+The parity grid over layouts (TP, ZeRO, padding, 3-D, vocab padding) runs from tests/helpers/cases.py.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def test_convert_refuses_what_it_cannot_honour() -> None:
 # ---- collectives per step -----------------------------------------------------------------------
 def _count_worker(cls: type, kwargs: dict[str, Any], n_params: int) -> dict[str, int]:
     """Bind ``n_params`` mixed params at tp=2 x zero=2 and count the collectives of one step."""
-    from tests._dist import grid_groups
+    from tests.helpers.pools import grid_groups
 
     tp_group, dp_group = grid_groups(2, 2)
     tp_rank, dp_rank = comm.group_rank(tp_group), comm.group_rank(dp_group)
@@ -435,4 +435,4 @@ def test_factored_layout_sums_and_expansion(shape: tuple[int, ...], tp_dim: int 
     assert torch.allclose(cols, full.sum(-2, keepdim=True))
 
 
-# Through a real ColossalAI booster: tests/test_booster.py (every optimizer x every layout column).
+# Through a real ColossalAI booster: tests/distributed/test_booster.py (every optimizer x every layout column).

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from plugins.checkpoint import read_checkpoint
-from tests import booster, ckpt
-from tests._check import differences
-from tests.cases import FAMILIES
+from tests.helpers import booster, ckpt
+from tests.helpers.cases import FAMILIES
+from tests.helpers.check import differences
 
-#: What a user passes to ``booster.boost`` per optimizer (tests/cases.py ``FAMILIES``), by test id.
+#: What a user passes to ``booster.boost`` per optimizer (tests/helpers/cases.py ``FAMILIES``), by test id.
 OPTIMIZERS = {f.name.lower(): f.checkpoint for f in FAMILIES}
 
 HP_TP2 = ("HybridParallelPlugin", dict(tp_size=2, pp_size=1, zero_stage=0, precision="fp32"))
@@ -69,8 +69,8 @@ def test_resume_after_resharding(name, pool4, pool2, tmp_path) -> None:
     """Saved at tp=2 x dp=2, resumed with ZeRO-2 on 4 ranks and with DDP on 2 ranks for 5 steps.
     On every rank: the loaded state is the saved one (bit for bit what tp=2 x dp=2 held),
     and the 5 steps after it are the single-device algorithm's from that state on what the new
-    layout handed the optimizer (tests/booster.py ``replay``): weights and full optimizer state
-    element-wise within 1e-5 (tests/_check.py). That the file itself does not depend on the layout
+    layout handed the optimizer (tests/helpers/booster.py ``replay``): weights and full optimizer state
+    element-wise within 1e-5 (tests/helpers/check.py). That the file itself does not depend on the layout
     is test_files_do_not_depend_on_layout's."""
     opt_path, opt_kwargs = OPTIMIZERS[name]
     path = str(tmp_path)
@@ -109,7 +109,7 @@ def test_files_do_not_depend_on_layout(name, saved, loaded, pool4, tmp_path) -> 
                 assert value == b["state"][pname][key], (pname, key)
 
 
-# The tests behind the README's "checkpoint" column (tests/support.py): each runs once per entry of
+# The tests behind the README's "checkpoint" column (tests/helpers/support.py): each runs once per entry of
 # OPTIMIZERS, on each of these layouts (pytest ids "<layout>-<name>", or "<name>" without layouts).
 TABLE_TESTS = {
     "test_exact_resume_same_layout": SAME_LAYOUT,

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from dist_optim.plugins.cpu import install, quiet_colossal
-from tests._check import describe, excess, max_rel_err
+from tests.helpers.check import describe, excess, max_rel_err
 
-#: Element-wise tolerance of the replayed single-device run: the parity grid's (tests/parity.py).
+#: Element-wise tolerance of the replayed single-device run: the parity grid's (tests/helpers/parity.py).
 REPLAY_RTOL = 1e-5
 GLOBAL_BATCH = 4  # sequences per step, split over data-parallel ranks (dp in 1, 2, 4)
 SEQ = 16
@@ -136,7 +136,7 @@ def master_weights(model: Any, wrapper: Any) -> dict[str, torch.Tensor]:
     return {name: full.float() for name, full in zip(names, fulls)}
 
 
-#: ColossalAI's initial fp16 loss scale in these tests (tests/test_booster.py plugin_config).
+#: ColossalAI's initial fp16 loss scale in these tests (tests/distributed/test_booster.py plugin_config).
 FP16_INITIAL_SCALE = 2.0**16
 
 
@@ -323,7 +323,7 @@ def replay_mismatches(
     ref_states: dict[str, dict[str, Any]],
     rtol: float,
 ) -> list[str]:
-    """Element-wise comparison (tests/_check.py) of this rank's weights and optimizer state with the
+    """Element-wise comparison (tests/helpers/check.py) of this rank's weights and optimizer state with the
     replayed single-device run's."""
     out = []
     for name, value in got.items():
@@ -363,7 +363,7 @@ def booster_parity(
 ) -> dict[str, Any]:
     """Train through the booster, then measure on this rank:
 
-    * ``replay``: element-wise mismatches (tests/_check.py, rtol ``REPLAY_RTOL``) of the weights and
+    * ``replay``: element-wise mismatches (tests/helpers/check.py, rtol ``REPLAY_RTOL``) of the weights and
       the full optimizer state against the single-device algorithm fed exactly what the boosted
       optimizer was handed (:func:`replay`). This is the optimizer's parity on the real layouts.
     * ``errors``: per parameter, how far the whole boosted run ended from one process training the

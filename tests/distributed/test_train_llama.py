@@ -17,7 +17,7 @@ import torch
 
 from recipes import tokens
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "recipes", "data", "corpus.txt")
 SEQ_LEN, BATCH, DP, STEPS, SEED, PRETRAIN_STEPS = 32, 2, 2, 20, 42, 40
 

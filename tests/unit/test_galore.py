@@ -634,7 +634,7 @@ DIST_LAYOUTS = [(2, 1, 0), (2, 2, 0), (1, 4, 1), (2, 2, 1), (4, 1, 0)]
 def _local_piece(
     i: int, g: torch.Tensor, *, dims: list[Any], tp: int, tp_rank: int, dp: int, dp_rank: int, is_zero: bool
 ) -> torch.Tensor:
-    from tests.parity import tp_slice, zero_chunk
+    from tests.helpers.parity import tp_slice, zero_chunk
 
     piece = tp_slice(g, dims[i], tp, tp_rank)
     return zero_chunk(piece, dp, dp_rank).clone() if is_zero else piece.clone()
@@ -643,8 +643,8 @@ def _local_piece(
 def _dist_worker(copies: int, proj_type: str, optim_bits: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from tests._dist import grid_groups
-    from tests.parity import tp_slice, zero_chunk
+    from tests.helpers.parity import tp_slice, zero_chunk
+    from tests.helpers.pools import grid_groups
 
     specs = DIST_SHAPES * copies
     shapes = [s for s, _ in specs]

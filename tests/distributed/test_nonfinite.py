@@ -1,7 +1,7 @@
 """One NaN/Inf gradient policy for every optimizer (``nonfinite="raise" | "skip" | "ignore"``).
 
-Distributed: for one configuration per optimizer class (tests/cases.py) on every layout of the
-parity grid (tests/parity.py), ONE rank's local gradient of one parameter gets a NaN or an Inf at
+Distributed: for one configuration per optimizer class (tests/helpers/cases.py) on every layout of the
+parity grid (tests/helpers/parity.py), ONE rank's local gradient of one parameter gets a NaN or an Inf at
 step POISON_STEP. Under "raise" every rank raises, naming the parameter and the rank; under
 "skip" nothing changes in that step on any rank and the run ends where the single-device run that
 never took that step ends (params and full state, 1e-5 relative, parity's tolerance). Both
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 import dist_optim
 from dist_optim import comm
-from tests import parity
-from tests.cases import PARITY_CASES
+from tests.helpers import parity
+from tests.helpers.cases import PARITY_CASES
 
 #: One configuration per optimizer class: the first of each in PARITY_CASES.
 CASES = [case for i, case in enumerate(PARITY_CASES) if all(c.cls is not case.cls for c in PARITY_CASES[:i])]

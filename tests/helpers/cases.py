@@ -201,7 +201,7 @@ PARITY_CASES += [
     ),
 ]
 
-# DistributedGaLore: GaLore options on the 2-D params (tests/parity.py MATRIX_GROUP), the 3-D
+# DistributedGaLore: GaLore options on the 2-D params (tests/helpers/parity.py MATRIX_GROUP), the 3-D
 # "conv" and the vectors get plain AdamW. Rank 2 <= every matrix's min dim; a gap of 2 refreshes
 # the projectors at steps 0, 2, 4 (the "row" param, which skips a step, at its own counts).
 # reverse_std projects "col" over its TP-split rows and "row" over its TP-split columns: the
@@ -253,7 +253,7 @@ PARITY_CASES += [
     ),
 ]
 
-# Production-size factors under distribution (tests/parity.py PRODUCTION_SPECS: dims 300-576, above
+# Production-size factors under distribution (tests/helpers/parity.py PRODUCTION_SPECS: dims 300-576, above
 # dist_optim.structured.MIN_SIZE, so the blocked triangle and Gram kernels run on the owners) on
 # tp=2 x dp=2 x ZeRO and dp=4 x ZeRO.
 PRODUCTION_CASES: list[Case] = [

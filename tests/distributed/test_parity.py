@@ -1,11 +1,11 @@
-"""The parity grid (tests/parity.py) for every optimizer configuration in tests/cases.py."""
+"""The parity grid (tests/helpers/parity.py) for every optimizer configuration in tests/helpers/cases.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests import parity
-from tests.cases import PARITY_CASES, PRODUCTION_CASES
+from tests.helpers import parity
+from tests.helpers.cases import PARITY_CASES, PRODUCTION_CASES
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=[c.id for c in PARITY_CASES])

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_comm.py and tests/test_setup_distributed.py (run on every rank)."""
+"""Worker functions for tests/unit/test_comm.py and tests/distributed/test_setup_distributed.py (run on every rank)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import dist_optim
 from dist_optim import ParamLayout, TPSplit, ZeroShard, comm
 from dist_optim.work import assign_owners
-from tests._dist import grid_groups
+from tests.helpers.pools import grid_groups
 
 
 def _layouts(n: int, tp: int, dp: int, zero: bool) -> tuple[list[ParamLayout], list[torch.Tensor]]:
@@ -129,12 +129,12 @@ def lamb_collectives(n: int) -> int:
 # ---- setup_distributed traps ---------------------------------------------------------------
 def _working(shape: tuple[int, ...], dim: int | None) -> torch.nn.Parameter:
     p = torch.nn.Parameter(torch.randn(shape))
-    p._test_tp_dim = dim  # read by the reader tests/parity.py registers
+    p._test_tp_dim = dim  # read by the reader tests/helpers/parity.py registers
     return p
 
 
 def setup_traps() -> dict[str, Any]:
-    import tests.parity  # noqa: F401  (registers the test TP reader)
+    import tests.helpers.parity  # noqa: F401  (registers the test TP reader)
 
     tg, dg = grid_groups(2, 2)
     out: dict[str, Any] = {}
