@@ -1,0 +1,42 @@
+"""The README's Llama-scale table: ``dist_optim.plan`` for Llama-2-7B on 8 GPUs (tp=8; tp=2 x
+ZeRO-1 x dp=4) and Llama-2-70B on 64 and 512 GPUs (tp=8 x ZeRO-1 x dp=8 / dp=64), bf16, every
+optimizer with its defaults, on the simulated CUDA path.
+
+    python bench/plan_table.py
+
+One row per plan, as ``python -m dist_optim.plan --sweep`` prints them (state GB per rank of the
+busiest rank vs the ideal, the peak transient, GB sent per step, steady and at a refresh), with
+the model and the seconds the plan took on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main() -> None:
+    from dist_optim.plan import Layout, format_sweep, make_plan
+    from dist_optim.plan.simulate import OPTIMIZERS
+
+    configs = [
+        ("llama-7b", Layout("hybrid", tp=8, zero=0, dp=1, precision="bf16")),
+        ("llama-7b", Layout("hybrid", tp=2, zero=1, dp=4, precision="bf16")),
+        ("llama-70b", Layout("hybrid", tp=8, zero=1, dp=8, precision="bf16")),
+        ("llama-70b", Layout("hybrid", tp=8, zero=1, dp=64, precision="bf16")),
+    ]
+    print(format_sweep([]).splitlines()[0].replace("| optimizer |", "| model | optimizer |") + " seconds |")
+    print("|" + "---|" * 12)
+    for model, layout in configs:
+        for name in OPTIMIZERS:
+            t0 = time.perf_counter()
+            row = format_sweep([make_plan(model, layout, name, {})]).splitlines()[-1]
+            print(f"| {model} {row} {time.perf_counter() - t0:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
