@@ -72,7 +72,7 @@ from .factored import (
     queue_sumsq,
     rms,
 )
-from .registry import ANY, Conversion, register
+from .registry import ANY, Conversion, PlanEntry, register, register_plan
 
 __all__ = ["DistributedAdafactor"]
 
@@ -399,3 +399,5 @@ register(
         state=_torch_state,
     )
 )
+
+register_plan(PlanEntry("adafactor", DistributedAdafactor, {"relative_step": False, "lr": 1e-3}))

@@ -54,7 +54,7 @@ from .factored import (
     queue_factored_sums,
     queue_sumsq,
 )
-from .registry import Conversion, register
+from .registry import Conversion, PlanEntry, register, register_plan
 
 __all__ = ["DistributedCAME"]
 
@@ -211,3 +211,5 @@ for _path in ("came_pytorch.CAME.CAME", "colossalai.nn.optimizer.came.CAME"):
 register(
     Conversion("colossalai.nn.optimizer.distributed_came.DistributedCAME", DistributedCAME, _came_options, _CAME_READS)
 )
+
+register_plan(PlanEntry("came", DistributedCAME, {"lr": 1e-4}))

@@ -98,7 +98,7 @@ from . import comm
 from .base import DistOptimizer, check_adam_options, check_range
 from .layout import ParamLayout
 from .owners import ALONE, WorkGroup, assign, data_group, share_results, work_grids, work_group
-from .registry import Conversion, register
+from .registry import Conversion, PlanEntry, register, register_plan
 
 __all__ = ["DistributedGaLore", "galore_param_groups"]
 
@@ -899,3 +899,12 @@ for _path in (
 ):
     register(Conversion(_path, DistributedGaLore, _colossal_galore_8bit, _BNB_READS, _BNB_NEUTRAL))
 del _path
+
+register_plan(
+    PlanEntry(
+        "galore",
+        DistributedGaLore,
+        refresh={"update_proj_gap": 2},
+        group_builder=("galore_param_groups", {"rank": 128}),
+    )
+)

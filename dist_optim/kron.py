@@ -115,7 +115,7 @@ import torch
 from .base import DistOptimizer, check_range
 from .comm import gather_full
 from .owners import Owner, assign, data_group, share_results, work_grids, work_group
-from .registry import Conversion, register
+from .registry import Conversion, PlanEntry, register, register_plan
 from .structured import gram, matmul_triangular, upper_times_upper
 
 __all__ = ["DistributedKron", "ProbabilitySchedule", "precond_update_prob_schedule", "precond_cost"]
@@ -834,3 +834,5 @@ register(
         frozenset(_GROUP_OPTIONS) | {"momentum_into_precond_update", "merge_dims"},
     )
 )
+
+register_plan(PlanEntry("kron", DistributedKron))

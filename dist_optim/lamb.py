@@ -33,7 +33,7 @@ import torch
 
 from .base import DistOptimizer, check_adam_options, check_range
 from .comm import SumBucket
-from .registry import Conversion, register
+from .registry import Conversion, PlanEntry, register, register_plan
 
 __all__ = ["DistributedLamb"]
 
@@ -266,3 +266,5 @@ register(
         state=_lamb_state,
     )
 )
+
+register_plan(PlanEntry("lamb", DistributedLamb))

@@ -79,7 +79,7 @@ from .base import DistOptimizer, check_range
 from .comm import gather_full, group_key, group_rank, group_size, ordered_groups
 from .layout import ParamLayout
 from .owners import from_owners, plan_routes, to_owners, work_grids
-from .registry import Conversion, register
+from .registry import Conversion, PlanEntry, register, register_plan
 from .work import Route, assign_owners
 
 __all__ = ["DistributedMuon", "muon_param_groups", "newton_schulz", "adjusted_lr"]
@@ -798,3 +798,5 @@ for _name in ("MuonWithAuxAdam", "SingleDeviceMuonWithAuxAdam"):
             state=_muon_state,
         )
     )
+
+register_plan(PlanEntry("muon", DistributedMuon, group_builder=("muon_param_groups", {})))

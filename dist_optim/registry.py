@@ -23,7 +23,18 @@ import torch
 
 from .base import DistOptimizer
 
-__all__ = ["Conversion", "ANY", "register", "lookup", "convert", "entries", "class_path"]
+__all__ = [
+    "Conversion",
+    "ANY",
+    "register",
+    "lookup",
+    "convert",
+    "entries",
+    "class_path",
+    "PlanEntry",
+    "register_plan",
+    "plan_entries",
+]
 
 logger = logging.getLogger("dist_optim")
 
@@ -154,3 +165,32 @@ def _init_args(cls: type) -> set[str]:
     import inspect
 
     return set(inspect.signature(cls).parameters) - {"params"}
+
+
+# ---- how dist_optim.plan builds each optimizer --------------------------------------------------
+@dataclass(frozen=True)
+class PlanEntry:
+    """How ``python -m dist_optim.plan`` builds an optimizer, registered by the optimizer's own
+    module next to its conversions: its ``--optimizer`` name, its class, the constructor options the
+    planner uses, the options that bring a rare refresh (Shampoo's roots, GaLore's projectors) inside
+    a few simulated steps (a refresh costs the same whatever its period), and the param-group
+    builder of ``dist_optim`` it needs (its name and default options), if any."""
+
+    name: str
+    target: type
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    refresh: Mapping[str, Any] = field(default_factory=dict)
+    group_builder: tuple[str, Mapping[str, Any]] | None = None
+
+
+_PLAN_ENTRIES: dict[str, PlanEntry] = {}
+
+
+def register_plan(entry: PlanEntry) -> None:
+    """Add ``entry`` to the planner's optimizers (called at import of the optimizer's module)."""
+    _PLAN_ENTRIES[entry.name] = entry
+
+
+def plan_entries() -> dict[str, PlanEntry]:
+    """The planner's optimizers by name, in registration order."""
+    return dict(_PLAN_ENTRIES)

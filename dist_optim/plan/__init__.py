@@ -21,7 +21,6 @@ from typing import Any
 from .simulate import (
     MODELS,
     OPTIMIZERS,
-    REFRESH_OPTIONS,
     Layout,
     PlanError,
     RankResult,
@@ -234,7 +233,7 @@ def make_plan(
     top = max(ranks, key=lambda r: (r.optimizer_state + r.kept_buffers + r.peak_transient, -r.rank))
     single, how = single_device_state(config, optimizer, args, device)
     mean_load = sum(loads) / len(loads) if loads else 0.0
-    refresh = {k: v for k, v in REFRESH_OPTIONS.get(optimizer, {}).items() if k not in args}
+    refresh = {k: v for k, v in OPTIMIZERS[optimizer].refresh.items() if k not in args}
     note = (
         f"refreshes set to every 2nd step for the simulation ({', '.join(f'{k}={v}' for k, v in refresh.items())}); "
         "a refresh step costs the same whatever the period"

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
+from dist_optim.registry import PlanEntry, plan_entries
 
 from .traffic import LiveBytes, StepTraffic, Traffic, traffic_of
 
@@ -34,7 +35,6 @@ __all__ = [
     "Layout",
     "MODELS",
     "OPTIMIZERS",
-    "REFRESH_OPTIONS",
     "load_config",
     "Piece",
     "SimWorld",
@@ -322,28 +322,15 @@ def _piece(name: str, param: torch.Tensor, tp_dim: int | None, layout: Layout, w
     return Piece(name, working, master, ParamLayout(tuple(full), tp, zero))
 
 
-#: name -> (class path, constructor defaults used by the planner)
-OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
-    "adamw": ("torch.optim.AdamW", {}),
-    "lamb": ("dist_optim.DistributedLamb", {}),
-    "adafactor": ("dist_optim.DistributedAdafactor", {"relative_step": False, "lr": 1e-3}),
-    "came": ("dist_optim.DistributedCAME", {"lr": 1e-4}),
-    "galore": ("dist_optim.DistributedGaLore", {}),
-    "shampoo": ("dist_optim.DistributedShampoo", {}),
-    "kron": ("dist_optim.DistributedKron", {}),
-    "muon": ("dist_optim.DistributedMuon", {}),
-}
+def _registered() -> dict[str, PlanEntry]:
+    import dist_optim  # noqa: F401  (each optimizer module registers its plan entry on import)
 
-#: Options that set how often an optimizer refreshes what it computes rarely (roots, projectors),
-#: and the values the planner uses so that its few simulated steps contain a refresh step (a
-#: refresh costs the same whatever the period). An explicit --optimizer-args value wins.
-REFRESH_OPTIONS: dict[str, dict[str, Any]] = {
-    "shampoo": {"precondition_frequency": 2, "start_preconditioning_step": 2},
-    "galore": {"update_proj_gap": 2},
-}
+    return {"adamw": PlanEntry("adamw", torch.optim.AdamW), **plan_entries()}
 
-#: GaLore's rank and Muon's options go to their param-group builders (as in tests/helpers/booster.py).
-GROUP_BUILDERS = {"galore": ("galore_param_groups", {"rank": 128}), "muon": ("muon_param_groups", {})}
+
+#: The planner's optimizers by ``--optimizer`` name: torch's AdamW (the baseline) and every
+#: dist_optim optimizer, as its module registered it (:class:`dist_optim.registry.PlanEntry`).
+OPTIMIZERS: dict[str, PlanEntry] = _registered()
 
 
 def build_optimizer(
@@ -354,13 +341,12 @@ def build_optimizer(
     with ``galore`` / ``muon`` entries passed to the param-group builder."""
     if name not in OPTIMIZERS:
         raise PlanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
-    path, defaults = OPTIMIZERS[name]
-    kwargs = {**defaults, **REFRESH_OPTIONS.get(name, {}), **(args or {})}
-    module, cls_name = path.rsplit(".", 1)
-    cls = getattr(importlib.import_module(module), cls_name)
+    entry = OPTIMIZERS[name]
+    kwargs = {**entry.defaults, **entry.refresh, **(args or {})}
+    cls = entry.target
     params: Any
-    if name in GROUP_BUILDERS:
-        builder, builder_defaults = GROUP_BUILDERS[name]
+    if entry.group_builder is not None:
+        builder, builder_defaults = entry.group_builder
         builder_args = {**builder_defaults, **kwargs.pop(name, {})}
         if name == "galore":
             builder_args.setdefault("update_proj_gap", kwargs.pop("update_proj_gap", 200))

@@ -127,6 +127,7 @@ parallelism:
 * :mod:`.optimizer`: :class:`DistributedShampoo`, the coordinator.
 """
 
+from ..registry import PlanEntry, register_plan
 from .blocking import Block, apply_each_dim, kept_triangle, merge_small_dims, plan_blocks
 from .optimizer import DistributedShampoo
 from .options import (
@@ -150,3 +151,7 @@ __all__ = [
     "kept_triangle",
     "apply_each_dim",
 ]
+
+register_plan(
+    PlanEntry("shampoo", DistributedShampoo, refresh={"precondition_frequency": 2, "start_preconditioning_step": 2})
+)
