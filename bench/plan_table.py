@@ -2,7 +2,8 @@
 ZeRO-1 x dp=4) and Llama-2-70B on 64 and 512 GPUs (tp=8 x ZeRO-1 x dp=8 / dp=64), bf16, every
 optimizer with its defaults, on the simulated CUDA path.
 
-    python bench/plan_table.py
+    python bench/plan_table.py                                  # every row
+    python bench/plan_table.py --configs 2 3 --skip shampoo     # the 70B rows without Shampoo
 
 One row per plan, as ``python -m dist_optim.plan --sweep`` prints them (state GB per rank of the
 busiest rank vs the ideal, the peak transient, GB sent per step, steady and at a refresh), with
@@ -11,6 +12,7 @@ the model and the seconds the plan took on this machine.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -20,6 +22,10 @@ sys.path.insert(0, ROOT)
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", type=int, nargs="*", help="indices into the four configurations (default: all)")
+    ap.add_argument("--skip", nargs="*", default=[], help="optimizers to leave out")
+    a = ap.parse_args()
     from dist_optim.plan import Layout, format_sweep, make_plan
     from dist_optim.plan.simulate import OPTIMIZERS
 
@@ -31,8 +37,9 @@ def main() -> None:
     ]
     print(format_sweep([]).splitlines()[0].replace("| optimizer |", "| model | optimizer |") + " seconds |")
     print("|" + "---|" * 12)
-    for model, layout in configs:
-        for name in OPTIMIZERS:
+    chosen = [configs[i] for i in a.configs] if a.configs else configs
+    for model, layout in chosen:
+        for name in (n for n in OPTIMIZERS if n not in a.skip):
             t0 = time.perf_counter()
             row = format_sweep([make_plan(model, layout, name, {})]).splitlines()[-1]
             print(f"| {model} {row} {time.perf_counter() - t0:.0f} |", flush=True)
