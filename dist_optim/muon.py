@@ -76,9 +76,9 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from .base import DistOptimizer, check_range
-from .comm import gather_full, group_key, group_rank, group_size, ordered_groups
+from .comm import gather_full, group_rank, group_size, ordered_groups
 from .layout import ParamLayout
-from .owners import from_owners, plan_routes, to_owners, work_grids
+from .owners import data_group, from_owners, grid_or_data_group, plan_routes, to_owners, work_grids
 from .registry import Conversion, PlanEntry, register, register_plan
 from .work import Route, assign_owners
 
@@ -351,7 +351,9 @@ class DistributedMuon(DistOptimizer):
         self._check_matrices()
         # Under TP the matrices are split over the TP x data-parallel grid: every rank of it can
         # own a matrix, not only one TP rank's data-parallel group. Collective over the job.
-        self._grids = work_grids(self.tp_group, [self._base_work_group(p) for p in self._muon_params()])
+        self._grids = work_grids(
+            self.tp_group, [data_group(self.layout(p), self.dp_group) for p in self._muon_params()]
+        )
         self._plans = None
         self._routes = None
 
@@ -376,15 +378,8 @@ class DistributedMuon(DistOptimizer):
                     )
         self._checked = True
 
-    def _base_work_group(self, p: torch.Tensor) -> Any:
-        layout = self.layout(p)
-        return layout.zero.group if layout.zero is not None else self.dp_group
-
     def _work_group(self, p: torch.Tensor) -> Any:
-        base = self._base_work_group(p)
-        if base is None or not self._grids:
-            return base
-        return self._grids.get(group_key(base), base)
+        return grid_or_data_group(self.layout(p), self.dp_group, self._grids)
 
     def _work_size(self, group: Any) -> int:
         return group_size(group) if self.is_bound and group is not None else 1

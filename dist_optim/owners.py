@@ -59,6 +59,7 @@ from .layout import Box, ParamLayout
 from .work import Route, assign_owners, plan_route
 
 __all__ = [
+    "grid_or_data_group",
     "Holding",
     "holding",
     "member_layout",
@@ -212,6 +213,16 @@ def data_group(layout: ParamLayout, dp_group: Any) -> Any:
     """The data-parallel group over which a tensor of ``layout`` is split or replicated: its ZeRO
     group, else the optimizer's ``dp_group`` (None where it was bound without one: none)."""
     return layout.zero.group if layout.zero is not None else dp_group
+
+
+def grid_or_data_group(layout: ParamLayout, dp_group: Any, grids: Mapping[tuple[int, ...], Any]) -> Any:
+    """The process group over which Shampoo and Muon split a tensor's whole-tensor work: the TP x DP
+    grid of its :func:`data_group` where :func:`work_grids` made one, else that group (None: the
+    work is not split)."""
+    base = data_group(layout, dp_group)
+    if base is None or not grids:
+        return base
+    return grids.get(group_key(base), base)
 
 
 def work_group(layout: ParamLayout, dp_group: Any, tp_group: Any, grids: Mapping[tuple[int, ...], Any]) -> WorkGroup:

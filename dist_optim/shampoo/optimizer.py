@@ -15,9 +15,9 @@ import torch
 
 from .. import structured
 from ..base import DistOptimizer
-from ..comm import SumBucket, gather_full, group_key, group_rank, group_size
+from ..comm import SumBucket, gather_full, group_rank, group_size
 from ..layout import ParamLayout
-from ..owners import work_grids
+from ..owners import data_group, grid_or_data_group, work_grids
 from ..work import Route
 from .blocking import Block, kept_triangle
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
@@ -143,21 +143,14 @@ class DistributedShampoo(DistOptimizer):
         # Under TP the blocks are split over the TP x data-parallel grid, not over each TP
         # rank's data-parallel group alone: every rank of the grid gathers the same full
         # gradients, so a TP rank need not repeat its TP peers' blocks. Collective over the job.
-        self._grids = work_grids(self.tp_group, [self._base_work_group(p) for p in self._all_params()])
+        self._grids = work_grids(self.tp_group, [data_group(self.layout(p), self.dp_group) for p in self._all_params()])
         self._ensure_plans()
 
     # ---- planning (see routing.py) ----------------------------------------------------------
-    def _base_work_group(self, p: torch.Tensor) -> Any:
-        layout = self.layout(p)
-        return layout.zero.group if layout.zero is not None else self.dp_group
-
     def _work_group(self, p: torch.Tensor) -> Any:
         """The ranks that split ``p``'s blocks: its data-parallel (ZeRO) group, or under TP the
         grid of that group and the TP group."""
-        base = self._base_work_group(p)
-        if base is None or not self._grids:
-            return base
-        return self._grids.get(group_key(base), base)
+        return grid_or_data_group(self.layout(p), self.dp_group, self._grids)
 
     def _work_size(self, group: Any) -> int:
         return group_size(group) if self.is_bound and group is not None else 1
