@@ -153,6 +153,22 @@ def test_gram_space_iteration_matches_the_formula(shape: tuple[int, int], monkey
     assert not torch.equal(gram, formula)
 
 
+@pytest.mark.parametrize("shape", [(40, 40), (24, 56), (70, 23), (33, 33)])
+def test_blocked_symmetric_products_match_float64(shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 iterations compute their symmetric products block by block (square and narrow shapes
+    in the formula's loop, wide ones in Gram space); with blocks forced down to 4 rows (several
+    halvings, uneven cuts), the result lands where float64 does, element-wise at 1e-5."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    c = torch.randn(*shape, generator=gen)
+    coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
+    exact = dist_optim.muon.newton_schulz(c.double(), coeffs, 1e-7)
+    unblocked = dist_optim.muon.newton_schulz(c, coeffs, 1e-7)
+    monkeypatch.setattr(dist_optim.muon, "SYMMETRIC_MIN_SIZE", 4)
+    blocked = dist_optim.muon.newton_schulz(c, coeffs, 1e-7)
+    assert_close(blocked.double(), exact, rtol=1e-5)
+    assert not torch.equal(blocked, unblocked)  # the blocked products really ran
+
+
 def test_bfloat16_iteration_keeps_the_formula() -> None:
     """In bfloat16 (torch.optim.Muon's iteration dtype) the formula's own order is kept, so a
     converted optimizer computes what torch's does."""

@@ -10,6 +10,7 @@ from dist_optim.structured import (
     gram,
     gram_update_,
     matmul_triangular,
+    symmetric_product,
     symmetrize_,
     triangular_matmul,
     upper_times_upper,
@@ -57,6 +58,30 @@ def test_upper_times_upper_is_upper_with_exact_zeros(n: int, min_size: int) -> N
 def test_gram(n: int, min_size: int) -> None:
     rows = torch.randn(n, 11, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
     _close(gram(rows, min_size), rows @ rows.T)
+
+
+@pytest.mark.parametrize("min_size", [1, 3, 256])
+@pytest.mark.parametrize("n", SIZES)
+def test_symmetric_product_of_commuting_symmetric_matrices(n: int, min_size: int) -> None:
+    """Polynomials in one symmetric matrix commute, so their product is symmetric (Muon's Gram-space
+    iteration): the blocked product equals the plain one, and its off-diagonal blocks mirror each
+    other exactly."""
+    gen = torch.Generator().manual_seed(n)
+    r = torch.randn(n, n + 3, generator=gen, dtype=torch.float64)
+    a = r @ r.T
+    p = 0.5 * a @ a - 2.0 * a + 3.0 * torch.eye(n, dtype=torch.float64)
+    out = symmetric_product(p, a, min_size)
+    _close(out, p @ a)
+    if n > min_size:
+        h = n // 2
+        assert torch.equal(out[h:, :h], out[:h, h:].T)
+
+
+@pytest.mark.parametrize("n", [5, 37, 64])
+def test_gram_is_the_symmetric_product_of_rows_and_their_transpose(n: int) -> None:
+    """gram keeps its bits (Kron's statistics): the same blocks as symmetric_product(rows, rows.T)."""
+    rows = torch.randn(n, 11, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(gram(rows, 3), symmetric_product(rows, rows.T, 3))
 
 
 @pytest.mark.parametrize("min_size,panel", [(1, 1), (1, 3), (3, 2), (256, 128)])
