@@ -370,7 +370,8 @@ def booster_parity(
       same model in the same precision (:func:`reference_run`; ``update_rel``: relative to the size
       of the 5-step update; ``rel``: to the weight's scale). This also contains ColossalAI's own
       numerics (TP matmuls, gradient averaging and its order in low precision), which second-order
-      optimizers amplify.
+      optimizers amplify; ``floor_rel``: this parameter's own ``update_rel`` between the
+      single-process run and its perturbed twin below.
     * ``floor``: the largest ``update_rel`` between the single-process run and that run with its
       gradients perturbed by the boosted model's measured gradient noise (:func:`gradient_noise`):
       the scale at which ``errors`` is judged.
@@ -398,11 +399,13 @@ def booster_parity(
     for name in got:
         start = init[name] if low is None else init[name].to(low).float()
         delta = max((expected[name] - start).norm().item(), 1e-12)
+        noise = (noisy[name] - expected[name]).norm().item() / delta
         errors[name] = {
             "rel": max_rel_err(got[name], expected[name]),
             "update_rel": (got[name] - expected[name]).norm().item() / delta,
+            "floor_rel": noise,
         }
-        floor = max(floor, (noisy[name] - expected[name]).norm().item() / delta)
+        floor = max(floor, noise)
     masters = [p for g in opt.param_groups for p in g["params"]]
     return {
         "swapped_to": [c.__name__ for c in type(opt).__mro__],
