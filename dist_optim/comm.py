@@ -344,10 +344,19 @@ def grid_groups(tp_group: Any, bases: Sequence[Any]) -> list[Any]:
         ranks = tuple(sorted({r for q in b for r in tp_of[q]}))
         return ranks if len(ranks) == len(a) * len(b) else None
 
-    spans = [[span(pair) for pair in pairs] for pairs in every]
+    # The ranks of one data-parallel group name the same pair, and the same grid: each distinct
+    # pair is spanned and each grid checked once, not once per rank (quadratic in the world size:
+    # seconds at 1024 ranks).
+    spanned: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ...] | None] = {}
+    for pairs in every:
+        for pair in pairs:
+            if pair not in spanned:
+                spanned[pair] = span(pair)
+    spans = [[spanned[pair] for pair in pairs] for pairs in every]
     listed = [set(s for s in per_rank if s is not None) for per_rank in spans]
     # A grid is made only if every member names it: then all of them agree on its members.
-    valid = sorted({s for per_rank in listed for s in per_rank if all(s in listed[q] for q in s)})
+    named = {s for per_rank in listed for s in per_rank}
+    valid = sorted(s for s in named if all(s in listed[q] for q in s))
     world = dist.group.WORLD
     for ranks in valid:
         made = _GRIDS.get(ranks)

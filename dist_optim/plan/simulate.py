@@ -338,7 +338,9 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Optimizer ``name`` over ``masters`` (by parameter name), with its param groups made from
     the unsharded ``model`` as a user builds them before boosting. ``args``: constructor options,
-    with ``galore`` / ``muon`` entries passed to the param-group builder."""
+    with ``galore`` / ``muon`` entries passed to the param-group builder. Parameters of ``model``
+    missing from ``masters`` are left out of their groups, and groups left empty are dropped (the
+    ideal's representatives, :func:`single_device_state`)."""
     if name not in OPTIMIZERS:
         raise PlanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
     entry = OPTIMIZERS[name]
@@ -352,7 +354,11 @@ def build_optimizer(
             builder_args.setdefault("update_proj_gap", kwargs.pop("update_proj_gap", 200))
         groups = getattr(importlib.import_module("dist_optim"), builder)(model, **builder_args)
         names = {id(p): n for n, p in model.named_parameters()}
-        params = [{**g, "params": [masters[names[id(p)]] for p in g["params"]]} for g in groups]
+        params = []
+        for g in groups:
+            kept = [masters[names[id(p)]] for p in g["params"] if names[id(p)] in masters]
+            if kept:
+                params.append({**g, "params": kept})
     else:
         params = list(masters.values())
     try:
@@ -523,24 +529,48 @@ def single_device_state(
     config: Any, optimizer: str, args: dict[str, Any] | None, device: str = "cuda"
 ) -> tuple[int, str]:
     """The unbound (single-device) optimizer's state bytes for the whole model, after the same
-    steps as the simulation, and how it was obtained. Per-parameter state adds up over the
-    decoder layers, which are identical: the models with 1 and 2 layers give the embedding, head
-    and norm share and the per-layer share, extrapolated to every layer."""
-    layers = config.num_hidden_layers
-    totals = []
-    for n in sorted({1, min(2, layers)}):
-        small = type(config).from_dict({**config.to_dict(), "num_hidden_layers": n})
-        model, pieces = build_pieces(small, Layout(precision="fp32"), None)
-        opt = build_optimizer(optimizer, model, {p.name: p.master for p in pieces}, args)
-        for p in pieces:
-            p.master.grad = torch.empty_like(p.master)
-        with warnings.catch_warnings(), meta_generators(), as_device(device):
-            warnings.simplefilter("ignore")
-            run_steps(opt, Traffic(), 2, meta=True)
-        totals.append(state_bytes(opt))
-    per_layer = totals[-1] - totals[0] if len(totals) == 2 else 0
-    how = "simulated on 1- and 2-layer models, extrapolated over the identical decoder layers"
-    return totals[0] + (layers - 1) * per_layer, how
+    steps as the simulation, and how it was obtained.
+
+    An unbound optimizer's state of a parameter follows from the parameter's shape, dtype and
+    param group alone, never from values (on meta tensors there are none) or from the other
+    parameters. So the optimizer is built over the whole model to learn each parameter's group,
+    then one parameter of each distinct (shape, dtype, param group) is stepped by the optimizer's
+    own code, and its state counts once per parameter of its kind. A 70B Llama has 723 parameters
+    of 7 kinds: stepping the kinds instead of the model is what makes Shampoo's ideal (thousands of
+    1024-blocks) quick. Storage shared by the states of several parameters (none of the optimizers
+    here keeps any) is counted once, not multiplied."""
+    model, pieces = build_pieces(config, Layout(precision="fp32"), None)
+    masters = {p.name: p.master for p in pieces}
+    whole = build_optimizer(optimizer, model, masters, args)
+    group_of = {id(t): i for i, g in enumerate(whole.param_groups) for t in g["params"]}
+    kinds: dict[tuple[tuple[int, ...], torch.dtype, int], list[str]] = {}
+    for name, t in masters.items():
+        kinds.setdefault((tuple(t.shape), t.dtype, group_of[id(t)]), []).append(name)
+    representatives = {names[0]: masters[names[0]] for names in kinds.values()}
+    opt = build_optimizer(optimizer, model, representatives, args)
+    for t in representatives.values():
+        t.grad = torch.empty_like(t)
+    with warnings.catch_warnings(), meta_generators(), as_device(device):
+        warnings.simplefilter("ignore")
+        run_steps(opt, Traffic(), 2, meta=True)
+    count = {id(masters[names[0]]): len(names) for names in kinds.values()}
+    holders: dict[int, set[int]] = {}  # storage -> the parameters whose state holds it
+    sizes: dict[int, int] = {}
+    for param, state in opt.state.items():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                holders.setdefault(storage._cdata, set()).add(id(param))
+                sizes[storage._cdata] = storage.nbytes()
+    total = 0
+    for key, nbytes in sizes.items():
+        owners = holders[key]
+        total += nbytes * (count[next(iter(owners))] if len(owners) == 1 else 1)
+    how = (
+        f"simulated on one parameter of each of its {len(kinds)} kinds (shape, dtype, param group), "
+        "counted for every parameter of its kind"
+    )
+    return total, how
 
 
 def ideal_share(layout: Layout) -> int:

@@ -134,3 +134,29 @@ def test_min_size_is_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
     f, t = torch.randn(3, 16), torch.randn(16, 16)
     torch.testing.assert_close(matmul_triangular(f, t), f @ t.triu())
     assert calls, "a lowered MIN_SIZE must make the product recurse"
+
+
+@pytest.mark.parametrize("n,panel", [(300, 128), (1024, 128), (1000, 96)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_meta_panels_leave_the_whole_loops_state_and_peak(
+    monkeypatch: pytest.MonkeyPatch, n: int, panel: int, transposed: bool
+) -> None:
+    """On meta tensors (the planner) the panel loops stop after their first panel: the factor keeps
+    its shape and strides, and the live bytes the planner measures (its peak: the temporaries of
+    the largest panel) are those of running every panel."""
+    from dist_optim.plan.traffic import LiveBytes
+
+    def measure() -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+        c = torch.empty(n, n, device="meta")
+        c = c.T if transposed else c  # Shampoo's factor of a block's second dim
+        rows = torch.empty(n, 64, device="meta")
+        with LiveBytes() as live:
+            gram_update_(c, rows, 0.9, 0.1, panel=panel)
+            symmetrize_(c, panel=panel)
+        return live.peak, live.live, tuple(c.shape), c.stride()
+
+    first = measure()
+    monkeypatch.setattr(structured, "_panels_end", lambda c, panel: c.shape[0])
+    every = measure()
+    assert first == every
+    assert first[0] > 0  # the panels' temporaries were seen
