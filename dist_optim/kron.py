@@ -80,24 +80,40 @@ time by :func:`dist_optim.owners.assign` with the cost model :func:`precond_cost
 the factors. Per step:
 
 1. every rank updates its local piece of the momentum (elementwise, exact);
-2. :func:`dist_optim.comm.gather_full` gives the full momentum (one all_gather per ZeRO/TP group);
-3. the owner debiases, updates its factors, preconditions and clips;
-4. :func:`dist_optim.owners.share_results` sends the full directions to every rank of the work
-   group: one all_gather per work group;
-5. each rank applies weight decay and the step to its own piece (``layout.take_local``).
+2. every rank sends its pieces of each momentum (and of the gradient with
+   ``momentum_into_precond_update=False``) straight to the parameter's owner, which assembles the
+   whole tensor (:func:`dist_optim.owners.to_owners`: one all_to_all per work group for all its
+   parameters; a tensor every rank holds whole, replicated, is not sent: its owner has it);
+3. the owner debiases, updates its factors, preconditions and clips, on the whole tensor exactly
+   as a single device does;
+4. the owner sends every rank that holds a piece of the parameter that piece of the direction
+   (:func:`dist_optim.owners.from_owners`: one all_to_all per work group);
+5. each rank applies weight decay and the step to its own elements.
 
-So a step issues at most two gathers and one share per work group (three collectives under TP x
-ZeRO), whatever the number of parameters, plus the NaN/Inf check's flag before anything changes
-(one all-reduce over the job and one host read, unless ``nonfinite="ignore"``; see
-:class:`~dist_optim.base.DistOptimizer`). ``communication_dtype`` (default: fp32, exact) sets the
-precision of the gathers and shares. A parameter replicated across the TP group is owned on the
-TP x data grid too (its TP replicas hold the same gradient); where no grid could be made (or a
-parameter's TP group is not the optimizer's), the TP replicas compute it redundantly.
-:meth:`DistributedKron.full_state` returns every factor in full on every rank.
+Which piece goes where is planned once per binding, at the first step (one all_gather_object per
+work group, :func:`dist_optim.owners.plan_routes`). So a step issues the NaN/Inf check's flag
+before anything changes (one all-reduce over the job and one host read, unless
+``nonfinite="ignore"``; see :class:`~dist_optim.base.DistOptimizer`) plus one all_to_all each way
+per work group (only the way back where every rank holds every tensor whole), whatever the number
+of parameters. No rank holds a full momentum or direction it does not own: a rank receives the
+whole momenta it owns and its pieces of the directions (about a quarter of gathering every full
+momentum and direction at ZeRO x 4). ``communication_dtype`` (default: fp32, exact; otherwise the
+widest of the tensors' dtypes) sets the precision of both exchanges; a rank's pieces to itself go
+through it too (:func:`dist_optim.comm.exchange`), so the owner applies exactly what the other
+holders receive and replicas cannot drift apart. A parameter replicated across the TP group is
+owned on the TP x data grid too (its TP replicas hold the same gradient); where no grid could be
+made (or a parameter's TP group is not the optimizer's), the TP replicas compute it redundantly.
+Where no route exists (unbound, a work group of one, holdings that do not tile the tensor, or
+``route_pieces=False``) every rank gathers the full momentum (:func:`dist_optim.comm.gather_full`,
+one all_gather per ZeRO/TP group) and receives the owner's full direction
+(:func:`dist_optim.owners.share_results`, one all_gather per work group): the same result, bit
+for bit in fp32. :meth:`DistributedKron.full_state` returns every factor in full on every rank.
 
-Limitations: the gathers materialise full-size fp32 copies of the momenta and directions on every
-rank for the duration of a step; under MoE without ZeRO, expert parameters would be owned across
-the plain data-parallel group, which spans different experts (pass ``zero_group_of``/use ZeRO).
+Limitations: the owner holds the whole momentum, direction and fit temporaries of the parameters
+it owns, and with ``probe_rng="sequential"`` every rank draws (and non-owners discard) a full-size
+probe for every parameter on update steps, one at a time, so that every generator stays in step;
+under MoE without ZeRO, expert parameters would be owned across the plain data-parallel group,
+which spans different experts (pass ``zero_group_of``/use ZeRO).
 """
 
 from __future__ import annotations
@@ -380,8 +396,9 @@ class DistributedKron(DistOptimizer):
         precond_dtype: dtype of the factors (default fp32).
         clip_update_rms: clip the RMS of the preconditioned direction at 1.1.
         seed: seed of the generators (probe vectors and balancing). Every rank must use the same.
-        communication_dtype: precision of the gathers and shares when bound (default fp32 =
-            exact; ``torch.bfloat16`` halves the bytes at bf16 rounding of momenta and directions).
+        communication_dtype: precision of the exchanges with the owners when bound (default: the
+            widest dtype of the tensors sent, fp32 = exact; ``torch.bfloat16`` halves the bytes at
+            bf16 rounding of momenta and directions).
         probe_rng: where the probe vectors come from. ``"sequential"`` (default, kron_torch's):
             one generator drawn for every parameter with a gradient in ``param_groups`` order,
             on every rank. ``"per_parameter"``: each probe from a generator seeded by ``(seed,
