@@ -16,7 +16,8 @@ by default) and times the optimizer step, counts its collectives and the bytes t
 (received), for ours (swapped in from the ordinary optimizer) and for ColossalAI's own
 distributed class; a peer that fails on the layout is reported as such. Shampoo (ours, passed
 directly; ColossalAI has none) runs twice: gradient pieces sent to the block owners (the
-default) and full gradients gathered on every rank.
+default) and full gradients gathered on every rank; so do Muon and Kron (``kron``: kron_torch's
+Kron swapped for ours; momentum pieces to the owners, or every full momentum gathered).
 
 ``--split shampoo|kron|muon`` measures the per-rank preconditioner work (CPU seconds) and bytes at
 dp=4 against dp=1 (``--layers`` sets the depth of the parameter set); for Shampoo also at tp=2 x
@@ -226,6 +227,10 @@ DIST_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         None,
         dict(lr=2e-3, weight_decay=1e-2, communication_dtype=torch.bfloat16),
     ),
+    # kron_torch's Kron (swapped for ours): pieces of the momenta to the parameters' owners and the
+    # directions' pieces back, and for comparison every full momentum gathered and every full
+    # direction shared. ColossalAI has no Kron.
+    "kron": ("kron_torch.Kron", None, dict(lr=3e-3, weight_decay=1e-2)),
 }
 
 
@@ -283,6 +288,8 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
             if fam.startswith("muon"):
                 dtype = "bf16" if fam.endswith("bf16") else "fp32"
                 ways = ((True, f"pieces to matrix owners, {dtype}"), (False, f"every C gathered, {dtype}"))
+            if fam == "kron":
+                ways = ((True, "pieces to owners"), (False, "every momentum and direction gathered"))
             for route, how in ways:
                 label = f"dist_optim {ordinary.rsplit('.', 1)[1]} ({how})"
                 runs.append((fam, label, plugins.HybridParallelPlugin, ordinary, options, route))
@@ -307,11 +314,12 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
                 True,
             )
         )
-    from dist_optim import DistributedMuon, DistributedShampoo
+    from dist_optim import DistributedKron, DistributedMuon, DistributedShampoo
 
     for fam, label, plugin_cls, make, options, route in runs:
         DistributedShampoo.route_pieces = route
         DistributedMuon.route_pieces = route
+        DistributedKron.route_pieces = route
         with quiet_colossal():
             torch.manual_seed(0)
             model = tiny_llama(hidden=256, inter=688, layers=2, vocab=1024)
@@ -338,6 +346,7 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
             finally:
                 DistributedShampoo.route_pieces = True
                 DistributedMuon.route_pieces = True
+                DistributedKron.route_pieces = True
             out[label] = dict(
                 family=fam,
                 ms=1e3 * statistics.median(times[2:]),

@@ -80,24 +80,40 @@ time by :func:`dist_optim.owners.assign` with the cost model :func:`precond_cost
 the factors. Per step:
 
 1. every rank updates its local piece of the momentum (elementwise, exact);
-2. :func:`dist_optim.comm.gather_full` gives the full momentum (one all_gather per ZeRO/TP group);
-3. the owner debiases, updates its factors, preconditions and clips;
-4. :func:`dist_optim.owners.share_results` sends the full directions to every rank of the work
-   group: one all_gather per work group;
-5. each rank applies weight decay and the step to its own piece (``layout.take_local``).
+2. every rank sends its pieces of each momentum (and of the gradient with
+   ``momentum_into_precond_update=False``) straight to the parameter's owner, which assembles the
+   whole tensor (:func:`dist_optim.owners.to_owners`: one all_to_all per work group for all its
+   parameters; a tensor every rank holds whole, replicated, is not sent: its owner has it);
+3. the owner debiases, updates its factors, preconditions and clips, on the whole tensor exactly
+   as a single device does;
+4. the owner sends every rank that holds a piece of the parameter that piece of the direction
+   (:func:`dist_optim.owners.from_owners`: one all_to_all per work group);
+5. each rank applies weight decay and the step to its own elements.
 
-So a step issues at most two gathers and one share per work group (three collectives under TP x
-ZeRO), whatever the number of parameters, plus the NaN/Inf check's flag before anything changes
-(one all-reduce over the job and one host read, unless ``nonfinite="ignore"``; see
-:class:`~dist_optim.base.DistOptimizer`). ``communication_dtype`` (default: fp32, exact) sets the
-precision of the gathers and shares. A parameter replicated across the TP group is owned on the
-TP x data grid too (its TP replicas hold the same gradient); where no grid could be made (or a
-parameter's TP group is not the optimizer's), the TP replicas compute it redundantly.
-:meth:`DistributedKron.full_state` returns every factor in full on every rank.
+Which piece goes where is planned once per binding, at the first step (one all_gather_object per
+work group, :func:`dist_optim.owners.plan_routes`). So a step issues the NaN/Inf check's flag
+before anything changes (one all-reduce over the job and one host read, unless
+``nonfinite="ignore"``; see :class:`~dist_optim.base.DistOptimizer`) plus one all_to_all each way
+per work group (only the way back where every rank holds every tensor whole), whatever the number
+of parameters. No rank holds a full momentum or direction it does not own: a rank receives the
+whole momenta it owns and its pieces of the directions (about a quarter of gathering every full
+momentum and direction at ZeRO x 4). ``communication_dtype`` (default: fp32, exact; otherwise the
+widest of the tensors' dtypes) sets the precision of both exchanges; a rank's pieces to itself go
+through it too (:func:`dist_optim.comm.exchange`), so the owner applies exactly what the other
+holders receive and replicas cannot drift apart. A parameter replicated across the TP group is
+owned on the TP x data grid too (its TP replicas hold the same gradient); where no grid could be
+made (or a parameter's TP group is not the optimizer's), the TP replicas compute it redundantly.
+Where no route exists (unbound, a work group of one, holdings that do not tile the tensor, or
+``route_pieces=False``) every rank gathers the full momentum (:func:`dist_optim.comm.gather_full`,
+one all_gather per ZeRO/TP group) and receives the owner's full direction
+(:func:`dist_optim.owners.share_results`, one all_gather per work group): the same result, bit
+for bit in fp32. :meth:`DistributedKron.full_state` returns every factor in full on every rank.
 
-Limitations: the gathers materialise full-size fp32 copies of the momenta and directions on every
-rank for the duration of a step; under MoE without ZeRO, expert parameters would be owned across
-the plain data-parallel group, which spans different experts (pass ``zero_group_of``/use ZeRO).
+Limitations: the owner holds the whole momentum, direction and fit temporaries of the parameters
+it owns, and with ``probe_rng="sequential"`` every rank draws (and non-owners discard) a full-size
+probe for every parameter on update steps, one at a time, so that every generator stays in step;
+under MoE without ZeRO, expert parameters would be owned across the plain data-parallel group,
+which spans different experts (pass ``zero_group_of``/use ZeRO).
 """
 
 from __future__ import annotations
@@ -113,10 +129,22 @@ from typing import Any
 import torch
 
 from .base import DistOptimizer, check_range
-from .comm import gather_full
-from .owners import Owner, assign, data_group, share_results, work_grids, work_group
+from .comm import gather_full, ordered_groups
+from .layout import Box
+from .owners import (
+    Owner,
+    assign,
+    data_group,
+    from_owners,
+    plan_routes,
+    share_results,
+    to_owners,
+    work_grids,
+    work_group,
+)
 from .registry import Conversion, PlanEntry, register, register_plan
 from .structured import gram, matmul_triangular, upper_times_upper
+from .work import Route
 
 __all__ = ["DistributedKron", "ProbabilitySchedule", "precond_update_prob_schedule", "precond_cost"]
 
@@ -368,8 +396,9 @@ class DistributedKron(DistOptimizer):
         precond_dtype: dtype of the factors (default fp32).
         clip_update_rms: clip the RMS of the preconditioned direction at 1.1.
         seed: seed of the generators (probe vectors and balancing). Every rank must use the same.
-        communication_dtype: precision of the gathers and shares when bound (default fp32 =
-            exact; ``torch.bfloat16`` halves the bytes at bf16 rounding of momenta and directions).
+        communication_dtype: precision of the exchanges with the owners when bound (default: the
+            widest dtype of the tensors sent, fp32 = exact; ``torch.bfloat16`` halves the bytes at
+            bf16 rounding of momenta and directions).
         probe_rng: where the probe vectors come from. ``"sequential"`` (default, kron_torch's):
             one generator drawn for every parameter with a gradient in ``param_groups`` order,
             on every rank. ``"per_parameter"``: each probe from a generator seeded by ``(seed,
@@ -383,6 +412,11 @@ class DistributedKron(DistOptimizer):
     """
 
     _sharded_state = ("momentum_buffer",)
+
+    #: Route the pieces of each momentum to its owner and the pieces of its direction back to
+    #: their holders (one all_to_all per work group each way). False: every rank gathers every
+    #: full momentum and receives every full direction (the fallback path; kept to compare).
+    route_pieces: bool = True
 
     def __init__(
         self,
@@ -441,6 +475,8 @@ class DistributedKron(DistOptimizer):
         self._generators: dict[torch.device, torch.Generator] = {}
         self._plans: dict[torch.Tensor, _Plan] = {}
         self._owners: dict[torch.Tensor, Owner] = {}
+        # Planned lazily from step() (collective over each work group), reset at each (re)binding.
+        self._routes: dict[torch.Tensor, Route | None] | None = None
 
     def validate_group(self, group: dict[str, Any]) -> None:
         """The options of one param group (see the class docstring for their ranges)."""
@@ -492,6 +528,35 @@ class DistributedKron(DistOptimizer):
             work = work_group(layout, self.dp_group, self.tp_group, grids)
             items.append((work, precond_cost(plan.shape, plan.diag)))
         self._owners = dict(zip((p for p, _ in params_groups), assign(items)))
+        self._routes = None
+
+    def _ensure_routes(self) -> dict[torch.Tensor, Route | None]:
+        """Which of this rank's pieces of each parameter's momentum go to its owner and which
+        pieces of the direction come back (one box: the whole tensor): one ``all_gather_object``
+        per work group after each binding, from ``step()`` (which every rank calls). Parameters
+        without a shared owner (unbound, a work group of one) or whose pieces cannot be routed
+        get None: they take the gathering path."""
+        if self._routes is not None:
+            return self._routes
+        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        for p, owner in self._owners.items():
+            if self.route_pieces and owner.shared:
+                by_group.setdefault(id(owner.work.group), (owner.work.group, []))[1].append(p)
+        routes: dict[torch.Tensor, Route | None] = {}
+        for group in ordered_groups(entry[0] for entry in by_group.values()):
+            params = by_group[id(group)][1]
+            layouts = [self.layout(p) for p in params]
+            views = [_route_view(lay.full_shape) for lay in layouts]
+            found = plan_routes(
+                layouts,
+                views,
+                [[_whole_box(view)] for view in views],
+                [[self._owners[p].rank] for p in params],
+                group,
+            )
+            routes.update(zip(params, found))
+        self._routes = routes
+        return routes
 
     def _mine(self, param: torch.Tensor) -> bool:
         owner = self._owners.get(param)
@@ -569,8 +634,7 @@ class DistributedKron(DistOptimizer):
             return loss
         do_update, balance = self._decide()
 
-        work: list[tuple[dict[str, Any], torch.Tensor]] = []
-        gathers = []
+        work: list[_Item] = []
         for group in self.param_groups:
             params, grads = self._grads(group)
             b1 = group["b1"]
@@ -584,48 +648,132 @@ class DistributedKron(DistOptimizer):
                 state["step"] += 1
                 m = state["momentum_buffer"]
                 m.mul_(b1).add_(g, alpha=1 - b1)
-                work.append((group, p))
-                gathers.append((self.layout(p), m))
-                if not group["momentum_into_precond_update"]:
-                    gathers.append((self.layout(p), g))
+                work.append(_Item(group, p, m, g))
         if not work:
             return loss
-        comm_dtype = self.communication_dtype or _widest([t for _, t in gathers])
-        fulls = iter(gather_full(gathers, dtype=comm_dtype))
-
-        directions: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
-        for group, p in work:
-            full_m = next(fulls)
-            full_g = full_m if group["momentum_into_precond_update"] else next(fulls)
-            plan = self._plan(p, group)
-            precond_dtype = group["precond_dtype"] or torch.float32
-            probe = None
-            if do_update and (self.probe_rng == "sequential" or self._mine(p)):
-                probe = torch.randn(
-                    plan.shape,
-                    generator=self._probe_generator(p, full_m.device),
-                    dtype=precond_dtype,
-                    device=full_m.device,
-                )
-            if self._mine(p):
-                u = self._owner_direction(p, group, plan, full_m, full_g, probe, balance)
-                owner = self._owners.get(p)
-                if self.communication_dtype is not None and owner is not None and owner.shared:
-                    # The owner applies what the others receive, so replicas cannot drift apart.
-                    u = u.to(self.communication_dtype).to(u.dtype)
+        routes = self._ensure_routes() if self.is_bound else {}
+        routed: dict[int, tuple[Any, list[_Item]]] = {}
+        plain: list[_Item] = []
+        for item in work:
+            item.route = routes.get(item.p)
+            if item.route is None:
+                plain.append(item)
             else:
-                u = torch.empty(plan.shape, dtype=precond_dtype, device=full_m.device)
-            directions.append((p, [u]))
-        self._share(directions, self.communication_dtype)
+                owner_group = self._owners[item.p].work.group
+                routed.setdefault(id(owner_group), (owner_group, []))[1].append(item)
+        order = [routed[id(wg)] for wg in ordered_groups(entry[0] for entry in routed.values())]
 
-        for (group, p), (_, (u,)) in zip(work, directions):
-            layout = self.layout(p)
-            u = u.reshape(layout.full_shape)
-            local = u.view_as(p) if layout.is_local else layout.take_local(u)
+        self._gather_inputs(plain)
+        for wg, items in order:
+            self._route_inputs(wg, items)
+        for item in work:
+            self._direction(item, do_update, balance)
+        self._share(
+            [(item.p, [item.direction]) for item in plain if item.direction is not None], self.communication_dtype
+        )
+        for wg, items in order:
+            self._route_directions(wg, items)
+
+        for item in work:
+            group, p, layout = item.group, item.p, self.layout(item.p)
+            assert item.direction is not None
+            if item.route is not None:
+                local = item.direction.view_as(p)
+            else:
+                u = item.direction.reshape(layout.full_shape)
+                local = u.view_as(p) if layout.is_local else layout.take_local(u)
             if group["weight_decay"] != 0 and layout.ndim >= 2:
                 local.add_(p, alpha=group["weight_decay"])
             p.add_(local.to(p.dtype), alpha=-group["lr"])
         return loss
+
+    def _gather_inputs(self, items: Sequence[_Item]) -> None:
+        """The fallback: every rank gathers the full momentum (and gradient) of ``items`` (one
+        all_gather per ZeRO/TP group; a whole local tensor is used as it is)."""
+        if not items:
+            return
+        tensors = [(self.layout(it.p), t) for it in items for t in it.fit_inputs()]
+        comm_dtype = self.communication_dtype or _widest([t for _, t in tensors])
+        fulls = iter(gather_full(tensors, dtype=comm_dtype))
+        for it in items:
+            it.full_m = next(fulls)
+            it.full_g = it.full_m if it.group["momentum_into_precond_update"] else next(fulls)
+
+    def _route_inputs(self, wg: Any, items: Sequence[_Item]) -> None:
+        """The pieces of the momenta (and gradients) of one work group to their owners, who
+        assemble the whole tensors: one all_to_all. A tensor every rank holds whole (replicated)
+        is not sent: its owner uses its own copy, the same as every other rank's."""
+        moves: list[tuple[Route, torch.Tensor, dict[int, torch.Tensor]]] = []
+        for it in items:
+            layout = self.layout(it.p)
+            assert it.route is not None
+            wholes: list[torch.Tensor] = []
+            for t in it.fit_inputs():
+                if layout.is_local:
+                    wholes.append(t)
+                    continue
+                blocks = {i: t.new_empty(_route_view(layout.full_shape)) for i in it.route.owned}
+                moves.append((it.route, t.reshape(-1), blocks))
+                wholes.append(blocks.get(0, t))
+            if it.route.owned:
+                it.full_m = wholes[0]
+                it.full_g = wholes[-1]
+        # Whether anything is sent is the same on every rank of the work group: its members list
+        # the same parameters, each held whole either on all of them or on none (plan_route).
+        if moves:
+            dtype = self.communication_dtype or _widest([local for _, local, _ in moves])
+            to_owners(moves, wg, dtype, moves[0][1].device)
+
+    def _direction(self, item: _Item, do_update: bool, balance: bool) -> None:
+        """Draw the probe (every rank with ``probe_rng="sequential"``, so that every generator
+        stays in step) and, on the owner, compute the direction; elsewhere a buffer for it."""
+        group, p = item.group, item.p
+        plan = self._plan(p, group)
+        precond_dtype = group["precond_dtype"] or torch.float32
+        device = item.m.device
+        probe = None
+        if do_update and (self.probe_rng == "sequential" or self._mine(p)):
+            probe = torch.randn(
+                plan.shape, generator=self._probe_generator(p, device), dtype=precond_dtype, device=device
+            )
+        if item.route is not None:
+            u = None
+            if self._mine(p):
+                assert item.full_m is not None and item.full_g is not None
+                u = self._owner_direction(p, group, plan, item.full_m, item.full_g, probe, balance)
+            item.full_m = item.full_g = None  # the owner's whole input is no longer needed
+            item.owned = u
+            return
+        if self._mine(p):
+            assert item.full_m is not None and item.full_g is not None
+            u = self._owner_direction(p, group, plan, item.full_m, item.full_g, probe, balance)
+            owner = self._owners.get(p)
+            if self.communication_dtype is not None and owner is not None and owner.shared:
+                # The owner applies what the others receive, so replicas cannot drift apart.
+                u = u.to(self.communication_dtype).to(u.dtype)
+        else:
+            u = torch.empty(plan.shape, dtype=precond_dtype, device=device)
+        item.full_m = item.full_g = None
+        item.direction = u
+
+    def _route_directions(self, wg: Any, items: Sequence[_Item]) -> None:
+        """The owners' directions of one work group to every rank holding a piece of them, the
+        owner included: one all_to_all. :func:`dist_optim.comm.exchange` rounds a rank's pieces to
+        itself through the communication dtype too, so every holder applies the same values."""
+        moves: list[tuple[Route, dict[int, torch.Tensor], torch.Tensor]] = []
+        for it in items:
+            layout = self.layout(it.p)
+            assert it.route is not None
+            precond_dtype = it.group["precond_dtype"] or torch.float32
+            blocks = {} if it.owned is None else {0: it.owned.reshape(_route_view(layout.full_shape))}
+            local = torch.empty(it.m.numel(), dtype=precond_dtype, device=it.m.device)
+            local[layout.valid_numel :].zero_()  # ZeRO padding at the end of a chunk
+            moves.append((it.route, blocks, local))
+            it.direction = local
+        dtype = self.communication_dtype or _widest([local for _, _, local in moves])
+        from_owners(moves, wg, dtype, moves[0][2].device)
+        for it in items:
+            it.owned = None
 
     def _owner_direction(
         self,
@@ -748,6 +896,38 @@ class DistributedKron(DistOptimizer):
 
 
 # ---- helpers and validation ----------------------------------------------------------------------
+@dataclass(eq=False)
+class _Item:
+    """One parameter's step: its inputs and, as they come, the route, the owner's whole inputs,
+    the owner's whole direction and this rank's direction (whole, or its local piece when
+    routed)."""
+
+    group: dict[str, Any]
+    p: torch.Tensor
+    m: torch.Tensor
+    g: torch.Tensor
+    route: Route | None = None
+    full_m: torch.Tensor | None = None
+    full_g: torch.Tensor | None = None
+    owned: torch.Tensor | None = None
+    direction: torch.Tensor | None = None
+
+    def fit_inputs(self) -> list[torch.Tensor]:
+        """The tensors the owner needs whole: the momentum, and the gradient where the
+        preconditioner is fitted to it."""
+        return [self.m] if self.group["momentum_into_precond_update"] else [self.m, self.g]
+
+
+def _route_view(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a parameter is routed in: its full shape (a scalar as one element)."""
+    return tuple(shape) or (1,)
+
+
+def _whole_box(shape: tuple[int, ...]) -> Box:
+    """The box of a whole tensor of ``shape``."""
+    return tuple((0, n) for n in shape)
+
+
 def _widest(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     dtype = tensors[0].dtype
     for t in tensors[1:]:

@@ -1,5 +1,5 @@
-"""Whole tensors on owner ranks: the owner mechanism that Shampoo (blocks of a tensor) and Muon
-(one matrix per parameter) share.
+"""Whole tensors on owner ranks: the owner mechanism that Shampoo (blocks of a tensor), Muon (one
+matrix per parameter) and Kron (one whole parameter) share.
 
 Work that needs a whole tensor (a preconditioner block, a Newton-Schulz iteration of a matrix) is
 owned by one rank of a *work group*: the parameter's data-parallel (ZeRO) group, or under tensor
@@ -17,8 +17,9 @@ result back to every rank that holds that piece:
   rank receives its blocks and its pieces of the results: about ``2/size`` of the bytes of
   gathering every full tensor, and nobody holds a full tensor it does not own.
 
-Work whose results every rank of the work group needs whole (Kron's preconditioned directions
-and factors, GaLore's projectors) is assigned and shared with the same groups:
+Work whose results every rank of the work group needs whole (Kron's factors in its full state,
+GaLore's projectors; Kron's directions where no route exists) is assigned and shared with the
+same groups:
 
 * :func:`work_group`: the :class:`WorkGroup` of a parameter (its grid, its data-parallel group, its
   TP group, or :data:`ALONE`);

@@ -164,7 +164,7 @@ TRANSIENT_OPTIONS = {
     "shampoo": "max_gather_bytes (gathered gradients per bucket), communication_dtype",
     "muon": "communication_dtype (routed pieces), ns_dtype (Newton-Schulz workspace)",
     "galore": "the rank and update_proj_gap (SVD workspace on refresh steps)",
-    "kron": "communication_dtype, max_size_triangular (dense factors)",
+    "kron": "communication_dtype (routed pieces), max_size_triangular (dense factors)",
     "lamb": "none: the foreach update holds one update per parameter",
     "adamw": "foreach=False (torch's per-parameter loop)",
     "adafactor": "none (row/column statistics are small)",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -399,7 +400,7 @@ def _work_worker(shapes, steps: int) -> dict:
                 p.grad = opt.layout(p).take_local(g)
             comm.reset_counts()
             opt.step()
-            counts.append(sum(comm.COUNTS.values()))
+            counts.append(dict(comm.COUNTS))
         out[f"counts_{mode}"] = counts
         full_now = comm.gather_full([(opt.layout(p), p) for p in params])
         out[f"err_{mode}"] = max(rel_err(a, b) for a, b in zip(full_now, ref_params))
@@ -421,10 +422,17 @@ def test_work_split_and_collectives_at_dp4(pool4) -> None:
         assert max(per_rank) <= 0.3 * total, (mode, [w / total for w in per_rank])
         for r in results:
             assert r[f"err_{mode}"] <= RTOL and r[f"state_err_{mode}"] <= RTOL, (mode, r)
-    # replicated params: nothing to gather, one share over dp; ZeRO: one gather + one share; both
-    # with the NaN/Inf check's all-reduce over the job first
-    assert all(c == [2, 2, 2] for c in (r["counts_replicated"] for r in results))
-    assert all(c == [3, 3, 3] for c in (r["counts_zero"] for r in results))
+    # Every step: the NaN/Inf check's all-reduce over the job, then per work group (dp here) one
+    # all_to_all each way: pieces of the momenta to the owners (none for replicated params, which
+    # every owner holds whole: nothing is sent) and pieces of the directions back. Once, at the
+    # first step, the work group tells each other their pieces (one all_gather_object).
+    flag = {"all_reduce": 1}
+    first = {"all_gather_object": 1}
+    replicated = [{**flag, **first, "all_to_all": 1}] + [{**flag, "all_to_all": 1}] * 2
+    zero = [{**flag, **first, "all_to_all": 2}] + [{**flag, "all_to_all": 2}] * 2
+    for r in results:
+        assert r["counts_replicated"] == replicated, r["counts_replicated"]
+        assert r["counts_zero"] == zero, r["counts_zero"]
 
 
 def _tp_count_worker(n_params: int, communication_dtype: torch.dtype | None = torch.bfloat16) -> dict:
@@ -459,7 +467,7 @@ def _tp_count_worker(n_params: int, communication_dtype: torch.dtype | None = to
             rp.grad = full * (step + 1)
         comm.reset_counts()
         opt.step()
-        counts.append(sum(comm.COUNTS.values()))
+        counts.append(dict(comm.COUNTS))
         ref.step()
     final = comm.gather_full([(opt.layout(p), p) for p in params])
     return dict(counts=counts, final=final, ref=[p.detach() for p in ref_params])
@@ -468,10 +476,15 @@ def _tp_count_worker(n_params: int, communication_dtype: torch.dtype | None = to
 def test_collectives_per_step_are_constant_under_tp_and_zero(pool4) -> None:
     small = pool4.run(_tp_count_worker, 1)
     large = pool4.run(_tp_count_worker, 4)
-    # gather: ZeRO group + TP group; share: one all_gather over the TP x ZeRO grid; the NaN/Inf flag
-    assert all(r["counts"] == [4, 4] for r in small + large), (small, large)
-    # bf16 communication: every rank ends with the same full params (the owner rounds its own
-    # direction too, so replicas do not drift), close to the fp32 single-device run
+    # The NaN/Inf flag, then one all_to_all each way over the TP x ZeRO grid (pieces of the momenta
+    # to their owners, pieces of the directions back); at the first step the grid's ranks tell
+    # each other their pieces (one all_gather_object).
+    steady = {"all_reduce": 1, "all_to_all": 2}
+    expected = [{**steady, "all_gather_object": 1}, steady]
+    assert all(r["counts"] == expected for r in small + large), [r["counts"] for r in small + large]
+    # bf16 communication: every rank ends with the same full params (the owner's own piece of a
+    # direction goes through bf16 as well, so replicas do not drift), close to the fp32
+    # single-device run
     for results in (small, large):
         for r in results[1:]:
             assert all(torch.equal(a, b) for a, b in zip(r["final"], results[0]["final"]))
@@ -481,6 +494,73 @@ def test_collectives_per_step_are_constant_under_tp_and_zero(pool4) -> None:
 def test_fp32_communication_is_exact_under_tp_and_zero(pool4) -> None:
     for r in pool4.run(_tp_count_worker, 1, None):
         assert max(rel_err(a, b) for a, b in zip(r["final"], r["ref"])) <= RTOL
+
+
+def _routed_bytes_worker(layout: tuple[int, int, int], route: bool, comm_dtype: torch.dtype | None) -> dict:
+    """The parity harness's parameters at ``layout`` (tp, dp, ZeRO), stepped with pieces routed to
+    the owners (``route``) or every full tensor gathered: the bytes this rank receives (every
+    all_to_all's and all_gather's output, its own pieces included), the collectives of each step
+    and the full params at the end."""
+    from tests.helpers import parity
+
+    received = {"n": 0}
+    real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_into_tensor")}
+
+    def counting(name: str) -> Any:
+        def run(out: torch.Tensor, *a: Any, **k: Any) -> Any:
+            received["n"] += out.numel() * out.element_size()
+            return real[name](out, *a, **k)
+
+        return run
+
+    kwargs = dict(lr=1e-2, weight_decay=1e-2, communication_dtype=comm_dtype)
+    opt, masters, _, local_grad = parity.build(DistributedKron, kwargs, *layout, "fp32")
+    opt.route_pieces = route
+    counts = []
+    for name in real:
+        setattr(dist, name, counting(name))
+    try:
+        for step in range(parity.STEPS):
+            parity.set_grads(masters, step, local_grad)
+            comm.reset_counts()
+            opt.step()
+            counts.append(dict(comm.COUNTS))
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    full, _ = parity.full_result(opt, masters)
+    numel = [math.prod(spec.shape) for spec in parity.SPECS]
+    return dict(received=received["n"], counts=counts, full=full, numel=numel)
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 1), (1, 4, 1)], ids=["tp2xzero2", "zero4"])
+def test_pieces_go_to_owners(pool4, layout: tuple[int, int, int]) -> None:
+    """Each rank sends its pieces of the momenta to their owners and receives its pieces of the
+    directions (one all_to_all per work group each way, after the NaN/Inf flag): what a rank
+    receives per step is at most 0.55x of gathering every full momentum and every full direction
+    in fp32 (about 1/4 here: an owner receives the whole momenta it owns, every rank its quarter of
+    the directions). In fp32 the result is bit for bit the gathering path's (the same math on the
+    same full tensor on the owner); in bf16 every rank ends with the same parameters."""
+    from tests.helpers import parity
+
+    routed = pool4.run(_routed_bytes_worker, layout, True, None)
+    gathered = pool4.run(_routed_bytes_worker, layout, False, None)
+    numel = routed[0]["numel"]
+    none_grad = numel[[spec.name for spec in parity.SPECS].index("row")]
+    # Every full momentum and every full direction in fp32, every step but the "row" param's
+    # gradient-less one.
+    gather_all = 2 * 4 * (parity.STEPS * sum(numel) - none_grad)
+    steady = {"all_reduce": 1, "all_to_all": 2}
+    for r, g in zip(routed, gathered):
+        assert r["counts"] == [{**steady, "all_gather_object": 1}] + [steady] * (parity.STEPS - 1), r["counts"]
+        assert r["received"] <= 0.55 * gather_all, (r["received"], gather_all)
+        assert r["received"] < 0.6 * g["received"], (r["received"], g["received"])
+        assert all(torch.equal(a, b) for a, b in zip(r["full"], g["full"])), "routing changed the fp32 result"
+    print(f"received / gathering every full tensor: {[r['received'] / gather_all for r in routed]}")
+    low = pool4.run(_routed_bytes_worker, layout, True, torch.bfloat16)
+    for r in low[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["full"], low[0]["full"])), "ranks disagree"
+    assert max(rel_err(a, b) for a, b in zip(low[0]["full"], routed[0]["full"])) <= 1e-2
 
 
 # Through a real ColossalAI booster (kron_torch.Kron passed to booster.boost): tests/distributed/test_booster.py.
