@@ -144,7 +144,7 @@ REORDERED_DTYPES = (torch.float32, torch.float64)
 #: Diagonal blocks of a symmetric product halve down to this size (Muon's products are one-off,
 #: unlike Kron's, so its own measured value): NS time at 512 x 512 / 512 x 1376 / 1024 x 1024 on
 #: the 2-core CPU, one thread, vs plain ``mm``: 0.93 / 0.87 / 0.82 at 256, 0.87 / 0.81 / 0.79 at
-#: 128, 0.89 / 0.82 / 0.78 at 64.
+#: 128, 0.89 / 0.82 / 0.78 at 64; with two threads within run-to-run noise at every size.
 SYMMETRIC_MIN_SIZE = 128
 
 
