@@ -169,6 +169,23 @@ def test_blocked_symmetric_products_match_float64(shape: tuple[int, int], monkey
     assert not torch.equal(blocked, unblocked)  # the blocked products really ran
 
 
+@pytest.mark.parametrize(
+    "shape,dtype,steps",
+    [((40, 40), torch.float32, 5), ((24, 56), torch.float32, 5), ((70, 23), torch.float64, 3),
+     ((24, 56), torch.bfloat16, 5), ((24, 56), torch.float32, 1)],
+)  # fmt: skip
+def test_owner_cost_is_the_iterations_counted_flops(shape: tuple[int, int], dtype: torch.dtype, steps: int) -> None:
+    """The owners' cost model is what the iteration really multiplies, on the path it takes
+    (formula, Gram space, bf16's formula, one step), counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    c = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        dist_optim.muon.newton_schulz(c, [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * steps, 1e-7, dtype=dtype)
+    assert counter.get_total_flops() == dist_optim.muon.newton_schulz_flops(*shape, steps, dtype)
+
+
 def test_bfloat16_iteration_keeps_the_formula() -> None:
     """In bfloat16 (torch.optim.Muon's iteration dtype) the formula's own order is kept, so a
     converted optimizer computes what torch's does."""
