@@ -76,9 +76,9 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from .base import DistOptimizer, check_range
-from .comm import gather_full, group_rank, group_size, ordered_groups
+from .comm import gather_full, group_rank, ordered_groups
 from .layout import ParamLayout
-from .owners import data_group, from_owners, grid_or_data_group, plan_routes, to_owners, work_grids
+from .owners import data_group, from_owners, grid_or_data_group, plan_routes, split_size, to_owners, work_grids
 from .registry import Conversion, PlanEntry, register, register_plan
 from .structured import symmetric_product
 from .work import Route, assign_owners
@@ -415,7 +415,7 @@ class DistributedMuon(DistOptimizer):
         return grid_or_data_group(self.layout(p), self.dp_group, self._grids)
 
     def _work_size(self, group: Any) -> int:
-        return group_size(group) if self.is_bound and group is not None else 1
+        return split_size(group, self.is_bound)
 
     def _ensure_plans(self) -> dict[torch.Tensor, tuple[Any, list[int]]]:
         """Each Muon parameter's work group and the owner (rank in it) of each of its matrices

@@ -61,6 +61,7 @@ from .work import Route, assign_owners, plan_route
 
 __all__ = [
     "grid_or_data_group",
+    "split_size",
     "Holding",
     "holding",
     "member_layout",
@@ -237,6 +238,12 @@ def grid_or_data_group(layout: ParamLayout, dp_group: Any, grids: Mapping[tuple[
     if base is None or not grids:
         return base
     return grids.get(group_key(base), base)
+
+
+def split_size(group: Any, bound: bool) -> int:
+    """How many ranks split the work over ``group``, a result of :func:`grid_or_data_group`: 1 for
+    an unbound optimizer or a group of None (the work is not split), else the group's size."""
+    return group_size(group) if bound and group is not None else 1
 
 
 def work_group(layout: ParamLayout, dp_group: Any, tp_group: Any, grids: Mapping[tuple[int, ...], Any]) -> WorkGroup:

@@ -15,9 +15,9 @@ import torch
 
 from .. import structured
 from ..base import DistOptimizer
-from ..comm import SumBucket, gather_full, group_rank, group_size
+from ..comm import SumBucket, gather_full, group_rank
 from ..layout import ParamLayout
-from ..owners import data_group, grid_or_data_group, work_grids
+from ..owners import data_group, grid_or_data_group, split_size, work_grids
 from ..work import Route
 from .blocking import Block, kept_triangle
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
@@ -153,7 +153,7 @@ class DistributedShampoo(DistOptimizer):
         return grid_or_data_group(self.layout(p), self.dp_group, self._grids)
 
     def _work_size(self, group: Any) -> int:
-        return group_size(group) if self.is_bound and group is not None else 1
+        return split_size(group, self.is_bound)
 
     def _my_rank(self, group: Any) -> int:
         return group_rank(group) if self._work_size(group) > 1 else 0
