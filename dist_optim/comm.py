@@ -53,10 +53,18 @@ __all__ = [
     "barrier",
     "group_size",
     "group_rank",
+    "widest_dtype",
 ]
 
 #: Number of collectives issued since the last :func:`reset_counts`, by operation name.
 COUNTS: collections.Counter[str] = collections.Counter()
+
+
+def widest_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The dtype every one of ``tensors`` converts to without loss (``torch.promote_types`` over
+    them): the default communication dtype of a bucket, so that no tensor is rounded through a
+    narrower neighbour's dtype. The same on every rank when the ranks bucket the same tensors."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
 
 
 def reset_counts() -> None:
@@ -207,7 +215,7 @@ def gather_full(
             idx = pending[id(group)]
             # Without an explicit communication dtype, the widest of the bucket: never round a
             # tensor through a narrower neighbour's dtype.
-            comm_dtype = dtype or functools.reduce(torch.promote_types, (results[i].dtype for i in idx))
+            comm_dtype = dtype or widest_dtype(results[i] for i in idx)
             flat = torch.cat([results[i].reshape(-1).to(comm_dtype) for i in idx])
             gathered = _all_gather_flat(flat, group)
             offset = 0
@@ -264,7 +272,7 @@ def share_owned(
         return
     if len(tensors) != len(owners):
         raise ValueError("share_owned: one owner per tensor")
-    comm_dtype = dtype or functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    comm_dtype = dtype or widest_dtype(tensors)
     per_rank: list[list[int]] = [[] for _ in range(size)]
     for i, owner in enumerate(owners):
         per_rank[owner].append(i)

@@ -129,7 +129,7 @@ from typing import Any
 import torch
 
 from .base import DistOptimizer, check_range
-from .comm import gather_full, ordered_groups
+from .comm import gather_full, ordered_groups, widest_dtype
 from .layout import Box
 from .owners import (
     Owner,
@@ -693,7 +693,7 @@ class DistributedKron(DistOptimizer):
         if not items:
             return
         tensors = [(self.layout(it.p), t) for it in items for t in it.fit_inputs()]
-        comm_dtype = self.communication_dtype or _widest([t for _, t in tensors])
+        comm_dtype = self.communication_dtype or widest_dtype(t for _, t in tensors)
         fulls = iter(gather_full(tensors, dtype=comm_dtype))
         for it in items:
             it.full_m = next(fulls)
@@ -721,7 +721,7 @@ class DistributedKron(DistOptimizer):
         # Whether anything is sent is the same on every rank of the work group: its members list
         # the same parameters, each held whole either on all of them or on none (plan_route).
         if moves:
-            dtype = self.communication_dtype or _widest([local for _, local, _ in moves])
+            dtype = self.communication_dtype or widest_dtype(local for _, local, _ in moves)
             to_owners(moves, wg, dtype, moves[0][1].device)
 
     def _direction(self, item: _Item, do_update: bool, balance: bool) -> None:
@@ -770,7 +770,7 @@ class DistributedKron(DistOptimizer):
             local[layout.valid_numel :].zero_()  # ZeRO padding at the end of a chunk
             moves.append((it.route, blocks, local))
             it.direction = local
-        dtype = self.communication_dtype or _widest([local for _, _, local in moves])
+        dtype = self.communication_dtype or widest_dtype(local for _, _, local in moves)
         from_owners(moves, wg, dtype, moves[0][2].device)
         for it in items:
             it.owned = None
@@ -926,13 +926,6 @@ def _route_view(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _whole_box(shape: tuple[int, ...]) -> Box:
     """The box of a whole tensor of ``shape``."""
     return tuple((0, n) for n in shape)
-
-
-def _widest(tensors: Sequence[torch.Tensor]) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
 
 
 def _threshold(prob: Any) -> float:

@@ -76,7 +76,7 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from .base import DistOptimizer, check_range
-from .comm import gather_full, group_rank, ordered_groups
+from .comm import gather_full, group_rank, ordered_groups, widest_dtype
 from .layout import ParamLayout
 from .owners import data_group, from_owners, grid_or_data_group, plan_routes, split_size, to_owners, work_grids
 from .registry import Conversion, PlanEntry, register, register_plan
@@ -566,10 +566,7 @@ class DistributedMuon(DistOptimizer):
         if self.communication_dtype is not None:
             return self.communication_dtype
         # The widest of the parameters' own dtypes: the same on every rank of the work group.
-        dtype = members[0][2].dtype
-        for _, _, c, _ in members[1:]:
-            dtype = torch.promote_types(dtype, c.dtype)
-        return dtype
+        return widest_dtype(c for _, _, c, _ in members)
 
     @staticmethod
     def _orthogonalize(c: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:

@@ -23,14 +23,13 @@ the same collectives in the same order.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..comm import ordered_groups, share_owned
+from ..comm import ordered_groups, share_owned, widest_dtype
 from ..layout import ParamLayout
 from ..owners import from_owners, plan_routes, to_owners
 from ..work import Route, assign_owners
@@ -163,7 +162,7 @@ def buckets(sizes: Sequence[int], limit: int | None) -> Iterator[tuple[int, int]
 
 def _move(wg: Any, members: list[Routed], gather: bool, dtype: torch.dtype | None) -> None:
     if dtype is None:  # the widest of the parameters' own dtypes: the same on every rank
-        dtype = functools.reduce(torch.promote_types, (r.grad.dtype for r in members))
+        dtype = widest_dtype(r.grad for r in members)
     device = members[0].grad.device
     if gather:
         to_owners([(r.route, r.grad.reshape(-1), r.blocks) for r in members], wg, dtype, device)
