@@ -736,24 +736,19 @@ class DistributedKron(DistOptimizer):
             probe = torch.randn(
                 plan.shape, generator=self._probe_generator(p, device), dtype=precond_dtype, device=device
             )
-        if item.route is not None:
-            u = None
-            if self._mine(p):
-                assert item.full_m is not None and item.full_g is not None
-                u = self._owner_direction(p, group, plan, item.full_m, item.full_g, probe, balance)
-            item.full_m = item.full_g = None  # the owner's whole input is no longer needed
-            item.owned = u
-            return
+        u = None
         if self._mine(p):
             assert item.full_m is not None and item.full_g is not None
             u = self._owner_direction(p, group, plan, item.full_m, item.full_g, probe, balance)
-            owner = self._owners.get(p)
-            if self.communication_dtype is not None and owner is not None and owner.shared:
-                # The owner applies what the others receive, so replicas cannot drift apart.
-                u = u.to(self.communication_dtype).to(u.dtype)
-        else:
+        item.full_m = item.full_g = None  # the owner's whole input is no longer needed
+        if item.route is not None:
+            item.owned = u  # from_owners rounds every holder's piece, the owner's included
+            return
+        if u is None:
             u = torch.empty(plan.shape, dtype=precond_dtype, device=device)
-        item.full_m = item.full_g = None
+        elif self.communication_dtype is not None and (owner := self._owners.get(p)) is not None and owner.shared:
+            # The owner applies what the others receive, so replicas cannot drift apart.
+            u = u.to(self.communication_dtype).to(u.dtype)
         item.direction = u
 
     def _route_directions(self, wg: Any, items: Sequence[_Item]) -> None:
