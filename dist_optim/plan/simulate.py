@@ -535,10 +535,11 @@ def single_device_state(
     param group alone, never from values (on meta tensors there are none) or from the other
     parameters. So the optimizer is built over the whole model to learn each parameter's group,
     then one parameter of each distinct (shape, dtype, param group) is stepped by the optimizer's
-    own code, and its state counts once per parameter of its kind. A 70B Llama has 723 parameters
-    of 7 kinds: stepping the kinds instead of the model is what makes Shampoo's ideal (thousands of
-    1024-blocks) quick. Storage shared by the states of several parameters (none of the optimizers
-    here keeps any) is counted once, not multiplied."""
+    own code, and its state counts once per parameter of its kind. A 70B Llama's 723 parameters
+    have 6 shapes (more kinds where param groups split a shape, as Muon's split does): stepping
+    the kinds instead of the model is what makes Shampoo's ideal (thousands of 1024-blocks) quick.
+    Storage shared by the states of several parameters (none of the optimizers here keeps any) is
+    counted once, not multiplied."""
     model, pieces = build_pieces(config, Layout(precision="fp32"), None)
     masters = {p.name: p.master for p in pieces}
     whole = build_optimizer(optimizer, model, masters, args)
