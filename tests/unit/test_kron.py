@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-from typing import Any
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ import dist_optim
 from dist_optim import DistributedKron, comm
 from dist_optim.kron import ProbabilitySchedule, precond_update_prob_schedule
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
+from tests.helpers.received import received_bytes
 
 kron_torch = pytest.importorskip("kron_torch")
 
@@ -503,31 +503,16 @@ def _routed_bytes_worker(layout: tuple[int, int, int], route: bool, comm_dtype: 
     and the full params at the end."""
     from tests.helpers import parity
 
-    received = {"n": 0}
-    real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_into_tensor")}
-
-    def counting(name: str) -> Any:
-        def run(out: torch.Tensor, *a: Any, **k: Any) -> Any:
-            received["n"] += out.numel() * out.element_size()
-            return real[name](out, *a, **k)
-
-        return run
-
     kwargs = dict(lr=1e-2, weight_decay=1e-2, communication_dtype=comm_dtype)
     opt, masters, _, local_grad = parity.build(DistributedKron, kwargs, *layout, "fp32")
     opt.route_pieces = route
     counts = []
-    for name in real:
-        setattr(dist, name, counting(name))
-    try:
+    with received_bytes("all_to_all_single", "all_gather_into_tensor") as received:
         for step in range(parity.STEPS):
             parity.set_grads(masters, step, local_grad)
             comm.reset_counts()
             opt.step()
             counts.append(dict(comm.COUNTS))
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
     full, _ = parity.full_result(opt, masters)
     numel = [math.prod(spec.shape) for spec in parity.SPECS]
     return dict(received=received["n"], counts=counts, full=full, numel=numel)

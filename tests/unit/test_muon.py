@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dist_optim
 from dist_optim import DistributedMuon, comm, muon_param_groups
 from tests.helpers import parity
 from tests.helpers.check import assert_close
 from tests.helpers.muon_reference import MuonReference
+from tests.helpers.received import received_bytes
 
 STEPS = 20
 NONE_STEP = 7
@@ -535,20 +535,10 @@ KWARGS = dict(lr=2e-2, weight_decay=1e-2, _vector_group=dict(use_muon=False))
 
 
 def _received_bytes_worker(layout: tuple[int, int, int], comm_dtype: torch.dtype | None) -> dict:
-    received = {"n": 0}
-    real = dist.all_to_all_single
-
-    def counting(out: torch.Tensor, *a: Any, **k: Any) -> Any:
-        received["n"] += out.numel() * out.element_size()
-        return real(out, *a, **k)
-
     kwargs = dict(KWARGS, communication_dtype=comm_dtype)
     comm.reset_counts()
-    dist.all_to_all_single = counting
-    try:
+    with received_bytes("all_to_all_single") as received:
         opt, masters, _ = parity.distributed(DistributedMuon, kwargs, *layout, "fp32")
-    finally:
-        dist.all_to_all_single = real
     counts = dict(comm.COUNTS)
     full, _ = parity.full_result(opt, masters)
     ref, _ = parity.reference(DistributedMuon, dict(KWARGS), "fp32")
