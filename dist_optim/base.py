@@ -32,11 +32,26 @@ import torch
 from .comm import SumBucket, all_gather_objects, gather_full, group_rank, group_size
 from .layout import ParamLayout, TPSplit, ZeroShard, local_layout, read_tp_dim
 
-__all__ = ["DistOptimizer", "NONFINITE_POLICIES", "check_range", "check_adam_options", "check_nonfinite_policy"]
+__all__ = [
+    "DistOptimizer",
+    "NONFINITE_POLICIES",
+    "STATE_DICT_KEY",
+    "check_range",
+    "check_adam_options",
+    "check_nonfinite_policy",
+    "class_path",
+]
 
 #: What a step does with a NaN/Inf gradient (see :meth:`DistOptimizer._gradients_ok`).
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 _NARROW = (torch.float16, torch.bfloat16)
+#: The key of :meth:`DistOptimizer.state_dict` under which the class and the extra state are saved.
+STATE_DICT_KEY = "dist_optim"
+
+
+def class_path(cls: type) -> str:
+    """``module.QualName`` of a class: how registries, logs and saved states name optimizers."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def check_range(
@@ -468,6 +483,77 @@ class DistOptimizer(torch.optim.Optimizer):
         """Hook for :meth:`load_full_state`: keep what this rank holds of a full-form state (e.g.
         only the preconditioner blocks it owns). Element-wise optimizers keep everything."""
         return state
+
+    # ---- torch's state dict -----------------------------------------------------------------
+    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
+        """Whether :meth:`load_state_dict` restores state entry ``key`` in its saved dtype. torch's
+        loader casts every floating-point state tensor to its parameter's dtype, which would turn
+        8-bit codes into floats or round fp32/fp64 preconditioners to bf16. The one rule per
+        optimizer, read from the saved entry; element-wise optimizers keep none."""
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, plus under ``"dist_optim"`` the optimizer's class and its
+        :meth:`extra_state` (the skipped-step counter, generators), so that a
+        ``state_dict()`` / :meth:`load_state_dict` round trip resumes the same trajectory. Local
+        (this rank's shards); :meth:`full_state` is the layout-independent form."""
+        out = super().state_dict()
+        out[STATE_DICT_KEY] = {"optimizer": class_path(type(self)), "extra": self.extra_state()}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader, after checking that ``state_dict`` is this optimizer's (a state dict of
+        another optimizer is refused before anything changes), keeping the dtype of the entries
+        :meth:`keeps_saved_dtype` names, and restoring :meth:`extra_state`."""
+        self._check_state_dict(state_dict)
+        meta = state_dict.get(STATE_DICT_KEY)
+        kept: dict[Any, dict[str, torch.Tensor]] = {}
+        states: dict[Any, Any] = {}
+        for pid, st in state_dict["state"].items():
+            keep = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and self.keeps_saved_dtype(k, v)}
+            states[pid] = {k: v for k, v in st.items() if k not in keep}
+            if keep:
+                kept[pid] = keep
+        plain = {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
+        super().load_state_dict({**plain, "state": states})
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        by_id = dict(zip(saved_ids, self._all_params()))
+        for pid, entries in kept.items():
+            p = by_id[pid]
+            for key, value in entries.items():
+                self.state[p][key] = value.detach().to(device=p.device, copy=True)
+        if meta is not None:
+            self.load_extra_state(meta["extra"])
+
+    def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Refuse, with one line naming the cause, a state dict that is not this optimizer's: one
+        saved from another class, with other groups, or missing options this optimizer needs
+        (torch's loader would replace the groups and fail later, deep inside a step)."""
+        mine = class_path(type(self))
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError(f"{mine}.load_state_dict: expected a dict with 'state' and 'param_groups'")
+        meta = state_dict.get(STATE_DICT_KEY)
+        saved = meta.get("optimizer") if isinstance(meta, Mapping) else None
+        if saved is not None and saved != mine:
+            raise ValueError(
+                f"{mine}.load_state_dict: this state dict was saved by {saved}; load it into a {saved}, or "
+                f"convert the saved optimizer with dist_optim.convert(...) before saving"
+            )
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"{mine}.load_state_dict: the state dict has {len(groups)} param groups, this optimizer "
+                f"{len(self.param_groups)}; build the optimizer with the same groups as the saved one"
+            )
+        for i, (saved_group, group) in enumerate(zip(groups, self.param_groups)):
+            missing = sorted(set(self.defaults) - set(saved_group))
+            if missing:
+                origin = f"saved by {saved}" if saved else "not saved by a dist_optim optimizer"
+                raise ValueError(
+                    f"{mine}.load_state_dict: param group {i} of the state dict lacks {', '.join(missing)} "
+                    f"({origin}); load a state dict saved by this optimizer"
+                )
+            self.validate_group({**saved_group, "params": group["params"]})
 
     def extra_state(self) -> dict[str, Any]:
         """Optimizer-level state beyond per-parameter state (the skipped-step counter; subclasses

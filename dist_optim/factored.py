@@ -363,6 +363,11 @@ class FactoredOptimizer(DistOptimizer):
     def _on_bind(self) -> None:
         self._factored.clear()
 
+    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
+        """Every statistic is kept in :func:`math_dtype` (fp32 for bf16/fp16 parameters): restored
+        as saved, not cast to the parameter's dtype as torch's loader would."""
+        return True
+
     def _init_state(self, item: Item) -> None:
         """The state a parameter starts with besides ``step`` (called at its first step)."""
         raise NotImplementedError

@@ -303,29 +303,10 @@ class DistributedGaLore(DistOptimizer):
                     "without 'rank'"
                 )
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's loader casts every floating param's state tensors to the param's dtype: that would
-        turn 8-bit codes into floats, round fp32 absmax to bf16 and widen fp16-stored projectors.
-        Those entries keep their dtype (moved to the param's device)."""
-        kept: dict[Any, dict[str, torch.Tensor]] = {}
-        states: dict[Any, Any] = {}
-        for pid, st in state_dict["state"].items():
-            st = dict(st)
-            for key in list(st):
-                value = st[key]
-                if isinstance(value, torch.Tensor) and (
-                    value.dtype == torch.uint8 or key.endswith("_absmax") or key.startswith("proj_")
-                ):
-                    kept.setdefault(pid, {})[key] = st.pop(key)
-            states[pid] = st
-        super().load_state_dict({**state_dict, "state": states})
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        by_id = dict(zip(saved_ids, params))
-        for pid, entries in kept.items():
-            p = by_id[pid]
-            for key, value in entries.items():
-                self.state[p][key] = value.to(device=p.device, copy=True)
+    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
+        """8-bit codes, their fp32 absmax and projectors stored in ``proj_dtype`` keep their saved
+        dtype on load (torch's loader would cast them to the parameter's dtype)."""
+        return value.dtype == torch.uint8 or key.endswith("_absmax") or key.startswith("proj_")
 
     # ---- validation against full shapes ---------------------------------------------------
     def _on_bind(self) -> None:

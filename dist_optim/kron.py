@@ -849,6 +849,11 @@ class DistributedKron(DistOptimizer):
                 out[i][f"Q_{k}"] = t
         return out
 
+    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
+        """The factors (``precond_dtype``) and the momentum (``mu_dtype``) keep their saved dtype on
+        load; torch's loader would cast them to the parameter's."""
+        return key.startswith("Q_") or key == "momentum_buffer"
+
     def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
         """For ``load_full_state``: only the owner keeps a parameter's factors."""
         if self._mine(param):
@@ -874,20 +879,6 @@ class DistributedKron(DistOptimizer):
         self._balance_rng.setstate(extra["balance_rng"])
         for name, st in extra["generators"].items():
             self._generator(torch.device(name)).set_state(st)
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus :meth:`extra_state` under ``"kron"``. Factors are in the owner's
-        state only; :meth:`full_state` is the layout-independent form."""
-        sd = super().state_dict()
-        sd["kron"] = self.extra_state()
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("kron", None)
-        super().load_state_dict(state_dict)
-        if extra is not None:
-            self.load_extra_state(extra)
 
 
 # ---- helpers and validation ----------------------------------------------------------------------

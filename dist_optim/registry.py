@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .base import DistOptimizer
+from .base import DistOptimizer, class_path
 
 __all__ = [
     "Conversion",
@@ -74,10 +74,6 @@ class Conversion:
 
 
 _REGISTRY: dict[str, Conversion] = {}
-
-
-def class_path(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def register(conversion: Conversion) -> Conversion:

@@ -30,7 +30,7 @@ from .state import (
     checked_block_entries,
     full_block_entries,
     initial_state,
-    kept_dtype_entries,
+    keeps_saved_dtype,
     non_block_entries,
 )
 from .update import apply_block_update, apply_update, join_blocks, whole_views
@@ -373,17 +373,14 @@ class DistributedShampoo(DistOptimizer):
         shares.share_exact()
         return out
 
+    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
+        """Block state kept in ``preconditioner_dtype`` (e.g. float64 factors of fp32 params) and
+        the failure counters keep their saved dtype on load (:func:`state.keeps_saved_dtype`)."""
+        return keeps_saved_dtype(key)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's loader casts every floating-point state tensor to its parameter's dtype; block
-        state kept in ``preconditioner_dtype`` (e.g. float64 factors of fp32 params) and the
-        failure counters are restored in their saved dtype instead."""
-        keep = kept_dtype_entries(state_dict["state"])
+        """The base's loader; block owners are planned again at the next step."""
         super().load_state_dict(state_dict)
-        for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            for pid, p in zip(saved["params"], group["params"]):
-                for key, value in keep.get(pid, {}).items():
-                    if key in self.state.get(p, {}):
-                        self.state[p][key] = value.detach().clone().to(device=p.device)
         self._plans = {}
 
     def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:

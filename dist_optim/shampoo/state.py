@@ -26,7 +26,6 @@ __all__ = [
     "block_spec",
     "block_prefix",
     "keeps_saved_dtype",
-    "kept_dtype_entries",
     "non_block_entries",
     "full_block_entries",
     "checked_block_entries",
@@ -82,14 +81,6 @@ def initial_state(
         if mine:
             out.update(BlockState.create(block, group, dtype, p.device).flat(block_prefix(i)))
     return out
-
-
-def kept_dtype_entries(saved: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, torch.Tensor]]:
-    """Per parameter id of a saved state dict's ``"state"``, its tensors that :func:`keeps_saved_dtype`."""
-    return {
-        pid: {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and keeps_saved_dtype(k)}
-        for pid, st in saved.items()
-    }
 
 
 def non_block_entries(state: Mapping[str, Any]) -> dict[str, Any]:
