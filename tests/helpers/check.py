@@ -16,6 +16,12 @@ import torch
 
 #: atol as a fraction of ``rtol * max|expected|`` (see the module docstring).
 ATOL_SCALE = 0.1
+#: The parity standard for fp32 results (tests/helpers/parity.py RTOL).
+FP32_RTOL = 1e-5
+#: Two float64 results of the same arithmetic in another order: ~1e-16 apart where nothing
+#: cancels, so 1e-12 leaves four orders of magnitude for cancellation and still fails a learning
+#: rate off by 1e-4 (see :func:`default_rtol`).
+FLOAT64_RTOL = 1e-12
 
 
 def excess(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol_scale: float = ATOL_SCALE) -> float:
@@ -50,10 +56,24 @@ def describe(actual: torch.Tensor, expected: torch.Tensor) -> str:
     )
 
 
+def default_rtol(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """:data:`FP32_RTOL`, or :data:`FLOAT64_RTOL` when both sides are float64: two float64 runs of
+    the same algorithm agree to ~1e-16, and an fp32 tolerance between them would pass a wrong
+    algorithm (a learning rate scaled by 1.0001)."""
+    both64 = actual.dtype == torch.float64 and expected.dtype == torch.float64
+    return FLOAT64_RTOL if both64 else FP32_RTOL
+
+
 def assert_close(
-    actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5, msg: str = "", atol_scale: float = ATOL_SCALE
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    rtol: float | None = None,
+    msg: str = "",
+    atol_scale: float = ATOL_SCALE,
 ) -> None:
-    """Element-wise ``|a - b| <= rtol |b| + atol_scale * rtol * max|b|``."""
+    """Element-wise ``|a - b| <= rtol |b| + atol_scale * rtol * max|b|``; ``rtol`` defaults to
+    :func:`default_rtol` (fp32's, or float64's when both sides are float64)."""
+    rtol = default_rtol(actual, expected) if rtol is None else rtol
     e = excess(actual, expected, rtol, atol_scale)
     assert e <= 1, f"{msg}: {e:.3g}x the element-wise tolerance (rtol {rtol:g}); {describe(actual, expected)}"
 
