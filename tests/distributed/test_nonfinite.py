@@ -23,7 +23,7 @@ import torch.distributed as dist
 import dist_optim
 from dist_optim import comm
 from tests.helpers import parity
-from tests.helpers.cases import PARITY_CASES
+from tests.helpers.cases import FAMILIES, PARITY_CASES
 
 #: One configuration per optimizer class: the first of each in PARITY_CASES.
 CASES = [case for i, case in enumerate(PARITY_CASES) if all(c.cls is not case.cls for c in PARITY_CASES[:i])]
@@ -70,6 +70,15 @@ def _snapshot(opt: Any, params: list[torch.Tensor]) -> Any:
 
 
 # ---- every layout, on 4 processes -------------------------------------------------------------
+def _poisonings(layout_index: int, world: int) -> list[tuple[float, int, str]]:
+    """(bad value, culprit rank, policy) of one layout: both values under both policies."""
+    return [
+        (value, (layout_index + 2 * v) % world, policy)
+        for v, value in enumerate(BAD_VALUES)
+        for policy in ("raise", "skip")
+    ]
+
+
 def _poisoned_step(opt: Any, params: list[torch.Tensor], value: float, here: bool) -> dict[str, Any]:
     """Step POISON_STEP, with ``value`` in this rank's piece of the poisoned gradient if ``here``:
     the error (or None), whether nothing changed, the skips counted, the collectives issued."""
@@ -98,8 +107,9 @@ def nonfinite_worker(cls: type, kwargs: dict[str, Any]) -> list[str]:
     ref_params, ref_states = parity.reference(cls, kwargs, "fp32", skip={POISON_STEP})
     world = dist.get_world_size()
     for n, (tp, dp, zero) in enumerate(parity.LAYOUTS):
-        value, culprit = BAD_VALUES[n % 2], n % world  # NaN and Inf, on a different rank each layout
-        for policy in ("raise", "skip"):
+        # NaN and Inf on every layout, each under both policies, from a rank that changes with the
+        # layout and the value (NaN from rank n, Inf from rank n + 2).
+        for value, culprit, policy in _poisonings(n, world):
             label = f"[tp={tp} dp={dp} zero={zero} {policy} {value} on rank {culprit}]"
             opt, masters, _, local_grad = parity.build(cls, dict(kwargs, nonfinite=policy), tp, dp, zero, "fp32")
             for step in range(parity.STEPS):
@@ -142,6 +152,85 @@ def test_one_bad_rank_stops_or_skips_every_rank(pool4, case) -> None:
     results = pool4.run(nonfinite_worker, case.cls, case.kwargs)
     failures = sorted({f for rank_failures in results for f in rank_failures})
     assert not failures, "\n".join(failures)
+
+
+# ---- through the booster, under pipeline parallelism ------------------------------------------------
+PIPELINE = dict(tp_size=1, pp_size=2, zero_stage=1, precision="bf16", overlap_communication=False, microbatch_size=1)
+PIPELINE_STEPS, PIPELINE_POISON = 3, 1
+
+
+def pipeline_worker(opt_path: str, opt_kwargs: dict[str, Any], policy: str, value: float) -> dict[str, Any]:
+    """A tiny Llama boosted with HybridParallelPlugin(pp=2 x dp=2, ZeRO-1, bf16) and the ordinary
+    optimizer ``opt_path``; at step PIPELINE_POISON the first parameter of the last stage gets
+    ``value`` in its gradient on that stage's first data-parallel rank only (a tensor hook, before
+    ZeRO takes the gradient). Returns what this rank saw of that step."""
+    from colossalai.booster import Booster
+
+    from dist_optim import plugins
+    from dist_optim.plugins.cpu import install, quiet_colossal
+    from tests.helpers.booster import dp_coords, make_optimizer, tiny_llama, train_boosted
+
+    install()
+    with quiet_colossal():
+        model = tiny_llama()
+        optimizer = make_optimizer(opt_path, model, opt_kwargs)
+        plugin = plugins.HybridParallelPlugin(**PIPELINE)
+        booster = Booster(plugin=plugin)
+        model, wrapper, *_ = booster.boost(model, optimizer)
+        wrapper.optim.nonfinite = policy
+        _, dp_rank = dp_coords(plugin)
+        culprit = plugin.stage_manager.is_last_stage() and dp_rank == 0
+        name, param = next((n, p) for n, p in model.unwrap().named_parameters() if p.requires_grad)
+        train_boosted(booster, model, wrapper, plugin, range(PIPELINE_POISON))
+        masters = [p for g in wrapper.optim.param_groups for p in g["params"]]
+        before = [p.detach().clone() for p in masters]
+        state_before = copy.deepcopy({i: dict(wrapper.optim.state.get(p, {})) for i, p in enumerate(masters)})
+        hook = param.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), value)) if culprit else None
+        error = None
+        try:
+            train_boosted(booster, model, wrapper, plugin, range(PIPELINE_POISON, PIPELINE_POISON + 1))
+        except FloatingPointError as exc:
+            error = str(exc)
+        unchanged = _same([p.detach() for p in masters], before) and _same(
+            {i: dict(wrapper.optim.state.get(p, {})) for i, p in enumerate(masters)}, state_before
+        )
+        finite_after = None
+        if error is None:
+            if hook is not None:
+                hook.remove()
+            train_boosted(booster, model, wrapper, plugin, range(PIPELINE_POISON + 1, PIPELINE_STEPS))
+            finite_after = all(bool(torch.isfinite(p).all()) for p in masters)
+        return dict(
+            rank=dist.get_rank(),
+            culprit=culprit,
+            name=name,
+            error=error,
+            unchanged=unchanged,
+            skipped=wrapper.optim.skipped_steps,
+            finite_after=finite_after,
+        )
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_pipeline_stage_poisoned_stops_or_skips_every_stage(pool4, family) -> None:
+    """A NaN (under "raise") or an Inf (under "skip") in one rank's gradient on the last pipeline
+    stage: under "raise" every rank of both stages raises before anything changes, naming the
+    parameter and the culprit rank; under "skip" every rank skips that step (masters and state
+    bit for bit as before, skipped_steps 1) and the run goes on with finite weights."""
+    path, kwargs = family.booster
+    nan, inf = BAD_VALUES
+    for policy, value in (("raise", nan), ("skip", inf)):
+        results = pool4.run(pipeline_worker, path, kwargs, policy, value)
+        culprits = [r for r in results if r["culprit"]]
+        assert len(culprits) == 1, results
+        (bad,) = culprits
+        for r in results:
+            assert r["unchanged"], f"{policy}: the bad step changed rank {r['rank']}'s masters or state"
+            if policy == "raise":
+                want = f"parameter {bad['name']!r} on rank {bad['rank']}"
+                assert r["error"] is not None and want in r["error"], (r["rank"], want, r["error"])
+            else:
+                assert r["error"] is None and r["skipped"] == 1 and r["finite_after"], r
 
 
 # ---- one device --------------------------------------------------------------------------------
