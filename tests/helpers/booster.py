@@ -371,7 +371,8 @@ def booster_parity(
       of the 5-step update; ``rel``: to the weight's scale). This also contains ColossalAI's own
       numerics (TP matmuls, gradient averaging and its order in low precision), which second-order
       optimizers amplify; ``floor_rel``: this parameter's own ``update_rel`` between the
-      single-process run and its perturbed twin below.
+      single-process run and its perturbed twin below; ``moved``: the size of the boosted run's
+      update relative to the single-process run's (0 for a parameter that never moved).
     * ``floor``: the largest ``update_rel`` between the single-process run and that run with its
       gradients perturbed by the boosted model's measured gradient noise (:func:`gradient_noise`):
       the scale at which ``errors`` is judged.
@@ -404,6 +405,7 @@ def booster_parity(
             "rel": max_rel_err(got[name], expected[name]),
             "update_rel": (got[name] - expected[name]).norm().item() / delta,
             "floor_rel": noise,
+            "moved": (got[name] - start).norm().item() / delta,
         }
         floor = max(floor, noise)
     masters = [p for g in opt.param_groups for p in g["params"]]
