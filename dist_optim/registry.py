@@ -7,8 +7,9 @@ each parameter group's hyperparameters. Options that the translation does not ho
 ``initial_lr`` set by an LR scheduler, a user's ``name``) are carried over unchanged.
 
 :func:`convert` is the public entry point; the plugins call it on whatever optimizer a user
-passes to ``booster.boost``. The registry also drives the generic tests: every entry must have a
-test case (tests/test_registry.py checks that).
+passes to ``booster.boost``. Each optimizer module also registers its planner entry
+(:class:`PlanEntry`); the registered optimizers are the set every list of optimizers must cover
+(tests/unit/test_registry.py checks each list, CONTRIBUTING.md names them).
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ class DeviceCase:
     cls: type
     kwargs: dict[str, Any] = field(default_factory=dict)
     galore: dict[str, Any] | None = None  # GaLore options of the matrices' group
+    vectors: dict[str, Any] | None = None  # options of a group of its own for the vectors (Muon's AdamW)
     big: bool = False
     # Options of the float64 run only: its preconditioners in float64 too (fp32 by default).
     ref_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -191,6 +192,15 @@ CASES = [
         ref_kwargs=_F64_KRON,
         measured_u=121.2,
     ),
+    # Muon: Newton-Schulz in the parameters' dtype (fp32 here, float64 in the reference), the
+    # vector in the auxiliary AdamW group (torch's fused kernel where it applies).
+    DeviceCase(
+        "muon",
+        dist_optim.DistributedMuon,
+        dict(lr=2e-2, weight_decay=1e-2),
+        vectors=dict(use_muon=False),
+        measured_u=185.7,
+    ),
 ]
 
 
@@ -257,6 +267,11 @@ def _run(
         groups: Any = [
             {"params": [p for n, p in params.items() if n not in ("w", "v")]},
             dict(case.galore, params=mats),
+        ]
+    elif case.vectors is not None:
+        groups = [
+            {"params": [p for p in params.values() if p.dim() >= 2]},
+            dict(case.vectors, params=[p for p in params.values() if p.dim() < 2]),
         ]
     else:
         groups = list(params.values())

@@ -1,0 +1,64 @@
+"""Every optimizer of dist_optim appears in every list that names optimizers (CONTRIBUTING.md,
+"Adding an optimizer"): a new optimizer that misses one fails here, naming the list.
+
+The optimizers are those whose modules registered a planner entry (``register_plan``), and they
+must be exactly the :class:`~dist_optim.base.DistOptimizer` classes ``dist_optim`` exports."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import dist_optim
+from dist_optim.base import DistOptimizer
+from dist_optim.registry import lookup, plan_entries
+
+OURS = {name: entry.target for name, entry in plan_entries().items()}
+
+
+def _name_of(cls: type) -> str:
+    return next(n for n, c in OURS.items() if c is cls)
+
+
+def test_every_exported_optimizer_registers_a_plan_entry() -> None:
+    exported = {
+        obj
+        for obj in (getattr(dist_optim, n) for n in dist_optim.__all__)
+        if isinstance(obj, type) and issubclass(obj, DistOptimizer) and obj is not DistOptimizer
+    }
+    assert exported == set(OURS.values()), f"exported {exported} != registered {set(OURS.values())}"
+
+
+def _lists() -> dict[str, set[str]]:
+    """Each list, as the set of our optimizers' names it covers."""
+    from bench.rows import rows
+    from dist_optim.plan import TRANSIENT_OPTIONS
+    from recipes import compare_optimizers, train_llama
+    from tests.distributed.test_devices import CASES as DEVICE_CASES
+    from tests.helpers.cases import FAMILIES, PARITY_CASES
+
+    compared = set()
+    for _, name, _ in compare_optimizers.DEFAULT:
+        if name in train_llama.OURS:
+            compared.add(name)
+            continue
+        module, attr = name.rsplit(".", 1)
+        conversion = lookup(getattr(importlib.import_module(module), attr))
+        if conversion is not None:  # an ordinary optimizer the plugins swap for ours
+            compared.add(_name_of(conversion.target))
+    return {
+        "recipes/train_llama.py OURS": set(train_llama.OURS),
+        "recipes/compare_optimizers.py DEFAULT": compared,
+        "dist_optim/plan TRANSIENT_OPTIONS": set(TRANSIENT_OPTIONS),
+        "tests/helpers/cases.py FAMILIES": {_name_of(f.cls) for f in FAMILIES},
+        "tests/helpers/cases.py PARITY_CASES": {_name_of(c.cls) for c in PARITY_CASES},
+        "tests/distributed/test_devices.py CASES": {_name_of(c.cls) for c in DEVICE_CASES},
+        "bench/rows.py": {r.group for r in rows()},
+    }
+
+
+@pytest.mark.parametrize("where", list(_lists()))
+def test_every_optimizer_is_in_every_list(where: str) -> None:
+    missing = sorted(set(OURS) - _lists()[where])
+    assert not missing, f"{where} lacks {missing} (CONTRIBUTING.md, 'Adding an optimizer')"
