@@ -8,7 +8,7 @@ Single process (default)::
 Each optimizer gets its own copy of the parameters and fixed random gradients; steps are timed
 round-robin (one step of each optimizer in turn, ``--repeats`` rounds after ``--warmup``) so that
 load from elsewhere on the machine hits every row alike, and the median is reported. Ratios, not
-seconds, are what the README quotes.
+seconds, are what docs/benchmarks.md quotes.
 
 Distributed (``--dist [lamb adafactor came galore shampoo]``) launches 4 CPU processes, boosts a
 small Llama with HybridParallelPlugin tp=2 x dp=2 (``--zero-stage``, ``--precision``; ZeRO-1 bf16

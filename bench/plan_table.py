@@ -1,4 +1,5 @@
-"""The README's Llama-scale table: ``dist_optim.plan`` for Llama-2-7B on 8 GPUs (tp=8; tp=2 x
+"""The Llama-scale table of docs/planner.md (its first rows in the README): ``dist_optim.plan`` for
+Llama-2-7B on 8 GPUs (tp=8; tp=2 x
 ZeRO-1 x dp=4) and Llama-2-70B on 64 and 512 GPUs (tp=8 x ZeRO-1 x dp=8 / dp=64), bf16, every
 optimizer with its defaults, on the simulated CUDA path.
 

@@ -17,7 +17,7 @@ instead::
 (or ``pip install -e /tmp/optimizers --config-settings editable_mode=compat``, which puts the
 checkout on the path the same way).
 
-The figures in the README were measured against that version's single-process code, rebuilt file by
+The figures in docs/benchmarks.md were measured against that version's single-process code, rebuilt file by
 file from the repository (this machine reaches PyPI only), without its distributed wrappers.
 
 Every optimizer works on its own copy of the parameters with fixed gradients; steps are timed

@@ -104,7 +104,7 @@ Block state (factors, roots, bases, moments, grafting state) lives only on its o
 the preconditioners is divided across the group (:meth:`DistributedShampoo.state_bytes`);
 :meth:`DistributedShampoo.full_state` gathers it back.
 
-Cost (see the README's benchmark): factors larger than ``structured.MIN_SIZE`` (256) are updated
+Cost (see docs/benchmarks.md): factors larger than ``structured.MIN_SIZE`` (256) are updated
 in one triangle only (:func:`blocking.kept_triangle`), ~0.56 of a full product's multiply-adds, and
 mirrored when a root is computed and by ``state_dict()`` / ``full_state()``, so
 ``optimizer.state`` read directly between refreshes holds a stale triangle there. Adam
