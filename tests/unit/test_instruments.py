@@ -1,4 +1,4 @@
-"""The tests' own instruments (tests/helpers/collectives.py) against
+"""The tests' own instruments (tests/helpers/collectives.py, tests/helpers/allocated.py) against
 values worked out by hand, so that what they measure in other tests is known to be right."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from tests.helpers.allocated import AllocatedBytes
 from tests.helpers.collectives import counting_collectives
 
 
@@ -64,3 +65,20 @@ def test_counting_collectives_follows_its_conventions(pool2) -> None:
         assert r["received"]["all_to_all_single"] == [6, 2][rank] * 12
         assert r["received"]["all_gather_object"] == 2 * 8 + 2 * r["largest_pickle"]
         assert r["restored"]
+
+
+def test_allocated_bytes_follows_storages_not_tensors() -> None:
+    """Live and peak bytes of what the block allocates: a temporary counts until it is freed, a view
+    keeps its storage alive after its base is deleted, in-place ops and storages from before the
+    block count nothing."""
+    x = torch.ones(1000)
+    with AllocatedBytes() as live:
+        y = x * 2  # 4000 bytes, alive after
+        z = (y + 1) * 3  # two 4000-byte results, the first freed at once
+        del z
+        x.add_(1)
+        v = (y * 1).view(10, 100)  # a 4000-byte storage kept by its view
+        assert live.live == 8000
+    assert live.live == 8000 and live.peak == 12000 and live.largest == 4000
+    del y, v
+    assert live.live == 0
