@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dist_optim.plan import Layout, PlanError, make_plan, parse_bytes
-from dist_optim.plan.simulate import OPTIMIZERS, SimWorld, build_optimizer, build_pieces, state_bytes
+from dist_optim.plan.simulate import OPTIMIZERS, SimWorld, build_optimizer, build_pieces
 from dist_optim.plan.traffic import LiveBytes
-from tests.helpers.allocated import AllocatedBytes
+from tests.helpers.allocated import AllocatedBytes, held_bytes
 from tests.helpers.booster import rank_batch, tiny_llama
 from tests.helpers.collectives import Collectives, counting_collectives
 
@@ -67,8 +67,9 @@ def _measured_run(name: str, plugin_name: str, plugin_kwargs: dict[str, Any]) ->
     """On every rank: boost the tiny Llama with optimizer ``name`` built as the planner builds it,
     train STEPS steps, and measure each ``optimizer.step()`` on real tensors with the tests' own
     instruments: every torch.distributed collective it issues (through dist_optim.comm or not) and
-    the bytes it allocates. Also what the optimizer steps: its tensors' shapes and, when it is a
-    dist_optim optimizer, whether it is bound and the layout of each tensor."""
+    the bytes it allocates; then the bytes its state holds. Also what the optimizer steps: its
+    tensors' shapes and, when it is a dist_optim optimizer, whether it is bound and the layout of
+    each tensor."""
     from colossalai.booster import Booster
 
     from dist_optim import plugins
@@ -104,7 +105,7 @@ def _measured_run(name: str, plugin_name: str, plugin_kwargs: dict[str, Any]) ->
         bound = hasattr(inner, "layout")  # a dist_optim optimizer; torch's AdamW passes through
         return {
             "steps": measured,
-            "state": state_bytes(inner),
+            "state": held_bytes(list(inner.state.values())),
             "optimizer": type(inner).__name__,
             "shapes": [tuple(p.shape) for p in params],
             "bound": bound and inner.is_bound,

@@ -1,6 +1,7 @@
-"""Bytes of tensor memory a block allocates, followed until it is freed, measured in a test worker
-without dist_optim (the planner's own instrument is dist_optim.plan.traffic.LiveBytes; a test that
-checks the planner measures the run with this one).
+"""Bytes of tensor memory, measured in a test worker without dist_optim (the planner's own instruments
+are dist_optim.plan.traffic.LiveBytes and dist_optim.plan.simulate.state_bytes; a test that checks
+the planner measures the run with these): what a block allocates, followed until it is freed
+(:class:`AllocatedBytes`), and what a structure holds (:func:`held_bytes`).
 
 Every aten op inside the block passes through :class:`AllocatedBytes` (a ``TorchDispatchMode``).
 A storage under an op's output that none of the op's tensor arguments already uses is memory
@@ -19,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["AllocatedBytes"]
+__all__ = ["AllocatedBytes", "held_bytes"]
 
 
 def _storage(x: Any) -> torch.UntypedStorage | None:
@@ -27,6 +28,13 @@ def _storage(x: Any) -> torch.UntypedStorage | None:
     if isinstance(x, torch.Tensor) and x.layout == torch.strided:
         return x.untyped_storage()
     return None
+
+
+def held_bytes(tree: Any) -> int:
+    """Bytes of the storages under every tensor in ``tree`` (dicts, lists and tuples, nested: an
+    optimizer's ``state``), each storage once however many tensors view it."""
+    storages = {id(s): s.nbytes() for s in map(_storage, tree_leaves(tree)) if s is not None}
+    return sum(storages.values())
 
 
 class AllocatedBytes(TorchDispatchMode):

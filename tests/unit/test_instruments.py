@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tests.helpers.allocated import AllocatedBytes
+from tests.helpers.allocated import AllocatedBytes, held_bytes
 from tests.helpers.collectives import counting_collectives
 
 
@@ -82,3 +82,11 @@ def test_allocated_bytes_follows_storages_not_tensors() -> None:
     assert live.live == 8000 and live.peak == 12000 and live.largest == 4000
     del y, v
     assert live.live == 0
+
+
+def test_held_bytes_counts_each_storage_once() -> None:
+    """Every tensor in nested dicts and lists counts, a storage viewed twice counts once, other
+    values nothing."""
+    m = torch.ones(10)
+    state = {"m": m, "view": m.view(2, 5), "blocks": [torch.zeros(3), (torch.ones(2, dtype=torch.float64),)], "n": 3}
+    assert held_bytes([state]) == 40 + 12 + 16
