@@ -80,7 +80,7 @@ class RankPlan:
     kept_buffers: int  # simulated: allocated by step() and kept beyond optimizer.state
     peak_transient: int  # simulated: the largest bytes alive inside one step() that it freed
     transient_step: int  # which simulated step reached it (1-based)
-    steps: list[dict[str, Any]]  # per simulated step: collectives, bytes sent, transient
+    steps: list[dict[str, Any]]  # per simulated step: collectives and bytes sent (also by kind), transient
     owner_load: float  # the optimizer's cost model: this rank's owned work
 
     @property
@@ -184,6 +184,7 @@ def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
             "collectives": s.traffic.collectives,
             "by_kind": dict(s.traffic.counts),
             "bytes_sent": float(s.traffic.bytes_sent),
+            "bytes_by_kind": {kind: float(sent) for kind, sent in s.traffic.sent.items()},
             "transient": s.transient,
         }
         for i, s in enumerate(result.steps)

@@ -1,7 +1,9 @@
 """Measuring what an optimizer step sends and allocates, on a real job or on a simulated one.
 
-Both the planner (meta tensors, a fake process group) and the tests that check it against real
-gloo runs use the same two instruments, so "the plan equals the run" compares like with like:
+The planner measures its simulated steps (meta tensors, a fake process group) with two instruments.
+tests/distributed/test_plan.py measures real gloo runs with the tests' own (tests/helpers/collectives.py,
+tests/helpers/allocated.py), written without this module, so that a miscount here cannot recur on the
+measured side and hide (they define the conventions below for themselves).
 
 * :class:`Traffic` stands in for ``torch.distributed`` inside :mod:`dist_optim.comm` (the only
   module of the package that communicates, see docs/design.md "Communication") for the duration of

@@ -28,7 +28,7 @@ import dist_optim
 from dist_optim import DistributedKron, comm
 from dist_optim.kron import ProbabilitySchedule, precond_update_prob_schedule
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
-from tests.helpers.received import received_bytes
+from tests.helpers.collectives import counting_collectives
 
 kron_torch = pytest.importorskip("kron_torch")
 
@@ -507,7 +507,7 @@ def _routed_bytes_worker(layout: tuple[int, int, int], route: bool, comm_dtype: 
     opt, masters, _, local_grad = parity.build(DistributedKron, kwargs, *layout, "fp32")
     opt.route_pieces = route
     counts = []
-    with received_bytes("all_to_all_single", "all_gather_into_tensor") as received:
+    with counting_collectives() as seen:
         for step in range(parity.STEPS):
             parity.set_grads(masters, step, local_grad)
             comm.reset_counts()
@@ -515,7 +515,12 @@ def _routed_bytes_worker(layout: tuple[int, int, int], route: bool, comm_dtype: 
             counts.append(dict(comm.COUNTS))
     full, _ = parity.full_result(opt, masters)
     numel = [math.prod(spec.shape) for spec in parity.SPECS]
-    return dict(received=received["n"], counts=counts, full=full, numel=numel)
+    return dict(
+        received=seen.received_bytes("all_to_all_single", "all_gather_into_tensor"),
+        counts=counts,
+        full=full,
+        numel=numel,
+    )
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 1), (1, 4, 1)], ids=["tp2xzero2", "zero4"])

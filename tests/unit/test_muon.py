@@ -17,8 +17,8 @@ import dist_optim
 from dist_optim import DistributedMuon, comm, muon_param_groups
 from tests.helpers import parity
 from tests.helpers.check import assert_close
+from tests.helpers.collectives import counting_collectives
 from tests.helpers.muon_reference import MuonReference
-from tests.helpers.received import received_bytes
 
 STEPS = 20
 NONE_STEP = 7
@@ -537,7 +537,7 @@ KWARGS = dict(lr=2e-2, weight_decay=1e-2, _vector_group=dict(use_muon=False))
 def _received_bytes_worker(layout: tuple[int, int, int], comm_dtype: torch.dtype | None) -> dict:
     kwargs = dict(KWARGS, communication_dtype=comm_dtype)
     comm.reset_counts()
-    with received_bytes("all_to_all_single") as received:
+    with counting_collectives() as seen:
         opt, masters, _ = parity.distributed(DistributedMuon, kwargs, *layout, "fp32")
     counts = dict(comm.COUNTS)
     full, _ = parity.full_result(opt, masters)
@@ -550,7 +550,7 @@ def _received_bytes_worker(layout: tuple[int, int, int], comm_dtype: torch.dtype
     ]
     return dict(
         counts=counts,
-        received=received["n"],
+        received=seen.received_bytes("all_to_all_single"),
         owned=[owner == opt.work_group_rank(p) for p in mats for owner in opt.owners_of(p)],
         matrix_bytes=sum(math.prod(spec.shape) * 4 for spec in parity.SPECS if len(spec.shape) >= 2),
         err=max(errs),

@@ -10,7 +10,6 @@ import math
 import pickle
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import dist_optim
 from dist_optim import comm
 from tests.helpers import parity
 from tests.helpers.check import excess
+from tests.helpers.collectives import counting_collectives
 from tests.helpers.shampoo_reference import ReferenceShampoo
 
 STEPS = 8
@@ -808,40 +808,24 @@ def _pieces_routed(routed: bool) -> Iterator[None]:
 
 
 def _route_worker(comm_dtype: torch.dtype) -> dict:
-    received = {"n": 0}
-    real = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_to_all_single")}
-
-    def counting(fn: Any) -> Any:
-        def wrapped(out: torch.Tensor, *a: Any, **k: Any) -> Any:
-            received["n"] += out.numel() * out.element_size()
-            return fn(out, *a, **k)
-
-        return wrapped
-
     out: dict = {}
     kwargs = dict(ROUTE_KWARGS, communication_dtype=comm_dtype)
-    try:
-        for name, fn in real.items():
-            setattr(dist, name, counting(fn))
-        for layout in ROUTE_LAYOUTS:
-            runs = {}
-            for routed in (True, False):
-                comm.reset_counts()
-                received["n"] = 0
-                with _pieces_routed(routed):
-                    opt, params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, *layout, "fp32")
-                runs[routed] = (opt, params, received["n"], dict(comm.COUNTS))
-            (opt_r, params_r, bytes_r, counts_r), (opt_g, params_g, bytes_g, counts_g) = runs[True], runs[False]
-            out[layout] = dict(
-                same=_identical(params_r, params_g, opt_r.full_state(), opt_g.full_state()),
-                routed=bytes_r,
-                gathered=bytes_g,
-                counts_routed=counts_r,
-                counts_gathered=counts_g,
-            )
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
+    for layout in ROUTE_LAYOUTS:
+        runs = {}
+        for routed in (True, False):
+            comm.reset_counts()
+            with _pieces_routed(routed), counting_collectives() as seen:
+                opt, params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, *layout, "fp32")
+            received = seen.received_bytes("all_gather_into_tensor", "all_to_all_single")
+            runs[routed] = (opt, params, received, dict(comm.COUNTS))
+        (opt_r, params_r, bytes_r, counts_r), (opt_g, params_g, bytes_g, counts_g) = runs[True], runs[False]
+        out[layout] = dict(
+            same=_identical(params_r, params_g, opt_r.full_state(), opt_g.full_state()),
+            routed=bytes_r,
+            gathered=bytes_g,
+            counts_routed=counts_r,
+            counts_gathered=counts_g,
+        )
     return out
 
 
