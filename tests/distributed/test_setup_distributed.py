@@ -2,16 +2,116 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import pytest
 import torch
 
 import dist_optim
 from dist_optim import ParamLayout, TPSplit
-from tests.helpers import dist_cases
+from tests.helpers.pools import grid_groups
 
 
+# ---- workers (every rank) ----------------------------------------------------------------------
+def _working(shape: tuple[int, ...], dim: int | None) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.randn(shape))
+    p._test_tp_dim = dim  # read by the reader tests/helpers/parity.py registers
+    return p
+
+
+def setup_traps() -> dict[str, Any]:
+    import tests.helpers.parity  # noqa: F401  (registers the test TP reader)
+
+    tg, dg = grid_groups(2, 2)
+    out: dict[str, Any] = {}
+    # zero_stage=0: ColossalAI passes dp_group with is_zero=False -> no ZeRO layout.
+    w = [_working((4, 6), 0), _working((6,), None)]
+    opt = dist_optim.DistributedLamb(w)
+    opt.setup_distributed(tg, dg, {}, {}, False)
+    out["zero0"] = [(opt.layout(p).zero is None, opt.layout(p).tp is not None) for p in w]
+    out["dp_group_kept"] = opt.dp_group is dg
+    # A ZeRO shard missing from shard_to_working_param.
+    chunk = torch.zeros(6)
+    opt = dist_optim.DistributedLamb([chunk])
+    try:
+        opt.setup_distributed(tg, dg, {}, {}, True)
+        out["missing"] = "no error"
+    except ValueError as e:
+        out["missing"] = str(e)
+    # A shard whose size does not fit the group it is said to be sharded over.
+    work = _working((4, 6), 0)
+    chunk = torch.zeros(3)  # 12 local elements over 2 ranks = 6, not 3
+    opt = dist_optim.DistributedLamb([chunk])
+    try:
+        opt.setup_distributed(tg, dg, {id(chunk): work}, {id(work): 0}, True)
+        out["size"] = "no error"
+    except ValueError as e:
+        out["size"] = str(e)
+    # Missing padding map entry.
+    chunk = torch.zeros(6)
+    opt = dist_optim.DistributedLamb([chunk])
+    try:
+        opt.setup_distributed(tg, dg, {id(chunk): work}, {}, True)
+        out["padding"] = "no error"
+    except ValueError as e:
+        out["padding"] = str(e)
+    # bf16 masters without their working params: TP layout unknowable -> warned, not guessed silently.
+    master = torch.zeros(2, 6)
+    opt = dist_optim.DistributedLamb([master])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.setup_distributed(tg, dg, {}, {}, False)
+    out["warned"] = any("master" in str(c.message) for c in caught)
+    # ...and with master_to_working the layout is recovered.
+    work = _working((2, 6), 0)
+    opt = dist_optim.DistributedLamb([master])
+    opt.setup_distributed(tg, dg, {}, {}, False, master_to_working={id(master): work})
+    out["recovered"] = opt.layout(master).full_shape == (4, 6)
+    return out
+
+
+def colossal_reader() -> list[Any]:
+    """ColossalAI's own dtensors: the plugin reader finds the split dim."""
+    from colossalai.tensor.d_tensor.api import shard_colwise, shard_rowwise
+
+    import dist_optim.plugins  # noqa: F401  (registers the ColossalAI reader)
+    from dist_optim.layout import read_tp_dim
+
+    tg, _ = grid_groups(2, 2)
+    rows = shard_rowwise(torch.randn(4, 6), tg)
+    cols = shard_colwise(torch.randn(4, 6), tg)
+    return [read_tp_dim(rows), read_tp_dim(cols), read_tp_dim(torch.randn(3)), tuple(rows.shape), tuple(cols.shape)]
+
+
+def refusals() -> dict[str, str]:
+    """Gemini and FSDP refuse layout-dependent optimizers at boost, with what to use instead."""
+    from dist_optim.plugins.cpu import install
+
+    install()
+    from colossalai.booster import Booster
+    from colossalai.nn.optimizer import Lamb
+
+    from dist_optim import plugins
+
+    out = {}
+    for name in ("GeminiPlugin", "TorchFSDPPlugin"):
+        for label, make in (
+            ("ordinary", lambda m: Lamb(m.parameters(), lr=1e-3)),
+            ("ours", lambda m: dist_optim.DistributedShampoo(m.parameters(), lr=1e-3)),
+        ):
+            model = torch.nn.Linear(4, 4)
+            try:
+                Booster(plugin=getattr(plugins, name)()).boost(model, make(model))
+                out[f"{name}-{label}"] = "no error"
+            except ValueError as e:
+                out[f"{name}-{label}"] = str(e)
+    return out
+
+
+# ---- tests ---------------------------------------------------------------------------------------
 def test_traps(pool4) -> None:
-    for res in pool4.run(dist_cases.setup_traps):
+    for res in pool4.run(setup_traps):
         assert res["zero0"] == [(True, True), (True, False)]
         assert res["dp_group_kept"]
         assert "missing from shard_to_working_param" in res["missing"]
@@ -22,7 +122,7 @@ def test_traps(pool4) -> None:
 
 
 def test_colossal_dtensor_reader(pool4) -> None:
-    for res in pool4.run(dist_cases.colossal_reader):
+    for res in pool4.run(colossal_reader):
         assert res == [0, 1, None, (2, 6), (4, 3)]
 
 
@@ -38,6 +138,6 @@ def test_bind_errors() -> None:
 
 
 def test_gemini_and_fsdp_refuse_layout_dependent_optimizers(pool2) -> None:
-    for res in pool2.run(dist_cases.refusals):
+    for res in pool2.run(refusals):
         for key, msg in res.items():
             assert "cannot run" in msg and "LowLevelZeroPlugin" in msg, (key, msg)

@@ -1,37 +1,160 @@
-"""Collectives: correctness and a constant number per step, whatever the number of params."""
+"""Collectives: correctness and a constant number per step, whatever the number of params. The
+worker functions run on every rank of the session's process pool (tests/helpers/pools.py)."""
 
 from __future__ import annotations
 
-from tests.helpers import dist_cases
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dist_optim
+from dist_optim import ParamLayout, TPSplit, ZeroShard, comm
+from dist_optim.work import assign_owners
+from tests.helpers.pools import grid_groups
 
 
+# ---- workers (every rank) ----------------------------------------------------------------------
+def _layouts(n: int, tp: int, dp: int, zero: bool) -> tuple[list[ParamLayout], list[torch.Tensor]]:
+    tg, dg = grid_groups(tp, dp)
+    shapes = [((4 * (i % 3 + 1), 6), 0 if i % 2 == 0 else -1) for i in range(n)] + [((5,), None)]
+    layouts, fulls = [], []
+    for i, (shape, dim) in enumerate(shapes):
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(i))
+        split = TPSplit(dim, tp, dist.get_rank(tg), tg) if dim is not None else None
+        lay = ParamLayout(shape, split)
+        zs = ZeroShard(dp, dist.get_rank(dg), (-lay.local_numel) % dp, dg) if zero else None
+        layouts.append(ParamLayout(shape, split, zs))
+        fulls.append(full)
+    return layouts, fulls
+
+
+def gather_and_sum(n: int) -> dict[str, Any]:
+    layouts, fulls = _layouts(n, 2, 2, True)
+    pieces = [lay.take_local(f) for lay, f in zip(layouts, fulls)]
+    comm.reset_counts()
+    gathered = comm.gather_full(list(zip(layouts, pieces)))
+    gathers = comm.COUNTS["all_gather"]
+    for i, (g, f) in enumerate(zip(gathered, fulls)):
+        assert torch.equal(g, f), f"gather_full: tensor {i} differs from the full tensor"
+    comm.reset_counts()
+    bucket = comm.SumBucket()
+    sums = [bucket.add(p.square().sum().reshape(1), lay.sum_groups) for lay, p in zip(layouts, pieces)]
+    bucket.flush()
+    reduces = comm.COUNTS["all_reduce"]
+    for i, (s, f) in enumerate(zip(sums, fulls)):
+        torch.testing.assert_close(s, f.square().sum().reshape(1), msg=f"SumBucket: tensor {i}'s sum")
+    # bf16 communication keeps the result dtype
+    half = comm.gather_full(list(zip(layouts, pieces)), dtype=torch.bfloat16)
+    for i, (h, f) in enumerate(zip(half, fulls)):
+        assert h.dtype == torch.float32, f"gather_full(dtype=bf16): tensor {i} came back as {h.dtype}"
+        torch.testing.assert_close(h, f, rtol=1e-2, atol=1e-2)
+    return dict(gathers=gathers, reduces=reduces)
+
+
+def share_and_broadcast() -> dict[str, Any]:
+    _, dg = grid_groups(1, 4)
+    rank = dist.get_rank(dg)
+    shapes = [(3, 3), (5,), (2, 4), (1,), (4, 4), (2,)]
+    owners = assign_owners([torch.Size(s).numel() ** 1.5 for s in shapes], 4)
+    tensors = [torch.full(s, float(o if o == rank else -1)) for s, o in zip(shapes, owners)]
+    comm.reset_counts()
+    comm.share_owned(tensors, owners, dg)
+    for i, (t, o) in enumerate(zip(tensors, owners)):
+        assert torch.equal(t, torch.full(t.shape, float(o))), f"share_owned: tensor {i} is not its owner's ({o})"
+    shared = comm.COUNTS["all_gather"]
+    b = [torch.full((2,), float(rank)), torch.full((3,), float(rank))]
+    comm.broadcast_from(b, 2, dg)
+    for t in b:
+        assert torch.equal(t, torch.full(t.shape, 2.0)), f"broadcast_from rank 2: got {t}"
+    return dict(shared=shared)
+
+
+def exchange_pieces() -> dict[str, Any]:
+    """comm.exchange over the 4 ranks: rank s sends rank r pieces of uneven sizes (none at all
+    from rank 3 to odd ranks, nothing to rank 0 from anyone but itself), written into strided
+    views on arrival; with bf16 the values arrive rounded, the rank's pieces to itself too."""
+    world = dist.group.WORLD
+    me = dist.get_rank()
+
+    def value(src: int, dst: int, k: int, n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float32) / 3 + 100 * src + 10 * dst + k
+
+    def sizes(src: int, dst: int) -> list[int]:
+        if (src == 3 and dst % 2) or (dst == 0 and src != 0):
+            return []
+        return [src + dst + 1, 2 * src + 1]
+
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        send = [[value(me, r, k, n) for k, n in enumerate(sizes(me, r))] for r in range(4)]
+        targets = [[torch.zeros(n, 2)[:, 1] for n in sizes(s, me)] for s in range(4)]  # strided views
+        comm.reset_counts()
+        comm.exchange(send, targets, world, dtype, torch.device("cpu"))
+        out[str(dtype)] = all(
+            torch.equal(t, value(s, me, k, t.numel()).to(dtype).float())
+            for s in range(4)
+            for k, t in enumerate(targets[s])
+        )
+        out["count"] = comm.COUNTS["all_to_all"]
+    return out
+
+
+def grids() -> dict[str, Any]:
+    """comm.grid_groups on a 2 x 2 mesh: the TP x DP grid is the world; a group paired with itself
+    (not orthogonal) or with a world-sized base (larger than the grid) gets None."""
+    tg, dg = grid_groups(2, 2)
+    made = comm.grid_groups(tg, [dg, tg, dist.group.WORLD])
+    again = comm.grid_groups(tg, [dg])  # cached: no second group for the same ranks
+    return dict(
+        grid=None if made[0] is None else dist.get_process_group_ranks(made[0]),
+        self_pair=made[1],
+        world_base=made[2],
+        same=again[0] is made[0],
+    )
+
+
+def lamb_collectives(n: int) -> int:
+    """Collectives issued by one bound DistributedLamb step at tp=2 x dp=2 with ZeRO."""
+    layouts, fulls = _layouts(n, 2, 2, True)
+    params = [lay.take_local(f) for lay, f in zip(layouts, fulls)]
+    opt = dist_optim.DistributedLamb(params, lr=0.1)
+    opt.bind(dict(zip(params, layouts)))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    comm.reset_counts()
+    opt.step()
+    return sum(comm.COUNTS.values())
+
+
+# ---- tests ---------------------------------------------------------------------------------------
 def test_gather_and_bucketed_sums(pool4) -> None:
-    small = pool4.run(dist_cases.gather_and_sum, 3)
-    large = pool4.run(dist_cases.gather_and_sum, 30)
+    small = pool4.run(gather_and_sum, 3)
+    large = pool4.run(gather_and_sum, 30)
     # one collective per group (ZeRO group, TP group), independent of the number of params
     assert {r["gathers"] for r in small + large} == {2}
     assert {r["reduces"] for r in small + large} == {2}
 
 
 def test_share_owned_and_broadcast(pool4) -> None:
-    for res in pool4.run(dist_cases.share_and_broadcast):
+    for res in pool4.run(share_and_broadcast):
         assert res["shared"] == 1
 
 
 def test_lamb_collectives_per_step_are_constant(pool4) -> None:
-    few = pool4.run(dist_cases.lamb_collectives, 4)
-    many = pool4.run(dist_cases.lamb_collectives, 40)
+    few = pool4.run(lamb_collectives, 4)
+    many = pool4.run(lamb_collectives, 40)
     # one all-reduce per group (ZeRO, TP) per step, plus the NaN/Inf check's flag over the job
     assert set(few) == set(many) == {3}
 
 
 def test_grid_groups(pool4) -> None:
-    for res in pool4.run(dist_cases.grids):
+    for res in pool4.run(grids):
         assert res["grid"] == [0, 1, 2, 3], res
         assert res["self_pair"] is None and res["world_base"] is None, res
         assert res["same"], res
 
 
 def test_exchange_moves_uneven_pieces(pool4) -> None:
-    for res in pool4.run(dist_cases.exchange_pieces):
+    for res in pool4.run(exchange_pieces):
         assert res["torch.float32"] and res["torch.bfloat16"] and res["count"] == 1, res
