@@ -27,8 +27,9 @@ process follows, so collectives on overlapping groups cannot deadlock.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ __all__ = [
     "group_size",
     "group_rank",
     "widest_dtype",
+    "collectives_through",
 ]
 
 #: Number of collectives issued since the last :func:`reset_counts`, by operation name.
@@ -65,6 +67,21 @@ def widest_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     them): the default communication dtype of a bucket, so that no tensor is rounded through a
     narrower neighbour's dtype. The same on every rank when the ranks bucket the same tensors."""
     return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+
+
+@contextlib.contextmanager
+def collectives_through(backend: Any) -> Iterator[Any]:
+    """Inside the block, every call this module makes to ``torch.distributed`` goes to ``backend``
+    instead: an object with the same functions (the planner's recorder, ``dist_optim.plan.traffic``,
+    which counts collectives and bytes and may answer them without communicating). The one hook
+    by which code outside this module observes or replaces its collectives. Not thread-safe."""
+    global dist
+    saved = dist
+    dist = backend
+    try:
+        yield backend
+    finally:
+        dist = saved
 
 
 def reset_counts() -> None:

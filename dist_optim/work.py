@@ -10,17 +10,34 @@ each rank needs.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .layout import Box, box_numel
 
-__all__ = ["assign_owners", "plan_route", "Route", "LocalPiece", "BlockPiece"]
+__all__ = ["assign_owners", "recording_owner_loads", "plan_route", "Route", "LocalPiece", "BlockPiece"]
+
+#: Lists that :func:`recording_owner_loads` fills, innermost last.
+_LOAD_RECORDERS: list[list[list[float]]] = []
+
+
+@contextlib.contextmanager
+def recording_owner_loads() -> Iterator[list[list[float]]]:
+    """Inside the block, every :func:`assign_owners` call appends the summed cost per owner rank
+    to the yielded list (how balanced each optimizer's own cost model made its owners): the hook
+    the planner reports owner balance with."""
+    loads: list[list[float]] = []
+    _LOAD_RECORDERS.append(loads)
+    try:
+        yield loads
+    finally:
+        _LOAD_RECORDERS.remove(loads)
 
 
 def assign_owners(costs: Sequence[float], world_size: int) -> list[int]:
@@ -33,13 +50,17 @@ def assign_owners(costs: Sequence[float], world_size: int) -> list[int]:
     if world_size < 1:
         raise ValueError(f"assign_owners: world_size must be >= 1, got {world_size}")
     owners = [0] * len(costs)
-    if world_size == 1:
-        return owners
-    heap = [(0.0, r) for r in range(world_size)]
-    for i in sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i)):
-        load, rank = heapq.heappop(heap)
-        owners[i] = rank
-        heapq.heappush(heap, (load + float(costs[i]), rank))
+    if world_size > 1:
+        heap = [(0.0, r) for r in range(world_size)]
+        for i in sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i)):
+            load, rank = heapq.heappop(heap)
+            owners[i] = rank
+            heapq.heappush(heap, (load + float(costs[i]), rank))
+    if _LOAD_RECORDERS:
+        per = [0.0] * world_size
+        for cost, owner in zip(costs, owners):
+            per[owner] += float(cost)
+        _LOAD_RECORDERS[-1].append(per)
     return owners
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -28,7 +27,10 @@ import torch.distributed as dist
 
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
 from dist_optim.registry import PlanEntry, plan_entries
+from dist_optim.work import recording_owner_loads
 
+from .torch_internals import DEVICES, check_torch, meta_generators
+from .torch_internals import as_device as _device_kernels
 from .traffic import LiveBytes, StepTraffic, Traffic, traffic_of
 
 __all__ = [
@@ -401,71 +403,6 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(seen.values())
 
 
-@contextlib.contextmanager
-def meta_generators() -> Iterator[None]:
-    """``torch.Generator(device="meta")`` does not exist; random draws on meta tensors accept a CPU
-    generator (their values are not computed anyway). Inside the block a meta generator is a CPU one."""
-    real = torch.Generator
-
-    def generator(device: Any = "cpu") -> torch.Generator:
-        return real(device="cpu" if torch.device(device).type == "meta" else device)
-
-    torch.Generator = generator  # type: ignore[misc, assignment]
-    try:
-        yield
-    finally:
-        torch.Generator = real  # type: ignore[misc]
-
-
-#: Device types a simulation can stand for (:func:`as_device`).
-DEVICES = ("cuda", "cpu")
-
-
-@contextlib.contextmanager
-def as_device(device: str) -> Iterator[None]:
-    """Meta kernels whose output layout depends on the device shape their outputs as on ``device``
-    inside the block: ``linalg.svd``'s ``Vh`` is row-major from cuSOLVER, column-major from LAPACK
-    (torch's meta kernel asks ``device_hint``, which says "cuda" for a meta tensor). That stride
-    decides whether a slice of ``Vh`` is contiguous, i.e. whether GaLore's stored projector is a
-    copy or a view that keeps the whole ``Vh`` alive. Branches on ``tensor.device.type`` in the
-    optimizers see "meta": they take the accelerator's branch where they test ``!= "cpu"``."""
-    if device not in DEVICES:
-        raise PlanError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
-    from torch import _meta_registrations as registrations
-
-    real = registrations.device_hint
-    registrations.device_hint = lambda tensor: device  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        registrations.device_hint = real  # type: ignore[assignment]
-
-
-@contextlib.contextmanager
-def recording_owners(loads: list[list[float]]) -> Iterator[None]:
-    """Record, per call of ``work.assign_owners`` by an optimizer, the summed cost per owner."""
-    from dist_optim import work
-
-    real = work.assign_owners
-
-    def assign(costs: Sequence[float], world_size: int) -> list[int]:
-        owners = real(costs, world_size)
-        per = [0.0] * world_size
-        for c, o in zip(costs, owners):
-            per[o] += float(c)
-        loads.append(per)
-        return owners
-
-    modules: list[Any] = [m for m in list(sys.modules.values()) if getattr(m, "assign_owners", None) is real]
-    for m in modules:
-        m.assign_owners = assign
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.assign_owners = real
-
-
 def run_steps(opt: torch.optim.Optimizer, traffic: Traffic, steps: int, meta: bool) -> list[StepResult]:
     """``steps`` calls of ``opt.step()``, each measured by ``traffic`` and :class:`LiveBytes`."""
     out = []
@@ -492,8 +429,7 @@ def simulate_rank(
     from dist_optim.base import DistOptimizer
 
     t0 = time.perf_counter()
-    loads: list[list[float]] = []
-    with SimWorld(layout, rank) as world, recording_owners(loads), meta_generators(), as_device(device):
+    with SimWorld(layout, rank) as world, recording_owner_loads() as loads, meta_generators(), as_device(device):
         model, pieces = build_pieces(config, layout, world)
         opt = build_optimizer(optimizer, model, {p.name: p.master for p in pieces}, args)
         for p in pieces:
@@ -577,3 +513,17 @@ def single_device_state(
 def ideal_share(layout: Layout) -> int:
     """Ranks that share one copy of the model's optimizer state: every rank of a stage (TP x DP)."""
     return layout.tp * layout.dp
+
+
+@contextlib.contextmanager
+def as_device(device: str) -> Iterator[None]:
+    """Simulate as on ``device`` (one of :data:`DEVICES`) inside the block
+    (:func:`dist_optim.plan.torch_internals.as_device`), after checking this torch and the name."""
+    if device not in DEVICES:
+        raise PlanError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
+    try:
+        check_torch()
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    with _device_kernels(device):
+        yield

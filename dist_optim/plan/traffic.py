@@ -136,12 +136,8 @@ def traffic_of(traffic: Traffic) -> Iterator[Traffic]:
     """Route :mod:`dist_optim.comm`'s collectives through ``traffic`` inside the block."""
     from dist_optim import comm
 
-    saved = comm.dist
-    comm.dist = traffic  # type: ignore[assignment]
-    try:
+    with comm.collectives_through(traffic):
         yield traffic
-    finally:
-        comm.dist = saved
 
 
 class LiveBytes(TorchDispatchMode):
