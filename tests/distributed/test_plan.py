@@ -267,3 +267,14 @@ def test_train_llama_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert "hybrid tp=2 x dp=2 x ZeRO-1 (4 ranks, bf16), optimizer lamb" in out
     assert "optimizer state" in out and "not simulated:" in out
+
+
+def test_an_unchecked_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation's torch internals are checked per torch release: another release is refused
+    with one line naming the version, before anything is simulated."""
+    from dist_optim.plan.simulate import as_device
+
+    monkeypatch.setattr(torch, "__version__", "2.4.1")
+    with pytest.raises(PlanError, match=r"torch 2\.4\.1 is not one the planner's simulation was checked with"):
+        with as_device("cuda"):
+            pass
