@@ -93,12 +93,12 @@ from typing import Any
 
 import torch
 
-from . import bnb_states as bnb
-from . import comm
-from .base import DistOptimizer, check_adam_options, check_range
-from .layout import ParamLayout
-from .owners import ALONE, WorkGroup, assign, data_group, share_results, work_grids, work_group
-from .registry import Conversion, PlanEntry, register, register_plan
+from .. import bnb_states as bnb
+from .. import comm
+from ..base import DistOptimizer, check_adam_options, check_range
+from ..layout import ParamLayout
+from ..owners import ALONE, WorkGroup, assign, data_group, share_results, work_grids, work_group
+from ..registry import Conversion, PlanEntry, register, register_plan
 
 __all__ = ["DistributedGaLore", "galore_param_groups"]
 
@@ -688,6 +688,12 @@ class DistributedGaLore(DistOptimizer):
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         return m, v
+
+
+# state_dict() names the optimizer by its class path and load_state_dict refuses another: keep the
+# single-module version's ``dist_optim.galore.DistributedGaLore`` (the package re-exports it), so
+# checkpoints saved before and after the package split load into each other.
+DistributedGaLore.__module__ = "dist_optim.galore"
 
 
 def _projectors(state: dict[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
