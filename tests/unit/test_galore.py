@@ -512,6 +512,33 @@ def test_bad_input() -> None:
         DistributedGaLore([torch.randn(3)])
 
 
+def test_add_param_group_and_load_state_dict_validate_as_init() -> None:
+    """validate_group is the one check of a group: add_param_group and load_state_dict refuse what
+    __init__ refuses (the optimizer left as it was), optimizer-wide options named in a group must
+    agree with the optimizer's and are not kept in the group."""
+    opt = DistributedGaLore([{"params": [torch.randn(4, 5)], "rank": 2}], optim_bits=8)
+    bad_groups = [
+        ({"rank": 0}, "rank must be a positive int"),
+        ({"rank": 2, "update_proj_gap": 0}, "update_proj_gap"),
+        ({"rank": 2, "scale": float("nan")}, "scale"),
+        ({"rank": 2, "proj_type": "diagonal"}, "proj_type"),
+        ({"lr": -1.0}, "lr"),
+        ({"optim_bits": 32}, "optim_bits is optimizer-wide"),
+        ({"rank": 2, "adam_style": "bnb"}, "adam_style is optimizer-wide"),
+    ]
+    for extra, match in bad_groups:
+        with pytest.raises(ValueError, match=match):
+            opt.add_param_group({"params": [torch.randn(4, 5)], **extra})
+        assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [torch.randn(4, 5)], "rank": 2, "optim_bits": 8, "is_paged": False})
+    assert "optim_bits" not in opt.param_groups[-1] and "is_paged" not in opt.param_groups[-1]
+    saved = opt.state_dict()
+    saved["param_groups"][0]["update_proj_gap"] = 0
+    with pytest.raises(ValueError, match="update_proj_gap"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["update_proj_gap"] == 200
+
+
 def test_failed_svd_keeps_previous_projector(monkeypatch: pytest.MonkeyPatch) -> None:
     p = torch.randn(6, 4)
     opt = DistributedGaLore([{"params": [p], "rank": 2, "update_proj_gap": 1}])

@@ -1,0 +1,229 @@
+"""The optimizer class: a coordinator of the package's parts (see :mod:`dist_optim.galore`).
+
+A step counts each parameter's step and makes its :class:`~.state.Item`; refreshing parameters get
+new projectors (:func:`.coordination.refresh`: gather, SVD on an owner, share), every GaLore
+parameter's low-rank gradient is projected and summed over its holders
+(:func:`.coordination.project_all`), its low-rank AdamW moments updated (:func:`.adamw.low_rank_adamw`)
+and the normalised step projected back onto this rank's elements
+(:func:`.projection.add_back_projection`). Plain parameters get AdamW (:mod:`.adamw`).
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .. import bnb_states as bnb
+from ..base import DistOptimizer
+from ..layout import ParamLayout
+from ..owners import ALONE, WorkGroup, data_group, work_grids, work_group
+from .adamw import fused_plain_adamw, low_rank_adamw, plain_adamw_update
+from .coordination import project_all, refresh, shared_absmax
+from .options import GROUP_DEFAULTS, OPTIMIZER_WIDE, check_full_shape, check_optimizer_options, validate_options
+from .projection import add_back_projection
+from .state import Item, init_plain_state, keeps_saved_dtype, new_item, stored_projectors
+
+__all__ = ["DistributedGaLore"]
+
+
+class DistributedGaLore(DistOptimizer):
+    """GaLore AdamW (optionally with 8-bit moments), exact under TP and ZeRO (the package docstring).
+
+    Args:
+        params: parameters or groups. Groups with a ``rank`` key are GaLore groups (2-D params
+            only) and may set ``update_proj_gap`` (default 200), ``scale`` (0.25) and
+            ``proj_type`` (``std``); see :func:`galore_param_groups`.
+        lr: learning rate.
+        betas: moment coefficients in [0, 1).
+        eps: added to the denominator (where: see ``adam_style``).
+        weight_decay: decoupled weight decay.
+        correct_bias: bias-correct the moments (bitsandbytes always does: its conversions set True).
+        optim_bits: 32 (fp32 moments) or 8 (8-bit block-wise low-rank moments).
+        min_8bit_size: low-rank moments with fewer elements stay fp32 (bitsandbytes' rule).
+        is_paged: paged moment memory (CUDA only; bitsandbytes).
+        adam_style: ``"hf"`` (galore_torch.GaLoreAdamW) or ``"bnb"`` (the bitsandbytes-based
+            GaLoreAdamW8bit); defaults to ``"bnb"`` when ``args`` is given, else ``"hf"``.
+        args: bitsandbytes quantisation arguments (``optim_bits``, ``min_8bit_size``, ...) that
+            override the keyword ones, as bitsandbytes' ``args``; ColossalAI passes them.
+        projector_dtype: storage dtype of the projectors. ``None``: ``torch.float16`` with
+            ``optim_bits=8`` (see the package docstring), else the gradient's dtype, as galore_torch.
+            Projections always multiply in the gradient's dtype.
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
+            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
+    """
+
+    #: Moments of plain-AdamW params are param-shaped; GaLore params' states are full-form.
+    _sharded_state = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        correct_bias: bool = True,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
+        is_paged: bool = False,
+        adam_style: str | None = None,
+        args: Any = None,
+        projector_dtype: torch.dtype | None = None,
+        *,
+        nonfinite: str = "raise",
+    ) -> None:
+        if args is not None:
+            quant = bnb.quant_args(args, "DistributedGaLore")
+            optim_bits = quant.get("optim_bits", optim_bits)
+            min_8bit_size = quant.get("min_8bit_size", min_8bit_size)
+        if adam_style is None:
+            adam_style = "bnb" if args is not None else "hf"
+        # Not group options (options.py says why): checked once here; every group's in validate_group.
+        check_optimizer_options(optim_bits, min_8bit_size, adam_style, projector_dtype)
+        self.projector_dtype = projector_dtype
+        self.optim_bits = int(optim_bits)
+        self.min_8bit_size = int(min_8bit_size)
+        self.is_paged = bool(is_paged)
+        self._buffers = bnb.Buffers(self.is_paged, "DistributedGaLore")
+        self.adam_style = adam_style
+        #: Bytes this rank moved per collective kind (gather at refresh, share of projectors,
+        #: all-reduce of low-rank partial sums) and the number of refresh steps.
+        self.comm_stats: collections.Counter[str] = collections.Counter()
+        self._shapes_checked = False
+        #: Process groups of the TP x data-parallel grids (owners.work_grids), made at bind.
+        self._grids: dict[tuple[int, ...], Any] = {}
+        # betas is checked with the group (validate_group); a list becomes the usual tuple
+        betas = tuple(betas) if isinstance(betas, list) else betas
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=bool(correct_bias))
+        super().__init__(params, defaults, nonfinite=nonfinite)  # validate_group checks every group
+        if not any("rank" in g for g in self.param_groups):
+            warnings.warn(
+                "DistributedGaLore: no parameter group has a 'rank', so GaLore is not applied (plain AdamW); "
+                "build the groups with dist_optim.galore_param_groups(model, rank=...)",
+                stacklevel=2,
+            )
+
+    def _projector_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        if self.projector_dtype is not None:
+            return self.projector_dtype
+        return torch.float16 if self.optim_bits == 8 else grad_dtype
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, with GaLore's defaults in a group with ``rank``; optimizer-wide options a
+        group names (a conversion's) are checked by :meth:`validate_group`, then dropped: the
+        optimizer keeps them."""
+        if "rank" in param_group:
+            for key, value in GROUP_DEFAULTS.items():
+                param_group.setdefault(key, value)
+            self._shapes_checked = False
+        super().add_param_group(param_group)
+        for key in OPTIMIZER_WIDE:
+            self.param_groups[-1].pop(key, None)
+
+    def validate_group(self, group: dict[str, Any]) -> None:
+        """AdamW's options, a GaLore group's (:func:`.options.validate_options`) and agreement with
+        the optimizer-wide options. Full shapes are checked at bind or the first step."""
+        super().validate_group(group)
+        validate_options(group, {key: getattr(self, key) for key in OPTIMIZER_WIDE})
+
+    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
+        """8-bit codes, their fp32 absmax and projectors (:func:`.state.keeps_saved_dtype`)."""
+        return keeps_saved_dtype(key, value)
+
+    # ---- validation against full shapes ---------------------------------------------------
+    def _on_bind(self) -> None:
+        self._check_shapes()
+        # The SVDs are split over the TP x data-parallel grid of each matrix's ranks: the grids are
+        # process groups, made now, collectively over the job (every process binds).
+        galore = [self.layout(p) for g in self.param_groups if "rank" in g for p in g["params"]]
+        self._grids = work_grids(self.tp_group, [data_group(lay, self.dp_group) for lay in galore])
+
+    def _check_shapes(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            if "rank" in group:
+                for p in group["params"]:
+                    check_full_shape(gi, group["rank"], self.layout(p).full_shape)
+        self._shapes_checked = True
+
+    def _work_group(self, layout: ParamLayout) -> WorkGroup:
+        """The ranks that share a matrix's SVDs (:func:`dist_optim.owners.work_group`); this rank
+        alone when unbound."""
+        if not self.is_bound:
+            return ALONE
+        return work_group(layout, self.dp_group, self.tp_group, self._grids)
+
+    # ---- the step -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = self._begin_step(closure)
+        if not self._gradients_ok():
+            return loss
+        if not self._shapes_checked:
+            self._check_shapes()
+
+        items: list[Item] = []
+        for group in self.param_groups:
+            params, grads = self._grads(group)
+            if not params:
+                continue
+            if "rank" not in group:
+                self._plain_adamw(group, params, grads)
+                continue
+            for p, g in zip(params, grads):
+                items.append(new_item(group, p, g, self.layout(p), self.state[p]))
+
+        if not items:
+            return loss
+        refreshing = [it for it in items if it.refresh]
+        if refreshing:
+            refresh(refreshing, self._work_group, self._projector_dtype, self.comm_stats)
+        project_all(items, self.comm_stats)
+        for it in items:
+            self._galore_update(it)
+        return loss
+
+    def _galore_update(self, it: Item) -> None:
+        """Low-rank AdamW, the step projected back onto this rank's elements, then decoupled
+        weight decay (after the update, as galore_torch)."""
+        group, low = it.group, it.low
+        assert low is not None, "projected before the update"
+        eight_bit = self.optim_bits == 8 and low.numel() >= self.min_8bit_size
+        step_size, norm = low_rank_adamw(it.state, low, group, self.adam_style, eight_bit, self._buffers)
+        left, right = stored_projectors(it.state, norm.dtype)
+        add_back_projection(it.param, it.layout, it.side, group["scale"], norm, -step_size, left, right)
+        if group["weight_decay"] > 0.0:
+            it.param.add_(it.param, alpha=-group["lr"] * group["weight_decay"])
+        it.low = None
+
+    def _plain_adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """AdamW of a group without ``rank``: torch's fused kernel where it applies, else per
+        parameter; decay before the update in the "bnb" style (bitsandbytes), after it in "hf"."""
+        layouts = [self.layout(p) for p in params]
+        eight = [self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size for layout in layouts]
+        states = [self.state[p] for p in params]
+        for p, layout, state, e in zip(params, layouts, states, eight):
+            if not state:
+                init_plain_state(state, p, layout.full_numel, e, self._buffers)
+        self._buffers.prefetch(*(state[key] for state in states for key in ("exp_avg", "exp_avg_sq")))
+        wd, lr = group["weight_decay"], group["lr"]
+        if not any(eight) and fused_plain_adamw(group, self.adam_style, states, params, grads):
+            return
+        if self.adam_style == "bnb" and wd > 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        sharded = shared_absmax(states, params, grads, layouts, eight, group["betas"])
+        for i, (p, grad, layout, state, e) in enumerate(zip(params, grads, layouts, states, eight)):
+            # A whole tensor: bitsandbytes computes each block's absmax itself (None).
+            blocks = (sharded.get(i) or (bnb.FullBlocks(layout, p.device), None)) if e else None
+            plain_adamw_update(state, p, grad, group, self.adam_style, blocks)
+        if self.adam_style == "hf" and wd > 0.0:
+            torch._foreach_add_(params, params, alpha=-lr * wd)
+
+
+# state_dict() names the optimizer by its class path and load_state_dict refuses another: keep the
+# single-module version's ``dist_optim.galore.DistributedGaLore`` (the package re-exports it), so
+# checkpoints saved before and after the package split load into each other.
+DistributedGaLore.__module__ = "dist_optim.galore"

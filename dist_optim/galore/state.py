@@ -1,0 +1,110 @@
+"""What GaLore keeps per parameter, and one GaLore parameter's view in a step.
+
+``optimizer.state[p]`` holds tensors only, so that it can be checkpointed and does not depend on
+the layout (galore_torch keeps a projector object instead):
+
+* every parameter: ``step`` (fp32 scalar, its own steps: those with a gradient);
+* GaLore parameters: ``proj_left`` (``M x r``) and/or ``proj_right`` (``r x N``), whole on every
+  rank of the work group, in the projector dtype; ``low_rank_exp_avg`` / ``low_rank_exp_avg_sq``
+  of the low-rank shape, whole and the same on every rank;
+* plain parameters: ``exp_avg`` / ``exp_avg_sq``, shaped (and sharded) like the parameter;
+* 8-bit moments: uint8 codes under the moment's name plus ``<name>_absmax`` (fp32, one per block of
+  256 values of the full tensor; :mod:`dist_optim.bnb_states`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import bnb_states as bnb
+from ..layout import ParamLayout
+from .geometry import projection_side
+
+__all__ = [
+    "Item",
+    "new_item",
+    "stored_projectors",
+    "keeps_saved_dtype",
+    "init_low_rank_state",
+    "init_plain_state",
+]
+
+
+class Item:
+    """One GaLore parameter in one step: its group, gradient, layout, projection side, state,
+    whether its projectors are refreshed, and (set during the step) its gathered full gradient and
+    its low-rank gradient."""
+
+    __slots__ = ("group", "param", "grad", "layout", "side", "state", "refresh", "full_grad", "low")
+
+    def __init__(
+        self,
+        group: dict[str, Any],
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        layout: ParamLayout,
+        side: str,
+        state: dict[str, Any],
+        refresh: bool,
+    ) -> None:
+        self.group = group
+        self.param = param
+        self.grad = grad
+        self.layout = layout
+        self.side = side
+        self.state = state
+        self.refresh = refresh
+        self.full_grad: torch.Tensor | None = None
+        self.low: torch.Tensor | None = None
+
+
+def new_item(
+    group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, layout: ParamLayout, state: dict[str, Any]
+) -> Item:
+    """The parameter's item for this step (its ``step`` made at its first); its projectors are
+    refreshed at its first step and every ``update_proj_gap`` of its steps."""
+    side = projection_side(layout.full_shape, group["proj_type"])
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+    step = int(state["step"])
+    has_proj = ("proj_left" in state) or ("proj_right" in state)
+    refresh = (not has_proj) or step % int(group["update_proj_gap"]) == 0
+    return Item(group, param, grad, layout, side, state, refresh)
+
+
+def stored_projectors(state: dict[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored projectors in the dtype they multiply (fp16-stored ones are widened per use:
+    r x N or M x r, small next to the matrix). A side without one gets an empty tensor: a
+    projection that used it would fail on shapes, never compute with a stale value."""
+    left, right = state.get("proj_left"), state.get("proj_right")
+    absent = torch.empty(0, dtype=dtype)
+    return (absent if left is None else left.to(dtype), absent if right is None else right.to(dtype))
+
+
+def keeps_saved_dtype(key: str, value: torch.Tensor) -> bool:
+    """8-bit codes, their fp32 absmax and projectors stored in ``proj_dtype`` keep their saved
+    dtype on load (torch's loader would cast them to the parameter's dtype)."""
+    return value.dtype == torch.uint8 or key.endswith("_absmax") or key.startswith("proj_")
+
+
+def init_low_rank_state(state: dict[str, Any], low: torch.Tensor, eight_bit: bool, buffers: bnb.Buffers) -> None:
+    """Zero low-rank moments of ``low``'s shape: 8-bit codes and absmax, or in ``low``'s dtype."""
+    if eight_bit:
+        bnb.new_moments_8bit(state, "low_rank_", low.shape, low.numel(), buffers, low.device)
+    else:
+        state["low_rank_exp_avg"] = buffers.zeros(low.shape, low.dtype, low.device)
+        state["low_rank_exp_avg_sq"] = buffers.zeros(low.shape, low.dtype, low.device)
+
+
+def init_plain_state(
+    state: dict[str, Any], p: torch.Tensor, full_numel: int, eight_bit: bool, buffers: bnb.Buffers
+) -> None:
+    """A plain parameter's first state: ``step`` and zero moments (8-bit: blocks of the full tensor)."""
+    state["step"] = torch.zeros((), dtype=torch.float32)
+    if eight_bit:
+        bnb.new_moments_8bit(state, "", p.shape, full_numel, buffers, p.device)
+    else:
+        state["exp_avg"] = buffers.zeros(p.shape, p.dtype, p.device)
+        state["exp_avg_sq"] = buffers.zeros(p.shape, p.dtype, p.device)
