@@ -128,10 +128,10 @@ from typing import Any
 
 import torch
 
-from .base import DistOptimizer, check_range
-from .comm import gather_full, ordered_groups, widest_dtype
-from .layout import Box
-from .owners import (
+from ..base import DistOptimizer, check_range
+from ..comm import gather_full, ordered_groups, widest_dtype
+from ..layout import Box
+from ..owners import (
     Owner,
     assign,
     data_group,
@@ -142,9 +142,9 @@ from .owners import (
     work_grids,
     work_group,
 )
-from .registry import Conversion, PlanEntry, register, register_plan
-from .structured import gram, matmul_triangular, upper_times_upper
-from .work import Route
+from ..registry import Conversion, PlanEntry, register, register_plan
+from ..structured import gram, matmul_triangular, upper_times_upper
+from ..work import Route
 
 __all__ = ["DistributedKron", "ProbabilitySchedule", "precond_update_prob_schedule", "precond_cost"]
 
@@ -995,3 +995,10 @@ register(
 )
 
 register_plan(PlanEntry("kron", DistributedKron))
+
+# Saved states name the optimizer by its class path (base.class_path: state_dict(), checkpoints, the
+# registry) and param groups pickle the default schedule by its module: keep the names of the
+# single-module version, dist_optim.kron.<Name>, so states saved before and after the split load
+# under either (the package re-exports both).
+for _cls in (DistributedKron, ProbabilitySchedule):
+    _cls.__module__ = "dist_optim.kron"
