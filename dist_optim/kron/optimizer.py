@@ -1,0 +1,336 @@
+"""The optimizer class: a coordinator of the package's parts (see :mod:`dist_optim.kron`).
+
+A step takes the update decision and the probes from :mod:`.randomness`, updates every local
+piece of the momenta, moves the momenta to their owners (:mod:`.routing`), has the owners compute
+the directions (:mod:`.preconditioner` on the factors of :mod:`.state`, shaped by
+:mod:`.structure`), brings the directions back to the ranks that hold them and applies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..base import DistOptimizer
+from ..owners import Owner
+from ..work import Route
+from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
+from .preconditioner import owner_direction
+from .randomness import KronRandomness
+from .routing import (
+    Item,
+    by_work_group,
+    gather_inputs,
+    hold_direction,
+    owners_of,
+    plan_piece_routes,
+    route_directions,
+    route_inputs,
+    share,
+)
+from .schedule import precond_update_prob_schedule
+from .state import factor_key, factors, init_param_state, keeps_saved_dtype, without_factors
+from .structure import FactorPlan, make_plan, precond_cost
+
+__all__ = ["DistributedKron"]
+
+
+class DistributedKron(DistOptimizer):
+    """PSGD Kron (Li 2015, 2018; kron_torch's ``Kron``), exact under TP and ZeRO (see the module
+    docstring for the algorithm, the distribution and the deviations from kron_torch).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (>= 0); the seed's advice is ~3x smaller than Adam's, hence 3e-4.
+        b1: momentum coefficient in [0, 1).
+        weight_decay: decoupled weight decay, applied to tensors of >= 2 dims only (>= 0).
+        preconditioner_update_probability: a float in (0, 1], a callable ``step -> probability``,
+            or None for :func:`precond_update_prob_schedule`. Read from the first group.
+        max_size_triangular: dims larger than this get diagonal factors.
+        min_ndim_triangular: tensors with fewer dims get only diagonal factors.
+        memory_save_mode: None, "smart_one_diag", "one_diag" or "all_diag".
+        momentum_into_precond_update: fit the preconditioner to the debiased momentum (True) or
+            to the raw gradient.
+        precond_lr: step size of the factor updates (>= 0).
+        precond_init_scale: initial scale of the preconditioner (> 0).
+        merge_dims: precondition tensors of > 2 dims as matrices.
+        mu_dtype: dtype of the momentum (default: the parameter's).
+        precond_dtype: dtype of the factors (default fp32).
+        clip_update_rms: clip the RMS of the preconditioned direction at 1.1.
+        seed: seed of the generators (probe vectors and balancing). Every rank must use the same.
+        communication_dtype: precision of the exchanges with the owners when bound (default: the
+            widest dtype of the tensors sent, fp32 = exact; ``torch.bfloat16`` halves the bytes at
+            bf16 rounding of momenta and directions).
+        probe_rng: where the probe vectors come from. ``"sequential"`` (default, kron_torch's):
+            one generator drawn for every parameter with a gradient in ``param_groups`` order,
+            on every rank. ``"per_parameter"``: each probe from a generator seeded by ``(seed,
+            parameter key, the parameter's step)``, where the key is the parameter's name in
+            ``param_names`` (set by the dist_optim plugins at boost) or else its position in
+            ``param_groups``: the same probes whatever subset of the model an optimizer holds, so
+            a pipeline stage reproduces the single-device run, and only owners draw.
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
+            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`); a skipped step draws no
+            random numbers and leaves the update schedule where it was.
+    """
+
+    _sharded_state = ("momentum_buffer",)
+
+    #: Route the pieces of each momentum to its owner and the pieces of its direction back to
+    #: their holders (one all_to_all per work group each way). False: every rank gathers every
+    #: full momentum and receives every full direction (the fallback path; kept to compare).
+    route_pieces: bool = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 3e-4,
+        b1: float = 0.9,
+        weight_decay: float = 0.0,
+        preconditioner_update_probability: float | Callable[[int], Any] | None = None,
+        max_size_triangular: int = 8192,
+        min_ndim_triangular: int = 2,
+        memory_save_mode: str | None = None,
+        momentum_into_precond_update: bool = True,
+        precond_lr: float = 0.1,
+        precond_init_scale: float = 1.0,
+        merge_dims: bool = True,
+        mu_dtype: torch.dtype | None = None,
+        precond_dtype: torch.dtype | None = None,
+        clip_update_rms: bool = True,
+        seed: int = 42,
+        communication_dtype: torch.dtype | None = None,
+        probe_rng: str = "sequential",
+        *,
+        nonfinite: str = "raise",
+    ) -> None:
+        check_optimizer_options(seed, communication_dtype, probe_rng)
+        if preconditioner_update_probability is None:
+            preconditioner_update_probability = precond_update_prob_schedule()
+        defaults = group_defaults(
+            lr=lr,
+            b1=b1,
+            weight_decay=weight_decay,
+            preconditioner_update_probability=preconditioner_update_probability,
+            max_size_triangular=max_size_triangular,
+            min_ndim_triangular=min_ndim_triangular,
+            memory_save_mode=memory_save_mode,
+            momentum_into_precond_update=momentum_into_precond_update,
+            precond_lr=precond_lr,
+            precond_init_scale=precond_init_scale,
+            merge_dims=merge_dims,
+            mu_dtype=mu_dtype,
+            precond_dtype=precond_dtype,
+            clip_update_rms=clip_update_rms,
+        )
+        super().__init__(params, defaults, nonfinite=nonfinite)
+        self.communication_dtype = communication_dtype
+        self._random = KronRandomness(seed, probe_rng)
+        self._plans: dict[torch.Tensor, FactorPlan] = {}
+        self._owners: dict[torch.Tensor, Owner] = {}
+        # Planned lazily from step() (collective over each work group), reset at each (re)binding.
+        self._routes: dict[torch.Tensor, Route | None] | None = None
+
+    def validate_group(self, group: dict[str, Any]) -> None:
+        """The options of one param group (see the class docstring for their ranges)."""
+        super().validate_group(group)
+        validate_options(group)
+
+    @property
+    def seed(self) -> int:
+        """The seed of the generators (probe vectors and balancing)."""
+        return self._random.seed
+
+    @property
+    def probe_rng(self) -> str:
+        """Where the probe vectors come from: ``"sequential"`` or ``"per_parameter"``."""
+        return self._random.probe_rng
+
+    @probe_rng.setter
+    def probe_rng(self, value: str) -> None:
+        self._random.probe_rng = value
+
+    # ---- plans and owners ---------------------------------------------------------------------
+    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise KeyError("parameter is not in this optimizer")
+
+    def _plan(self, param: torch.Tensor, group: dict[str, Any] | None = None) -> FactorPlan:
+        plan = self._plans.get(param)
+        if plan is None:
+            plan = make_plan(self.layout(param).full_shape, group or self._group_of(param))
+            self._plans[param] = plan
+        return plan
+
+    def _on_bind(self) -> None:
+        """Give every parameter an owner in its work group (:func:`.routing.owners_of`), once per
+        binding. Collective over the job under TP (the grids are process groups)."""
+        self._plans = {}
+        params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
+        plans = [self._plan(p, group) for p, group in params_groups]
+        self._owners = owners_of(
+            [p for p, _ in params_groups],
+            [self.layout(p) for p, _ in params_groups],
+            [precond_cost(plan.shape, plan.diag) for plan in plans],
+            self.dp_group,
+            self.tp_group,
+        )
+        self._routes = None
+
+    def _ensure_routes(self) -> dict[torch.Tensor, Route | None]:
+        """:func:`.routing.plan_piece_routes` once per binding, from ``step()`` (which every rank calls)."""
+        if self._routes is None:
+            self._routes = plan_piece_routes(self._owners, self.layout, self.route_pieces)
+        return self._routes
+
+    def _mine(self, param: torch.Tensor) -> bool:
+        owner = self._owners.get(param)
+        return owner is None or owner.mine
+
+    def precond_work(self) -> float:
+        """Summed :func:`precond_cost` of the parameters this rank owns (all of them when unbound)."""
+        total = 0.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self._mine(p):
+                    continue
+                plan = self._plan(p, group)
+                total += precond_cost(plan.shape, plan.diag)
+        return total
+
+    # ---- randomness ------------------------------------------------------------------------------
+    def use_layout_independent_randomness(self) -> str | None:
+        """Switch to ``probe_rng="per_parameter"`` (see the class docstring)."""
+        if self.probe_rng == "per_parameter":
+            return None
+        self.probe_rng = "per_parameter"
+        return 'probe_rng="per_parameter" (probe vectors seeded by parameter name and step)'
+
+    def _position(self, p: torch.Tensor) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    return f"{gi}.{pi}"
+        raise KeyError("parameter is not in this optimizer")
+
+    def _probe(self, p: torch.Tensor, plan: FactorPlan, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        step = int(self.state[p]["step"])
+        gen = self._random.probe_generator(device, lambda: self.param_names.get(p) or self._position(p), step)
+        return torch.randn(plan.shape, generator=gen, dtype=dtype, device=device)
+
+    # ---- the step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = self._begin_step(closure)
+        if not self._gradients_ok():
+            return loss
+        do_update, balance = self._random.decide(self.param_groups[0]["preconditioner_update_probability"])
+
+        work: list[Item] = []
+        for group in self.param_groups:
+            params, grads = self._grads(group)
+            b1 = group["b1"]
+            for p, g in zip(params, grads):
+                state = self.state[p]
+                if not state:
+                    init_param_state(state, p, group["mu_dtype"])
+                state["step"] += 1
+                m = state["momentum_buffer"]
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                work.append(Item(group, p, m, g))
+        if not work:
+            return loss
+        plain, order = by_work_group(work, self._ensure_routes() if self.is_bound else {}, self._owners)
+
+        comm_dtype = self.communication_dtype
+        gather_inputs(plain, self.layout, comm_dtype)
+        for wg, items in order:
+            route_inputs(wg, items, self.layout, comm_dtype)
+        for item in work:
+            self._direction(item, do_update, balance)
+        share(self._owners, [(item.p, [item.direction]) for item in plain if item.direction is not None], comm_dtype)
+        for wg, items in order:
+            route_directions(wg, items, self.layout, comm_dtype)
+        for item in work:
+            self._apply(item)
+        return loss
+
+    def _direction(self, item: Item, do_update: bool, balance: bool) -> None:
+        """Draw the probe (every rank with ``probe_rng="sequential"``, so that every generator
+        stays in step) and, on the owner, compute the direction; elsewhere a buffer for it."""
+        group, p = item.group, item.p
+        plan = self._plan(p, group)
+        probe = None
+        if do_update and (self.probe_rng == "sequential" or self._mine(p)):
+            probe = self._probe(p, plan, precond_dtype(group), item.m.device)
+        u = None
+        if self._mine(p):
+            assert item.full_m is not None and item.full_g is not None
+            u = owner_direction(self.state[p], group, plan, item.full_m, item.full_g, probe, balance)
+        hold_direction(item, u, plan.shape, self._owners.get(p), self.communication_dtype)
+
+    def _apply(self, item: Item) -> None:
+        """This rank's elements of the direction, weight decay (tensors of >= 2 dims), the step."""
+        group, p, layout = item.group, item.p, self.layout(item.p)
+        assert item.direction is not None
+        if item.route is not None:
+            local = item.direction.view_as(p)
+        else:
+            u = item.direction.reshape(layout.full_shape)
+            local = u.view_as(p) if layout.is_local else layout.take_local(u)
+        if group["weight_decay"] != 0 and layout.ndim >= 2:
+            local.add_(p, alpha=group["weight_decay"])
+        p.add_(local.to(p.dtype), alpha=-group["lr"])
+
+    # ---- state -------------------------------------------------------------------------------------
+    def full_state(self) -> list[dict[str, Any]]:
+        """Every parameter's state in full form on every rank: ``step``, ``momentum_buffer``
+        (parameter-shaped) and the factors ``Q_0, Q_1, ...`` (shared from their owners).
+        Collective when bound."""
+        out = super().full_state()
+        entries: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        where: list[int] = []
+        params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
+        for i, (p, group) in enumerate(params_groups):
+            state = self.state.get(p)
+            if not state:
+                continue
+            plan = self._plan(p, group)
+            if self._mine(p):
+                tensors = [q.clone() for q in factors(state, plan)]
+            else:
+                tensors = [torch.empty(s, dtype=precond_dtype(group), device=p.device) for s in plan.factor_shapes()]
+            entries.append((p, tensors))
+            where.append(i)
+        share(self._owners, entries, None)
+        for i, (_, tensors) in zip(where, entries):
+            out[i].update((factor_key(k), t) for k, t in enumerate(tensors))
+        return out
+
+    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
+        """The factors (``precond_dtype``) and the momentum (``mu_dtype``) keep their saved dtype on
+        load; torch's loader would cast them to the parameter's."""
+        return keeps_saved_dtype(key)
+
+    def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """For ``load_full_state``: only the owner keeps a parameter's factors."""
+        return state if self._mine(param) else without_factors(state)
+
+    def extra_state(self) -> dict[str, Any]:
+        """The skipped-step counter, the step counters of the update decision and the generator
+        states (the same on every rank): with :meth:`full_state` they resume the same trajectory
+        under any layout."""
+        return {**super().extra_state(), **self._random.state()}
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        super().load_extra_state(extra)
+        self._random.load_state(extra)
+
+
+# Saved states name the optimizer by its class path (base.class_path: state_dict(), checkpoints, the
+# registry's logs): keep dist_optim.kron.DistributedKron of the single-module version, so states
+# saved before and after the split load under either (the package re-exports it).
+DistributedKron.__module__ = "dist_optim.kron"

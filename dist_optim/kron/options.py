@@ -1,0 +1,116 @@
+"""Kron's options: the defaults of a param group and their checks.
+
+:func:`validate_options` is what :meth:`DistributedKron.validate_group
+<dist_optim.kron.optimizer.DistributedKron.validate_group>` runs on every group (from ``__init__``,
+``add_param_group`` and ``load_state_dict``). :func:`check_optimizer_options` checks the three
+arguments that are not group options (``seed``, ``communication_dtype``, ``probe_rng``: one value
+for the whole optimizer, never in a param group), so ``validate_group`` never sees them; the
+constructor calls it before the groups are checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..base import check_range
+
+__all__ = [
+    "MEMORY_SAVE_MODES",
+    "PROBE_RNGS",
+    "COMM_DTYPES",
+    "group_defaults",
+    "check_optimizer_options",
+    "validate_options",
+    "check_probability",
+    "precond_dtype",
+]
+
+MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
+PROBE_RNGS = ("sequential", "per_parameter")
+#: ``communication_dtype``: None (the widest of the tensors sent) or one of these.
+COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def group_defaults(
+    *,
+    lr: float,
+    b1: float,
+    weight_decay: float,
+    preconditioner_update_probability: float | Callable[[int], Any],
+    max_size_triangular: int,
+    min_ndim_triangular: int,
+    memory_save_mode: str | None,
+    momentum_into_precond_update: bool,
+    precond_lr: float,
+    precond_init_scale: float,
+    merge_dims: bool,
+    mu_dtype: torch.dtype | None,
+    precond_dtype: torch.dtype | None,
+    clip_update_rms: bool,
+) -> dict[str, Any]:
+    """The param-group defaults in the order saved param groups list them (flags as bools)."""
+    return dict(
+        lr=lr,
+        b1=b1,
+        weight_decay=weight_decay,
+        preconditioner_update_probability=preconditioner_update_probability,
+        max_size_triangular=max_size_triangular,
+        min_ndim_triangular=min_ndim_triangular,
+        memory_save_mode=memory_save_mode,
+        momentum_into_precond_update=bool(momentum_into_precond_update),
+        precond_lr=precond_lr,
+        precond_init_scale=precond_init_scale,
+        merge_dims=bool(merge_dims),
+        mu_dtype=mu_dtype,
+        precond_dtype=precond_dtype,
+        clip_update_rms=bool(clip_update_rms),
+    )
+
+
+def check_optimizer_options(seed: Any, communication_dtype: Any, probe_rng: Any) -> None:
+    """The optimizer-wide arguments (not group options; see the module docstring)."""
+    if probe_rng not in PROBE_RNGS:
+        raise ValueError(f"probe_rng must be one of {PROBE_RNGS}, got {probe_rng!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    if communication_dtype not in COMM_DTYPES:
+        raise ValueError(f"communication_dtype must be None or a float dtype, got {communication_dtype!r}")
+
+
+def validate_options(group: dict[str, Any]) -> None:
+    """Check one param group's Kron options, raising a ValueError that names the option."""
+    check_range("lr", group["lr"], 0.0)
+    check_range("b1", group["b1"], 0.0, 1.0)
+    check_range("weight_decay", group["weight_decay"], 0.0)
+    check_range("precond_lr", group["precond_lr"], 0.0)
+    check_range("precond_init_scale", group["precond_init_scale"], 0.0)
+    if group["precond_init_scale"] <= 0:
+        raise ValueError(f"precond_init_scale must be > 0, got {group['precond_init_scale']}")
+    for name in ("max_size_triangular", "min_ndim_triangular"):
+        value = group[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if group["memory_save_mode"] not in MEMORY_SAVE_MODES:
+        raise ValueError(f"memory_save_mode must be one of {MEMORY_SAVE_MODES}, got {group['memory_save_mode']!r}")
+    check_probability(group["preconditioner_update_probability"])
+    for name in ("mu_dtype", "precond_dtype"):
+        value = group[name]
+        if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+            raise ValueError(f"{name} must be None or a floating-point torch.dtype, got {value!r}")
+
+
+def check_probability(prob: Any) -> None:
+    """A probability in (0, 1] or a callable of the step (checked when it is called:
+    :func:`dist_optim.kron.schedule.threshold`)."""
+    if callable(prob):
+        return
+    if not isinstance(prob, (int, float)) or isinstance(prob, bool) or not 0 < prob <= 1:
+        raise ValueError(f"preconditioner_update_probability must be in (0, 1] or a callable of the step, got {prob!r}")
+
+
+def precond_dtype(group: dict[str, Any]) -> torch.dtype:
+    """The dtype of a group's factors, probes and directions (``precond_dtype``, default fp32)."""
+    return group["precond_dtype"] or torch.float32
