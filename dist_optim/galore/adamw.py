@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .. import bnb_states as bnb
+from ..fused_adam import fused_applies
 from ..layout import ParamLayout
 from .state import init_low_rank_state
 
@@ -25,9 +26,6 @@ __all__ = [
     "plain_adamw_update",
     "fused_plain_adamw",
 ]
-
-#: torch's fused AdamW kernel (CPU and CUDA since torch 2.4).
-_FUSED_ADAMW = hasattr(torch, "_fused_adamw_")
 
 
 def step_size_and_denom(
@@ -115,17 +113,6 @@ def plain_adamw_update(
         bnb.write_moments_8bit(state, "", blocks, [m, v], absmax)
 
 
-def _fused_applies(states: list[dict[str, Any]], params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
-    for st, p, g in zip(states, params, grads):
-        m, v = st["exp_avg"], st["exp_avg_sq"]
-        # meta: the kernel has a meta implementation; dist_optim.plan then simulates the GPU's path
-        if p.device.type not in ("cpu", "cuda", "meta") or not p.dtype.is_floating_point:
-            return False
-        if not all(t.dtype == p.dtype and t.device == p.device and t.is_contiguous() for t in (p, g, m, v)):
-            return False
-    return True
-
-
 def fused_plain_adamw(
     group: dict[str, Any],
     adam_style: str,
@@ -143,7 +130,8 @@ def fused_plain_adamw(
     (sqrt(v) + eps)`` is the same update with ``eps / sqrt(1 - b2^t)`` in its place, so the
     "hf" style passes that (one call per distinct step count); its weight decay follows the
     update, as before."""
-    if not group["correct_bias"] or not _FUSED_ADAMW or not _fused_applies(states, params, grads):
+    fused = all(fused_applies(p, g, st["exp_avg"], st["exp_avg_sq"]) for p, g, st in zip(params, grads, states))
+    if not group["correct_bias"] or not fused:
         return False
     beta1, beta2 = group["betas"]
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]

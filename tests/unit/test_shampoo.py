@@ -385,7 +385,7 @@ def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatc
     separate operations otherwise; both follow the reference. Before the start (no momentum,
     bias correction), a contiguous block's whole update is that kernel run on the parameter
     itself (AdamW's for decoupled decay); the other blocks get the direction, then the update."""
-    from dist_optim.shampoo.preconditioner import grafting
+    from dist_optim import fused_adam
 
     calls: dict[str, list[bool]] = {"_fused_adam_": [], "_fused_adamw_": []}
     param_ptrs: set[int] = set()
@@ -401,7 +401,7 @@ def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatc
 
     for name in calls:
         monkeypatch.setattr(torch, name, counting(name))
-    monkeypatch.setattr(grafting, "FUSED_ADAM", fused)
+    monkeypatch.setattr(fused_adam, "FUSED", fused)
     real_check = dist_optim.DistributedShampoo.__init__
 
     def init(self: object, params: list[torch.Tensor], *args: object, **kwargs: object) -> None:

@@ -13,14 +13,11 @@ from typing import Any
 
 import torch
 
+from ...fused_adam import fused_applies
 from ..options import SQUARED_GRAFTING_TYPES, AdaGradGraftingConfig, AdamGraftingConfig
 from ..state import BlockState
 
-__all__ = ["FUSED_ADAM", "Moments", "update_moments", "updates_in_kernel", "scale_direction"]
-
-#: torch's fused Adam kernel (CPU and CUDA since torch 2.4), used for Adam grafting's moments.
-#: Read at each use (tests set it False to take the per-op path).
-FUSED_ADAM = hasattr(torch, "_fused_adam_")
+__all__ = ["Moments", "update_moments", "updates_in_kernel", "scale_direction"]
 
 
 @dataclass
@@ -49,19 +46,6 @@ class Moments:
         if self.graft_in_out:
             return torch.linalg.vector_norm(out)
         return torch.linalg.vector_norm(self.mom) / self.m_div
-
-
-def fused_adam_applies(*tensors: torch.Tensor) -> bool:
-    """The kernel reads dense memory of one dtype and device: anything else takes the per-op path
-    (it would silently misread a strided view). Meta tensors take it as a GPU does (the kernel has
-    a meta implementation), so that dist_optim.plan simulates the GPU's path."""
-    first = tensors[0]
-    return (
-        FUSED_ADAM
-        and first.device.type in ("cpu", "cuda", "meta")
-        and first.dtype.is_floating_point
-        and all(t.dtype == first.dtype and t.device == first.device and t.is_contiguous() for t in tensors)
-    )
 
 
 def updates_in_kernel(group: dict[str, Any]) -> bool:
@@ -116,7 +100,7 @@ def update_moments(
     else:
         m, v = bs.exp_avg, bs.graft_sq
         assert m is not None
-        if fused and isinstance(graft, AdamGraftingConfig) and v is not None and fused_adam_applies(out, g, m, v):
+        if fused and isinstance(graft, AdamGraftingConfig) and v is not None and fused_applies(out, g, m, v):
             return _fused_adam(bs, g, group, t, step, out, apply_to)
         mom = m.mul_(b1).add_(g, alpha=1 - b1)
     if not isinstance(graft, SQUARED_GRAFTING_TYPES):
@@ -152,7 +136,7 @@ def _fused_adam(
     m, v = bs.exp_avg, bs.graft_sq
     assert m is not None and v is not None
     step = step if out.device.type == "cpu" else step.to(out.device)
-    if apply_to is not None and fused_adam_applies(apply_to, g):
+    if apply_to is not None and fused_applies(apply_to, g):
         # W <- W (1 - lr wd) - lr Mhat / (sqrt(Vhat) + eps_g): AdamW's kernel, one pass over the
         # block instead of the direction's and then the update's.
         wd = group["weight_decay"] if group["use_decoupled_weight_decay"] else 0.0
