@@ -1,8 +1,14 @@
 """Muon's Newton-Schulz orthogonalization (K. Jordan et al., 2024, "Muon: An optimizer for hidden
 layers in neural networks", kellerjordan.github.io/posts/muon) on one local matrix, and its cost
-(the owners' cost model, :mod:`dist_optim.muon`). In fp32/fp64 (:data:`REORDERED_DTYPES`) the
-symmetric products are computed one off-diagonal block at a time and a wide matrix iterates in
-Gram space; bfloat16/float16 iterations keep the formula's order.
+(the owners' cost model, :mod:`dist_optim.muon`).
+
+Deviations from the formula as written, fp32/fp64 only (:data:`REORDERED_DTYPES`): every product
+known to be symmetric is computed one off-diagonal block at a time
+(:func:`~dist_optim.structured.symmetric_product`); and, opt-in (``gram_space=True``,
+``DistributedMuon(ns_gram_space=True)``), a wide matrix iterates in Gram space
+(:func:`newton_schulz_gram_space`), which is faster but less accurate on rank-deficient and
+ill-conditioned inputs (measured in its docstring). bfloat16/float16 iterations keep the
+formula's order.
 """
 
 from __future__ import annotations
@@ -13,53 +19,24 @@ import torch
 
 from .structured import symmetric_product
 
-__all__ = ["Coefficients", "newton_schulz", "newton_schulz_flops"]
+__all__ = [
+    "Coefficients",
+    "GRAM_SPACE_RATIO",
+    "REORDERED_DTYPES",
+    "SYMMETRIC_MIN_SIZE",
+    "newton_schulz",
+    "newton_schulz_gram_space",
+    "newton_schulz_flops",
+    "takes_gram_space",
+]
 
 Coefficients = tuple[float, float, float]
 
-
-def newton_schulz(
-    c: torch.Tensor,
-    coefficients: Sequence[Coefficients],
-    eps: float,
-    eps_form: str = "max",
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """The orthogonalized 2-D ``c``: normalised by its Frobenius norm, then one quintic
-    Newton-Schulz iteration ``X <- a X + (b A + c A A) X`` (``A = X X^T``) per ``(a, b, c)`` in
-    ``coefficients``, on the wide orientation (``X`` transposed when ``m > n``, so that ``A`` is
-    the smaller Gram matrix), in ``dtype`` (default ``c``'s). A new tensor; ``c`` is not changed.
-
-    In fp32/fp64 (:data:`REORDERED_DTYPES`) the symmetric products ``A = X X^T`` and ``A A`` are
-    computed one off-diagonal block at a time (:func:`~dist_optim.structured.symmetric_product`),
-    and a wide matrix iterates in Gram space (:func:`_newton_schulz_gram_space`); both equal the
-    formula in exact arithmetic. In bfloat16/float16 the formula is computed in its own order."""
-    x = c.to(dtype) if dtype is not None else c
-    tall = x.size(0) > x.size(1)
-    if tall:
-        x = x.T
-    norm = x.norm()
-    x = x / (norm.clamp(min=eps) if eps_form == "max" else norm + eps)
-    if x.dtype not in REORDERED_DTYPES:
-        for a, b, cc in coefficients:
-            gram = x @ x.T
-            # b A + c A A and a X + B X in one kernel each, as torch.optim.Muon computes them.
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=cc)
-            x = torch.addmm(x, poly, x, beta=a)
-    elif len(coefficients) > 1 and x.size(1) >= GRAM_SPACE_RATIO * x.size(0):
-        x = _newton_schulz_gram_space(x, coefficients)
-    else:
-        for a, b, cc in coefficients:
-            gram = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
-            poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE).mul_(cc).add_(gram, alpha=b)
-            x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
-
-
-#: A wide ``m x n`` matrix (``n >= GRAM_SPACE_RATIO * m``) iterates in Gram space (below). Counting
-#: every symmetric product at 3/4 of a general one (one halving), five iterations of the formula
-#: cost ``17.5 m^2 n + 7.5 m^3`` multiply-adds x2 and Gram space ``3.5 m^2 n + 25.5 m^3``: they
-#: cross at ``n = 1.3 m``; 2 leaves a margin (Llama's shapes are square or at least 2.7 wide).
+#: With ``gram_space=True``, a wide ``m x n`` matrix (``n >= GRAM_SPACE_RATIO * m``) iterates in
+#: Gram space. Counting every symmetric product at 3/4 of a general one (one halving), five
+#: iterations of the formula cost ``17.5 m^2 n + 7.5 m^3`` multiply-adds x2 and Gram space
+#: ``3.5 m^2 n + 25.5 m^3``: they cross at ``n = 1.3 m``; 2 leaves a margin (Llama's shapes are
+#: square or at least 2.7 wide).
 GRAM_SPACE_RATIO = 2.0
 #: Only fp32/fp64 iterations are reordered (symmetric products, Gram space): in bfloat16
 #: (torch.optim.Muon's and KellerJordan's iteration dtype) the formula's own order is kept, so
@@ -72,8 +49,61 @@ REORDERED_DTYPES = (torch.float32, torch.float64)
 SYMMETRIC_MIN_SIZE = 128
 
 
-def _newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficients]) -> torch.Tensor:
-    """The same iterations on a wide ``x`` (``m x n``, ``n >= 2m``), computed in ``m x m`` space.
+def takes_gram_space(rows: int, cols: int, steps: int, dtype: torch.dtype, gram_space: bool) -> bool:
+    """Whether :func:`newton_schulz` iterates a ``rows x cols`` matrix in Gram space: only when
+    asked, in fp32/fp64, with more than one iteration and ``max >= GRAM_SPACE_RATIO * min``."""
+    m, n = min(rows, cols), max(rows, cols)
+    return gram_space and dtype in REORDERED_DTYPES and steps > 1 and n >= GRAM_SPACE_RATIO * m
+
+
+def newton_schulz(
+    c: torch.Tensor,
+    coefficients: Sequence[Coefficients],
+    eps: float,
+    eps_form: str = "max",
+    dtype: torch.dtype | None = None,
+    gram_space: bool = False,
+) -> torch.Tensor:
+    """The orthogonalized 2-D ``c``: normalised by its Frobenius norm, then one quintic
+    Newton-Schulz iteration ``X <- a X + (b A + c A A) X`` (``A = X X^T``) per ``(a, b, c)`` in
+    ``coefficients``, on the wide orientation (``X`` transposed when ``m > n``, so that ``A`` is
+    the smaller Gram matrix), in ``dtype`` (default ``c``'s). A new tensor; ``c`` is not changed.
+
+    In fp32/fp64 (:data:`REORDERED_DTYPES`) the symmetric products ``A = X X^T`` and ``A A`` are
+    computed one off-diagonal block at a time (:func:`~dist_optim.structured.symmetric_product`):
+    the formula in exact arithmetic, and as accurate in rounding: tests/unit/test_muon.py asserts
+    that one fp32 step lands within 2x the plain formula's own fp32 distance to the formula run in
+    float64, on 512-1536 wide gradients of rank 8, with singular values log-spaced over 1..1e-6, and
+    Gaussian (measured 0.94-1.28x by ``bench/ns_accuracy.py``, up to 2048 x 5504). With
+    ``gram_space=True`` a wide matrix (:func:`takes_gram_space`) iterates in Gram space instead
+    (:func:`newton_schulz_gram_space`, its accuracy there). In bfloat16/float16 the formula is
+    computed in its own order."""
+    x = c.to(dtype) if dtype is not None else c
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    norm = x.norm()
+    x = x / (norm.clamp(min=eps) if eps_form == "max" else norm + eps)
+    if x.dtype not in REORDERED_DTYPES:
+        for a, b, cc in coefficients:
+            gram = x @ x.T
+            # b A + c A A and a X + B X in one kernel each, as torch.optim.Muon computes them.
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=cc)
+            x = torch.addmm(x, poly, x, beta=a)
+    elif takes_gram_space(x.size(0), x.size(1), len(coefficients), x.dtype, gram_space):
+        x = newton_schulz_gram_space(x, coefficients)
+    else:
+        for a, b, cc in coefficients:
+            gram = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
+            poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE).mul_(cc).add_(gram, alpha=b)
+            x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficients]) -> torch.Tensor:
+    """The iterations of :func:`newton_schulz` on a normalised wide ``x`` (``m x n``, ``n >= 2m``),
+    computed in ``m x m`` space: opt-in (``DistributedMuon(ns_gram_space=True)``), since it is
+    less accurate than the formula on rank-deficient and ill-conditioned momenta.
 
     Every ``P_k = a I + b A_k + c A_k^2`` is a polynomial in ``A_0 = X_0 X_0^T``, so they commute:
     ``X_k = P_k ... P_1 X_0`` and ``A_{k+1} = P_k A_k P_k^T = P_k^2 A_k``. One Gram product and one
@@ -81,8 +111,17 @@ def _newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficien
     written costs ``k (4 m^2 n + 2 m^3)``: 0.70x at ``n = 2.7 m`` (a Llama MLP) with 5 iterations.
     Every ``m x m`` product here is of commuting symmetric matrices, hence symmetric, and is
     computed as one (:func:`~dist_optim.structured.symmetric_product`), as is ``A_0``.
-    Equal in exact arithmetic; in fp32 the rounding differs by the same order as the formula's
-    own (tests/unit/test_muon.py compares both with a float64 run)."""
+
+    Equal in exact arithmetic, not in rounding: the formula recomputes ``A`` from ``X`` every
+    iteration, while here the rounding of ``A_0`` (of relative size eps, squared condition number)
+    is carried and multiplied by about ``a^2`` per iteration in the directions ``X_0`` lacks.
+    Measured in fp32 with 5 default iterations (``bench/ns_accuracy.py``, 512 x 1376 to 2048 x
+    5504), max ``|x - ref| / max |ref|`` against the formula run in float64: 4.2e-3 to 8.1e-3 on
+    gradients of rank 8 (12-250x the plain formula's own fp32 error, 123-250x up to 1024 x 2752),
+    1.7e-4 to 4.4e-4 with singular values log-spaced over 1..1e-6 (1.0-49x), 0.96-1.03x on
+    Gaussian matrices. Restarting from ``X`` (``X_k = Q X_0`` and a fresh ``A``) after iterations 2
+    and 4, or after 3, still measured up to 2.8x / 2.9x on rank 8 and 2.5x / 2.8x log-spaced, for
+    0.85x / 0.78x the formula's unblocked flops at ``n = 2.7 m``, so no restart is offered."""
     a_mat = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
     q: torch.Tensor | None = None
     last = len(coefficients) - 1
@@ -96,14 +135,15 @@ def _newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficien
     return q @ x
 
 
-def newton_schulz_flops(rows: int, cols: int, steps: int, dtype: torch.dtype) -> float:
+def newton_schulz_flops(rows: int, cols: int, steps: int, dtype: torch.dtype, gram_space: bool = False) -> float:
     """The floating-point operations of :func:`newton_schulz` on a ``rows x cols`` matrix with
-    ``steps`` iterations in ``dtype``, on the path it takes (``m <= n`` the sides): Gram space
-    ``4 m^2 n + (8 steps - 6) m^3``, the formula ``steps (4 m^2 n + 2 m^3)``. The owners' cost
-    model: a wide matrix in Gram space costs 1.5x a square one of its short side, not the 2.7x
-    that ``m n min(m, n)`` would say (Llama's MLP), so owners balance the work that runs. The
-    symmetric products' saving is left out (it applies to both paths alike)."""
+    ``steps`` iterations in ``dtype``, on the path it takes (``m <= n`` the sides, Gram space as
+    :func:`takes_gram_space` decides): Gram space ``4 m^2 n + (8 steps - 6) m^3``, the formula
+    ``steps (4 m^2 n + 2 m^3)``. The owners' cost model: a wide matrix in Gram space costs 1.5x a
+    square one of its short side, not the 2.7x that ``m n min(m, n)`` would say (Llama's MLP), so
+    owners balance the work that runs. The symmetric products' saving is left out (it applies to
+    both paths alike)."""
     m, n = min(rows, cols), max(rows, cols)
-    if dtype in REORDERED_DTYPES and steps > 1 and n >= GRAM_SPACE_RATIO * m:
+    if takes_gram_space(rows, cols, steps, dtype, gram_space):
         return 4.0 * m * m * n + (8 * steps - 6) * float(m) ** 3
     return steps * (4.0 * m * m * n + 2.0 * float(m) ** 3)
