@@ -142,4 +142,9 @@ def _plain_muon(params: list[torch.Tensor]) -> Any:
 
 
 _add("dist_optim Muon", "muon", lambda p: _dist("DistributedMuon")(muon_groups(p), lr=2e-3, weight_decay=0.01))
+_add(
+    "dist_optim Muon (ns_gram_space=True)",
+    "muon",
+    lambda p: _dist("DistributedMuon")(muon_groups(p), lr=2e-3, weight_decay=0.01, ns_gram_space=True),
+)
 _add("plain Muon (bench/plain_muon.py)", "muon", _plain_muon)

@@ -18,7 +18,9 @@ matrices ``shape[1] x prod(shape[2:])``: experts or heads stored in one tensor) 
     W <- W - lr' X,   lr' = lr * sqrt(max(1, m / n))       (adjust_lr_fn None / "original")
                       lr' = 0.2 * lr * sqrt(max(m, n))     ("match_rms_adamw", Liu et al.)
 
-The iteration runs in ``ns_dtype`` (default: the parameter's dtype). The defaults and the sum form
+The iteration runs in ``ns_dtype`` (default: the parameter's dtype), in fp32/fp64 with its
+symmetric products computed blockwise, and with ``ns_gram_space=True`` for wide matrices in Gram
+space (faster, less accurate: :mod:`dist_optim.newton_schulz`). The defaults and the sum form
 of the momentum are ``torch.optim.Muon``'s documented algorithm. Two variants exist for exact
 conversions (:func:`dist_optim.convert`):
 
@@ -78,9 +80,9 @@ from torch.optim.adamw import adamw as _torch_adamw
 from .base import DistOptimizer, check_range
 from .comm import gather_full, group_rank, ordered_groups, widest_dtype
 from .layout import ParamLayout
+from .newton_schulz import Coefficients, newton_schulz, newton_schulz_flops
 from .owners import data_group, from_owners, grid_or_data_group, plan_routes, split_size, to_owners, work_grids
 from .registry import Conversion, PlanEntry, register, register_plan
-from .structured import symmetric_product
 from .work import Route, assign_owners
 
 __all__ = ["DistributedMuon", "muon_param_groups", "newton_schulz", "newton_schulz_flops", "adjusted_lr"]
@@ -90,99 +92,6 @@ DEFAULT_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 EPS_FORMS = ("max", "add")
 _FUSED_ADAMW = hasattr(torch, "_fused_adamw_")
-
-Coefficients = tuple[float, float, float]
-
-
-def newton_schulz(
-    c: torch.Tensor,
-    coefficients: Sequence[Coefficients],
-    eps: float,
-    eps_form: str = "max",
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """The orthogonalized 2-D ``c``: normalised by its Frobenius norm, then one quintic
-    Newton-Schulz iteration ``X <- a X + (b A + c A A) X`` (``A = X X^T``) per ``(a, b, c)`` in
-    ``coefficients``, on the wide orientation (``X`` transposed when ``m > n``, so that ``A`` is
-    the smaller Gram matrix), in ``dtype`` (default ``c``'s). A new tensor; ``c`` is not changed.
-
-    In fp32/fp64 (:data:`REORDERED_DTYPES`) the symmetric products ``A = X X^T`` and ``A A`` are
-    computed one off-diagonal block at a time (:func:`~dist_optim.structured.symmetric_product`),
-    and a wide matrix iterates in Gram space (:func:`_newton_schulz_gram_space`); both equal the
-    formula in exact arithmetic. In bfloat16/float16 the formula is computed in its own order."""
-    x = c.to(dtype) if dtype is not None else c
-    tall = x.size(0) > x.size(1)
-    if tall:
-        x = x.T
-    norm = x.norm()
-    x = x / (norm.clamp(min=eps) if eps_form == "max" else norm + eps)
-    if x.dtype not in REORDERED_DTYPES:
-        for a, b, cc in coefficients:
-            gram = x @ x.T
-            # b A + c A A and a X + B X in one kernel each, as torch.optim.Muon computes them.
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=cc)
-            x = torch.addmm(x, poly, x, beta=a)
-    elif len(coefficients) > 1 and x.size(1) >= GRAM_SPACE_RATIO * x.size(0):
-        x = _newton_schulz_gram_space(x, coefficients)
-    else:
-        for a, b, cc in coefficients:
-            gram = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
-            poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE).mul_(cc).add_(gram, alpha=b)
-            x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
-
-
-#: A wide ``m x n`` matrix (``n >= GRAM_SPACE_RATIO * m``) iterates in Gram space (below). Counting
-#: every symmetric product at 3/4 of a general one (one halving), five iterations of the formula
-#: cost ``17.5 m^2 n + 7.5 m^3`` multiply-adds x2 and Gram space ``3.5 m^2 n + 25.5 m^3``: they
-#: cross at ``n = 1.3 m``; 2 leaves a margin (Llama's shapes are square or at least 2.7 wide).
-GRAM_SPACE_RATIO = 2.0
-#: Only fp32/fp64 iterations are reordered (symmetric products, Gram space): in bfloat16
-#: (torch.optim.Muon's and KellerJordan's iteration dtype) the formula's own order is kept, so
-#: conversions from them compute exactly what they do.
-REORDERED_DTYPES = (torch.float32, torch.float64)
-#: Diagonal blocks of a symmetric product halve down to this size (Muon's products are one-off,
-#: unlike Kron's, so its own measured value): NS time at 512 x 512 / 512 x 1376 / 1024 x 1024 on
-#: the 2-core CPU, one thread, vs plain ``mm``: 0.93 / 0.87 / 0.82 at 256, 0.87 / 0.81 / 0.79 at
-#: 128, 0.89 / 0.82 / 0.78 at 64; with two threads within run-to-run noise at every size.
-SYMMETRIC_MIN_SIZE = 128
-
-
-def _newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficients]) -> torch.Tensor:
-    """The same iterations on a wide ``x`` (``m x n``, ``n >= 2m``), computed in ``m x m`` space.
-
-    Every ``P_k = a I + b A_k + c A_k^2`` is a polynomial in ``A_0 = X_0 X_0^T``, so they commute:
-    ``X_k = P_k ... P_1 X_0`` and ``A_{k+1} = P_k A_k P_k^T = P_k^2 A_k``. One Gram product and one
-    final ``Q X_0`` cost ``4 m^2 n`` flops, the ``m x m`` products ``(8k - 6) m^3``; the formula as
-    written costs ``k (4 m^2 n + 2 m^3)``: 0.70x at ``n = 2.7 m`` (a Llama MLP) with 5 iterations.
-    Every ``m x m`` product here is of commuting symmetric matrices, hence symmetric, and is
-    computed as one (:func:`~dist_optim.structured.symmetric_product`), as is ``A_0``.
-    Equal in exact arithmetic; in fp32 the rounding differs by the same order as the formula's
-    own (tests/unit/test_muon.py compares both with a float64 run)."""
-    a_mat = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
-    q: torch.Tensor | None = None
-    last = len(coefficients) - 1
-    for k, (a, b, cc) in enumerate(coefficients):
-        poly = symmetric_product(a_mat, a_mat, SYMMETRIC_MIN_SIZE).mul_(cc).add_(a_mat, alpha=b)
-        poly.diagonal().add_(a)
-        q = poly if q is None else symmetric_product(poly, q, SYMMETRIC_MIN_SIZE)
-        if k < last:
-            a_mat = symmetric_product(poly, symmetric_product(poly, a_mat, SYMMETRIC_MIN_SIZE), SYMMETRIC_MIN_SIZE)
-    assert q is not None
-    return q @ x
-
-
-def newton_schulz_flops(rows: int, cols: int, steps: int, dtype: torch.dtype) -> float:
-    """The floating-point operations of :func:`newton_schulz` on a ``rows x cols`` matrix with
-    ``steps`` iterations in ``dtype``, on the path it takes (``m <= n`` the sides): Gram space
-    ``4 m^2 n + (8 steps - 6) m^3``, the formula ``steps (4 m^2 n + 2 m^3)``. The owners' cost
-    model: a wide matrix in Gram space costs 1.5x a square one of its short side, not the 2.7x
-    that ``m n min(m, n)`` would say (Llama's MLP), so owners balance the work that runs. The
-    symmetric products' saving is left out (it applies to both paths alike)."""
-    m, n = min(rows, cols), max(rows, cols)
-    if dtype in REORDERED_DTYPES and steps > 1 and n >= GRAM_SPACE_RATIO * m:
-        return 4.0 * m * m * n + (8 * steps - 6) * float(m) ** 3
-    return steps * (4.0 * m * m * n + 2.0 * float(m) ** 3)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -253,6 +162,12 @@ class DistributedMuon(DistOptimizer):
             orthogonalized pieces back (None: the parameters' dtype; bfloat16 halves the bytes).
         momentum_ema: keep the momentum as an exponential moving average (KellerJordan's and
             torch's implementations) instead of the sum ``momentum * B + G``.
+        ns_gram_space: iterate a wide fp32/fp64 matrix (long side at least twice the short one) in
+            Gram space (:func:`dist_optim.newton_schulz.newton_schulz_gram_space`): 0.70x the
+            formula's unblocked flops at a Llama MLP's aspect, but on rank-deficient or
+            ill-conditioned momenta measured up to 250x the formula's own fp32 error (8.1e-3 of
+            the update's scale at rank 8, where the formula's bfloat16 run measured 0.78-0.95).
+            Default False: the formula.
         stacked: a parameter with 3+ dims is a stack of matrices along its first dim (experts or
             heads stored in one tensor): each ``p[i]``, seen as ``shape[1] x prod(shape[2:])``, is
             orthogonalized on its own (on its own owner rank) with that shape's lr adjustment.
@@ -287,6 +202,7 @@ class DistributedMuon(DistOptimizer):
         communication_dtype: torch.dtype | None = None,
         *,
         momentum_ema: bool = False,
+        ns_gram_space: bool = False,
         stacked: bool = False,
         eps_form: str = "max",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
@@ -312,6 +228,7 @@ class DistributedMuon(DistOptimizer):
             adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
             momentum_ema=momentum_ema,
+            ns_gram_space=ns_gram_space,
             stacked=stacked,
             eps_form=eps_form,
             adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
@@ -340,7 +257,7 @@ class DistributedMuon(DistOptimizer):
         check_range("weight_decay", group["weight_decay"], 0.0)
         check_range("momentum", group["momentum"], 0.0, 1.0)
         check_range("eps", group["eps"], 0.0, open_low=True)
-        for flag in ("nesterov", "momentum_ema", "stacked"):
+        for flag in ("nesterov", "momentum_ema", "ns_gram_space", "stacked"):
             if not isinstance(group[flag], bool):
                 raise TypeError(f"{flag} must be True or False, got {group[flag]!r}")
         steps = group["ns_steps"]
@@ -437,7 +354,8 @@ class DistributedMuon(DistOptimizer):
                 m, n = _matrix_shape(shape, groups[p])
                 counts.append(len(_matrix_boxes(shape, groups[p])))
                 group = groups[p]
-                flops = newton_schulz_flops(m, n, len(_schedule(group)), group["ns_dtype"] or p.dtype)
+                dtype = group["ns_dtype"] or p.dtype
+                flops = newton_schulz_flops(m, n, len(_schedule(group)), dtype, group["ns_gram_space"])
                 costs += [flops] * counts[-1]
             owners = assign_owners(costs, self._work_size(wg))
             start = 0
@@ -573,10 +491,10 @@ class DistributedMuon(DistOptimizer):
         """X of ``c``: a whole parameter's C, or with ``stacked`` a slice of one or all its
         slices (each its own matrix), in ``c``'s shape."""
         shape = tuple(c.shape)
-        coeffs, eps, form, dtype = _schedule(group), group["eps"], group["eps_form"], group["ns_dtype"]
+        options = (_schedule(group), group["eps"], group["eps_form"], group["ns_dtype"], group["ns_gram_space"])
         if not _is_stacked(shape, group):
-            return newton_schulz(c.reshape(shape[0], -1), coeffs, eps, form, dtype).reshape(shape)
-        return torch.stack([newton_schulz(s.reshape(shape[1], -1), coeffs, eps, form, dtype) for s in c]).reshape(shape)
+            return newton_schulz(c.reshape(shape[0], -1), *options).reshape(shape)
+        return torch.stack([newton_schulz(s.reshape(shape[1], -1), *options) for s in c]).reshape(shape)
 
     # ---- the auxiliary AdamW ------------------------------------------------------------------
     def _adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

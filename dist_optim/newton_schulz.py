@@ -1,0 +1,177 @@
+"""Muon's Newton-Schulz orthogonalization (K. Jordan et al., 2024, "Muon: An optimizer for hidden
+layers in neural networks", kellerjordan.github.io/posts/muon) on one local matrix, and its cost as
+torch's ``FlopCounterMode`` counts it (the owners' cost model, :mod:`dist_optim.muon`).
+
+Deviations from the formula as written, fp32/fp64 only (:data:`REORDERED_DTYPES`): every product
+known to be symmetric is computed one off-diagonal block at a time
+(:func:`~dist_optim.structured.symmetric_product`); and, opt-in (``gram_space=True``,
+``DistributedMuon(ns_gram_space=True)``), a wide matrix iterates in Gram space
+(:func:`newton_schulz_gram_space`), which is faster but less accurate on rank-deficient and
+ill-conditioned inputs (measured in its docstring). bfloat16/float16 iterations keep the
+formula's order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from .structured import symmetric_product
+
+__all__ = [
+    "Coefficients",
+    "GRAM_SPACE_RATIO",
+    "REORDERED_DTYPES",
+    "SYMMETRIC_MIN_SIZE",
+    "newton_schulz",
+    "newton_schulz_gram_space",
+    "newton_schulz_flops",
+    "symmetric_product_flops",
+    "takes_gram_space",
+]
+
+Coefficients = tuple[float, float, float]
+
+#: With ``gram_space=True``, a wide ``m x n`` matrix (``n >= GRAM_SPACE_RATIO * m``) iterates in
+#: Gram space. Counting every symmetric product at 3/4 of a general one (one halving), five
+#: iterations of the formula cost ``17.5 m^2 n + 7.5 m^3`` multiply-adds x2 and Gram space
+#: ``3.5 m^2 n + 25.5 m^3``: they cross at ``n = 1.3 m``; 2 leaves a margin (Llama's shapes are
+#: square or at least 2.7 wide).
+GRAM_SPACE_RATIO = 2.0
+#: Only fp32/fp64 iterations are reordered (symmetric products, Gram space): in bfloat16
+#: (torch.optim.Muon's and KellerJordan's iteration dtype) the formula's own order is kept, so
+#: conversions from them compute exactly what they do.
+REORDERED_DTYPES = (torch.float32, torch.float64)
+#: Diagonal blocks of a symmetric product halve down to this size (Muon's products are one-off,
+#: unlike Kron's, so its own measured value): NS time at 512 x 512 / 512 x 1376 / 1024 x 1024 on
+#: the 2-core CPU, one thread, vs plain ``mm``: 0.93 / 0.87 / 0.82 at 256, 0.87 / 0.81 / 0.79 at
+#: 128, 0.89 / 0.82 / 0.78 at 64; with two threads within run-to-run noise at every size.
+SYMMETRIC_MIN_SIZE = 128
+
+
+def takes_gram_space(rows: int, cols: int, steps: int, dtype: torch.dtype, gram_space: bool) -> bool:
+    """Whether :func:`newton_schulz` iterates a ``rows x cols`` matrix in Gram space: only when
+    asked, in fp32/fp64, with more than one iteration and ``max >= GRAM_SPACE_RATIO * min``."""
+    m, n = min(rows, cols), max(rows, cols)
+    return gram_space and dtype in REORDERED_DTYPES and steps > 1 and n >= GRAM_SPACE_RATIO * m
+
+
+def newton_schulz(
+    c: torch.Tensor,
+    coefficients: Sequence[Coefficients],
+    eps: float,
+    eps_form: str = "max",
+    dtype: torch.dtype | None = None,
+    gram_space: bool = False,
+) -> torch.Tensor:
+    """The orthogonalized 2-D ``c``: normalised by its Frobenius norm, then one quintic
+    Newton-Schulz iteration ``X <- a X + (b A + c A A) X`` (``A = X X^T``) per ``(a, b, c)`` in
+    ``coefficients``, on the wide orientation (``X`` transposed when ``m > n``, so that ``A`` is
+    the smaller Gram matrix), in ``dtype`` (default ``c``'s). A new tensor; ``c`` is not changed.
+
+    In fp32/fp64 (:data:`REORDERED_DTYPES`) the symmetric products ``A = X X^T`` and ``A A`` are
+    computed one off-diagonal block at a time (:func:`~dist_optim.structured.symmetric_product`):
+    the formula in exact arithmetic, and as accurate in rounding: tests/unit/test_muon.py asserts
+    that one fp32 step lands within 2x the plain formula's own fp32 distance to the formula run in
+    float64, on 512-1536 wide gradients of rank 8, with singular values log-spaced over 1..1e-6, and
+    Gaussian (measured 0.94-1.28x by ``bench/ns_accuracy.py``, up to 2048 x 5504). With
+    ``gram_space=True`` a wide matrix (:func:`takes_gram_space`) iterates in Gram space instead
+    (:func:`newton_schulz_gram_space`, its accuracy there). In bfloat16/float16 the formula is
+    computed in its own order."""
+    x = c.to(dtype) if dtype is not None else c
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    norm = x.norm()
+    x = x / (norm.clamp(min=eps) if eps_form == "max" else norm + eps)
+    if x.dtype not in REORDERED_DTYPES:
+        for a, b, cc in coefficients:
+            gram = x @ x.T
+            # b A + c A A and a X + B X in one kernel each, as torch.optim.Muon computes them.
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=cc)
+            x = torch.addmm(x, poly, x, beta=a)
+    elif takes_gram_space(x.size(0), x.size(1), len(coefficients), x.dtype, gram_space):
+        x = newton_schulz_gram_space(x, coefficients)
+    else:
+        for a, b, cc in coefficients:
+            gram = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
+            poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE).mul_(cc).add_(gram, alpha=b)
+            x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficients]) -> torch.Tensor:
+    """The iterations of :func:`newton_schulz` on a normalised wide ``x`` (``m x n``, ``n >= 2m``),
+    computed in ``m x m`` space: opt-in (``DistributedMuon(ns_gram_space=True)``), since it is
+    less accurate than the formula on rank-deficient and ill-conditioned momenta.
+
+    Every ``P_k = a I + b A_k + c A_k^2`` is a polynomial in ``A_0 = X_0 X_0^T``, so they commute:
+    ``X_k = P_k ... P_1 X_0`` and ``A_{k+1} = P_k A_k P_k^T = P_k^2 A_k``. One Gram product and one
+    final ``Q X_0`` cost ``4 m^2 n`` flops, the ``m x m`` products ``(8k - 6) m^3``; the formula as
+    written costs ``k (4 m^2 n + 2 m^3)``: 0.70x at ``n = 2.7 m`` (a Llama MLP) with 5 iterations.
+    Every ``m x m`` product here is of commuting symmetric matrices, hence symmetric, and is
+    computed as one (:func:`~dist_optim.structured.symmetric_product`), as is ``A_0``.
+
+    Equal in exact arithmetic, not in rounding: the formula recomputes ``A`` from ``X`` every
+    iteration, while here the rounding of ``A_0`` (of relative size eps, squared condition number)
+    is carried and multiplied by about ``a^2`` per iteration in the directions ``X_0`` lacks.
+    Measured in fp32 with 5 default iterations (``bench/ns_accuracy.py``, 512 x 1376 to 2048 x
+    5504), max ``|x - ref| / max |ref|`` against the formula run in float64: 4.2e-3 to 8.1e-3 on
+    gradients of rank 8 (12-250x the plain formula's own fp32 error, 123-250x up to 1024 x 2752),
+    1.7e-4 to 4.4e-4 with singular values log-spaced over 1..1e-6 (1.0-49x), 0.96-1.03x on
+    Gaussian matrices. Restarting from ``X`` (``X_k = Q X_0`` and a fresh ``A``) after iterations 2
+    and 4, or after 3, still measured up to 2.8x / 2.9x on rank 8 and 2.5x / 2.8x log-spaced, for
+    0.85x / 0.78x the formula's unblocked flops at ``n = 2.7 m``, so no restart is offered."""
+    a_mat = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
+    q: torch.Tensor | None = None
+    last = len(coefficients) - 1
+    for k, (a, b, cc) in enumerate(coefficients):
+        poly = symmetric_product(a_mat, a_mat, SYMMETRIC_MIN_SIZE).mul_(cc).add_(a_mat, alpha=b)
+        poly.diagonal().add_(a)
+        q = poly if q is None else symmetric_product(poly, q, SYMMETRIC_MIN_SIZE)
+        if k < last:
+            a_mat = symmetric_product(poly, symmetric_product(poly, a_mat, SYMMETRIC_MIN_SIZE), SYMMETRIC_MIN_SIZE)
+    assert q is not None
+    return q @ x
+
+
+@functools.lru_cache(maxsize=4096)
+def symmetric_product_flops(size: int, min_size: int) -> int:
+    """The flops ``FlopCounterMode`` counts for ``symmetric_product(a, b, min_size)`` with ``a`` of
+    shape ``size x k``, per unit of ``k`` (multiply by ``k``): the recursion of
+    :func:`~dist_optim.structured.symmetric_product`, ``T(s) = 2 s^2`` at or below ``min_size``,
+    else ``T(h) + T(s - h) + 2 h (s - h)`` with ``h = s // 2``. The fraction ``T(s) / 2 s^2`` of an
+    unblocked ``mm`` is 1 up to ``min_size``, then 3/4, 5/8, 9/16, ... per doubling, tending to 1/2."""
+    if size <= min_size:
+        return 2 * size * size
+    h = size // 2
+    return symmetric_product_flops(h, min_size) + symmetric_product_flops(size - h, min_size) + 2 * h * (size - h)
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int, dtype: torch.dtype, gram_space: bool = False) -> float:
+    """The floating-point operations of :func:`newton_schulz` on a ``rows x cols`` matrix with
+    ``steps`` iterations in ``dtype``, exactly as torch's ``FlopCounterMode`` counts them (2 per
+    multiply-add of every matrix product) on the path it takes: the owners' cost model
+    (:func:`dist_optim.work.assign_owners`), so owners balance the work that runs.
+
+    With ``m <= n`` the sides and ``T = symmetric_product_flops(m, SYMMETRIC_MIN_SIZE)`` (``2 m^2``
+    unblocked, ``f 2 m^2`` blocked, ``f`` = 5/8 at ``m = 512``, 9/16 at 1024):
+
+    * bfloat16/float16 (plain products): ``steps (4 m^2 n + 2 m^3)``;
+    * fp32/fp64, the formula with blocked symmetric products ``A = X X^T`` (``n T``) and ``A A``
+      (``m T``) and the general ``P X`` (``2 m^2 n``): ``steps (n T + m T + 2 m^2 n)``, i.e.
+      ``(1 + f) / 2`` of the unblocked ``4 m^2 n`` and ``f`` of ``2 m^3``: the blocking runs
+      0.75x the unblocked count at 512 x 512, 0.78x at 512 x 1376, 0.75x at 1024 x 2752;
+    * Gram space (:func:`takes_gram_space`): ``A_0`` (``n T``), the final ``Q X_0`` (``2 m^2 n``)
+      and ``4 steps - 3`` symmetric ``m x m`` products: ``n T + 2 m^2 n + (4 steps - 3) m T``
+      (unblocked: ``4 m^2 n + (8 steps - 6) m^3``; blocked, 5 iterations: 0.60x the formula's
+      count at 512 x 1376, 0.58x at 1024 x 2752)."""
+    m, n = min(rows, cols), max(rows, cols)
+    if dtype not in REORDERED_DTYPES:
+        return steps * (4.0 * m * m * n + 2.0 * float(m) ** 3)
+    t = float(symmetric_product_flops(m, SYMMETRIC_MIN_SIZE))
+    if takes_gram_space(rows, cols, steps, dtype, gram_space):
+        return n * t + 2.0 * m * m * n + (4 * steps - 3) * m * t
+    return steps * (n * t + m * t + 2.0 * m * m * n)
