@@ -56,7 +56,19 @@ __all__ = [
     "group_rank",
     "widest_dtype",
     "collectives_through",
+    "COMMUNICATION_DTYPES",
+    "check_communication_dtype",
 ]
+
+#: The dtypes an optimizer's ``communication_dtype`` may name; None: the widest dtype of the
+#: tensors sent (:func:`widest_dtype`), i.e. exact.
+COMMUNICATION_DTYPES: tuple[torch.dtype | None, ...] = (
+    None,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+)
 
 #: Number of collectives issued since the last :func:`reset_counts`, by operation name.
 COUNTS: collections.Counter[str] = collections.Counter()
@@ -67,6 +79,16 @@ def widest_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     them): the default communication dtype of a bucket, so that no tensor is rounded through a
     narrower neighbour's dtype. The same on every rank when the ranks bucket the same tensors."""
     return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+
+
+def check_communication_dtype(value: Any, allowed: Sequence[torch.dtype | None] = COMMUNICATION_DTYPES) -> None:
+    """The one check of every optimizer's ``communication_dtype`` option: a ValueError naming the
+    value and what is accepted unless ``value`` is in ``allowed`` (default
+    :data:`COMMUNICATION_DTYPES`; an optimizer that rounds its shared results in that dtype passes
+    the narrower set it supports)."""
+    if not any(value is a or (a is not None and value == a) for a in allowed):
+        names = ", ".join("None (the widest dtype of the tensors sent)" if a is None else str(a) for a in allowed)
+        raise ValueError(f"communication_dtype must be one of {names}; got {value!r}")
 
 
 @contextlib.contextmanager

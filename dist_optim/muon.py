@@ -78,7 +78,8 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from .base import DistOptimizer, check_range
-from .comm import gather_full, group_rank, ordered_groups, widest_dtype
+from .comm import check_communication_dtype, gather_full, group_rank, ordered_groups, widest_dtype
+from .fused_adam import fused_applies
 from .layout import ParamLayout
 from .newton_schulz import Coefficients, newton_schulz, newton_schulz_flops
 from .owners import data_group, from_owners, grid_or_data_group, plan_routes, split_size, to_owners, work_grids
@@ -91,7 +92,6 @@ __all__ = ["DistributedMuon", "muon_param_groups", "newton_schulz", "newton_schu
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 EPS_FORMS = ("max", "add")
-_FUSED_ADAMW = hasattr(torch, "_fused_adamw_")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -209,13 +209,7 @@ class DistributedMuon(DistOptimizer):
         adamw_eps: float = 1e-10,
         nonfinite: str = "raise",
     ) -> None:
-        if communication_dtype is not None and (
-            not isinstance(communication_dtype, torch.dtype) or not communication_dtype.is_floating_point
-        ):
-            raise ValueError(
-                f"communication_dtype must be None or a floating torch.dtype (e.g. torch.bfloat16), "
-                f"got {communication_dtype!r}"
-            )
+        check_communication_dtype(communication_dtype)
         self.communication_dtype = communication_dtype
         defaults = dict(
             lr=lr,
@@ -515,7 +509,8 @@ class DistributedMuon(DistOptimizer):
             [],
             [st["step"] for st in states],
             foreach=False,
-            fused=_fused_applies(tensors),
+            # None lets torch choose its per-tensor path where the kernel does not apply.
+            fused=True if fused_applies(*tensors) else None,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
@@ -534,24 +529,6 @@ class DistributedMuon(DistOptimizer):
         """This rank's rank in ``param``'s work group (0 when it has one rank)."""
         wg = self._ensure_plans()[param][0]
         return group_rank(wg) if self._work_size(wg) > 1 else 0
-
-
-def _fused_applies(tensors: Sequence[torch.Tensor]) -> bool | None:
-    """Torch's fused AdamW kernel reads dense memory of one dtype per parameter on the CPU or a
-    CUDA device (and on meta tensors, where it has a meta kernel: the planner then takes the
-    path a GPU takes); elsewhere the per-tensor path (the same update) runs."""
-    ok = (
-        _FUSED_ADAMW
-        and bool(tensors)
-        and all(
-            t.device.type in ("cpu", "cuda", "meta")
-            and t.dtype.is_floating_point
-            and t.is_contiguous()
-            and t.dtype == tensors[0].dtype
-            for t in tensors
-        )
-    )
-    return True if ok else None
 
 
 def _momentum_direction(states: Any, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:

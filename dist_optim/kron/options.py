@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..base import check_range
+from ..comm import COMMUNICATION_DTYPES, check_communication_dtype
 
 __all__ = [
     "MEMORY_SAVE_MODES",
@@ -31,7 +32,7 @@ __all__ = [
 MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
 PROBE_RNGS = ("sequential", "per_parameter")
 #: ``communication_dtype``: None (the widest of the tensors sent) or one of these.
-COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
+COMM_DTYPES = COMMUNICATION_DTYPES
 
 
 def group_defaults(
@@ -76,8 +77,7 @@ def check_optimizer_options(seed: Any, communication_dtype: Any, probe_rng: Any)
         raise ValueError(f"probe_rng must be one of {PROBE_RNGS}, got {probe_rng!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    if communication_dtype not in COMM_DTYPES:
-        raise ValueError(f"communication_dtype must be None or a float dtype, got {communication_dtype!r}")
+    check_communication_dtype(communication_dtype, COMM_DTYPES)
 
 
 def validate_options(group: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from .. import matrix_functions
 from ..base import check_range
+from ..comm import check_communication_dtype
 
 __all__ = [
     "SGDGraftingConfig",
@@ -167,8 +168,8 @@ def start_step(group: dict[str, Any]) -> int:
 
 def check_communication(communication_dtype: Any, max_gather_bytes: Any) -> None:
     """The optimizer-wide options (not per group)."""
-    if communication_dtype not in COMM_DTYPES:
-        raise ValueError(f"communication_dtype must be one of {COMM_DTYPES}, got {communication_dtype!r}")
+    # Not None: owners round their shared results in this dtype, so it must name one.
+    check_communication_dtype(communication_dtype, COMM_DTYPES)
     if max_gather_bytes is not None:
         check_int("max_gather_bytes", max_gather_bytes, 1)
 

@@ -7,8 +7,10 @@ must be exactly the :class:`~dist_optim.base.DistOptimizer` classes ``dist_optim
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
+import torch
 
 import dist_optim
 from dist_optim.base import DistOptimizer
@@ -62,3 +64,12 @@ def _lists() -> dict[str, set[str]]:
 def test_every_optimizer_is_in_every_list(where: str) -> None:
     missing = sorted(set(OURS) - _lists()[where])
     assert not missing, f"{where} lacks {missing} (CONTRIBUTING.md, 'Adding an optimizer')"
+
+
+@pytest.mark.parametrize("cls", [dist_optim.DistributedShampoo, dist_optim.DistributedKron, dist_optim.DistributedMuon])
+@pytest.mark.parametrize("bad", ["bf16", torch.int8, 16])
+def test_communication_dtype_has_one_rule(cls: type, bad: object) -> None:
+    """Every optimizer with a ``communication_dtype`` refuses a bad one through the one check
+    (``dist_optim.comm.check_communication_dtype``), with its one message."""
+    with pytest.raises(ValueError, match=r"^communication_dtype must be one of .*; got " + re.escape(repr(bad)) + "$"):
+        cls([torch.nn.Parameter(torch.zeros(4, 3))], lr=1e-3, communication_dtype=bad)
