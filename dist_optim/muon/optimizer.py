@@ -1,92 +1,24 @@
-"""Muon: momentum orthogonalized by Newton-Schulz (K. Jordan et al., 2024, "Muon: An optimizer for
-hidden layers in neural networks", kellerjordan.github.io/posts/muon; scaled up in J. Liu et al.,
-2025, "Muon is Scalable for LLM Training", arXiv:2502.16982), with an AdamW for the parameters that
-are not hidden matrices, in one optimizer.
-
-For a matrix ``W`` of shape ``m x n`` (a parameter with more dims is seen as
-``shape[0] x prod(shape[1:])``, e.g. a conv weight, or with ``stacked=True`` as ``shape[0]``
-matrices ``shape[1] x prod(shape[2:])``: experts or heads stored in one tensor) with gradient
-``G`` (``t`` = 1-based step)::
-
-    B <- momentum * B + G                       (momentum_ema: B <- lerp(B, G, 1 - momentum))
-    C  = G + momentum * B if nesterov else B    (momentum_ema: C = lerp(G, B, momentum))
-    X  = C / max(||C||_F, eps)                  (eps_form="add": C / (||C||_F + eps)), transposed if m > n
-    ns_steps times (or once per triple of a coefficient schedule):
-        A = X X^T;  X <- a X + (b A + c A A) X
-    X transposed back
-    W <- W (1 - lr * weight_decay)
-    W <- W - lr' X,   lr' = lr * sqrt(max(1, m / n))       (adjust_lr_fn None / "original")
-                      lr' = 0.2 * lr * sqrt(max(m, n))     ("match_rms_adamw", Liu et al.)
-
-The iteration runs in ``ns_dtype`` (default: the parameter's dtype), in fp32/fp64 with its
-symmetric products computed blockwise, and with ``ns_gram_space=True`` for wide matrices in Gram
-space (faster, less accurate: :mod:`dist_optim.newton_schulz`). The defaults and the sum form
-of the momentum are ``torch.optim.Muon``'s documented algorithm. Two variants exist for exact
-conversions (:func:`dist_optim.convert`):
-
-* ``momentum_ema=True``: the momentum as an exponential moving average, as KellerJordan's ``muon``
-  package and torch's implementation (torch >= 2.9) compute it (their documentation states the
-  sum). ``C`` is then ``(1 - momentum)`` times the sum form's, so the update is the same up to
-  ``eps`` (the normalisation removes the scale); the state differs by that factor.
-* ``eps_form="add"``: KellerJordan's normalisation ``C / (||C|| + eps)``.
-
-Parameter groups with ``use_muon=False`` get AdamW (decoupled weight decay, bias-corrected,
-``adamw_betas``, ``adamw_eps``, the group's own ``lr`` and ``weight_decay``; torch's fused kernel
-where it applies), as KellerJordan's ``MuonWithAuxAdam``. :func:`muon_param_groups` builds the
-usual split from a model. A parameter with fewer than 2 dims in a Muon group is a ``ValueError``
-(raised when the optimizer is bound or first steps: under ZeRO the optimizer's parameters are flat
-chunks, so only their layouts tell their shapes).
-
-Deviations: a parameter without a gradient is skipped (torch's behaviour; KellerJordan's packages
-step it with a zero gradient, decaying its momentum and weights); a NaN/Inf gradient raises or
-skips the step under the ``nonfinite`` policy shared by every dist_optim optimizer
-(:class:`~dist_optim.base.DistOptimizer`).
-
-Distribution (TP slices, ZeRO chunks, data-parallel replicas): the momentum and ``C`` are element-
-wise, so every rank keeps the momentum of the elements it holds (no full-size state anywhere) and
-computes its part of ``C``. Each matrix (a parameter: its full tensor, whatever TP split it or ZeRO
-cut it) has one *owner* rank in its work group, the TP x data-parallel grid of the ranks that hold
-pieces of it (:mod:`dist_optim.owners`), chosen by the iteration's cost (:func:`newton_schulz_flops`)
-(:func:`dist_optim.work.assign_owners`). Every rank sends its pieces of ``C`` straight to the
-matrix's owner (each slice's owner with ``stacked``), the owner runs the iteration on the whole
-matrix, and sends the pieces of ``X`` back to every rank that holds them (:func:`owners.to_owners`
-/ :func:`owners.from_owners`: one ``all_to_all`` per work group and direction for all matrices of a
-step, in ``communication_dtype``, default the parameters' dtype). Each rank then updates its own
-elements. A step issues these two collectives per work group plus the NaN/Inf check's flag all-
-reduce: 3 with one work group. The matrix orthogonalized is the single-device run's, so the result
-is the single-device result (fp32 communication: the same bits up to the iteration's own rounding,
-which is the same computation on the same matrix). AdamW groups are element-wise and need no
-communication.
-
-What is one matrix: the single-device run's parameter. A TP layout that interleaves a fused QKV
-weight (each rank holding its q, k and v rows) assembles a row permutation of it, and Newton-Schulz
-commutes with permutations of rows and columns (``f(P X Q) = P f(X) Q`` for the iteration, the
-norm and the shape), so the result is the single-device one. Pipeline stages own their matrices
-(each stage's data-parallel groups and grids are its work groups); MoE experts are split over
-their expert data-parallel group, the group that shards them. Experts or heads stacked in one
-tensor: ``stacked=True``.
-"""
+"""The Muon optimizer class: the per-step coordination of momenta, owners and the auxiliary AdamW
+(the package docstring, :mod:`dist_optim.muon`, states the algorithm and its distribution)."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from .base import DistOptimizer, check_range
-from .comm import check_communication_dtype, gather_full, group_rank, ordered_groups, widest_dtype
-from .fused_adam import fused_applies
-from .layout import ParamLayout
-from .newton_schulz import Coefficients, newton_schulz, newton_schulz_flops
-from .owners import data_group, from_owners, grid_or_data_group, plan_routes, split_size, to_owners, work_grids
-from .registry import Conversion, PlanEntry, register, register_plan
-from .work import Route, assign_owners
+from ..base import DistOptimizer, check_range
+from ..comm import check_communication_dtype, gather_full, group_rank, ordered_groups, widest_dtype
+from ..fused_adam import fused_applies
+from ..layout import ParamLayout
+from ..newton_schulz import Coefficients, newton_schulz, newton_schulz_flops
+from ..owners import data_group, from_owners, grid_or_data_group, plan_routes, split_size, to_owners, work_grids
+from ..work import Route, assign_owners
 
-__all__ = ["DistributedMuon", "muon_param_groups", "newton_schulz", "newton_schulz_flops", "adjusted_lr"]
+__all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
 
 #: Newton-Schulz coefficients of Jordan et al. (torch.optim.Muon's defaults).
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
@@ -558,168 +490,5 @@ def _apply(p: torch.Tensor, update: torch.Tensor, layout: ParamLayout, group: di
     p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m, n))
 
 
-# ---- the usual split of a model -------------------------------------------------------------------
-#: Last module-name components taken for the output head (AdamW in :func:`muon_param_groups`).
-DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "classifier", "score")
-
-
-def muon_param_groups(
-    model: torch.nn.Module,
-    *,
-    head_names: Iterable[str] = DEFAULT_HEAD_NAMES,
-    adamw_lr: float | None = None,
-    adamw_weight_decay: float | None = None,
-    **muon_options: Any,
-) -> list[dict[str, Any]]:
-    """Parameter groups for :class:`DistributedMuon` from a model: hidden matrices (2-D weights,
-    and conv weights, which Muon sees as ``out x (in * kernel)``) in a Muon group; embeddings
-    (every parameter of an ``nn.Embedding`` and any parameter tied to one), the output head (a
-    module whose last name component is in ``head_names``, or matching one as a regular
-    expression) and everything with fewer than 2 dims (norms, biases) in a ``use_muon=False``
-    (AdamW) group, with ``adamw_lr`` / ``adamw_weight_decay`` where given. ``muon_options`` go into
-    the Muon group (e.g. ``lr``). Each group names its parameters (``param_names``). Empty groups
-    are dropped. Use it before the model is sharded (as the optimizer is built in ColossalAI)."""
-    heads = [re.compile(f"^{h}$") for h in head_names]
-    embedding_params = {
-        id(p) for module in model.modules() if isinstance(module, torch.nn.Embedding) for p in module.parameters()
-    }
-    muon: list[tuple[str, torch.nn.Parameter]] = []
-    adamw: list[tuple[str, torch.nn.Parameter]] = []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        module_name = name.rpartition(".")[0]
-        leaf_module = module_name.rpartition(".")[2]
-        aux = param.dim() < 2 or id(param) in embedding_params or any(h.match(leaf_module) for h in heads)
-        (adamw if aux else muon).append((name, param))
-    adamw_group: dict[str, Any] = {"use_muon": False}
-    if adamw_lr is not None:
-        adamw_group["lr"] = adamw_lr
-    if adamw_weight_decay is not None:
-        adamw_group["weight_decay"] = adamw_weight_decay
-    groups = [
-        {"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True, **muon_options},
-        {"params": [p for _, p in adamw], "param_names": [n for n, _ in adamw], **adamw_group},
-    ]
-    return [g for g in groups if g["params"]]
-
-
-# ---- conversions from the Muon classes users have ---------------------------------------------------
-def _muon_state(state: Any) -> dict[str, Any]:
-    """A Muon parameter's state (momentum_buffer, the EMA form in both sources) or an auxiliary
-    Adam parameter's (exp_avg, exp_avg_sq, an integer step in KellerJordan's)."""
-    out: dict[str, Any] = {}
-    if "momentum_buffer" in state:
-        out["momentum_buffer"] = state["momentum_buffer"]
-    if "exp_avg" in state:
-        out["exp_avg"] = state["exp_avg"]
-        out["exp_avg_sq"] = state["exp_avg_sq"]
-        out["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-    return out
-
-
-def _torch_muon(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
-    # torch >= 2.9 documents B <- momentum B + G but computes the EMA (buf.lerp_(grad, 1 - momentum),
-    # update = grad.lerp(buf, momentum)), divides by norm.clamp(min=eps) and iterates in bfloat16.
-    return dict(
-        lr=g["lr"],
-        weight_decay=g["weight_decay"],
-        momentum=g["momentum"],
-        nesterov=bool(g["nesterov"]),
-        ns_coefficients=tuple(g["ns_coefficients"]),
-        eps=g["eps"],
-        ns_steps=g["ns_steps"],
-        adjust_lr_fn=g["adjust_lr_fn"],
-        ns_dtype=torch.bfloat16,
-        momentum_ema=True,
-        eps_form="max",
-        use_muon=True,
-    )
-
-
-def _keller_jordan_muon_group(g: Any, name: str) -> dict[str, Any]:
-    for p in g.get("params", ()):
-        if p.dim() != 2:
-            raise ValueError(
-                f"convert: muon.{name} holds a parameter of shape {tuple(p.shape)}; KellerJordan's Muon flattens 4-D "
-                "weights but scales their update by the kernel's dims, and batches 3-D ones over their first dim, "
-                "which DistributedMuon does not reproduce: convert with 2-D parameters only, or build "
-                "DistributedMuon(dist_optim.muon_param_groups(model)) directly"
-            )
-    return dict(
-        lr=g.get("lr", 0.02),
-        weight_decay=g.get("weight_decay", 0.0),
-        momentum=g.get("momentum", 0.95),
-        nesterov=True,
-        ns_coefficients=DEFAULT_NS_COEFFICIENTS,
-        eps=1e-7,
-        ns_steps=5,
-        adjust_lr_fn="original",
-        ns_dtype=torch.bfloat16,
-        momentum_ema=True,
-        eps_form="add",
-        use_muon=True,
-    )
-
-
-def _keller_jordan_muon(name: str) -> Callable[[torch.optim.Optimizer, Any], dict[str, Any]]:
-    def options(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
-        return _keller_jordan_muon_group(g, name)
-
-    return options
-
-
-def _keller_jordan_aux(name: str) -> Callable[[torch.optim.Optimizer, Any], dict[str, Any]]:
-    def options(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
-        if "use_muon" not in g:
-            raise KeyError("use_muon")  # the empty defaults of these classes: no options to take
-        if g["use_muon"]:
-            return _keller_jordan_muon_group(g, name)
-        return dict(
-            lr=g["lr"],
-            weight_decay=g["weight_decay"],
-            adamw_betas=tuple(g["betas"]),
-            adamw_eps=g["eps"],
-            use_muon=False,
-        )
-
-    return options
-
-
-_TORCH_MUON_READS = frozenset(
-    {"lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"}
-)
-# torch.optim.Muon's class reports the module torch.optim (torch >= 2.9); the file is torch/optim/_muon.py.
-for _path in ("torch.optim.Muon", "torch.optim._muon.Muon"):
-    register(
-        Conversion(
-            _path,
-            DistributedMuon,
-            _torch_muon,
-            _TORCH_MUON_READS,
-            state=_muon_state,
-        )
-    )
-# KellerJordan's package (github.com/KellerJordan/Muon, module ``muon``; PyPI's ``muon`` is unrelated).
-for _name in ("Muon", "SingleDeviceMuon"):
-    register(
-        Conversion(
-            f"muon.{_name}",
-            DistributedMuon,
-            _keller_jordan_muon(_name),
-            frozenset({"lr", "weight_decay", "momentum"}),
-            state=_muon_state,
-        )
-    )
-for _name in ("MuonWithAuxAdam", "SingleDeviceMuonWithAuxAdam"):
-    register(
-        Conversion(
-            f"muon.{_name}",
-            DistributedMuon,
-            _keller_jordan_aux(_name),
-            frozenset({"lr", "weight_decay", "momentum", "use_muon", "betas", "eps"}),
-            state=_muon_state,
-        )
-    )
-
-register_plan(PlanEntry("muon", DistributedMuon, group_builder=("muon_param_groups", {})))
+# Saved state dicts and checkpoints name the class by this path (base.class_path).
+DistributedMuon.__module__ = "dist_optim.muon"
