@@ -40,6 +40,8 @@ __all__ = [
     "check_adam_options",
     "check_nonfinite_policy",
     "class_path",
+    "colossal_layouts",
+    "check_state_dict",
 ]
 
 #: What a step does with a NaN/Inf gradient (see :meth:`DistOptimizer._gradients_ok`).
@@ -105,6 +107,70 @@ def check_adam_options(**options: Any) -> None:
         check_range("eps", options["eps"], 0.0)
     if "weight_decay" in options:
         check_range("weight_decay", options["weight_decay"], 0.0)
+
+
+def colossal_layouts(
+    params: list[torch.Tensor],
+    tp_group: Any,
+    dp_group: Any,
+    shard_to_working_param: Mapping[int, torch.Tensor] | None,
+    padding_map: Mapping[int, int] | None,
+    is_zero: bool,
+    master_to_working: Mapping[int, torch.Tensor] | None,
+    zero_group_of: Callable[[torch.Tensor], Any] | None,
+) -> tuple[dict[torch.Tensor, ParamLayout], bool]:
+    """The layouts of ``params`` from ColossalAI's ``setup_distributed`` arguments (see
+    :meth:`DistOptimizer.setup_distributed`), and whether any parameter carries a TP split; a
+    ValueError naming the parameter and the fix where the arguments do not describe them."""
+    tp_size = group_size(tp_group) if tp_group is not None else 1
+    shard_to_working_param = shard_to_working_param or {}
+    padding_map = padding_map or {}
+    if is_zero and dp_group is None and zero_group_of is None:
+        raise ValueError("setup_distributed: is_zero=True needs the ZeRO group as dp_group")
+    layouts: dict[torch.Tensor, ParamLayout] = {}
+    saw_tp = False
+    for i, p in enumerate(params):
+        if is_zero:
+            working = shard_to_working_param.get(id(p))
+            if working is None:
+                raise ValueError(
+                    f"setup_distributed: parameter #{i} (a ZeRO shard of {p.numel()} elements) is missing "
+                    "from shard_to_working_param; pass the ZeRO optimizer's get_master_to_working_map()"
+                )
+        else:
+            working = (master_to_working or {}).get(id(p), shard_to_working_param.get(id(p), p))
+        tp = None
+        tp_dim = read_tp_dim(working) if tp_size > 1 else None
+        full_shape = list(working.shape)
+        if tp_dim is not None:
+            saw_tp = True
+            tp_dim %= working.dim()
+            full_shape[tp_dim] *= tp_size
+            tp = TPSplit(tp_dim, tp_size, group_rank(tp_group), tp_group)
+        zero = None
+        if is_zero:
+            zgroup = zero_group_of(working) if zero_group_of is not None else dp_group
+            zsize = group_size(zgroup)
+            if id(working) not in padding_map:
+                raise ValueError(
+                    f"setup_distributed: parameter #{i}'s working param is missing from padding_map; "
+                    "pass the ZeRO optimizer's get_param_padding_map()"
+                )
+            padding = int(padding_map[id(working)])
+            if p.numel() * zsize != working.numel() + padding:
+                raise ValueError(
+                    f"setup_distributed: parameter #{i} is a chunk of {p.numel()} elements of a working param "
+                    f"of {working.numel()} (+{padding} padding), which does not match a ZeRO group of size "
+                    f"{zsize}; pass the group that really sharded it (zero_group_of=...)"
+                )
+            zero = ZeroShard(zsize, group_rank(zgroup), padding, zgroup)
+        elif p.shape != working.shape:
+            raise ValueError(
+                f"setup_distributed: parameter #{i} has shape {tuple(p.shape)} but its working param has "
+                f"{tuple(working.shape)}; with ZeRO pass is_zero=True"
+            )
+        layouts[p] = ParamLayout(tuple(full_shape), tp, zero)
+    return layouts, saw_tp
 
 
 class DistOptimizer(torch.optim.Optimizer):
@@ -253,53 +319,10 @@ class DistOptimizer(torch.optim.Optimizer):
             # its dp group even when ZeRO ran over dp x sp).
             return
         tp_size = group_size(tp_group) if tp_group is not None else 1
-        shard_to_working_param = shard_to_working_param or {}
-        padding_map = padding_map or {}
-        if is_zero and dp_group is None and zero_group_of is None:
-            raise ValueError("setup_distributed: is_zero=True needs the ZeRO group as dp_group")
-        layouts: dict[torch.Tensor, ParamLayout] = {}
-        saw_tp = False
-        for i, p in enumerate(self._all_params()):
-            if is_zero:
-                working = shard_to_working_param.get(id(p))
-                if working is None:
-                    raise ValueError(
-                        f"setup_distributed: parameter #{i} (a ZeRO shard of {p.numel()} elements) is missing "
-                        "from shard_to_working_param; pass the ZeRO optimizer's get_master_to_working_map()"
-                    )
-            else:
-                working = (master_to_working or {}).get(id(p), shard_to_working_param.get(id(p), p))
-            tp = None
-            tp_dim = read_tp_dim(working) if tp_size > 1 else None
-            full_shape = list(working.shape)
-            if tp_dim is not None:
-                saw_tp = True
-                tp_dim %= working.dim()
-                full_shape[tp_dim] *= tp_size
-                tp = TPSplit(tp_dim, tp_size, group_rank(tp_group), tp_group)
-            zero = None
-            if is_zero:
-                zgroup = zero_group_of(working) if zero_group_of is not None else dp_group
-                zsize = group_size(zgroup)
-                if id(working) not in padding_map:
-                    raise ValueError(
-                        f"setup_distributed: parameter #{i}'s working param is missing from padding_map; "
-                        "pass the ZeRO optimizer's get_param_padding_map()"
-                    )
-                padding = int(padding_map[id(working)])
-                if p.numel() * zsize != working.numel() + padding:
-                    raise ValueError(
-                        f"setup_distributed: parameter #{i} is a chunk of {p.numel()} elements of a working param "
-                        f"of {working.numel()} (+{padding} padding), which does not match a ZeRO group of size "
-                        f"{zsize}; pass the group that really sharded it (zero_group_of=...)"
-                    )
-                zero = ZeroShard(zsize, group_rank(zgroup), padding, zgroup)
-            elif p.shape != working.shape:
-                raise ValueError(
-                    f"setup_distributed: parameter #{i} has shape {tuple(p.shape)} but its working param has "
-                    f"{tuple(working.shape)}; with ZeRO pass is_zero=True"
-                )
-            layouts[p] = ParamLayout(tuple(full_shape), tp, zero)
+        layouts, saw_tp = colossal_layouts(
+            self._all_params(), tp_group, dp_group, shard_to_working_param, padding_map, is_zero,
+            master_to_working, zero_group_of,
+        )  # fmt: skip
         if tp_size > 1 and not saw_tp and master_to_working is None and not is_zero:
             warnings.warn(
                 f"{type(self).__name__}.setup_distributed: tp_group has {tp_size} ranks but no parameter carries "
@@ -505,7 +528,7 @@ class DistOptimizer(torch.optim.Optimizer):
         """torch's loader, after checking that ``state_dict`` is this optimizer's (a state dict of
         another optimizer is refused before anything changes), keeping the dtype of the entries
         :meth:`keeps_saved_dtype` names, and restoring :meth:`extra_state`."""
-        self._check_state_dict(state_dict)
+        check_state_dict(self, state_dict)
         meta = state_dict.get(STATE_DICT_KEY)
         kept: dict[Any, dict[str, torch.Tensor]] = {}
         states: dict[Any, Any] = {}
@@ -525,36 +548,6 @@ class DistOptimizer(torch.optim.Optimizer):
         if meta is not None:
             self.load_extra_state(meta["extra"])
 
-    def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Refuse, with one line naming the cause, a state dict that is not this optimizer's: one
-        saved from another class, with other groups, or missing options this optimizer needs
-        (torch's loader would replace the groups and fail later, deep inside a step)."""
-        mine = class_path(type(self))
-        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-            raise ValueError(f"{mine}.load_state_dict: expected a dict with 'state' and 'param_groups'")
-        meta = state_dict.get(STATE_DICT_KEY)
-        saved = meta.get("optimizer") if isinstance(meta, Mapping) else None
-        if saved is not None and saved != mine:
-            raise ValueError(
-                f"{mine}.load_state_dict: this state dict was saved by {saved}; load it into a {saved}, or "
-                f"convert the saved optimizer with dist_optim.convert(...) before saving"
-            )
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(
-                f"{mine}.load_state_dict: the state dict has {len(groups)} param groups, this optimizer "
-                f"{len(self.param_groups)}; build the optimizer with the same groups as the saved one"
-            )
-        for i, (saved_group, group) in enumerate(zip(groups, self.param_groups)):
-            missing = sorted(set(self.defaults) - set(saved_group))
-            if missing:
-                origin = f"saved by {saved}" if saved else "not saved by a dist_optim optimizer"
-                raise ValueError(
-                    f"{mine}.load_state_dict: param group {i} of the state dict lacks {', '.join(missing)} "
-                    f"({origin}); load a state dict saved by this optimizer"
-                )
-            self.validate_group({**saved_group, "params": group["params"]})
-
     def extra_state(self) -> dict[str, Any]:
         """Optimizer-level state beyond per-parameter state (the skipped-step counter; subclasses
         add e.g. random generators); saved in checkpoints next to :meth:`full_state`."""
@@ -563,3 +556,35 @@ class DistOptimizer(torch.optim.Optimizer):
     def load_extra_state(self, extra: dict[str, Any]) -> None:
         """Inverse of :meth:`extra_state` (a checkpoint without the counter restores it as 0)."""
         self.skipped_steps = int(extra.get("skipped_steps", 0))
+
+
+def check_state_dict(optimizer: DistOptimizer, state_dict: Mapping[str, Any]) -> None:
+    """Refuse, with one line naming the cause, a state dict that is not ``optimizer``'s (for its
+    :meth:`~DistOptimizer.load_state_dict`): one
+    saved from another class, with other groups, or missing options this optimizer needs
+    (torch's loader would replace the groups and fail later, deep inside a step)."""
+    mine = class_path(type(optimizer))
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError(f"{mine}.load_state_dict: expected a dict with 'state' and 'param_groups'")
+    meta = state_dict.get(STATE_DICT_KEY)
+    saved = meta.get("optimizer") if isinstance(meta, Mapping) else None
+    if saved is not None and saved != mine:
+        raise ValueError(
+            f"{mine}.load_state_dict: this state dict was saved by {saved}; load it into a {saved}, or "
+            f"convert the saved optimizer with dist_optim.convert(...) before saving"
+        )
+    groups = state_dict["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"{mine}.load_state_dict: the state dict has {len(groups)} param groups, this optimizer "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same groups as the saved one"
+        )
+    for i, (saved_group, group) in enumerate(zip(groups, optimizer.param_groups)):
+        missing = sorted(set(optimizer.defaults) - set(saved_group))
+        if missing:
+            origin = f"saved by {saved}" if saved else "not saved by a dist_optim optimizer"
+            raise ValueError(
+                f"{mine}.load_state_dict: param group {i} of the state dict lacks {', '.join(missing)} "
+                f"({origin}); load a state dict saved by this optimizer"
+            )
+        optimizer.validate_group({**saved_group, "params": group["params"]})
