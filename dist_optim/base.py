@@ -528,8 +528,16 @@ class DistOptimizer(torch.optim.Optimizer):
         """torch's loader, after checking that ``state_dict`` is this optimizer's (a state dict of
         another optimizer is refused before anything changes), keeping the dtype of the entries
         :meth:`keeps_saved_dtype` names, and restoring :meth:`extra_state`."""
+        meta = state_dict.get(STATE_DICT_KEY) if isinstance(state_dict, Mapping) else None
+        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+        mine = isinstance(meta, Mapping) and meta.get("optimizer") == class_path(type(self))
+        if mine and isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
+            # Saved by this optimizer before an option was added: the option keeps the value this
+            # optimizer was built with.
+            built = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+            filled = [{**b, **sg} for b, sg in zip(built, saved_groups)]
+            state_dict = {**state_dict, "param_groups": filled}
         check_state_dict(self, state_dict)
-        meta = state_dict.get(STATE_DICT_KEY)
         kept: dict[Any, dict[str, torch.Tensor]] = {}
         states: dict[Any, Any] = {}
         for pid, st in state_dict["state"].items():

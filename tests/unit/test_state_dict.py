@@ -123,3 +123,21 @@ def test_state_kept_wider_than_bf16_params_keeps_its_dtype(case_id: str) -> None
                 assert torch.equal(resumed.state[pb][key], value), f"param {i} {key!r}"
                 wider += value.dtype != torch.bfloat16
     assert wider > 0, "the case keeps no state wider than its bf16 parameters: it tests nothing"
+
+
+def test_an_option_added_since_the_save_keeps_the_built_value() -> None:
+    """A state dict saved by the same optimizer before an option existed (here Muon's ns_gram_space,
+    removed from the saved groups) loads, the option keeping the value the optimizer was built with;
+    one not saved by a dist_optim optimizer is still refused for the missing option."""
+    _, opt = _trained("muon")
+    saved = copy.deepcopy(opt.state_dict())
+    for g in saved["param_groups"]:
+        g.pop("ns_gram_space")
+    params = [p.clone() for p in full_params("fp32")]
+    fresh = make(CASES["muon"].cls, {**CASES["muon"].kwargs, "nonfinite": "skip"}, params)
+    fresh.load_state_dict(copy.deepcopy(saved))
+    assert all(g["ns_gram_space"] is False for g in fresh.param_groups)
+    assert fresh.skipped_steps == 1
+    saved.pop("dist_optim")
+    with pytest.raises(ValueError, match="lacks ns_gram_space .not saved by a dist_optim optimizer"):
+        make(CASES["muon"].cls, CASES["muon"].kwargs, [p.clone() for p in full_params("fp32")]).load_state_dict(saved)
