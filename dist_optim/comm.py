@@ -86,7 +86,7 @@ def check_communication_dtype(value: Any, allowed: Sequence[torch.dtype | None] 
     value and what is accepted unless ``value`` is in ``allowed`` (default
     :data:`COMMUNICATION_DTYPES`; an optimizer that rounds its shared results in that dtype passes
     the narrower set it supports)."""
-    if not any(value is a or (a is not None and value == a) for a in allowed):
+    if value not in allowed:
         names = ", ".join("None (the widest dtype of the tensors sent)" if a is None else str(a) for a in allowed)
         raise ValueError(f"communication_dtype must be one of {names}; got {value!r}")
 

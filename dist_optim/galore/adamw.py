@@ -130,8 +130,9 @@ def fused_plain_adamw(
     (sqrt(v) + eps)`` is the same update with ``eps / sqrt(1 - b2^t)`` in its place, so the
     "hf" style passes that (one call per distinct step count); its weight decay follows the
     update, as before."""
-    fused = all(fused_applies(p, g, st["exp_avg"], st["exp_avg_sq"]) for p, g, st in zip(params, grads, states))
-    if not group["correct_bias"] or not fused:
+    if not group["correct_bias"] or not all(
+        fused_applies(p, g, st["exp_avg"], st["exp_avg_sq"]) for p, g, st in zip(params, grads, states)
+    ):
         return False
     beta1, beta2 = group["betas"]
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]

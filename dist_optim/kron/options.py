@@ -16,12 +16,11 @@ from typing import Any
 import torch
 
 from ..base import check_range
-from ..comm import COMMUNICATION_DTYPES, check_communication_dtype
+from ..comm import check_communication_dtype
 
 __all__ = [
     "MEMORY_SAVE_MODES",
     "PROBE_RNGS",
-    "COMM_DTYPES",
     "group_defaults",
     "check_optimizer_options",
     "validate_options",
@@ -31,8 +30,6 @@ __all__ = [
 
 MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
 PROBE_RNGS = ("sequential", "per_parameter")
-#: ``communication_dtype``: None (the widest of the tensors sent) or one of these.
-COMM_DTYPES = COMMUNICATION_DTYPES
 
 
 def group_defaults(
@@ -77,7 +74,7 @@ def check_optimizer_options(seed: Any, communication_dtype: Any, probe_rng: Any)
         raise ValueError(f"probe_rng must be one of {PROBE_RNGS}, got {probe_rng!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    check_communication_dtype(communication_dtype, COMM_DTYPES)
+    check_communication_dtype(communication_dtype)
 
 
 def validate_options(group: dict[str, Any]) -> None:
