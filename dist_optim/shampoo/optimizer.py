@@ -15,6 +15,7 @@ import torch
 
 from .. import structured
 from ..base import DistOptimizer
+from ..budget import buckets
 from ..comm import SumBucket, gather_full, group_rank
 from ..layout import ParamLayout
 from ..owners import data_group, grid_or_data_group, split_size, work_grids
@@ -22,7 +23,7 @@ from ..work import Route
 from .blocking import Block, kept_triangle
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
 from .preconditioner import block_direction
-from .routing import Plan, Routed, Shares, buckets, exchange_routed, plan_owners, plan_piece_routes
+from .routing import Plan, Routed, Shares, exchange_routed, plan_owners, plan_piece_routes
 from .state import (
     BlockState,
     Scratch,

@@ -23,7 +23,7 @@ the same collectives in the same order.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from ..owners import from_owners, plan_routes, to_owners
 from ..work import Route, assign_owners
 from .blocking import Block, plan_blocks
 
-__all__ = ["Plan", "Routed", "Shares", "plan_owners", "plan_piece_routes", "exchange_routed", "buckets"]
+__all__ = ["Plan", "Routed", "Shares", "plan_owners", "plan_piece_routes", "exchange_routed"]
 
 
 @dataclass
@@ -145,19 +145,6 @@ def exchange_routed(
         r.update[r.layout.valid_numel :].zero_()  # ZeRO padding at the end of the chunk
     for wg, members in order:
         _move(wg, members, False, share_dtype)
-
-
-def buckets(sizes: Sequence[int], limit: int | None) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` of consecutive items whose ``sizes`` (bytes of full gradients) sum to at
-    most ``limit`` (an item larger than that alone); one bucket of everything when ``limit`` is None."""
-    start = 0
-    while start < len(sizes):
-        stop, size = start, 0
-        while stop < len(sizes) and (limit is None or stop == start or size + sizes[stop] <= limit):
-            size += sizes[stop]
-            stop += 1
-        yield start, stop
-        start = stop
 
 
 def _move(wg: Any, members: list[Routed], gather: bool, dtype: torch.dtype | None) -> None:
