@@ -154,7 +154,7 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, dtype: torch.dtype, gr
     """The floating-point operations of :func:`newton_schulz` on a ``rows x cols`` matrix with
     ``steps`` iterations in ``dtype``, exactly as torch's ``FlopCounterMode`` counts them (2 per
     multiply-add of every matrix product) on the path it takes: the owners' cost model
-    (:func:`dist_optim.work.assign_owners`), so owners balance the work that runs.
+    (:func:`dist_optim.placement.assign_owners`), so owners balance the work that runs.
 
     With ``m <= n`` the sides and ``T = symmetric_product_flops(m, SYMMETRIC_MIN_SIZE)`` (``2 m^2``
     unblocked, ``f 2 m^2`` blocked, ``f`` = 5/8 at ``m = 512``, 9/16 at 1024):

@@ -1,41 +1,45 @@
-"""Whole tensors on owner ranks: the owner mechanism that Shampoo (blocks of a tensor), Muon (one
-matrix per parameter) and Kron (one whole parameter) share.
+"""Whole-tensor work on owner ranks: the one owner interface of Shampoo (blocks of a tensor), Muon
+(matrices of a parameter), Kron (one whole parameter) and GaLore (one SVD per matrix).
 
-Work that needs a whole tensor (a preconditioner block, a Newton-Schulz iteration of a matrix) is
-owned by one rank of a *work group*: the parameter's data-parallel (ZeRO) group, or under tensor
-parallelism the TP x DP grid that group spans with the TP group (:func:`work_grids`), so that TP
-peers split the work instead of repeating it. Owners are chosen by cost
-(:func:`dist_optim.work.assign_owners`). A tensor held in pieces (TP slices, ZeRO chunks) then moves
-as pieces, each straight from a rank that holds it to the owner of its block and the owner's
-result back to every rank that holds that piece:
+Work that needs a whole tensor (a preconditioner block, a Newton-Schulz iteration, a Kron
+preconditioner, an SVD) is owned by one rank of a *work group*, and every optimizer that does such
+work goes through the same five steps, all here:
 
-* :func:`plan_routes`: which piece goes where (:func:`dist_optim.work.plan_route`), from every
-  rank's holding, asked in one ``all_gather_object`` per work group (when the optimizer plans, not
-  every step);
-* :func:`to_owners` / :func:`from_owners`: one ``all_to_all`` per work group and direction for all
-  the tensors of a step (:func:`dist_optim.comm.exchange`), in a chosen communication dtype. A
-  rank receives its blocks and its pieces of the results: about ``2/size`` of the bytes of
-  gathering every full tensor, and nobody holds a full tensor it does not own.
+1. **Work groups** (:class:`WorkGroups`, made when the optimizer is bound): a parameter's
+   data-parallel (ZeRO) group, or under tensor parallelism the TP x DP grid that group spans with
+   the TP group (:func:`work_grids`), so that TP peers split the work instead of repeating it;
+   with no data-parallel group its TP group; :data:`ALONE` (one rank, no collective) when unbound.
+2. **Owners by cost** (:func:`plan_tasks`, :func:`assign`): the items of each work group balanced
+   over its ranks (:func:`dist_optim.placement.assign_owners`, longest-processing-time greedy).
+   Pure: every rank computes the same owners from full shapes.
+3. **Routes** (:func:`route_tasks`): for a tensor held in pieces (TP slices, ZeRO chunks), which
+   piece goes from which rank to the owner of its box and which piece of the result comes back
+   (:func:`dist_optim.placement.plan_route`), from every rank's holding, asked in one
+   ``all_gather_object`` per work group (when the optimizer plans, not every step).
+4. **The routed exchange** (:func:`to_owners` / :func:`from_owners`): each rank's pieces straight
+   to the owners, who assemble their boxes, and the owners' results back to every rank that holds
+   a piece of them: one ``all_to_all`` per work group and direction for all the tensors given
+   (:func:`dist_optim.comm.exchange`), in a chosen communication dtype. A rank receives its boxes
+   and its pieces of the results, about ``2/size`` of the bytes of gathering every full tensor,
+   and nobody holds a full tensor it does not own. A tensor that every rank holds whole (DDP) is
+   not sent: its owner uses its own copy. Where no route exists (holdings that do not tile the
+   tensor), the fallback is to gather the full tensor (:func:`dist_optim.comm.gather_full`), let
+   the owners compute and share the results whole (step 5).
+5. **Whole results** (:func:`share_results`): results every rank of the work group needs whole
+   (Kron's factors in its full state, GaLore's projectors, directions of tensors held whole or
+   gathered) from their owners, one ``all_gather`` per work group, the owner rounding its own copy
+   through the communication dtype so that replicas stay equal.
 
-Work whose results every rank of the work group needs whole (Kron's factors in its full state,
-GaLore's projectors; Kron's directions where no route exists) is assigned and shared with the
-same groups:
-
-* :func:`work_group`: the :class:`WorkGroup` of a parameter (its grid, its data-parallel group, its
-  TP group, or :data:`ALONE`);
-* :func:`assign`: an :class:`Owner` for each item, balancing costs per work group
-  (:func:`dist_optim.work.assign_owners`); pure, so every rank computes the same owners;
-* :func:`share_results`: the owners' results to every rank of their work groups, one
-  ``all_gather`` per work group (:func:`dist_optim.comm.share_owned`), in a chosen dtype.
+Work groups are visited in the one global order (:func:`dist_optim.comm.ordered_groups`), so every
+rank issues the same collectives in the same order. Pure planning here, every collective in
+:mod:`dist_optim.comm`, the geometry and scheduling in :mod:`dist_optim.placement`.
 
 ``None`` as a group. A process group of ``None`` is the default group, the whole job, here as in
 :mod:`dist_optim.comm` and ``torch.distributed`` (``comm.group_size(None)`` is the world size). The
 only ``None`` that means "no group" is an optimizer's ``dp_group`` / ``tp_group`` attribute when it
 was bound without one (:meth:`~dist_optim.base.DistOptimizer.bind`): :func:`work_grids` and
-:func:`work_group` read those, and turn "none" into :data:`ALONE` (a work group of one rank, which
-issues no collective), so that no size or rank is ever computed from a ``None`` that means "none".
-
-Pure planning here, every collective in :mod:`dist_optim.comm`.
+:func:`work_group` read those, and turn "none" into :data:`ALONE`, so that no size or rank is ever
+computed from a ``None`` that means "none".
 """
 
 from __future__ import annotations
@@ -55,26 +59,29 @@ from .comm import (
     group_size,
     ordered_groups,
     share_owned,
+    widest_dtype,
 )
 from .layout import Box, ParamLayout
-from .work import Route, assign_owners, plan_route
+from .placement import Route, assign_owners, plan_route
 
 __all__ = [
-    "grid_or_data_group",
-    "split_size",
     "Holding",
     "holding",
     "member_layout",
     "work_grids",
-    "plan_routes",
-    "to_owners",
-    "from_owners",
     "WorkGroup",
     "ALONE",
     "data_group",
     "work_group",
+    "WorkGroups",
     "Owner",
     "assign",
+    "Task",
+    "plan_tasks",
+    "route_tasks",
+    "Moved",
+    "to_owners",
+    "from_owners",
     "share_results",
 ]
 
@@ -117,88 +124,6 @@ def work_grids(tp_group: Any, bases: Sequence[Any]) -> dict[tuple[int, ...], Any
     return {group_key(base): grid for base, grid in zip(ordered, grid_groups(tp_group, ordered)) if grid is not None}
 
 
-def plan_routes(
-    layouts: Sequence[ParamLayout],
-    views: Sequence[tuple[int, ...]],
-    blocks: Sequence[Sequence[Box]],
-    owners: Sequence[Sequence[int]],
-    group: Any,
-) -> list[Route | None]:
-    """This rank's :class:`~dist_optim.work.Route` for each tensor of a work group: tensor i has
-    ``layouts[i]``, is cut into ``blocks[i]`` (boxes of its full tensor seen in ``views[i]``) with
-    owners ``owners[i]`` (ranks of ``group``). None for a tensor whose pieces cannot be routed
-    (not boxes of the view, or holdings that do not tile it): the caller gathers it whole.
-
-    Collective over ``group`` (one ``all_gather_object``): every rank of it calls this with the
-    same tensors in the same order. If the ranks do not list the same number of tensors, every
-    rank sees it and all of them get None everywhere."""
-    every = all_gather_objects([holding(layout) for layout in layouts], group=group)
-    if any(len(theirs) != len(layouts) for theirs in every):
-        return [None] * len(layouts)
-    me = group_rank(group)
-    routes: list[Route | None] = []
-    # A member's boxes follow from this rank's layout and view (compared without process groups)
-    # and the member's holding alone; a model's tensors come in few such kinds (a Llama's 80
-    # decoder layers repeat the same ones), so each (kind, holding) is worked out once, not once
-    # per tensor and member (at 1024 ranks that was most of the time of planning).
-    kinds: dict[tuple[ParamLayout, tuple[int, ...]], int] = {}
-    boxes: dict[tuple[int, Holding], list[tuple[Box, int]] | None] = {}
-    for i, layout in enumerate(layouts):
-        view = tuple(views[i])
-        kind = kinds.setdefault((layout, view), len(kinds))
-        holdings = []
-        for theirs in every:
-            key = (kind, theirs[i])
-            if key not in boxes:
-                m = member_layout(layout, theirs[i])
-                boxes[key] = None if m is None else m.local_boxes(view)
-            holdings.append(boxes[key])
-        routes.append(plan_route(blocks[i], owners[i], holdings, me))
-    return routes
-
-
-def to_owners(
-    moves: Sequence[tuple[Route, torch.Tensor, Mapping[int, torch.Tensor]]],
-    group: Any,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    """For each ``(route, local, blocks)``: this rank's pieces of the flat ``local`` tensor go to
-    the owners of their blocks, and the blocks this rank owns (``blocks``, by block index, in the
-    blocking's view) are filled from the pieces the holders send. One ``all_to_all`` over
-    ``group`` in ``dtype`` for all of them; every rank of ``group`` calls it."""
-    _move([(r.gather_send, local, r.gather_recv, owned) for r, local, owned in moves], group, dtype, device)
-
-
-def from_owners(
-    moves: Sequence[tuple[Route, Mapping[int, torch.Tensor], torch.Tensor]],
-    group: Any,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    """The way back of :func:`to_owners`: for each ``(route, blocks, local)`` the owners' results
-    (``blocks``) go to every rank that holds a piece of them, into the flat ``local`` tensor. One
-    ``all_to_all`` over ``group`` in ``dtype``."""
-    _move([(r.scatter_send, owned, r.scatter_recv, local) for r, owned, local in moves], group, dtype, device)
-
-
-def _move(
-    moves: Sequence[tuple[Mapping[int, Sequence[Any]], Any, Mapping[int, Sequence[Any]], Any]],
-    group: Any,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    size = group_size(group)
-    send: list[list[torch.Tensor]] = [[] for _ in range(size)]
-    recv: list[list[torch.Tensor]] = [[] for _ in range(size)]
-    for out_pieces, source, in_pieces, target in moves:
-        for rank, pieces in out_pieces.items():
-            send[rank] += [pc.view(source) for pc in pieces]
-        for rank, pieces in in_pieces.items():
-            recv[rank] += [pc.view(target) for pc in pieces]
-    exchange(send, recv, group, dtype, device)
-
-
 # ---- whole results that every rank of the work group needs ------------------------------------
 @dataclasses.dataclass(frozen=True)
 class WorkGroup:
@@ -228,22 +153,6 @@ def data_group(layout: ParamLayout, dp_group: Any) -> Any:
     """The data-parallel group over which a tensor of ``layout`` is split or replicated: its ZeRO
     group, else the optimizer's ``dp_group`` (None where it was bound without one: none)."""
     return layout.zero.group if layout.zero is not None else dp_group
-
-
-def grid_or_data_group(layout: ParamLayout, dp_group: Any, grids: Mapping[tuple[int, ...], Any]) -> Any:
-    """The process group over which Shampoo and Muon split a tensor's whole-tensor work: the TP x DP
-    grid of its :func:`data_group` where :func:`work_grids` made one, else that group (None: the
-    work is not split)."""
-    base = data_group(layout, dp_group)
-    if base is None or not grids:
-        return base
-    return grids.get(group_key(base), base)
-
-
-def split_size(group: Any, bound: bool) -> int:
-    """How many ranks split the work over ``group``, a result of :func:`grid_or_data_group`: 1 for
-    an unbound optimizer or a group of None (the work is not split), else the group's size."""
-    return group_size(group) if bound and group is not None else 1
 
 
 def work_group(layout: ParamLayout, dp_group: Any, tp_group: Any, grids: Mapping[tuple[int, ...], Any]) -> WorkGroup:
@@ -290,7 +199,7 @@ def _bucket(work: WorkGroup) -> tuple[int, int]:
 
 def assign(items: Sequence[tuple[WorkGroup, float]]) -> list[Owner]:
     """The :class:`Owner` of each ``(work group, cost)`` item: the items of each work group, in
-    their order, balanced by cost over its ranks (:func:`~dist_optim.work.assign_owners`).
+    their order, balanced by cost over its ranks (:func:`~dist_optim.placement.assign_owners`).
 
     Pure: every rank of a work group computes the same owners when it lists the same items in the
     same order with the same costs (from full shapes, never from local ones)."""
@@ -305,6 +214,243 @@ def assign(items: Sequence[tuple[WorkGroup, float]]) -> list[Owner]:
     return owners  # type: ignore[return-value]
 
 
+class WorkGroups:
+    """The work groups of one optimizer's parameters: :data:`ALONE` until :meth:`bind`, then
+    :func:`work_group` with the TP x DP grids made at binding."""
+
+    def __init__(self) -> None:
+        self._bound = False
+        self._dp_group: Any = None
+        self._tp_group: Any = None
+        self._grids: dict[tuple[int, ...], Any] = {}
+
+    def bind(self, layouts: Sequence[ParamLayout], dp_group: Any, tp_group: Any) -> None:
+        """Make the grids of the data-parallel groups of ``layouts`` (the parameters whose work
+        goes to owners). Collective over the whole job under TP: every process binds its
+        optimizer at the same point."""
+        self._dp_group, self._tp_group = dp_group, tp_group
+        self._grids = work_grids(tp_group, [data_group(layout, dp_group) for layout in layouts])
+        self._bound = True
+
+    def of(self, layout: ParamLayout) -> WorkGroup:
+        """The :class:`WorkGroup` of a tensor of ``layout``."""
+        if not self._bound:
+            return ALONE
+        return work_group(layout, self._dp_group, self._tp_group, self._grids)
+
+
+# ---- tensors cut into boxes, each box computed on its owner ------------------------------------
+@dataclasses.dataclass(eq=False)
+class Task:
+    """One tensor's whole-tensor work: the tensor of ``layout`` seen in shape ``view``, cut into
+    ``boxes`` of that view (one box: the whole tensor), box i computed by rank ``owners[i]`` of
+    ``work``. ``route`` is set by :func:`route_tasks` (None: not routed)."""
+
+    work: WorkGroup
+    layout: ParamLayout
+    view: tuple[int, ...]
+    boxes: list[Box]
+    owners: list[int]
+    route: Route | None = None
+
+    @property
+    def owned(self) -> list[int]:
+        """The boxes this rank computes."""
+        return [i for i, owner in enumerate(self.owners) if owner == self.work.rank]
+
+    def owner(self, index: int) -> Owner:
+        """The :class:`Owner` of box ``index``."""
+        return Owner(self.work, self.owners[index])
+
+    def box_shape(self, index: int) -> tuple[int, ...]:
+        return tuple(hi - lo for lo, hi in self.boxes[index])
+
+
+def plan_tasks(
+    items: Sequence[tuple[WorkGroup, ParamLayout, tuple[int, ...], Sequence[Box], Sequence[float]]],
+) -> list[Task]:
+    """A :class:`Task` for each ``(work group, layout, view, boxes, cost of each box)``, the boxes
+    of each work group's tasks balanced by cost over its ranks (:func:`assign`, all the boxes of a
+    work group at once, in the order given). Pure."""
+    flat = [(work, cost) for work, _, _, boxes, costs in items for cost in costs[: len(boxes)]]
+    owners = iter(assign(flat))
+    return [
+        Task(work, layout, tuple(view), list(boxes), [next(owners).rank for _ in boxes])
+        for work, layout, view, boxes, _ in items
+    ]
+
+
+def _by_work_group(tasks: Sequence[Any], work_of: Any = None) -> list[tuple[WorkGroup, list[Any]]]:
+    """``tasks`` (anything with a ``work`` attribute, or ``work_of(task)``) per work group of more
+    than one rank, in the global order of their process groups: the order every rank walks them."""
+    found: dict[tuple[int, int], tuple[WorkGroup, list[Any]]] = {}
+    for t in tasks:
+        work = t.work if work_of is None else work_of(t)
+        if work.size > 1:
+            found.setdefault(_bucket(work), (work, []))[1].append(t)
+    by_id = {id(e[0].group): e for e in found.values()}
+    return [by_id[id(g)] for g in ordered_groups(e[0].group for e in found.values())]
+
+
+def route_tasks(tasks: Sequence[Task]) -> None:
+    """Set the :attr:`Task.route` of each task of a work group of more than one rank: which of
+    this rank's pieces go to the owners of its boxes and which pieces of the results come back.
+    None where the pieces cannot be routed (not boxes of the view, or holdings that do not tile
+    it): the caller gathers that tensor whole.
+
+    Collective: one ``all_gather_object`` per work group, every rank of it calling with the same
+    tasks in the same order. If the ranks do not list the same number of tasks, every rank sees
+    it and all of them get None everywhere."""
+    for work, members in _by_work_group(tasks):
+        routes = _routes(
+            [t.layout for t in members],
+            [t.view for t in members],
+            [t.boxes for t in members],
+            [t.owners for t in members],
+            work.group,
+        )
+        for task, route in zip(members, routes):
+            task.route = route
+
+
+def _routes(
+    layouts: Sequence[ParamLayout],
+    views: Sequence[tuple[int, ...]],
+    blocks: Sequence[Sequence[Box]],
+    owners: Sequence[Sequence[int]],
+    group: Any,
+) -> list[Route | None]:
+    """This rank's :class:`~dist_optim.placement.Route` for each tensor of a work group: tensor i has
+    ``layouts[i]``, is cut into ``blocks[i]`` (boxes of its full tensor seen in ``views[i]``) with
+    owners ``owners[i]`` (ranks of ``group``). None for a tensor whose pieces cannot be routed
+    (not boxes of the view, or holdings that do not tile it): the caller gathers it whole.
+
+    Collective over ``group`` (one ``all_gather_object``): every rank of it calls this with the
+    same tensors in the same order. If the ranks do not list the same number of tensors, every
+    rank sees it and all of them get None everywhere."""
+    every = all_gather_objects([holding(layout) for layout in layouts], group=group)
+    if any(len(theirs) != len(layouts) for theirs in every):
+        return [None] * len(layouts)
+    me = group_rank(group)
+    routes: list[Route | None] = []
+    # A member's boxes follow from this rank's layout and view (compared without process groups)
+    # and the member's holding alone; a model's tensors come in few such kinds (a Llama's 80
+    # decoder layers repeat the same ones), so each (kind, holding) is worked out once, not once
+    # per tensor and member (at 1024 ranks that was most of the time of planning).
+    kinds: dict[tuple[ParamLayout, tuple[int, ...]], int] = {}
+    boxes: dict[tuple[int, Holding], list[tuple[Box, int]] | None] = {}
+    for i, layout in enumerate(layouts):
+        view = tuple(views[i])
+        kind = kinds.setdefault((layout, view), len(kinds))
+        holdings = []
+        for theirs in every:
+            key = (kind, theirs[i])
+            if key not in boxes:
+                m = member_layout(layout, theirs[i])
+                boxes[key] = None if m is None else m.local_boxes(view)
+            holdings.append(boxes[key])
+        routes.append(plan_route(blocks[i], owners[i], holdings, me))
+    return routes
+
+
+@dataclasses.dataclass(eq=False)
+class Moved:
+    """A routed task's tensors in one exchange: this rank's local ``inputs`` (each of the task's
+    layout, any shape); after :func:`to_owners`, ``boxes[i]`` holds the inputs of each box ``i`` this
+    rank owns, whole; the owner puts box i's result in ``results[i]``; after :func:`from_owners`,
+    ``out`` is this rank's piece of the results (flat, ``out_dtype``, zero in ZeRO padding)."""
+
+    task: Task
+    inputs: Sequence[torch.Tensor]
+    out_dtype: torch.dtype
+    boxes: dict[int, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    results: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    out: torch.Tensor | None = None
+
+    @property
+    def work(self) -> WorkGroup:
+        return self.task.work
+
+    @property
+    def sent(self) -> bool:
+        """Whether the inputs travel: not for a tensor every rank holds whole (its owner's copy is
+        the same as everyone's)."""
+        return not self.task.layout.is_local
+
+
+def to_owners(moved: Sequence[Moved], dtype: torch.dtype | None) -> None:
+    """Every rank's pieces of the inputs of ``moved`` to the owners of their boxes, who get them
+    whole in :attr:`Moved.boxes`: one ``all_to_all`` per work group for all its tasks, in ``dtype``
+    (None: the widest dtype of the group's inputs that travel). Collective over every work group
+    among them; every rank of one lists the same tasks in the same order."""
+    for work, members in _by_work_group(moved):
+        sending: list[tuple[Route, torch.Tensor, dict[int, torch.Tensor]]] = []
+        for m in members:
+            route = m.task.route
+            assert route is not None, "to_owners: route_tasks found no route for this task"
+            owned = {i: [] for i in route.owned}  # type: dict[int, list[torch.Tensor]]
+            for t in m.inputs:
+                if not m.sent:
+                    whole = t.reshape(m.task.view)
+                    for i in route.owned:
+                        owned[i].append(whole[tuple(slice(lo, hi) for lo, hi in m.task.boxes[i])])
+                    continue
+                filled = {i: t.new_empty(m.task.box_shape(i)) for i in route.owned}
+                sending.append((route, t.reshape(-1), filled))
+                for i, box in filled.items():
+                    owned[i].append(box)
+            m.boxes = owned
+        # Whether anything travels is the same on every rank of the work group: its members list
+        # the same tasks, each held whole either on all of them or on none.
+        if sending:
+            wire = dtype or widest_dtype(local for _, local, _ in sending)
+            _move(
+                [(r.gather_send, local, r.gather_recv, owned) for r, local, owned in sending],
+                work.group,
+                wire,
+                sending[0][1].device,
+            )
+
+
+def from_owners(moved: Sequence[Moved], dtype: torch.dtype | None) -> None:
+    """The way back of :func:`to_owners`: each owner's :attr:`Moved.results` to every rank that holds
+    a piece of them, into a new :attr:`Moved.out`; one ``all_to_all`` per work group in ``dtype``
+    (None: the widest of the group's ``out_dtype``). A rank's pieces to itself go through ``dtype``
+    too, so every holder applies the same values. The owners' boxes and results are dropped."""
+    for work, members in _by_work_group(moved):
+        moves = []
+        for m in members:
+            route = m.task.route
+            assert route is not None
+            local = m.inputs[0]
+            out = torch.empty(local.numel(), dtype=m.out_dtype, device=local.device)
+            out[m.task.layout.valid_numel :].zero_()  # ZeRO padding at the end of a chunk
+            results = {i: r.reshape(m.task.box_shape(i)) for i, r in m.results.items()}
+            moves.append((route.scatter_send, results, route.scatter_recv, out))
+            m.out = out
+        wire = dtype or widest_dtype(m.out for m in members if m.out is not None)
+        _move(moves, work.group, wire, members[0].inputs[0].device)
+        for m in members:
+            m.boxes, m.results = {}, {}
+
+
+def _move(
+    moves: Sequence[tuple[Mapping[int, Sequence[Any]], Any, Mapping[int, Sequence[Any]], Any]],
+    group: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    size = group_size(group)
+    send: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    recv: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    for out_pieces, source, in_pieces, target in moves:
+        for rank, pieces in out_pieces.items():
+            send[rank] += [pc.view(source) for pc in pieces]
+        for rank, pieces in in_pieces.items():
+            recv[rank] += [pc.view(target) for pc in pieces]
+    exchange(send, recv, group, dtype, device)
+
+
 def share_results(results: Sequence[tuple[Owner, Sequence[torch.Tensor]]], dtype: torch.dtype | None = None) -> None:
     """Every rank of each item's work group gets the item's tensors from its owner, in place: one
     ``all_gather`` per work group for all its items (:func:`~dist_optim.comm.share_owned`), work
@@ -314,15 +460,14 @@ def share_results(results: Sequence[tuple[Owner, Sequence[torch.Tensor]]], dtype
     the same shapes and dtypes to fill. Collective over every work group of more than one rank
     among them: every rank of a work group lists the same items in the same order. ``dtype`` is
     the communication precision (None: the widest dtype of each work group's tensors); results
-    are written back in each tensor's own dtype."""
-    by_group: dict[tuple[int, int], tuple[Any, list[torch.Tensor], list[int]]] = {}
-    for owner, tensors in results:
-        if not owner.shared:
-            continue
-        _, shared, owners = by_group.setdefault(_bucket(owner.work), (owner.work.group, [], []))
-        shared.extend(tensors)
-        owners.extend([owner.rank] * len(tensors))
-    groups = {id(group): key for key, (group, _, _) in by_group.items()}
-    for group in ordered_groups(group for group, _, _ in by_group.values()):
-        _, tensors, owners = by_group[groups[id(group)]]
-        share_owned(tensors, owners, group, dtype=dtype)
+    are written back in each tensor's own dtype, and an owner rounds its own tensors narrower
+    than ``dtype`` the same way, so that every rank holds the same values."""
+    shared = [(owner, tensors) for owner, tensors in results if owner.shared]
+    for work, members in _by_work_group(shared, work_of=lambda entry: entry[0].work):
+        tensors = [t for _, ts in members for t in ts]
+        owners = [owner.rank for owner, ts in members for _ in ts]
+        if dtype is not None:
+            for t, owner in zip(tensors, owners):
+                if owner == work.rank and t.dtype != dtype:
+                    t.copy_(t.to(dtype))
+        share_owned(tensors, owners, work.group, dtype=dtype)

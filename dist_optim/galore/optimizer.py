@@ -19,8 +19,7 @@ import torch
 
 from .. import bnb_states as bnb
 from ..base import DistOptimizer
-from ..layout import ParamLayout
-from ..owners import ALONE, WorkGroup, data_group, work_grids, work_group
+from ..owners import WorkGroups
 from .adamw import fused_plain_adamw, low_rank_adamw, plain_adamw_update
 from .coordination import project_all, refresh, shared_absmax
 from .options import GROUP_DEFAULTS, OPTIMIZER_WIDE, check_full_shape, check_optimizer_options, validate_options
@@ -94,8 +93,9 @@ class DistributedGaLore(DistOptimizer):
         #: all-reduce of low-rank partial sums) and the number of refresh steps.
         self.comm_stats: collections.Counter[str] = collections.Counter()
         self._shapes_checked = False
-        #: Process groups of the TP x data-parallel grids (owners.work_grids), made at bind.
-        self._grids: dict[tuple[int, ...], Any] = {}
+        #: The ranks that share each matrix's SVDs (:class:`dist_optim.owners.WorkGroups`; this
+        #: rank alone until bound), with the TP x data-parallel grids made at bind.
+        self._work = WorkGroups()
         # betas is checked with the group (validate_group); a list becomes the usual tuple
         betas = tuple(betas) if isinstance(betas, list) else betas
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=bool(correct_bias))
@@ -140,7 +140,7 @@ class DistributedGaLore(DistOptimizer):
         # The SVDs are split over the TP x data-parallel grid of each matrix's ranks: the grids are
         # process groups, made now, collectively over the job (every process binds).
         galore = [self.layout(p) for g in self.param_groups if "rank" in g for p in g["params"]]
-        self._grids = work_grids(self.tp_group, [data_group(lay, self.dp_group) for lay in galore])
+        self._work.bind(galore, self.dp_group, self.tp_group)
 
     def _check_shapes(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -148,13 +148,6 @@ class DistributedGaLore(DistOptimizer):
                 for p in group["params"]:
                     check_full_shape(gi, group["rank"], self.layout(p).full_shape)
         self._shapes_checked = True
-
-    def _work_group(self, layout: ParamLayout) -> WorkGroup:
-        """The ranks that share a matrix's SVDs (:func:`dist_optim.owners.work_group`); this rank
-        alone when unbound."""
-        if not self.is_bound:
-            return ALONE
-        return work_group(layout, self.dp_group, self.tp_group, self._grids)
 
     # ---- the step -------------------------------------------------------------------------
     @torch.no_grad()
@@ -180,7 +173,7 @@ class DistributedGaLore(DistOptimizer):
             return loss
         refreshing = [it for it in items if it.refresh]
         if refreshing:
-            refresh(refreshing, self._work_group, self._projector_dtype, self.comm_stats)
+            refresh(refreshing, self._work.of, self._projector_dtype, self.comm_stats)
         project_all(items, self.comm_stats)
         for it in items:
             self._galore_update(it)

@@ -76,7 +76,7 @@ Deviations from ``kron_torch.kron.Kron``:
 Distribution. Preconditioners are functions of the *full* tensor, so each parameter has one
 owner rank among the ranks that hold pieces of it: its work group (:mod:`dist_optim.owners`: the
 TP x data-parallel grid of its ZeRO group, or of the data-parallel group; assigned once at bind
-time by :func:`dist_optim.owners.assign` with the cost model :func:`precond_cost`). The owner keeps
+time by :func:`dist_optim.owners.plan_tasks` with the cost model :func:`precond_cost`). The owner keeps
 the factors. Per step:
 
 1. every rank updates its local piece of the momentum (elementwise, exact);
@@ -91,7 +91,7 @@ the factors. Per step:
 5. each rank applies weight decay and the step to its own elements.
 
 Which piece goes where is planned once per binding, at the first step (one all_gather_object per
-work group, :func:`dist_optim.owners.plan_routes`). So a step issues the NaN/Inf check's flag
+work group, :func:`dist_optim.owners.route_tasks`). So a step issues the NaN/Inf check's flag
 before anything changes (one all-reduce over the job and one host read, unless
 ``nonfinite="ignore"``; see :class:`~dist_optim.base.DistOptimizer`) plus one all_to_all each way
 per work group (only the way back where every rank holds every tensor whole), whatever the number

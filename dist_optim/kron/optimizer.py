@@ -14,22 +14,11 @@ from typing import Any
 import torch
 
 from ..base import DistOptimizer
-from ..owners import Owner
-from ..work import Route
+from ..owners import Owner, Task, WorkGroups, route_tasks, share_results
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
 from .preconditioner import owner_direction
 from .randomness import KronRandomness
-from .routing import (
-    Item,
-    by_work_group,
-    gather_inputs,
-    hold_direction,
-    owners_of,
-    plan_piece_routes,
-    route_directions,
-    route_inputs,
-    share,
-)
+from .routing import Item, gather_inputs, hold_direction, plan_owners, send_directions, send_inputs
 from .schedule import precond_update_prob_schedule
 from .state import factor_key, factors, init_param_state, keeps_saved_dtype, without_factors
 from .structure import FactorPlan, make_plan, precond_cost
@@ -128,9 +117,12 @@ class DistributedKron(DistOptimizer):
         self.communication_dtype = communication_dtype
         self._random = KronRandomness(seed, probe_rng)
         self._plans: dict[torch.Tensor, FactorPlan] = {}
-        self._owners: dict[torch.Tensor, Owner] = {}
-        # Planned lazily from step() (collective over each work group), reset at each (re)binding.
-        self._routes: dict[torch.Tensor, Route | None] | None = None
+        #: Each parameter's owner task (none until bound: this rank computes everything).
+        self._tasks: dict[torch.Tensor, Task] = {}
+        self._work = WorkGroups()
+        # The routes are planned lazily from step() (collective over each work group), again
+        # after each (re)binding.
+        self._routed = False
 
     def validate_group(self, group: dict[str, Any]) -> None:
         """The options of one param group (see the class docstring for their ranges)."""
@@ -171,23 +163,30 @@ class DistributedKron(DistOptimizer):
         self._plans = {}
         params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
         plans = [self._plan(p, group) for p, group in params_groups]
-        self._owners = owners_of(
+        layouts = [self.layout(p) for p, _ in params_groups]
+        self._work.bind(layouts, self.dp_group, self.tp_group)
+        self._tasks = plan_owners(
             [p for p, _ in params_groups],
-            [self.layout(p) for p, _ in params_groups],
+            layouts,
             [precond_cost(plan.shape, plan.diag) for plan in plans],
-            self.dp_group,
-            self.tp_group,
+            [self._work.of(layout) for layout in layouts],
         )
-        self._routes = None
+        self._routed = False
 
-    def _ensure_routes(self) -> dict[torch.Tensor, Route | None]:
-        """:func:`.routing.plan_piece_routes` once per binding, from ``step()`` (which every rank calls)."""
-        if self._routes is None:
-            self._routes = plan_piece_routes(self._owners, self.layout, self.route_pieces)
-        return self._routes
+    def _ensure_routes(self) -> None:
+        """:func:`dist_optim.owners.route_tasks` once per binding, from ``step()`` (which every rank
+        calls)."""
+        if not self._routed:
+            if self.route_pieces:
+                route_tasks(list(self._tasks.values()))
+            self._routed = True
+
+    def _owner(self, param: torch.Tensor) -> Owner | None:
+        task = self._tasks.get(param)
+        return None if task is None else task.owner(0)
 
     def _mine(self, param: torch.Tensor) -> bool:
-        owner = self._owners.get(param)
+        owner = self._owner(param)
         return owner is None or owner.mine
 
     def precond_work(self) -> float:
@@ -240,20 +239,24 @@ class DistributedKron(DistOptimizer):
                 state["step"] += 1
                 m = state["momentum_buffer"]
                 m.mul_(b1).add_(g, alpha=1 - b1)
-                work.append(Item(group, p, m, g))
+                work.append(Item(group, p, m, g, self.layout(p), self._tasks.get(p)))
         if not work:
             return loss
-        plain, order = by_work_group(work, self._ensure_routes() if self.is_bound else {}, self._owners)
+        if self.is_bound:
+            self._ensure_routes()
+        routed = [item for item in work if item.routed]
+        plain = [item for item in work if not item.routed]
 
         comm_dtype = self.communication_dtype
-        gather_inputs(plain, self.layout, comm_dtype)
-        for wg, items in order:
-            route_inputs(wg, items, self.layout, comm_dtype)
-        for item in work:
+        gather_inputs(plain, comm_dtype)
+        send_inputs(routed, comm_dtype)
+        for item in work:  # in parameter order on every rank: the sequential probes stay in step
             self._direction(item, do_update, balance)
-        share(self._owners, [(item.p, [item.direction]) for item in plain if item.direction is not None], comm_dtype)
-        for wg, items in order:
-            route_directions(wg, items, self.layout, comm_dtype)
+        share_results(
+            [(owner, [d]) for item in plain if (d := item.direction) is not None and (owner := self._owner(item.p))],
+            comm_dtype,
+        )
+        send_directions(routed, comm_dtype)
         for item in work:
             self._apply(item)
         return loss
@@ -270,13 +273,13 @@ class DistributedKron(DistOptimizer):
         if self._mine(p):
             assert item.full_m is not None and item.full_g is not None
             u = owner_direction(self.state[p], group, plan, item.full_m, item.full_g, probe, balance)
-        hold_direction(item, u, plan.shape, self._owners.get(p), self.communication_dtype)
+        hold_direction(item, u, plan.shape)
 
     def _apply(self, item: Item) -> None:
         """This rank's elements of the direction, weight decay (tensors of >= 2 dims), the step."""
         group, p, layout = item.group, item.p, self.layout(item.p)
         assert item.direction is not None
-        if item.route is not None:
+        if item.routed:
             local = item.direction.view_as(p)
         else:
             u = item.direction.reshape(layout.full_shape)
@@ -305,7 +308,7 @@ class DistributedKron(DistOptimizer):
                 tensors = [torch.empty(s, dtype=precond_dtype(group), device=p.device) for s in plan.factor_shapes()]
             entries.append((p, tensors))
             where.append(i)
-        share(self._owners, entries, None)
+        share_results([(owner, tensors) for p, tensors in entries if (owner := self._owner(p)) is not None])
         for i, (_, tensors) in zip(where, entries):
             out[i].update((factor_key(k), t) for k, t in enumerate(tensors))
         return out

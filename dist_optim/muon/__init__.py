@@ -46,17 +46,21 @@ Distribution (TP slices, ZeRO chunks, data-parallel replicas): the momentum and 
 wise, so every rank keeps the momentum of the elements it holds (no full-size state anywhere) and
 computes its part of ``C``. Each matrix (a parameter: its full tensor, whatever TP split it or ZeRO
 cut it) has one *owner* rank in its work group, the TP x data-parallel grid of the ranks that hold
-pieces of it (:mod:`dist_optim.owners`), chosen by the iteration's cost (:func:`newton_schulz_flops`)
-(:func:`dist_optim.work.assign_owners`). Every rank sends its pieces of ``C`` straight to the
-matrix's owner (each slice's owner with ``stacked``), the owner runs the iteration on the whole
-matrix, and sends the pieces of ``X`` back to every rank that holds them (:func:`owners.to_owners`
-/ :func:`owners.from_owners`: one ``all_to_all`` per work group and direction for all matrices of a
-step, in ``communication_dtype``, default the parameters' dtype). Each rank then updates its own
-elements. A step issues these two collectives per work group plus the NaN/Inf check's flag all-
-reduce: 3 with one work group. The matrix orthogonalized is the single-device run's, so the result
-is the single-device result (fp32 communication: the same bits up to the iteration's own rounding,
-which is the same computation on the same matrix). AdamW groups are element-wise and need no
-communication.
+pieces of it, chosen by the iteration's cost (:func:`newton_schulz_flops`), through the owner
+interface every owner-computing optimizer shares (:mod:`dist_optim.owners`). Every rank sends its
+pieces of ``C`` straight to the matrix's owner (each slice's owner with ``stacked``), the owner
+runs the iteration on the whole matrix, and sends the pieces of ``X`` back to every rank that holds
+them (:func:`owners.to_owners` / :func:`owners.from_owners`: one ``all_to_all`` per work group and
+direction for all matrices of a step, in ``communication_dtype``, default the parameters' dtype; a
+matrix every rank holds whole, under DDP, is not sent: its owner has it). Each rank then updates
+its own elements. A step issues these two collectives per work group (one, the way back, where
+every rank holds every matrix whole) plus the NaN/Inf check's flag all-reduce: 3 with one work
+group of pieces. Where pieces cannot be routed (holdings that do not tile the matrix;
+``route_pieces=False``) the full ``C`` is gathered, the owners iterate and share ``X`` whole
+(:func:`dist_optim.owners.share_results`). The matrix orthogonalized is the single-device run's,
+so the result is the single-device result (fp32 communication: the same bits up to the
+iteration's own rounding, which is the same computation on the same matrix). AdamW groups are
+element-wise and need no communication.
 
 What is one matrix: the single-device run's parameter. A TP layout that interleaves a fused QKV
 weight (each rank holding its q, k and v rows) assembles a row permutation of it, and Newton-Schulz

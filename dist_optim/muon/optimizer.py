@@ -11,12 +11,11 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..base import DistOptimizer, check_range
-from ..comm import check_communication_dtype, gather_full, group_rank, ordered_groups, widest_dtype
+from ..comm import check_communication_dtype, gather_full
 from ..fused_adam import fused_applies
 from ..layout import ParamLayout
 from ..newton_schulz import Coefficients, newton_schulz, newton_schulz_flops
-from ..owners import data_group, from_owners, grid_or_data_group, plan_routes, split_size, to_owners, work_grids
-from ..work import Route, assign_owners
+from ..owners import Moved, Owner, Task, WorkGroups, from_owners, plan_tasks, route_tasks, share_results, to_owners
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
 
@@ -161,16 +160,15 @@ class DistributedMuon(DistOptimizer):
             adamw_eps=adamw_eps,
             use_muon=True,
         )
-        self._plans: dict[torch.Tensor, tuple[Any, list[int]]] | None = None
-        self._routes: dict[torch.Tensor, Route | None] | None = None
-        self._grids: dict[tuple[int, ...], Any] = {}
+        self._tasks: dict[torch.Tensor, Task] | None = None
+        self._routed = False
+        self._work = WorkGroups()
         self._checked = False
         super().__init__(params, defaults, nonfinite=nonfinite)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        self._plans = None
-        self._routes = None
+        self._tasks = None
         self._checked = False
 
     def validate_group(self, group: dict[str, Any]) -> None:
@@ -227,11 +225,8 @@ class DistributedMuon(DistOptimizer):
         self._check_matrices()
         # Under TP the matrices are split over the TP x data-parallel grid: every rank of it can
         # own a matrix, not only one TP rank's data-parallel group. Collective over the job.
-        self._grids = work_grids(
-            self.tp_group, [data_group(self.layout(p), self.dp_group) for p in self._muon_params()]
-        )
-        self._plans = None
-        self._routes = None
+        self._work.bind([self.layout(p) for p in self._muon_params()], self.dp_group, self.tp_group)
+        self._tasks = None
 
     def _muon_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
@@ -254,70 +249,38 @@ class DistributedMuon(DistOptimizer):
                     )
         self._checked = True
 
-    def _work_group(self, p: torch.Tensor) -> Any:
-        return grid_or_data_group(self.layout(p), self.dp_group, self._grids)
-
-    def _work_size(self, group: Any) -> int:
-        return split_size(group, self.is_bound)
-
-    def _ensure_plans(self) -> dict[torch.Tensor, tuple[Any, list[int]]]:
-        """Each Muon parameter's work group and the owner (rank in it) of each of its matrices
-        (:func:`_matrix_boxes`), balancing the iteration's cost (:func:`newton_schulz_flops`) per
-        work group. The iteration's dtype is the group's ``ns_dtype`` or the parameter's, the same
-        on every rank of the work group, so every rank computes the same owners."""
-        if self._plans is not None:
-            return self._plans
-        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-        for p in self._muon_params():
-            wg = self._work_group(p)
-            by_group.setdefault(id(wg), (wg, []))[1].append(p)
-        plans: dict[torch.Tensor, tuple[Any, list[int]]] = {}
+    def _ensure_tasks(self) -> dict[torch.Tensor, Task]:
+        """Each Muon parameter's owner :class:`~dist_optim.owners.Task`: its matrices
+        (:func:`_matrix_boxes`) owned in its work group, balancing the iteration's cost
+        (:func:`newton_schulz_flops`). The iteration's dtype is the group's ``ns_dtype`` or the
+        parameter's, the same on every rank of the work group, so every rank computes the same
+        owners."""
+        if self._tasks is not None:
+            return self._tasks
         groups = {p: g for g in self.param_groups for p in g["params"]}
-        for wg, params in by_group.values():
-            costs, counts = [], []
-            for p in params:
-                shape = self.layout(p).full_shape
-                m, n = _matrix_shape(shape, groups[p])
-                counts.append(len(_matrix_boxes(shape, groups[p])))
-                group = groups[p]
-                dtype = group["ns_dtype"] or p.dtype
-                flops = newton_schulz_flops(m, n, len(_schedule(group)), dtype, group["ns_gram_space"])
-                costs += [flops] * counts[-1]
-            owners = assign_owners(costs, self._work_size(wg))
-            start = 0
-            for p, count in zip(params, counts):
-                plans[p] = (wg, owners[start : start + count])
-                start += count
-        self._plans = plans
-        self._routes = None
-        return plans
+        items = []
+        params = self._muon_params()
+        for p in params:
+            group, layout = groups[p], self.layout(p)
+            m, n = _matrix_shape(layout.full_shape, group)
+            boxes = _matrix_boxes(layout.full_shape, group)
+            dtype = group["ns_dtype"] or p.dtype
+            flops = newton_schulz_flops(m, n, len(_schedule(group)), dtype, group["ns_gram_space"])
+            items.append((self._work.of(layout), layout, layout.full_shape, boxes, [flops] * len(boxes)))
+        self._tasks = dict(zip(params, plan_tasks(items)))
+        self._routed = False
+        return self._tasks
 
-    def _ensure_routes(self) -> dict[torch.Tensor, Route | None]:
+    def _ensure_routes(self) -> dict[torch.Tensor, Task]:
         """Which of this rank's pieces of each matrix go to its owner and which pieces of the
-        result come back: one ``all_gather_object`` per work group, after each re-planning,
-        from ``step()`` (which every rank calls)."""
-        plans = self._ensure_plans()
-        if self._routes is not None:
-            return self._routes
-        routes: dict[torch.Tensor, Route | None] = {p: None for p in plans}
-        groups = {p: g for g in self.param_groups for p in g["params"]}
-        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-        for p, (wg, _) in plans.items():
-            if self.route_pieces and self._work_size(wg) > 1:
-                by_group.setdefault(id(wg), (wg, []))[1].append(p)
-        for wg in ordered_groups(entry[0] for entry in by_group.values()):
-            params = by_group[id(wg)][1]
-            layouts = [self.layout(p) for p in params]
-            found = plan_routes(
-                layouts,
-                [lay.full_shape for lay in layouts],
-                [_matrix_boxes(lay.full_shape, groups[p]) for p, lay in zip(params, layouts)],
-                [plans[p][1] for p in params],
-                wg,
-            )
-            routes.update(zip(params, found))
-        self._routes = routes
-        return routes
+        result come back (:func:`dist_optim.owners.route_tasks`): one ``all_gather_object`` per
+        work group, after each re-planning, from ``step()`` (which every rank calls)."""
+        tasks = self._ensure_tasks()
+        if not self._routed:
+            if self.route_pieces:
+                route_tasks(list(tasks.values()))
+            self._routed = True
+        return tasks
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -341,21 +304,14 @@ class DistributedMuon(DistOptimizer):
         return loss
 
     def _orthogonalized_updates(self, matrices: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> None:
-        routes = self._ensure_routes() if self.is_bound else {}
-        plans = self._ensure_plans()
-        routed: dict[int, tuple[Any, list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, Route]]]] = {}
-        plain: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
-        for group, p, c in matrices:
-            route = routes.get(p)
-            if route is None:
-                plain.append((group, p, c))
-            else:
-                wg = plans[p][0]
-                routed.setdefault(id(wg), (wg, []))[1].append((group, p, c, route))
+        tasks = self._ensure_routes() if self.is_bound else self._ensure_tasks()
+        routed = [(group, p, c) for group, p, c in matrices if tasks[p].route is not None]
+        plain = [(group, p, c) for group, p, c in matrices if tasks[p].route is None]
 
         # Whole on this rank (unbound, or a work group of one): the iteration here. Pieces that
-        # could not be routed (holdings that do not tile the tensor): every rank gathers the full
-        # C and iterates (a fallback: plan_route routes every layout the plugins produce).
+        # could not be routed (holdings that do not tile the tensor): the full C gathered, the
+        # owners iterate, the results shared (a fallback: plan_route routes every layout the
+        # plugins produce).
         gathered = [i for i, (_, p, _) in enumerate(plain) if not self.layout(p).is_local]
         fulls = (
             gather_full([(self.layout(plain[i][1]), plain[i][2]) for i in gathered], dtype=self.communication_dtype)
@@ -363,54 +319,37 @@ class DistributedMuon(DistOptimizer):
             else []
         )
         full_of = dict(zip(gathered, fulls))
+        held: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
+        shares: list[tuple[Owner, list[torch.Tensor]]] = []
         for i, (group, p, c) in enumerate(plain):
+            task = tasks[p]
+            whole = full_of.get(i, c).reshape(task.layout.full_shape)
+            if task.work.size == 1:
+                held.append((group, p, self._orthogonalize(whole, group)))
+                continue
+            x = torch.empty_like(whole)
+            for b, box in enumerate(task.boxes):
+                sl = tuple(slice(lo, hi) for lo, hi in box)
+                if task.owner(b).mine:
+                    x[sl] = self._orthogonalize(whole[sl], group)
+                shares.append((task.owner(b), [x[sl]]))
+            held.append((group, p, x))
+        share_results(shares, self.communication_dtype)
+        for group, p, x in held:
             layout = self.layout(p)
-            x = self._orthogonalize(full_of.get(i, c).reshape(layout.full_shape), group)
             update = x if layout.is_local else layout.take_local(x, copy=False).view_as(p)
             _apply(p, update, layout, group)
 
         # Pieces of C to the owners, X back to the holders: one all_to_all per work group each way.
-        order = [routed[id(wg)] for wg in ordered_groups(entry[0] for entry in routed.values())]
-        results: list[list[dict[int, torch.Tensor]]] = []
-        for wg, members in order:
-            blocks = [
-                {i: c.new_empty(_box_shape(boxes[i])) for i in route.owned}
-                for group, p, c, route in members
-                for boxes in [_matrix_boxes(self.layout(p).full_shape, group)]
-            ]
-            to_owners(
-                [(route, c.reshape(-1), b) for (_, _, c, route), b in zip(members, blocks)],
-                wg,
-                self._comm_dtype(members),
-                members[0][2].device,
-            )
-            results.append(blocks)
-        updates: list[list[torch.Tensor]] = []
-        for (wg, members), blocks in zip(order, results):
-            for (group, _, _, _), b in zip(members, blocks):
-                for i in list(b):
-                    b[i] = self._orthogonalize(b[i], group)
-            local = []
-            for _, p, c, _ in members:
-                u = c.new_empty(c.numel())
-                u[self.layout(p).valid_numel :].zero_()  # ZeRO padding at the end of a chunk
-                local.append(u)
-            from_owners(
-                [(route, b, u) for (_, _, _, route), b, u in zip(members, blocks, local)],
-                wg,
-                self._comm_dtype(members),
-                members[0][2].device,
-            )
-            updates.append(local)
-        for (_, members), local in zip(order, updates):
-            for (group, p, _, _), u in zip(members, local):
-                _apply(p, u.view_as(p), self.layout(p), group)
-
-    def _comm_dtype(self, members: Sequence[tuple[Any, Any, torch.Tensor, Any]]) -> torch.dtype:
-        if self.communication_dtype is not None:
-            return self.communication_dtype
-        # The widest of the parameters' own dtypes: the same on every rank of the work group.
-        return widest_dtype(c for _, _, c, _ in members)
+        moved = [Moved(tasks[p], [c], c.dtype) for _, p, c in routed]
+        to_owners(moved, self.communication_dtype)
+        for (group, _, _), m in zip(routed, moved):
+            for b, (c_box,) in m.boxes.items():
+                m.results[b] = self._orthogonalize(c_box, group)
+        from_owners(moved, self.communication_dtype)
+        for (group, p, _), m in zip(routed, moved):
+            assert m.out is not None
+            _apply(p, m.out.view_as(p), self.layout(p), group)
 
     @staticmethod
     def _orthogonalize(c: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
@@ -455,12 +394,11 @@ class DistributedMuon(DistOptimizer):
     # ---- owners -------------------------------------------------------------------------------
     def owners_of(self, param: torch.Tensor) -> list[int]:
         """The rank (in its work group) that orthogonalizes each of ``param``'s matrices."""
-        return list(self._ensure_plans()[param][1])
+        return list(self._ensure_tasks()[param].owners)
 
     def work_group_rank(self, param: torch.Tensor) -> int:
         """This rank's rank in ``param``'s work group (0 when it has one rank)."""
-        wg = self._ensure_plans()[param][0]
-        return group_rank(wg) if self._work_size(wg) > 1 else 0
+        return self._ensure_tasks()[param].work.rank
 
 
 def _momentum_direction(states: Any, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
@@ -476,10 +414,6 @@ def _momentum_direction(states: Any, p: torch.Tensor, g: torch.Tensor, group: di
         return g.lerp(buf, mu) if group["nesterov"] else buf
     buf.mul_(mu).add_(g)
     return g.add(buf, alpha=mu) if group["nesterov"] else buf
-
-
-def _box_shape(box: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    return tuple(hi - lo for lo, hi in box)
 
 
 def _apply(p: torch.Tensor, update: torch.Tensor, layout: ParamLayout, group: dict[str, Any]) -> None:

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
+from dist_optim.placement import recording_owner_loads
 from dist_optim.registry import PlanEntry, plan_entries
-from dist_optim.work import recording_owner_loads
 
 from .torch_internals import DEVICES, check_torch, meta_generators
 from .torch_internals import as_device as _device_kernels

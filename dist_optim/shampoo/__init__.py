@@ -77,16 +77,17 @@ Deviations, all stated:
   gradient moves); root refreshes also read scalars (amortised).
 
 Distribution: blocks are defined on the *full* tensor, so TP and ZeRO do not change the math.
-Every block is owned by one rank of its work group by a cost model ``sum_k d_k^3``
-(:func:`dist_optim.work.assign_owners`): the data-parallel group (the ZeRO group of a ZeRO-sharded
-parameter), or under TP the TP x DP grid that group spans with the TP group (the grid group is
-made when the optimizer is bound, collectively over the job, by :func:`dist_optim.owners.work_grids`). Owners
+Every block is owned by one rank of its work group by a cost model ``sum_k d_k^3``, through the
+owner interface every owner-computing optimizer shares (:mod:`dist_optim.owners`): the work group
+is the data-parallel group (the ZeRO group of a ZeRO-sharded parameter), or under TP the TP x DP
+grid that group spans with the TP group (made when the optimizer is bound, collectively over the
+job, :class:`dist_optim.owners.WorkGroups`). Owners
 update their blocks' state and compute the block directions; each rank applies the part of the
 update that it holds. How gradients reach the owners and directions the holders:
 
 * A parameter held in pieces (TP slices, ZeRO chunks): each rank sends the pieces it holds of
   every block straight to that block's owner, and each owner sends the pieces of its directions to
-  every rank that holds them (:func:`dist_optim.owners.plan_routes` says which, from every rank's pieces,
+  every rank that holds them (:func:`dist_optim.owners.route_tasks` says which, from every rank's pieces,
   asked once per work group in the first step; :func:`dist_optim.owners.to_owners` and
   :func:`dist_optim.owners.from_owners`: one all_to_all per work group and direction for all parameters,
   in ``communication_dtype``, a rank's pieces to itself included so that every copy of a value
@@ -94,7 +95,7 @@ update that it holds. How gradients reach the owners and directions the holders:
   pieces' directions: about ``2/size`` of the parameters' bytes instead of ``2x`` (ZeRO over 4
   ranks: 0.2-0.25x the bytes of gathering everything, tested), and nobody holds a full gradient.
 * A parameter held whole on every rank (DDP): owners use their local gradient;
-  :func:`dist_optim.comm.share_owned` hands all directions to all ranks in one all_gather per group (in
+  :func:`dist_optim.owners.share_results` hands all directions to all ranks in one all_gather per group (in
   ``communication_dtype``; owners round their own results the same way so replicas agree).
 * Where the pieces are not boxes of the blocking's view (a TP-split dim merged with others by
   ``merge_small_dims``), full gradients are gathered (one all_gather per TP/ZeRO group) and the

@@ -42,7 +42,7 @@ class Block:
 
     @property
     def box(self) -> tuple[tuple[int, int], ...]:
-        """``(start, stop)`` per dim of the view (:func:`dist_optim.work.plan_route`'s boxes)."""
+        """``(start, stop)`` per dim of the view (:func:`dist_optim.placement.plan_route`'s boxes)."""
         return tuple((s.start, s.stop) for s in self.slices)
 
 

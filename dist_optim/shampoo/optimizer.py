@@ -16,14 +16,14 @@ import torch
 from .. import structured
 from ..base import DistOptimizer
 from ..budget import buckets
-from ..comm import SumBucket, gather_full, group_rank
+from ..comm import SumBucket, gather_full
 from ..layout import ParamLayout
-from ..owners import data_group, grid_or_data_group, split_size, work_grids
-from ..work import Route
+from ..owners import Owner, WorkGroups, route_tasks, share_results
+from ..placement import Route
 from .blocking import Block, kept_triangle
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
 from .preconditioner import block_direction
-from .routing import Plan, Routed, Shares, exchange_routed, plan_owners, plan_piece_routes
+from .routing import Plan, Routed, exchange_routed, plan_owners
 from .state import (
     BlockState,
     Scratch,
@@ -122,11 +122,10 @@ class DistributedShampoo(DistOptimizer):
         self.communication_dtype = communication_dtype
         self.max_gather_bytes = max_gather_bytes
         self._plans: dict[torch.Tensor, Plan] = {}
-        self._grids: dict[tuple[int, ...], Any] = {}  # data-parallel group -> TP x DP grid (see _on_bind)
+        self._work = WorkGroups()  # the ranks that split each parameter's blocks (see _on_bind)
         self._scratch = Scratch()  # one block's direction, reused across blocks applied as soon as computed
-        # Per parameter held in pieces: which pieces go to which block owner (see _ensure_routes);
-        # None until made in a step.
-        self._routes: dict[torch.Tensor, Route | None] | None = None
+        # Whether the routes of the parameters held in pieces are planned (see _ensure_routes).
+        self._routed = False
         super().__init__(params, defaults, nonfinite=nonfinite)  # validate_group checks every group
         check_communication(communication_dtype, max_gather_bytes)
 
@@ -140,51 +139,35 @@ class DistributedShampoo(DistOptimizer):
 
     def _on_bind(self) -> None:
         self._plans = {}
-        self._grids = {}
         # Under TP the blocks are split over the TP x data-parallel grid, not over each TP
         # rank's data-parallel group alone: every rank of the grid gathers the same full
         # gradients, so a TP rank need not repeat its TP peers' blocks. Collective over the job.
-        self._grids = work_grids(self.tp_group, [data_group(self.layout(p), self.dp_group) for p in self._all_params()])
+        self._work.bind([self.layout(p) for p in self._all_params()], self.dp_group, self.tp_group)
         self._ensure_plans()
 
     # ---- planning (see routing.py) ----------------------------------------------------------
-    def _work_group(self, p: torch.Tensor) -> Any:
-        """The ranks that split ``p``'s blocks: its data-parallel (ZeRO) group, or under TP the
-        grid of that group and the TP group."""
-        return grid_or_data_group(self.layout(p), self.dp_group, self._grids)
-
-    def _work_size(self, group: Any) -> int:
-        return split_size(group, self.is_bound)
-
-    def _my_rank(self, group: Any) -> int:
-        return group_rank(group) if self._work_size(group) > 1 else 0
-
     def _ensure_plans(self) -> None:
         if self._plans:
             return
         params = self._all_params()
         groups = [g for g in self.param_groups for _ in g["params"]]
-        specs = [(self.layout(p).full_shape, g, self._work_group(p)) for p, g in zip(params, groups)]
-        self._plans = dict(zip(params, plan_owners(specs, self._work_size)))
-        self._routes = None
+        specs = [(self.layout(p), g, self._work.of(self.layout(p))) for p, g in zip(params, groups)]
+        self._plans = dict(zip(params, plan_owners(specs)))
+        self._routed = False
 
     def _ensure_routes(self) -> None:
         """Routes of the parameters held in pieces whose blocks are split over a work group
-        (:func:`.routing.plan_piece_routes`); collective, once after every re-planning: called
+        (:func:`dist_optim.owners.route_tasks`); collective, once after every re-planning: called
         from ``step()``, which every rank calls."""
-        if self._routes is not None:
+        if self._routed:
             return
-        self._routes = dict.fromkeys(self._all_params())
-        pieces = [
-            p
-            for p in self._all_params()
-            if self.route_pieces and not self.layout(p).is_local and self._work_size(self._plans[p].work_group) > 1
-        ]
-        found = plan_piece_routes([self.layout(p) for p in pieces], [self._plans[p] for p in pieces])
-        self._routes.update(zip(pieces, found))
+        if self.route_pieces:
+            route_tasks([self._plans[p].task for p in self._all_params() if not self.layout(p).is_local])
+        self._routed = True
 
     def _route(self, p: torch.Tensor) -> Route | None:
-        return None if self._routes is None else self._routes.get(p)
+        plan = self._plans.get(p)
+        return None if plan is None or not self._routed else plan.route
 
     # ---- the step ------------------------------------------------------------------------
     @torch.no_grad()
@@ -240,7 +223,7 @@ class DistributedShampoo(DistOptimizer):
             full_grads = [g for _, g in items]  # local gradients stand in for the routed ones
             for i, g in zip(plain, gathered):
                 full_grads[i] = g
-        shares = Shares()
+        shares: list[tuple[Owner, list[torch.Tensor]]] = []
         pending: list[tuple[dict[str, Any], torch.Tensor, list[torch.Tensor]]] = []
         routed: list[Routed] = []
         for (group, p), (layout, g_local), g_full in zip(entries, items, full_grads):
@@ -251,7 +234,7 @@ class DistributedShampoo(DistOptimizer):
             t = int(state["step"])
             route = self._route(p)
             if route is not None:
-                routed.append(Routed(group, p, state, route, g_local.detach(), t, self._plans[p], layout))
+                routed.append(Routed(group, p, state, g_local.detach(), t, self._plans[p], layout))
                 continue
             directions = self._held_directions(group, p, g_full, t, shares)
             if directions is not None:
@@ -261,7 +244,7 @@ class DistributedShampoo(DistOptimizer):
             for r in routed:
                 update = r.update.to(r.p.dtype).view_as(r.p)  # type: ignore[union-attr]
                 apply_update(r.p.detach(), update, self.state[r.p].get("momentum_buffer"), r.group)
-        shares.share_rounded(self.communication_dtype, self._my_rank)
+        share_results(shares, self.communication_dtype)
         # Every rank applies its part of the full update. The directions are this step's own
         # tensors, so they are updated in place; a parameter held whole takes them block by block,
         # without assembling a parameter-sized direction.
@@ -277,17 +260,22 @@ class DistributedShampoo(DistOptimizer):
             apply_update(p.detach(), update, self.state[p].get("momentum_buffer"), group)
 
     def _held_directions(
-        self, group: dict[str, Any], p: torch.Tensor, g_full: torch.Tensor, t: int, shares: Shares
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        g_full: torch.Tensor,
+        t: int,
+        shares: list[tuple[Owner, list[torch.Tensor]]],
     ) -> list[torch.Tensor] | None:
         """Directions of the blocks of a parameter with its full gradient: computed on their
         owners, the others' to be filled by ``shares``. A parameter held whole whose blocks are all
         this rank's is updated block by block as the directions come, through one reused scratch
         tensor (fresh block-sized tensors cost page faults on the CPU comparable to the arithmetic
-        of the update): None then."""
+        of the update): None then. ``shares`` gets the blocks that travel from their owners."""
         plan, state = self._plans[p], self.state[p]
         g_view = g_full.reshape(plan.view_shape)
         whole = self._whole_views(p, plan)
-        if self._work_size(plan.work_group) == 1 and whole is not None:
+        if plan.work.size == 1 and whole is not None:
             for i, block in enumerate(plan.blocks):
                 out = self._scratch.get(block.shape, g_full.dtype, g_full.device)
                 target = whole[0][block.slices] if whole[1] is None else None
@@ -295,13 +283,12 @@ class DistributedShampoo(DistOptimizer):
                 if d is not None:  # None: applied to the parameter by the fused kernel
                     apply_block_update(*whole, block, d, group)
             return None
-        me = self._my_rank(plan.work_group)
         directions: list[torch.Tensor] = []
-        for i, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):  # owners: a direction (no apply_to)
-            d = self._block_direction(state, i, block, g_view[block.slices], group, t) if owner == me else None
+        for i, block in enumerate(plan.blocks):  # owners: a direction (no apply_to)
+            mine = plan.owner(i).mine
+            d = self._block_direction(state, i, block, g_view[block.slices], group, t) if mine else None
             directions.append(torch.empty(block.shape, dtype=g_full.dtype, device=g_full.device) if d is None else d)
-        if self._work_size(plan.work_group) > 1:
-            shares.add(plan.work_group, directions, plan.owners)
+            shares.append((plan.owner(i), [directions[-1]]))
         return directions
 
     def _block_direction(
@@ -327,8 +314,7 @@ class DistributedShampoo(DistOptimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype) -> None:
         """``step``, ``momentum_buffer`` and the state of the blocks this rank owns, in flat form."""
         plan = self._plans[p]
-        me = self._my_rank(plan.work_group)
-        owned = [owner == me for owner in plan.owners]
+        owned = [plan.owner(i).mine for i in range(len(plan.blocks))]
         self.state[p].update(initial_state(p, group, dtype, plan.blocks, owned))
 
     # ---- state: export, import, memory, failures ---------------------------------------------
@@ -357,21 +343,19 @@ class DistributedShampoo(DistOptimizer):
         ``param_groups`` order; the same on every rank. Collective when bound."""
         self._symmetrize_factors()
         out = super().full_state()
-        shares = Shares()
+        shares: list[tuple[Owner, list[torch.Tensor]]] = []
         params = [(g, p) for g in self.param_groups for p in g["params"]]
         for entry, (group, p) in zip(out, params):
             state = self.state.get(p)
             if not state:
                 continue
             plan = self._plans[p]
-            me = self._my_rank(plan.work_group)
             dtype = state["momentum_buffer"].dtype if "momentum_buffer" in state else p.dtype
-            for b, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
-                tensors = full_block_entries(state, b, block, group, dtype, owner == me, p.device)
+            for b, block in enumerate(plan.blocks):
+                tensors = full_block_entries(state, b, block, group, dtype, plan.owner(b).mine, p.device)
                 entry.update(tensors)
-                if self._work_size(plan.work_group) > 1:
-                    shares.add(plan.work_group, list(tensors.values()), [owner] * len(tensors))
-        shares.share_exact()
+                shares.append((plan.owner(b), list(tensors.values())))
+        share_results(shares)  # state: in the widest dtype of each work group's tensors, not rounded
         return out
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
@@ -391,10 +375,9 @@ class DistributedShampoo(DistOptimizer):
         self._ensure_plans()
         plan = self._plans[param]
         group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
-        me = self._my_rank(plan.work_group)
         out = non_block_entries(state)
-        for b, (block, owner) in enumerate(zip(plan.blocks, plan.owners)):
-            if owner == me:
+        for b, block in enumerate(plan.blocks):
+            if plan.owner(b).mine:
                 out.update(checked_block_entries(state, b, block, group, param, plan.full_shape))
         return out
 
@@ -409,14 +392,16 @@ class DistributedShampoo(DistOptimizer):
         """Failed root inverses / basis refreshes so far, over all blocks (collective when bound)."""
         self._ensure_plans()
         zero = torch.zeros((), dtype=torch.float64)
-        totals = {id(plan.work_group): (plan.work_group, zero.clone()) for plan in self._plans.values()}
+        # By process group and size: ALONE's None is no group, a work group's None the whole job.
+        totals = {(id(plan.work.group), plan.work.size): (plan.work, zero.clone()) for plan in self._plans.values()}
         for p, _, bs in self._block_states():
             if bs.failures is not None:
-                totals[id(self._plans[p].work_group)][1].add_(bs.failures.double())
+                work = self._plans[p].work
+                totals[(id(work.group), work.size)][1].add_(bs.failures.double())
         bucket = SumBucket()
-        for wg, total in totals.values():
-            if self._work_size(wg) > 1:
-                bucket.add(total, [wg])
+        for work, total in totals.values():
+            if work.size > 1:
+                bucket.add(total, [work.group])
         bucket.flush()
         return int(sum(float(total) for _, total in totals.values()))
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import dist_optim
 from dist_optim import ParamLayout, TPSplit, ZeroShard, comm
-from dist_optim.work import assign_owners
+from dist_optim.placement import assign_owners
 from tests.helpers.pools import grid_groups
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard, box_numel, range_boxes
-from dist_optim.work import assign_owners, plan_route
+from dist_optim.placement import assign_owners, plan_route
 
 
 def _pieces(full: torch.Tensor, tp: int, tp_dim: int | None, dp: int) -> list[tuple[ParamLayout, torch.Tensor]]:

@@ -1,10 +1,14 @@
-"""dist_optim.owners: the owner mechanism for whole results (work groups, owners, sharing).
+"""dist_optim.owners: the one owner interface (work groups, owners by cost, the routed exchange,
+whole results shared).
 
-The routing half of owners.py (plan_routes, to_owners, from_owners) is tested through
-work.plan_route in tests/unit/test_layout.py and by Shampoo's and Muon's distributed tests.
+The geometry under the routes (placement.plan_route) is tested in tests/unit/test_layout.py and
+tests/unit/test_plan_route.py; here the exchange itself, on layouts of every kind, against the
+full tensors, counting the collectives at torch.distributed (tests/helpers/collectives.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -12,7 +16,21 @@ import torch.distributed as dist
 
 from dist_optim import comm
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
-from dist_optim.owners import ALONE, Owner, WorkGroup, assign, share_results, work_grids, work_group
+from dist_optim.owners import (
+    ALONE,
+    Moved,
+    Owner,
+    WorkGroup,
+    WorkGroups,
+    assign,
+    from_owners,
+    plan_tasks,
+    route_tasks,
+    share_results,
+    to_owners,
+    work_grids,
+    work_group,
+)
 
 
 def test_assign_balances_each_work_group_on_its_own() -> None:
@@ -105,8 +123,9 @@ def _share_worker(dtype: torch.dtype | None) -> None:
         share_results(results, dtype)
         assert dict(comm.COUNTS) == {"all_gather": 2}, (n, dict(comm.COUNTS))
         for (owner, (got,)), want in zip(results, truth):
-            # the owner keeps its own values; the others receive them through ``dtype``
-            expected = want if dtype is None or owner.mine else want.to(dtype).float()
+            # every rank of a work group, the owner included, holds the values as they travel
+            # through ``dtype`` (replicas stay equal); alone, nothing travels
+            expected = want if dtype is None or not owner.shared else want.to(dtype).float()
             assert torch.equal(got, expected), (me, owner, got, expected)
 
 
@@ -127,3 +146,95 @@ def _share_pool2_worker() -> None:
 
 def test_share_results_with_an_idle_rank(pool2) -> None:
     pool2.run(_share_pool2_worker)
+
+
+def _exchange_worker(wire: torch.dtype | None) -> dict[str, int]:
+    """tp=2 x dp=2 with ZeRO over dp: a matrix cut into two row boxes, a matrix whose ZeRO chunks
+    need padding and a vector, each owned in the TP x DP grid. The owners receive exactly the
+    boxes of the full tensors; every rank receives exactly its piece of the owners' results
+    (``2 * box + 1``, rounded through ``wire``), ZeRO padding zero; one all_to_all each way."""
+    from tests.helpers.collectives import counting_collectives
+    from tests.helpers.pools import grid_groups
+
+    tp_group, dp_group = grid_groups(2, 2)
+    tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
+    tp = TPSplit(0, 2, tp_rank, tp_group)
+
+    def zero(local: int) -> ZeroShard:
+        return ZeroShard(2, dp_rank, (-local) % 2, dp_group)
+
+    layouts = [
+        ParamLayout((6, 4), tp, zero(12)),
+        ParamLayout((2, 3), tp, zero(3)),  # a TP slice of 3 elements: padded ZeRO chunks
+        ParamLayout((7,), None, zero(7)),
+    ]
+    works = WorkGroups()
+    works.bind(layouts, None, tp_group)
+    boxes = [[((0, 3), (0, 4)), ((3, 6), (0, 4))], [((0, 2), (0, 3))], [((0, 7),)]]
+    tasks = plan_tasks([(works.of(lay), lay, lay.full_shape, bx, [1.0] * len(bx)) for lay, bx in zip(layouts, boxes)])
+    assert all(t.work.size == 4 for t in tasks)
+    route_tasks(tasks)
+    assert all(t.route is not None for t in tasks)
+    gen = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(lay.full_shape, generator=gen, dtype=torch.float64) for lay in layouts]
+
+    def through(t: torch.Tensor) -> torch.Tensor:
+        return t if wire is None else t.to(wire).double()
+
+    moved = [Moved(t, [lay.take_local(f)], torch.float64) for t, lay, f in zip(tasks, layouts, fulls)]
+    with counting_collectives() as sent:
+        to_owners(moved, wire)
+    owned = 0
+    for m, f in zip(moved, fulls):
+        for i, (box,) in m.boxes.items():
+            sl = tuple(slice(lo, hi) for lo, hi in m.task.boxes[i])
+            assert torch.equal(box, through(f[sl])), (i, box, f[sl])
+            m.results[i] = box * 2 + 1
+            owned += 1
+    with counting_collectives() as back:
+        from_owners(moved, wire)
+    for m, lay, f in zip(moved, layouts, fulls):
+        want = lay.take_local(through(through(f) * 2 + 1)).reshape(-1)
+        want[lay.valid_numel :] = 0
+        assert m.out is not None and torch.equal(m.out, want), (m.out, want)
+        assert not m.boxes and not m.results  # the owners' boxes are dropped
+    return {"to": sum(sent.counts.values()), "back": sum(back.counts.values()), "owned": owned}
+
+
+@pytest.mark.parametrize("wire", [None, torch.bfloat16])
+def test_routed_exchange_moves_exactly_the_pieces(pool4, wire: torch.dtype | None) -> None:
+    res = pool4.run(_exchange_worker, wire)
+    assert all(r["to"] == 1 and r["back"] == 1 for r in res), res
+    assert sum(r["owned"] for r in res) == 4  # every box has exactly one owner
+
+
+def _replicated_worker() -> dict[str, int]:
+    """DDP: every rank holds the whole tensors. Nothing travels to the owners (each uses its own
+    copy); the results come back in one all_to_all to every rank."""
+    from tests.helpers.collectives import counting_collectives
+
+    layouts = [ParamLayout((4, 3)), ParamLayout((5,))]
+    unbound = WorkGroups()
+    assert all(unbound.of(lay) is ALONE for lay in layouts)
+    world = WorkGroup.of(None)
+    whole = [[tuple((0, n) for n in lay.full_shape)] for lay in layouts]
+    tasks = plan_tasks([(world, lay, lay.full_shape, bx, [1.0]) for lay, bx in zip(layouts, whole)])
+    route_tasks(tasks)
+    fulls = [torch.arange(float(math.prod(lay.full_shape))).reshape(lay.full_shape) for lay in layouts]
+    moved = [Moved(t, [f], torch.float32) for t, f in zip(tasks, fulls)]
+    with counting_collectives() as sent:
+        to_owners(moved, None)
+    for m, f in zip(moved, fulls):
+        for i, (box,) in m.boxes.items():
+            assert torch.equal(box, f)
+            m.results[i] = -box
+    with counting_collectives() as back:
+        from_owners(moved, None)
+    for m, f in zip(moved, fulls):
+        assert m.out is not None and torch.equal(m.out, -f.reshape(-1))
+    return {"to": sum(sent.counts.values()), "back": sum(back.counts.values())}
+
+
+def test_replicated_tensors_are_not_sent(pool4) -> None:
+    res = pool4.run(_replicated_worker)
+    assert all(r == {"to": 0, "back": 1} for r in res), res

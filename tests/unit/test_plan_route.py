@@ -1,4 +1,4 @@
-"""work.plan_route against the algorithm it replaced, on TP x DP layouts with and without ZeRO.
+"""placement.plan_route against the algorithm it replaced, on TP x DP layouts with and without ZeRO.
 
 plan_route used to list every piece of the work group (every block against every holder's box)
 and keep a rank's own; it now finds only the pieces of the rank's own boxes and of the blocks it
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import pytest
 
 from dist_optim.layout import Box, ParamLayout, TPSplit, ZeroShard, box_numel
-from dist_optim.work import BlockPiece, LocalPiece, Route, assign_owners, plan_route
+from dist_optim.placement import BlockPiece, LocalPiece, Route, assign_owners, plan_route
 
 
 def _intersect(a: Box, b: Box) -> Box | None:

@@ -1,4 +1,4 @@
-"""Splitting per-parameter work (preconditioner roots, projections) across data-parallel ranks.
+"""Where owner work goes, as pure geometry and scheduling: the layer under :mod:`dist_optim.owners`.
 
 Pure functions: who owns which item (:func:`assign_owners`), and for a tensor held in pieces
 (TP slices, ZeRO chunks) whose blocks have owners, which piece goes from which rank to which
