@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..base import DistOptimizer
+from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..owners import Owner, Task, WorkGroups, route_tasks, share_results
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
 from .preconditioner import owner_direction
@@ -59,6 +60,14 @@ class DistributedKron(DistOptimizer):
             ``param_names`` (set by the dist_optim plugins at boost) or else its position in
             ``param_groups``: the same probes whatever subset of the model an optimizer holds, so
             a pipeline stage reproduces the single-device run, and only owners draw.
+        bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): when bound, the
+            parameters go to their owners and back in buckets of consecutive parameters of at
+            most this many bytes of full momenta (a larger parameter is a bucket of its own), each
+            bucket's directions applied before the next moves, so the owners' whole momenta and
+            directions and the exchange buffers are bounded by the budget, not the model. Default
+            :data:`~dist_optim.budget.DEFAULT_BUCKET_BYTES`; None: all at once (the fewest
+            collectives). The result does not depend on it (bit for bit: the probes are drawn in
+            parameter order either way).
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`); a skipped step draws no
             random numbers and leaves the update schedule where it was.
@@ -92,9 +101,11 @@ class DistributedKron(DistOptimizer):
         communication_dtype: torch.dtype | None = None,
         probe_rng: str = "sequential",
         *,
+        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
         check_optimizer_options(seed, communication_dtype, probe_rng)
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         if preconditioner_update_probability is None:
             preconditioner_update_probability = precond_update_prob_schedule()
         defaults = group_defaults(
@@ -244,13 +255,21 @@ class DistributedKron(DistOptimizer):
             return loss
         if self.is_bound:
             self._ensure_routes()
+
+        sizes = [item.layout.full_numel * item.m.element_size() * len(item.fit_inputs()) for item in work]
+        for start, stop in buckets(sizes, self.bucket_bytes if self.is_bound else None):
+            self._step_bucket(work[start:stop], do_update, balance)
+        return loss
+
+    def _step_bucket(self, work: list[Item], do_update: bool, balance: bool) -> None:
+        """Inputs to the owners, directions (in parameter order on every rank: the sequential
+        probes stay in step), directions back, applied: for one bucket of parameters."""
+        comm_dtype = self.communication_dtype
         routed = [item for item in work if item.routed]
         plain = [item for item in work if not item.routed]
-
-        comm_dtype = self.communication_dtype
         gather_inputs(plain, comm_dtype)
         send_inputs(routed, comm_dtype)
-        for item in work:  # in parameter order on every rank: the sequential probes stay in step
+        for item in work:
             self._direction(item, do_update, balance)
         share_results(
             [(owner, [d]) for item in plain if (d := item.direction) is not None and (owner := self._owner(item.p))],
@@ -259,7 +278,6 @@ class DistributedKron(DistOptimizer):
         send_directions(routed, comm_dtype)
         for item in work:
             self._apply(item)
-        return loss
 
     def _direction(self, item: Item, do_update: bool, balance: bool) -> None:
         """Draw the probe (every rank with ``probe_rng="sequential"``, so that every generator

@@ -11,6 +11,7 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..base import DistOptimizer, check_range
+from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..comm import check_communication_dtype, gather_full
 from ..fused_adam import fused_applies
 from ..layout import ParamLayout
@@ -108,6 +109,13 @@ class DistributedMuon(DistOptimizer):
             KellerJordan).
         adamw_betas: AdamW's ``(beta1, beta2)`` in ``use_muon=False`` groups.
         adamw_eps: AdamW's epsilon (>= 0).
+        bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): the matrices are
+            orthogonalized in buckets of consecutive parameters of at most this many bytes of full
+            ``C`` (a larger matrix is a bucket of its own), each bucket's ``C`` made, moved to the
+            owners, iterated, moved back and applied before the next, so the step's transient
+            memory is bounded by the budget, not the model. Default
+            :data:`~dist_optim.budget.DEFAULT_BUCKET_BYTES`; None: every matrix at once (the
+            fewest collectives). The result does not depend on it (bit for bit).
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
@@ -138,10 +146,12 @@ class DistributedMuon(DistOptimizer):
         eps_form: str = "max",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-10,
+        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
         check_communication_dtype(communication_dtype)
         self.communication_dtype = communication_dtype
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -295,12 +305,15 @@ class DistributedMuon(DistOptimizer):
             if not params:
                 continue
             if group["use_muon"]:
-                for p, g in zip(params, grads):
-                    matrices.append((group, p, _momentum_direction(self.state, p, g, group)))
+                matrices += [(group, p, g) for p, g in zip(params, grads)]
             else:
                 self._adamw(group, params, grads)
-        if matrices:
-            self._orthogonalized_updates(matrices)
+        sizes = [self.layout(p).full_numel * g.element_size() for _, p, g in matrices]
+        for start, stop in buckets(sizes, self.bucket_bytes if self.is_bound else None):
+            # C per bucket: with Nesterov each C is a new tensor, so all of them at once would
+            # hold a second copy of the momenta.
+            bucket = [(group, p, _momentum_direction(self.state, p, g, group)) for group, p, g in matrices[start:stop]]
+            self._orthogonalized_updates(bucket)
         return loss
 
     def _orthogonalized_updates(self, matrices: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> None:

@@ -161,10 +161,10 @@ class Plan:
 
 #: The option that bounds each optimizer's largest transient buffers.
 TRANSIENT_OPTIONS = {
-    "shampoo": "max_gather_bytes (gathered gradients per bucket), communication_dtype",
-    "muon": "communication_dtype (routed pieces), ns_dtype (Newton-Schulz workspace)",
+    "shampoo": "bucket_bytes (full gradients moved per bucket), communication_dtype",
+    "muon": "bucket_bytes (full C moved per bucket), ns_dtype (Newton-Schulz workspace)",
     "galore": "the rank and update_proj_gap (SVD workspace on refresh steps)",
-    "kron": "communication_dtype (routed pieces), max_size_triangular (dense factors)",
+    "kron": "bucket_bytes (full momenta moved per bucket), max_size_triangular (dense factors)",
     "lamb": "none: the foreach update holds one update per parameter",
     "adamw": "foreach=False (torch's per-parameter loop)",
     "adafactor": "none (row/column statistics are small)",

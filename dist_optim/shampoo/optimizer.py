@@ -8,6 +8,7 @@ ranks that hold them and applies them (:mod:`.update`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 
 from .. import structured
 from ..base import DistOptimizer
-from ..budget import buckets
+from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..comm import SumBucket, gather_full
 from ..layout import ParamLayout
 from ..owners import Owner, WorkGroups, route_tasks, share_results
@@ -71,12 +72,16 @@ class DistributedShampoo(DistOptimizer):
         skip_preconditioning_dim_size_gt: parameters with a dim above this use grafting only.
         inverse_failure_threshold: an iterative root with error above this counts as failed.
         higher_order_degree: order of the ``"higher_order"`` iteration (>= 3; 2 would be Newton).
-        max_gather_bytes: when bound, move and finish the parameters in buckets of at most this
-            many bytes of full gradients (a parameter larger than that is its own bucket), one
-            bucket after the other: caps the transient memory of gathered full gradients (and of
-            the owners' block gradients and exchange buffers), at the cost of collectives per
-            bucket. None (default): all parameters at once, the fewest collectives. Gradients
-            are checked for NaN/Inf on the local pieces before any bucket moves (``nonfinite``).
+        max_gather_bytes: the old name of ``bucket_bytes`` (a value given here is used as
+            ``bucket_bytes``, with a ``FutureWarning``).
+        bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): when bound, move and
+            finish the parameters in buckets of at most this many bytes of full gradients (a
+            parameter larger than that is its own bucket), one bucket after the other: caps the
+            transient memory of gathered full gradients, of the owners' block gradients and of
+            the exchange buffers, at the cost of collectives per bucket. Default
+            :data:`~dist_optim.budget.DEFAULT_BUCKET_BYTES`; None: all parameters at once, the
+            fewest collectives. The result does not depend on it (bit for bit). Gradients are
+            checked for NaN/Inf on the local pieces before any bucket moves (``nonfinite``).
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
@@ -116,18 +121,27 @@ class DistributedShampoo(DistOptimizer):
         higher_order_degree: int = 3,
         max_gather_bytes: int | None = None,
         *,
+        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
         defaults = group_defaults(**{k: v for k, v in locals().items() if k in GROUP_OPTIONS})
         self.communication_dtype = communication_dtype
-        self.max_gather_bytes = max_gather_bytes
+        if max_gather_bytes is not None:
+            warnings.warn(
+                f"DistributedShampoo: max_gather_bytes={max_gather_bytes!r} is the old name of bucket_bytes; "
+                "pass bucket_bytes instead (the value is used as bucket_bytes)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            bucket_bytes = max_gather_bytes
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         self._plans: dict[torch.Tensor, Plan] = {}
         self._work = WorkGroups()  # the ranks that split each parameter's blocks (see _on_bind)
         self._scratch = Scratch()  # one block's direction, reused across blocks applied as soon as computed
         # Whether the routes of the parameters held in pieces are planned (see _ensure_routes).
         self._routed = False
         super().__init__(params, defaults, nonfinite=nonfinite)  # validate_group checks every group
-        check_communication(communication_dtype, max_gather_bytes)
+        check_communication(communication_dtype)
 
     def validate_group(self, group: dict[str, Any]) -> None:
         super().validate_group(group)
@@ -180,9 +194,6 @@ class DistributedShampoo(DistOptimizer):
         items = []
         for group in self.param_groups:
             for p, g in zip(*self._grads(group)):
-                wd = group["weight_decay"]
-                if wd != 0 and not group["use_decoupled_weight_decay"]:
-                    g = g + p.detach() * wd  # elementwise: the same bits on a shard as on the full tensor
                 items.append((self.layout(p), g))
                 entries.append((group, p))
         if not entries:
@@ -193,17 +204,16 @@ class DistributedShampoo(DistOptimizer):
         if self.is_bound:
             self._ensure_routes()
         routed = self.is_bound and any(self._route(p) is not None for _, p in entries)
-        if not self.is_bound or (self.max_gather_bytes is None and not routed):
+        if not self.is_bound or (self.bucket_bytes is None and not routed):
+            items = _decayed(entries, items)
             full_grads = gather_full(items, dtype=comm_dtype) if self.is_bound else [g.detach() for _, g in items]
             self._update(entries, items, comm_dtype, full_grads)
             return loss
         # No rank sees every full gradient (gradient pieces go to block owners, or full gradients
-        # are gathered in buckets of at most max_gather_bytes); _gradients_ok checked the local
+        # are gathered in buckets of at most bucket_bytes); _gradients_ok checked the local
         # pieces of all of them before the first one moved.
-        for start, stop in buckets(
-            [layout.full_numel * g.element_size() for layout, g in items], self.max_gather_bytes
-        ):
-            self._update(entries[start:stop], items[start:stop], comm_dtype)
+        for start, stop in buckets([layout.full_numel * g.element_size() for layout, g in items], self.bucket_bytes):
+            self._update(entries[start:stop], _decayed(entries[start:stop], items[start:stop]), comm_dtype)
         return loss
 
     def _update(
@@ -404,6 +414,20 @@ class DistributedShampoo(DistOptimizer):
                 bucket.add(total, [work.group])
         bucket.flush()
         return int(sum(float(total) for _, total in totals.values()))
+
+
+def _decayed(
+    entries: list[tuple[dict[str, Any], torch.Tensor]], items: list[tuple[ParamLayout, torch.Tensor]]
+) -> list[tuple[ParamLayout, torch.Tensor]]:
+    """The gradients with coupled weight decay added (``use_decoupled_weight_decay=False``), made
+    for one bucket at a time so that the copies stay within the budget."""
+    out = []
+    for (group, p), (layout, g) in zip(entries, items):
+        wd = group["weight_decay"]
+        if wd != 0 and not group["use_decoupled_weight_decay"]:
+            g = g + p.detach() * wd  # elementwise: the same bits on a shard as on the full tensor
+        out.append((layout, g))
+    return out
 
 
 def _nbytes(t: torch.Tensor) -> int:

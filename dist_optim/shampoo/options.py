@@ -113,7 +113,7 @@ COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 #: The per-group options of :class:`~dist_optim.shampoo.optimizer.DistributedShampoo` (its other
-#: arguments, ``communication_dtype``, ``max_gather_bytes`` and ``nonfinite``, are optimizer-wide).
+#: arguments, ``communication_dtype``, ``bucket_bytes`` and ``nonfinite``, are optimizer-wide).
 GROUP_OPTIONS = (
     "lr",
     "betas",
@@ -166,12 +166,11 @@ def start_step(group: dict[str, Any]) -> int:
     return max(1, group["start_preconditioning_step"])
 
 
-def check_communication(communication_dtype: Any, max_gather_bytes: Any) -> None:
-    """The optimizer-wide options (not per group)."""
+def check_communication(communication_dtype: Any) -> None:
+    """The optimizer-wide communication option (not per group; ``bucket_bytes`` is checked by
+    :func:`dist_optim.budget.check_bucket_bytes`)."""
     # Not None: owners round their shared results in this dtype, so it must name one.
     check_communication_dtype(communication_dtype, COMM_DTYPES)
-    if max_gather_bytes is not None:
-        check_int("max_gather_bytes", max_gather_bytes, 1)
 
 
 def validate_options(group: dict[str, Any]) -> None:

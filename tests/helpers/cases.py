@@ -174,7 +174,7 @@ PARITY_CASES += [
             grafting_config=dist_optim.SGDGraftingConfig(),
             momentum=0.9,
             use_nesterov=True,
-            max_gather_bytes=200,  # bound: full gradients gathered a few parameters at a time
+            bucket_bytes=200,  # bound: full gradients gathered a few parameters at a time
         ),
     ),
 ]
