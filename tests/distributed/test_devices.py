@@ -32,8 +32,8 @@ import pytest
 import torch
 
 import dist_optim
+from dist_optim.testing import DistPool
 from tests.helpers import booster
-from tests.helpers.pools import DistPool
 
 STEPS = 6
 NONE_STEP = 2  # the step at which the matrix "w" has no gradient
