@@ -263,7 +263,7 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
     from colossalai.booster import Booster
 
     from dist_optim import comm, plugins
-    from tests.helpers.booster import tiny_llama
+    from dist_optim.testing import tiny_llama
 
     out: dict[str, Any] = {}
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_to_all_single")

@@ -5,14 +5,17 @@ part of the optimizers, and nothing in the optimizers imports it.
   NCCL process group, running module-level functions on every rank), :func:`grid_groups` (a rank's
   TP and DP groups of a tp x dp grid, TP fastest-varying as in ColossalAI's mesh) and
   :func:`zero_chunks` (a rank's ZeRO chunks of full tensors and their layouts).
+- :mod:`dist_optim.testing.models`: :func:`tiny_llama`, :func:`tiny_mixtral` (tiny Hugging Face
+  causal LMs, seeded, that ShardFormer splits as it splits a real one) and their :data:`VOCAB`.
 
-The dependency direction: ``tests/`` and ``bench/`` import this package; it imports ``torch`` and
-the core (``dist_optim.layout``), never ``tests/`` or ``bench/`` (the wheel holds it and
-``tests/unit/test_install.py`` imports it where neither exists).
+The dependency direction: ``tests/`` and ``bench/`` import this package; it imports ``torch``, the
+core (``dist_optim.layout``) and, when a model is built, ``transformers``; never ``tests/`` or
+``bench/`` (the wheel holds it, and ``tests/unit/test_install.py`` imports it where neither exists).
 """
 
 from __future__ import annotations
 
+from .models import VOCAB, tiny_llama, tiny_mixtral
 from .pools import COLLECTIVE_TIMEOUT, DistPool, grid_groups, zero_chunks
 
-__all__ = ["COLLECTIVE_TIMEOUT", "DistPool", "grid_groups", "zero_chunks"]
+__all__ = ["COLLECTIVE_TIMEOUT", "VOCAB", "DistPool", "grid_groups", "tiny_llama", "tiny_mixtral", "zero_chunks"]

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import dist_optim
-from dist_optim.testing import DistPool
+from dist_optim.testing import DistPool, tiny_llama
 from tests.helpers import booster
 
 STEPS = 6
@@ -435,7 +435,7 @@ def boost_one_rank(steps: int) -> dict[str, Any]:
     if not cuda:
         install()  # ColossalAI's CPU accelerator lacks calls its plugins make (test-only shims)
     with quiet_colossal():
-        model = booster.tiny_llama()
+        model = tiny_llama()
         optimizer = Lamb(model.parameters(), lr=1e-3)
         # record_stream, which overlapping ZeRO's communication needs, has no CPU implementation
         plugin = plugins.HybridParallelPlugin(
