@@ -263,7 +263,7 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
     from colossalai.booster import Booster
 
     from dist_optim import comm, plugins
-    from tests.helpers.booster import tiny_llama
+    from dist_optim.testing import tiny_llama
 
     out: dict[str, Any] = {}
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_to_all_single")
@@ -359,7 +359,7 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
 
 
 def run_dist(steps: int, families: list[str], zero_stage: int, precision: str) -> None:
-    from tests.helpers.pools import DistPool
+    from dist_optim.testing import DistPool
 
     pool = DistPool(4)
     try:
@@ -432,7 +432,7 @@ def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int)
 
     from dist_optim import comm
     from dist_optim.layout import ParamLayout, TPSplit, local_layout
-    from tests.helpers.pools import grid_groups
+    from dist_optim.testing import grid_groups
 
     torch.manual_seed(0)
     base = [torch.randn(s) * 0.02 for s in shapes]
@@ -493,7 +493,7 @@ def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int)
 
 
 def run_split(name: str, steps: int, pf: int, layers: int) -> None:
-    from tests.helpers.pools import DistPool
+    from dist_optim.testing import DistPool
 
     shapes = llama_like(512, 1376, layers, 4096)
     pool = DistPool(4)

@@ -29,18 +29,14 @@ if ROOT not in sys.path:
 from dist_optim.muon import DEFAULT_NS_COEFFICIENTS  # noqa: E402
 from dist_optim.newton_schulz import SYMMETRIC_MIN_SIZE, newton_schulz, newton_schulz_gram_space  # noqa: E402
 from dist_optim.structured import symmetric_product  # noqa: E402
+from dist_optim.testing import STRESS_KINDS, plain_newton_schulz, stress_momentum  # noqa: E402
 
 COEFFS = [DEFAULT_NS_COEFFICIENTS] * 5
 
 
 def plain(c: torch.Tensor) -> torch.Tensor:
     """Jordan et al.'s iteration as written, plain products in ``c``'s dtype."""
-    x = c.T if c.size(0) > c.size(1) else c
-    x = x / x.norm().clamp(min=1e-7)
-    for a, b, cc in COEFFS:
-        gram = x @ x.T
-        x = a * x + (b * gram + cc * (gram @ gram)) @ x
-    return x.T if c.size(0) > c.size(1) else x
+    return plain_newton_schulz(c, COEFFS)
 
 
 def restarted(c: torch.Tensor, blocks: list[int]) -> torch.Tensor:
@@ -68,22 +64,6 @@ PATHS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def momentum(m: int, n: int, kind: str) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(m + n)
-    if kind == "rank8":
-        c = torch.randn(m, 8, generator=gen, dtype=torch.float64) @ torch.randn(
-            8, n, generator=gen, dtype=torch.float64
-        )
-    elif kind == "log-spaced":
-        k = min(m, n)
-        u = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))[0]
-        v = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))[0]
-        c = (u * torch.logspace(0, -6, k, dtype=torch.float64)) @ v.T
-    else:
-        c = torch.randn(m, n, generator=gen, dtype=torch.float64)
-    return c.float()
-
-
 def error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref).abs().max() / ref.abs().max())
 
@@ -92,8 +72,8 @@ def accuracy(shapes: list[tuple[int, int]]) -> None:
     print("| shape | input | plain fp32 | " + " | ".join(PATHS) + " |")
     print("|---|---|---:|" + "---:|" * len(PATHS))
     for m, n in shapes:
-        for kind in ("rank8", "log-spaced", "gaussian"):
-            c = momentum(m, n, kind)
+        for kind in STRESS_KINDS:
+            c = stress_momentum((m, n), kind)
             ref = plain(c.double())
             floor = error(plain(c), ref)
             cells = [f"{(e := error(f(c), ref)):.2e} ({e / floor:.2f}x)" for f in PATHS.values()]
@@ -104,7 +84,7 @@ def speed(shapes: list[tuple[int, int]], repeats: int) -> None:
     print(f"\ntime / plain formula's, median of {repeats} (threads: {torch.get_num_threads()})")
     fns = {"plain": plain, **PATHS}
     for m, n in shapes:
-        c = momentum(m, n, "gaussian")
+        c = stress_momentum((m, n), "gaussian")
         times: dict[str, list[float]] = {k: [] for k in fns}
         for f in fns.values():
             f(c)  # warm-up

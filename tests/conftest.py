@@ -10,8 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from dist_optim.testing import DistPool  # noqa: E402
 from tests.helpers import support  # noqa: E402
-from tests.helpers.pools import DistPool  # noqa: E402
 
 _POOLS: dict[int, DistPool] = {}
 

@@ -32,8 +32,8 @@ import pytest
 import torch
 
 import dist_optim
+from dist_optim.testing import DistPool, tiny_llama
 from tests.helpers import booster
-from tests.helpers.pools import DistPool
 
 STEPS = 6
 NONE_STEP = 2  # the step at which the matrix "w" has no gradient
@@ -435,7 +435,7 @@ def boost_one_rank(steps: int) -> dict[str, Any]:
     if not cuda:
         install()  # ColossalAI's CPU accelerator lacks calls its plugins make (test-only shims)
     with quiet_colossal():
-        model = booster.tiny_llama()
+        model = tiny_llama()
         optimizer = Lamb(model.parameters(), lr=1e-3)
         # record_stream, which overlapping ZeRO's communication needs, has no CPU implementation
         plugin = plugins.HybridParallelPlugin(

@@ -168,7 +168,8 @@ def pipeline_worker(opt_path: str, opt_kwargs: dict[str, Any], policy: str, valu
 
     from dist_optim import plugins
     from dist_optim.plugins.cpu import install, quiet_colossal
-    from tests.helpers.booster import dp_coords, make_optimizer, tiny_llama, train_boosted
+    from dist_optim.testing import tiny_llama
+    from tests.helpers.booster import dp_coords, make_optimizer, train_boosted
 
     install()
     with quiet_colossal():

@@ -17,8 +17,9 @@ import torch
 from dist_optim.plan import Layout, PlanError, make_plan, parse_bytes
 from dist_optim.plan.simulate import OPTIMIZERS, SimWorld, build_optimizer, build_pieces
 from dist_optim.plan.traffic import LiveBytes
+from dist_optim.testing import tiny_llama
 from tests.helpers.allocated import AllocatedBytes, held_bytes
-from tests.helpers.booster import rank_batch, tiny_llama
+from tests.helpers.booster import rank_batch
 from tests.helpers.collectives import Collectives, counting_collectives
 
 STEPS = 3

@@ -10,7 +10,7 @@ import torch
 
 import dist_optim
 from dist_optim import ParamLayout, TPSplit
-from tests.helpers.pools import grid_groups
+from dist_optim.testing import grid_groups
 
 
 # ---- workers (every rank) ----------------------------------------------------------------------

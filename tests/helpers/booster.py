@@ -13,46 +13,13 @@ import torch
 import torch.distributed as dist
 
 from dist_optim.plugins.cpu import install, quiet_colossal
+from dist_optim.testing import VOCAB, tiny_llama, tiny_mixtral
 from tests.helpers.check import describe, excess, max_rel_err
 
 #: Element-wise tolerance of the replayed single-device run: the parity grid's (tests/helpers/parity.py).
 REPLAY_RTOL = 1e-5
 GLOBAL_BATCH = 4  # sequences per step, split over data-parallel ranks (dp in 1, 2, 4)
 SEQ = 16
-VOCAB = 256
-
-
-def _tiny_causal_lm(
-    config_cls: str, model_cls: str, hidden: int, inter: int, layers: int, vocab: int, **extra: Any
-) -> Any:
-    import transformers
-
-    config = getattr(transformers, config_cls)(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        use_cache=False,
-        **extra,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return getattr(transformers, model_cls)(config)
-
-
-def tiny_llama(hidden: int = 64, inter: int = 128, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
-    return _tiny_causal_lm("LlamaConfig", "LlamaForCausalLM", hidden, inter, layers, vocab)
-
-
-def tiny_mixtral(hidden: int = 64, inter: int = 96, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
-    """A tiny Mixtral (4 experts, top-2) for MoeHybridParallelPlugin."""
-    return _tiny_causal_lm(
-        "MixtralConfig", "MixtralForCausalLM", hidden, inter, layers, vocab, num_local_experts=4, num_experts_per_tok=2
-    )
 
 
 def model_for(plugin_name: str) -> torch.nn.Module:

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from dist_optim import comm
 from dist_optim.layout import register_tp_reader
+from dist_optim.testing import grid_groups
 from tests.helpers.check import describe, excess
-from tests.helpers.pools import grid_groups
 
 #: (tp, dp, ZeRO-sharded): TP only, TP x DDP, ZeRO over 4, TP x ZeRO, TP over 4.
 LAYOUTS: list[tuple[int, int, int]] = [(2, 1, 0), (2, 2, 0), (1, 4, 1), (2, 2, 1), (4, 1, 0)]

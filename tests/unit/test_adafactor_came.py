@@ -306,7 +306,7 @@ def test_convert_refuses_what_it_cannot_honour() -> None:
 # ---- collectives per step -----------------------------------------------------------------------
 def _count_worker(cls: type, kwargs: dict[str, Any], n_params: int) -> dict[str, int]:
     """Bind ``n_params`` mixed params at tp=2 x zero=2 and count the collectives of one step."""
-    from tests.helpers.pools import grid_groups
+    from dist_optim.testing import grid_groups
 
     tp_group, dp_group = grid_groups(2, 2)
     tp_rank, dp_rank = comm.group_rank(tp_group), comm.group_rank(dp_group)

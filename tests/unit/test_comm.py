@@ -1,5 +1,5 @@
 """Collectives: correctness and a constant number per step, whatever the number of params. The
-worker functions run on every rank of the session's process pool (tests/helpers/pools.py)."""
+worker functions run on every rank of the session's process pool (dist_optim/testing/pools.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import dist_optim
 from dist_optim import ParamLayout, TPSplit, ZeroShard, comm
 from dist_optim.placement import assign_owners
-from tests.helpers.pools import grid_groups
+from dist_optim.testing import grid_groups
 
 
 # ---- workers (every rank) ----------------------------------------------------------------------

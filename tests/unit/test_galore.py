@@ -670,8 +670,8 @@ def _local_piece(
 def _dist_worker(copies: int, proj_type: str, optim_bits: int) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from dist_optim.testing import grid_groups
     from tests.helpers.parity import tp_slice, zero_chunk
-    from tests.helpers.pools import grid_groups
 
     specs = DIST_SHAPES * copies
     shapes = [s for s, _ in specs]

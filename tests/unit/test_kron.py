@@ -372,7 +372,7 @@ def _full_grads(shapes, step: int) -> list[torch.Tensor]:
 
 def _work_worker(shapes, steps: int) -> dict:
     """dp=4 replicated (plain data parallel, owner split over dp) and dp=4 ZeRO chunks."""
-    from tests.helpers.pools import grid_groups, zero_chunks
+    from dist_optim.testing import grid_groups, zero_chunks
 
     _, dp_group = grid_groups(1, 4)
     out: dict = {}
@@ -439,7 +439,7 @@ def _tp_count_worker(n_params: int, communication_dtype: torch.dtype | None = to
     """tp=2 x zero=2: TP-split and replicated params; collectives per step must not depend on
     the number of parameters. Returns the counts, the full params after 2 steps and the unbound
     run's."""
-    from tests.helpers.pools import grid_groups
+    from dist_optim.testing import grid_groups
 
     tp_group, dp_group = grid_groups(2, 2)
     tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
@@ -559,7 +559,7 @@ def test_pieces_go_to_owners(pool4, layout: tuple[int, int, int]) -> None:
 def _resume_worker(shapes, steps: int, split: int) -> float:
     """The unbound run saved (full_state + extra_state) after ``split`` steps resumes at dp=4 ZeRO
     with the same trajectory as the uninterrupted unbound run."""
-    from tests.helpers.pools import grid_groups, zero_chunks
+    from dist_optim.testing import grid_groups, zero_chunks
 
     _, dp_group = grid_groups(1, 4)
     ref_params = _local_params(shapes)

@@ -15,6 +15,7 @@ import torch
 
 import dist_optim
 from dist_optim import DistributedMuon, comm, muon_param_groups, newton_schulz, structured
+from dist_optim.testing import plain_newton_schulz, stress_momentum
 from tests.helpers import parity
 from tests.helpers.check import assert_close, max_rel_err
 from tests.helpers.collectives import counting_collectives
@@ -233,34 +234,7 @@ def test_bfloat16_iteration_keeps_the_formula() -> None:
 
 
 # ---- accuracy of the fp32 iteration on the momenta that stress it -----------------------------------
-def _plain_formula(c: torch.Tensor, coefficients: list[tuple[float, float, float]]) -> torch.Tensor:
-    """The iteration as Jordan et al. write it, plain products in ``c``'s dtype (the yardstick)."""
-    x = c.T if c.size(0) > c.size(1) else c
-    x = x / x.norm().clamp(min=1e-7)
-    for a, b, cc in coefficients:
-        gram = x @ x.T
-        x = a * x + (b * gram + cc * (gram @ gram)) @ x
-    return x.T if c.size(0) > c.size(1) else x
-
-
-def _momentum_of(shape: tuple[int, int], kind: str) -> torch.Tensor:
-    """An fp32 matrix of rank 8, or with singular values log-spaced from 1 to 1e-6, or Gaussian."""
-    gen = torch.Generator().manual_seed(sum(shape))
-    m, n = shape
-    if kind == "rank8":
-        c = torch.randn(m, 8, generator=gen, dtype=torch.float64) @ torch.randn(
-            8, n, generator=gen, dtype=torch.float64
-        )
-    elif kind == "log-spaced":
-        k = min(m, n)
-        u = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))[0]
-        v = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))[0]
-        c = (u * torch.logspace(0, -6, k, dtype=torch.float64)) @ v.T
-    else:
-        c = torch.randn(m, n, generator=gen, dtype=torch.float64)
-    return c.float()
-
-
+# (the momenta and the plain formula: dist_optim.testing.matrices, shared with bench/ns_accuracy.py)
 #: Our error may be at most this many times the plain formula's own fp32 error on the same input
 #: (measured 0.94-1.28x on these inputs, and on bench/ns_accuracy.py's up to 2048 x 5504: a margin
 #: of 1.5x; the Gram-space form measured 35-247x on the first four, the default before it became
@@ -273,12 +247,12 @@ def _one_step_error(g: torch.Tensor, **options: Any) -> tuple[float, float]:
     orthogonalized gradient): its distance to the plain formula run in float64 (max |x - ref| /
     max |ref|), and the plain formula's own distance in fp32."""
     coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
-    exact = _plain_formula(g.double(), coeffs)
+    exact = plain_newton_schulz(g.double(), coeffs)
     p = torch.nn.Parameter(torch.zeros(g.shape))
     p.grad = g
     DistributedMuon([p], lr=1.0, weight_decay=0.0, momentum=0.0, **options).step()
     ours = -p.detach() / dist_optim.muon.adjusted_lr(1.0, None, *g.shape)
-    return max_rel_err(ours, exact), max_rel_err(_plain_formula(g, coeffs), exact)
+    return max_rel_err(ours, exact), max_rel_err(plain_newton_schulz(g, coeffs), exact)
 
 
 @pytest.mark.parametrize(
@@ -290,7 +264,7 @@ def test_fp32_step_is_as_accurate_as_the_formula(shape: tuple[int, int], kind: s
     """On a production-shaped gradient of rank 8, with singular values log-spaced over 1..1e-6,
     or Gaussian, one default fp32 step is at most FORMULA_ERROR_FACTOR times as far from the
     formula run in float64 as the plain formula run in fp32."""
-    ours, floor = _one_step_error(_momentum_of(shape, kind))
+    ours, floor = _one_step_error(stress_momentum(shape, kind))
     assert ours <= FORMULA_ERROR_FACTOR * floor, f"{ours:.3g} vs the formula's fp32 {floor:.3g} ({ours / floor:.3g}x)"
 
 
@@ -299,7 +273,7 @@ def test_gram_space_option_error_is_the_documented_one() -> None:
     gradient it is within 1e-2 of the update's scale (measured 7.2e-3 here, 4.2e-3 to 8.1e-3 at
     rank 8 over bench/ns_accuracy.py's shapes) and more than FORMULA_ERROR_FACTOR times the
     formula's fp32 error (why it is not the default)."""
-    ours, floor = _one_step_error(_momentum_of((512, 1536), "rank8"), ns_gram_space=True)
+    ours, floor = _one_step_error(stress_momentum((512, 1536), "rank8"), ns_gram_space=True)
     assert FORMULA_ERROR_FACTOR * floor < ours <= 1e-2, (ours, floor)
 
 

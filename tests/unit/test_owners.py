@@ -62,7 +62,7 @@ def test_share_results_without_other_ranks_moves_nothing() -> None:
 
 def _work_groups_worker() -> None:
     """tp=2 x dp=2 (TP fastest): which ranks share a tensor's work, for each kind of layout."""
-    from tests.helpers.pools import grid_groups
+    from dist_optim.testing import grid_groups
 
     tp_group, dp_group = grid_groups(2, 2)
     tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
@@ -102,7 +102,7 @@ def _share_worker(dtype: torch.dtype | None) -> None:
     """Items in three work groups (the two dp pairs of tp=2 x dp=2, the whole job, this rank
     alone): every rank of each work group ends with the owner's tensors, in one all_gather per
     work group, whatever the number of items."""
-    from tests.helpers.pools import grid_groups
+    from dist_optim.testing import grid_groups
 
     _, dp_group = grid_groups(2, 2)
     pair, world = WorkGroup.of(dp_group), WorkGroup.of(None)
@@ -153,8 +153,8 @@ def _exchange_worker(wire: torch.dtype | None) -> dict[str, int]:
     need padding and a vector, each owned in the TP x DP grid. The owners receive exactly the
     boxes of the full tensors; every rank receives exactly its piece of the owners' results
     (``2 * box + 1``, rounded through ``wire``), ZeRO padding zero; one all_to_all each way."""
+    from dist_optim.testing import grid_groups
     from tests.helpers.collectives import counting_collectives
-    from tests.helpers.pools import grid_groups
 
     tp_group, dp_group = grid_groups(2, 2)
     tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)

@@ -653,7 +653,7 @@ def _resume_worker(kwargs: dict, split: int = 3) -> float:
     """The unbound run saved (full_state + extra_state) after ``split`` steps resumes at dp=4 ZeRO
     with the same trajectory as the uninterrupted unbound run."""
 
-    from tests.helpers.pools import grid_groups, zero_chunks
+    from dist_optim.testing import grid_groups, zero_chunks
 
     _, dp_group = grid_groups(1, 4)
     ref_params = [p.clone() for p in parity.full_params("fp32")]

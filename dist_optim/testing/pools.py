@@ -1,4 +1,4 @@
-"""Running test code on several gloo processes on the CPU.
+"""Running test and benchmark code on several processes (gloo on the CPU, or NCCL on GPUs).
 
 :class:`DistPool` spawns N workers once (file-based rendezvous, no fixed ports), keeps them and
 their process group alive, and runs module-level functions on all of them; a failure on any rank
