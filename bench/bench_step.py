@@ -419,9 +419,14 @@ def _preconditioner_bytes(opt: Any) -> int:
     return sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k.startswith("Q_"))
 
 
-#: The method that does an owner's preconditioner work (statistics, roots, preconditioned
-#: direction) for one block (Shampoo) or one parameter (Kron): timed on its own by --split.
-_OWNER_WORK = {"shampoo": "_block_direction", "kron": "_owner_direction", "muon": "_orthogonalize"}
+#: The public function (module, name) that does an owner's work: the preconditioner's statistics,
+#: roots and direction of one block (Shampoo) or one parameter (Kron), the iteration of one matrix
+#: (Muon); --split times it where the optimizer's module calls it.
+_OWNER_WORK = {
+    "shampoo": ("dist_optim.shampoo.optimizer", "block_direction"),
+    "kron": ("dist_optim.kron.optimizer", "owner_direction"),
+    "muon": ("dist_optim.muon.optimizer", "newton_schulz"),
+}
 
 
 def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int) -> dict[str, Any]:
@@ -447,7 +452,7 @@ def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int)
     out: dict[str, Any] = {}
     labels = [("dp1", alone), ("dp4", dist.group.WORLD)]
     if name == "shampoo":
-        labels += [("tp2dp2_dponly", dp_group), ("tp2dp2", dp_group)]
+        labels += [("tp2dp2", dp_group)]
     for label, group in labels:
         tp = label.startswith("tp")
         params = [torch.nn.Parameter(tp_piece(b) if tp else b.clone()) for b in base]
@@ -461,16 +466,14 @@ def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int)
                 },
                 dp_group=group,
             )
-            if label == "tp2dp2_dponly":  # as before the TP x DP grid: each TP rank splits over its dp pair
-                opt._grids, opt._plans = {}, {}
-                opt._ensure_plans()
         else:
             opt.bind({p: local_layout(p) for p in params}, dp_group=group)
         for p, g in zip(params, grads):
             p.grad = tp_piece(g) if tp else g.clone()
         opt.step()  # warm-up (Shampoo: first preconditioner refresh at step pf)
         work = [0.0]
-        real = getattr(opt, _OWNER_WORK[name])
+        module = importlib.import_module(_OWNER_WORK[name][0])
+        real = getattr(module, _OWNER_WORK[name][1])
 
         def timed(*a: Any, real: Any = real, work: list[float] = work, **k: Any) -> Any:
             t = time.process_time()
@@ -479,12 +482,15 @@ def _split_worker(name: str, shapes: list[tuple[int, ...]], steps: int, pf: int)
             finally:
                 work[0] += time.process_time() - t
 
-        setattr(opt, _OWNER_WORK[name], timed)
+        setattr(module, _OWNER_WORK[name][1], timed)
         comm.reset_counts()
         dist.barrier()
         t0 = time.process_time()
-        for _ in range(steps):
-            opt.step()
+        try:
+            for _ in range(steps):
+                opt.step()
+        finally:
+            setattr(module, _OWNER_WORK[name][1], real)
         out[label] = time.process_time() - t0
         out[label + "_work"] = work[0]
         out[label + "_bytes"] = _preconditioner_bytes(opt)
@@ -516,10 +522,7 @@ def run_split(name: str, steps: int, pf: int, layers: int) -> None:
         f"| dp=4 (work split) | {w4:.2f} ({w4 / w1:.2f}x) | {dp4:.2f} ({dp4 / dp1:.2f}x) "
         f"| {max(r['dp4_bytes'] for r in res):,} | {res[0]['dp4_collectives']:.0f} |"
     )
-    for label, title in (
-        ("tp2dp2_dponly", "tp=2 x dp=2, split over each TP rank's dp pair"),
-        ("tp2dp2", "tp=2 x dp=2, split over the TP x DP grid"),
-    ):
+    for label, title in (("tp2dp2", "tp=2 x dp=2, split over the TP x DP grid"),):
         if label not in res[0]:
             continue
         w, whole = (max(r[k] for r in res) for k in (label + "_work", label))

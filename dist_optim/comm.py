@@ -47,6 +47,7 @@ __all__ = [
     "broadcast_from",
     "share_owned",
     "exchange",
+    "Pending",
     "all_gather_objects",
     "grid_groups",
     "group_key",
@@ -331,20 +332,41 @@ def share_owned(
         _copy_into(gathered[rank], [tensors[i] for i in idx])
 
 
+@dataclass
+class Pending:
+    """An exchange in flight (:func:`exchange` with ``wait=False``): :meth:`wait` finishes it,
+    writing the received pieces in place; until then they hold nothing."""
+
+    work: Any
+    out: torch.Tensor
+    recv: list[torch.Tensor]
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        _copy_into(self.out, self.recv)
+        self.recv = []
+
+
 def exchange(
     send: Sequence[Sequence[torch.Tensor]],
     recv: Sequence[Sequence[torch.Tensor]],
     group: Any,
     dtype: torch.dtype,
     device: torch.device,
-) -> None:
+    wait: bool = True,
+) -> Pending | None:
     """Pieces between the ranks of ``group`` in one ``all_to_all``: ``send[r]`` (tensors or views,
     in order) go to rank r, which writes them into its ``recv[me]`` (views of the same shapes, in
     the same order, in place). Every rank of ``group`` calls it, also with nothing to move.
 
     ``dtype`` is the communication precision and must be the same on every rank; a rank's pieces
     to itself go through it too, so that every receiver of a value gets the same rounding.
-    ``device`` holds the buffers (the one the backend communicates from)."""
+    ``device`` holds the buffers (the one the backend communicates from). With ``wait=False`` the
+    all_to_all is issued asynchronously and a :class:`Pending` returned: the caller computes
+    meanwhile and calls its ``wait()`` before reading ``recv`` (the send tensors may be reused at
+    once: they were copied into the send buffer)."""
     size = group_size(group)
     if len(send) != size or len(recv) != size:
         raise ValueError(f"exchange: one list of pieces per rank of the group ({size}) to send and to receive")
@@ -359,8 +381,14 @@ def exchange(
             offset += n
     out = torch.empty(sum(recv_counts), dtype=dtype, device=device)
     COUNTS["all_to_all"] += 1
-    dist.all_to_all_single(out, flat, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group)
-    _copy_into(out, [t for pieces in recv for t in pieces])
+    work = dist.all_to_all_single(
+        out, flat, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=not wait
+    )
+    pending = Pending(work, out, [t for pieces in recv for t in pieces])
+    if wait:
+        pending.wait()
+        return None
+    return pending
 
 
 #: Grid groups made by :func:`grid_groups`, by their sorted member ranks (made once per job), with

@@ -45,12 +45,13 @@ computed from a ``None`` that means "none".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from .comm import (
+    Pending,
     all_gather_objects,
     exchange,
     grid_groups,
@@ -63,6 +64,9 @@ from .comm import (
 )
 from .layout import Box, ParamLayout
 from .placement import Route, assign_owners, plan_route
+
+B = TypeVar("B")
+S = TypeVar("S")
 
 __all__ = [
     "Holding",
@@ -80,7 +84,9 @@ __all__ = [
     "plan_tasks",
     "route_tasks",
     "Moved",
+    "Sending",
     "to_owners",
+    "pipelined",
     "from_owners",
     "share_results",
 ]
@@ -378,11 +384,28 @@ class Moved:
         return not self.task.layout.is_local
 
 
-def to_owners(moved: Sequence[Moved], dtype: torch.dtype | None) -> None:
+@dataclasses.dataclass
+class Sending:
+    """:func:`to_owners` in flight: :meth:`wait` before reading :attr:`Moved.boxes`."""
+
+    pending: list[Pending]
+
+    def wait(self) -> None:
+        for p in self.pending:
+            p.wait()
+        self.pending = []
+
+
+def to_owners(moved: Sequence[Moved], dtype: torch.dtype | None, wait: bool = True) -> Sending:
     """Every rank's pieces of the inputs of ``moved`` to the owners of their boxes, who get them
     whole in :attr:`Moved.boxes`: one ``all_to_all`` per work group for all its tasks, in ``dtype``
     (None: the widest dtype of the group's inputs that travel). Collective over every work group
-    among them; every rank of one lists the same tasks in the same order."""
+    among them; every rank of one lists the same tasks in the same order.
+
+    With ``wait=False`` the all_to_alls are issued asynchronously (the inputs may change at once:
+    they were copied) and the boxes are filled by the returned :class:`Sending`'s ``wait()``: the
+    next bucket's pieces travel while this one's owners compute (:func:`pipelined`)."""
+    sending_all = Sending([])
     for work, members in _by_work_group(moved):
         sending: list[tuple[Route, torch.Tensor, dict[int, torch.Tensor]]] = []
         for m in members:
@@ -404,12 +427,32 @@ def to_owners(moved: Sequence[Moved], dtype: torch.dtype | None) -> None:
         # the same tasks, each held whole either on all of them or on none.
         if sending:
             wire = dtype or widest_dtype(local for _, local, _ in sending)
-            _move(
+            pending = _move(
                 [(r.gather_send, local, r.gather_recv, owned) for r, local, owned in sending],
                 work.group,
                 wire,
                 sending[0][1].device,
+                wait,
             )
+            if pending is not None:
+                sending_all.pending.append(pending)
+    return sending_all
+
+
+def pipelined(buckets: Iterable[B], start: Callable[[B], S], finish: Callable[[S], None]) -> None:
+    """Run ``buckets`` through the owners with the next bucket's exchange in flight while this one
+    computes: ``start(b)`` issues bucket b's pieces to the owners (:func:`to_owners` with
+    ``wait=False``) and returns its state; ``finish(s)`` waits for them, computes, sends the
+    results back and applies them. Order on every rank: start(0), start(1), finish(0), start(2),
+    finish(1), ...: the same collectives in the same order everywhere; at most two buckets'
+    inputs are alive at once."""
+    pending: list[S] = []
+    for bucket in buckets:
+        pending.append(start(bucket))
+        if len(pending) == 2:
+            finish(pending.pop(0))
+    for state in pending:
+        finish(state)
 
 
 def from_owners(moved: Sequence[Moved], dtype: torch.dtype | None) -> None:
@@ -439,7 +482,8 @@ def _move(
     group: Any,
     dtype: torch.dtype,
     device: torch.device,
-) -> None:
+    wait: bool = True,
+) -> Pending | None:
     size = group_size(group)
     send: list[list[torch.Tensor]] = [[] for _ in range(size)]
     recv: list[list[torch.Tensor]] = [[] for _ in range(size)]
@@ -448,7 +492,7 @@ def _move(
             send[rank] += [pc.view(source) for pc in pieces]
         for rank, pieces in in_pieces.items():
             recv[rank] += [pc.view(target) for pc in pieces]
-    exchange(send, recv, group, dtype, device)
+    return exchange(send, recv, group, dtype, device, wait)
 
 
 def share_results(results: Sequence[tuple[Owner, Sequence[torch.Tensor]]], dtype: torch.dtype | None = None) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
-from ..owners import Owner, Task, WorkGroups, route_tasks, share_results
+from ..owners import Owner, Sending, Task, WorkGroups, pipelined, route_tasks, share_results
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
 from .preconditioner import owner_direction
 from .randomness import KronRandomness
@@ -257,18 +257,28 @@ class DistributedKron(DistOptimizer):
             self._ensure_routes()
 
         sizes = [item.layout.full_numel * item.m.element_size() * len(item.fit_inputs()) for item in work]
-        for start, stop in buckets(sizes, self.bucket_bytes if self.is_bound else None):
-            self._step_bucket(work[start:stop], do_update, balance)
+        ranges = buckets(sizes, self.bucket_bytes if self.is_bound else None)
+        # The next bucket's momenta travel while this one's owners compute.
+        pipelined(
+            ranges,
+            lambda r: self._send_bucket(work[r[0] : r[1]]),
+            lambda sent: self._finish_bucket(*sent, do_update, balance),
+        )
         return loss
 
-    def _step_bucket(self, work: list[Item], do_update: bool, balance: bool) -> None:
-        """Inputs to the owners, directions (in parameter order on every rank: the sequential
-        probes stay in step), directions back, applied: for one bucket of parameters."""
+    def _send_bucket(self, work: list[Item]) -> tuple[list[Item], Sending]:
+        """A bucket's inputs to the owners: gathered whole where no route exists, routed pieces in
+        flight."""
+        gather_inputs([item for item in work if not item.routed], self.communication_dtype)
+        return work, send_inputs([item for item in work if item.routed], self.communication_dtype, wait=False)
+
+    def _finish_bucket(self, work: list[Item], sending: Sending, do_update: bool, balance: bool) -> None:
+        """Directions (in parameter order on every rank: the sequential probes stay in step),
+        directions back, applied: for one bucket of parameters."""
         comm_dtype = self.communication_dtype
         routed = [item for item in work if item.routed]
         plain = [item for item in work if not item.routed]
-        gather_inputs(plain, comm_dtype)
-        send_inputs(routed, comm_dtype)
+        sending.wait()
         for item in work:
             self._direction(item, do_update, balance)
         share_results(

@@ -25,7 +25,7 @@ import torch
 
 from ..comm import gather_full, widest_dtype
 from ..layout import Box, ParamLayout
-from ..owners import Moved, Task, WorkGroup, from_owners, plan_tasks, to_owners
+from ..owners import Moved, Sending, Task, WorkGroup, from_owners, plan_tasks, to_owners
 from .options import precond_dtype
 
 __all__ = ["Item", "route_view", "plan_owners", "gather_inputs", "send_inputs", "hold_direction", "send_directions"]
@@ -89,21 +89,23 @@ def gather_inputs(items: Sequence[Item], comm_dtype: torch.dtype | None) -> None
         it.full_g = it.full_m if it.group["momentum_into_precond_update"] else next(fulls)
 
 
-def send_inputs(items: Sequence[Item], comm_dtype: torch.dtype | None) -> None:
+def send_inputs(items: Sequence[Item], comm_dtype: torch.dtype | None, wait: bool = True) -> Sending:
     """The pieces of the routed items' momenta (and gradients) to their owners, who get the whole
-    tensors (``full_m``, ``full_g``): one all_to_all per work group. A tensor every rank holds
-    whole (replicated) is not sent: its owner uses its own copy, the same as every other rank's."""
+    tensors (``full_m``, ``full_g``; filled once the returned :class:`~dist_optim.owners.Sending`
+    is waited for): one all_to_all per work group. A tensor every rank holds whole (replicated)
+    is not sent: its owner uses its own copy, the same as every other rank's."""
     moved = []
     for it in items:
         assert it.task is not None
         it.moved = Moved(it.task, it.fit_inputs(), precond_dtype(it.group))
         moved.append(it.moved)
-    to_owners(moved, comm_dtype)
+    sending = to_owners(moved, comm_dtype, wait)
     for it in items:
         assert it.moved is not None
         if it.moved.boxes:
             wholes = it.moved.boxes[0]
             it.full_m, it.full_g = wholes[0], wholes[-1]
+    return sending
 
 
 def hold_direction(item: Item, u: torch.Tensor | None, shape: tuple[int, ...]) -> None:

@@ -16,7 +16,19 @@ from ..comm import check_communication_dtype, gather_full
 from ..fused_adam import fused_applies
 from ..layout import ParamLayout
 from ..newton_schulz import Coefficients, newton_schulz, newton_schulz_flops
-from ..owners import Moved, Owner, Task, WorkGroups, from_owners, plan_tasks, route_tasks, share_results, to_owners
+from ..owners import (
+    Moved,
+    Owner,
+    Sending,
+    Task,
+    WorkGroups,
+    from_owners,
+    pipelined,
+    plan_tasks,
+    route_tasks,
+    share_results,
+    to_owners,
+)
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
 
@@ -309,17 +321,31 @@ class DistributedMuon(DistOptimizer):
             else:
                 self._adamw(group, params, grads)
         sizes = [self.layout(p).full_numel * g.element_size() for _, p, g in matrices]
-        for start, stop in buckets(sizes, self.bucket_bytes if self.is_bound else None):
-            # C per bucket: with Nesterov each C is a new tensor, so all of them at once would
-            # hold a second copy of the momenta.
-            bucket = [(group, p, _momentum_direction(self.state, p, g, group)) for group, p, g in matrices[start:stop]]
-            self._orthogonalized_updates(bucket)
+        ranges = buckets(sizes, self.bucket_bytes if self.is_bound else None)
+        # The next bucket's C travels to its owners while this one's owners iterate.
+        pipelined(ranges, lambda r: self._send_bucket(matrices[r[0] : r[1]]), lambda b: self._finish_bucket(*b))
         return loss
 
-    def _orthogonalized_updates(self, matrices: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> None:
+    def _send_bucket(self, bucket: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> tuple[Any, ...]:
+        """A bucket's ``C`` (made per bucket: with Nesterov each is a new tensor, so all of them at
+        once would hold a second copy of the momenta), its routed pieces sent to the owners (in
+        flight)."""
         tasks = self._ensure_routes() if self.is_bound else self._ensure_tasks()
+        matrices = [(group, p, _momentum_direction(self.state, p, g, group)) for group, p, g in bucket]
         routed = [(group, p, c) for group, p, c in matrices if tasks[p].route is not None]
         plain = [(group, p, c) for group, p, c in matrices if tasks[p].route is None]
+        moved = [Moved(tasks[p], [c], c.dtype) for _, p, c in routed]
+        return plain, routed, moved, to_owners(moved, self.communication_dtype, wait=False)
+
+    def _finish_bucket(
+        self,
+        plain: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]],
+        routed: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]],
+        moved: list[Moved],
+        sending: Sending,
+    ) -> None:
+        """The owners' iterations of a bucket, the results back, applied."""
+        tasks = self._ensure_tasks()
 
         # Whole on this rank (unbound, or a work group of one): the iteration here. Pieces that
         # could not be routed (holdings that do not tile the tensor): the full C gathered, the
@@ -354,8 +380,7 @@ class DistributedMuon(DistOptimizer):
             _apply(p, update, layout, group)
 
         # Pieces of C to the owners, X back to the holders: one all_to_all per work group each way.
-        moved = [Moved(tasks[p], [c], c.dtype) for _, p, c in routed]
-        to_owners(moved, self.communication_dtype)
+        sending.wait()
         for (group, _, _), m in zip(routed, moved):
             for b, (c_box,) in m.boxes.items():
                 m.results[b] = self._orthogonalize(c_box, group)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,12 +20,12 @@ from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..comm import SumBucket, gather_full
 from ..layout import ParamLayout
-from ..owners import Owner, WorkGroups, route_tasks, share_results
+from ..owners import Moved, Owner, Sending, WorkGroups, pipelined, route_tasks, share_results
 from ..placement import Route
 from .blocking import Block, kept_triangle
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
 from .preconditioner import block_direction
-from .routing import Plan, Routed, exchange_routed, plan_owners
+from .routing import Plan, Routed, finish_routed, plan_owners, send_routed
 from .state import (
     BlockState,
     Scratch,
@@ -207,34 +208,37 @@ class DistributedShampoo(DistOptimizer):
         if not self.is_bound or (self.bucket_bytes is None and not routed):
             items = _decayed(entries, items)
             full_grads = gather_full(items, dtype=comm_dtype) if self.is_bound else [g.detach() for _, g in items]
-            self._update(entries, items, comm_dtype, full_grads)
+            self._finish(self._start(entries, items, comm_dtype, full_grads))
             return loss
         # No rank sees every full gradient (gradient pieces go to block owners, or full gradients
-        # are gathered in buckets of at most bucket_bytes); _gradients_ok checked the local
-        # pieces of all of them before the first one moved.
-        for start, stop in buckets([layout.full_numel * g.element_size() for layout, g in items], self.bucket_bytes):
-            self._update(entries[start:stop], _decayed(entries[start:stop], items[start:stop]), comm_dtype)
+        # are gathered in buckets of at most bucket_bytes), the next bucket's pieces travelling
+        # while this one computes; _gradients_ok checked the local pieces of all of them before
+        # the first one moved.
+        ranges = buckets([layout.full_numel * g.element_size() for layout, g in items], self.bucket_bytes)
+        pipelined(
+            ranges,
+            lambda r: self._start(entries[r[0] : r[1]], _decayed(entries[r[0] : r[1]], items[r[0] : r[1]]), comm_dtype),
+            self._finish,
+        )
         return loss
 
-    def _update(
+    def _start(
         self,
         entries: list[tuple[dict[str, Any], torch.Tensor]],
         items: list[tuple[ParamLayout, torch.Tensor]],
         comm_dtype: torch.dtype | None,
         full_grads: list[torch.Tensor] | None = None,
-    ) -> None:
-        """State updates, directions (owners), their sharing and the parameter updates for
-        ``entries`` (with ``items``: their layouts and local gradients). Parameters with a route
-        move pieces to and from their block owners (:func:`.routing.exchange_routed`); the others
-        use their full gradients (``full_grads``, gathered here when not given)."""
+    ) -> _Bucket:
+        """The first half of a bucket's step: state counters, the full gradients of the parameters
+        without a route (``full_grads``, gathered here when not given), and the routed ones'
+        pieces sent to their block owners (:func:`.routing.send_routed`, in flight)."""
         if full_grads is None:
             plain = [i for i, (_, p) in enumerate(entries) if self._route(p) is None]
             gathered = gather_full([items[i] for i in plain], dtype=comm_dtype) if plain else []
             full_grads = [g for _, g in items]  # local gradients stand in for the routed ones
             for i, g in zip(plain, gathered):
                 full_grads[i] = g
-        shares: list[tuple[Owner, list[torch.Tensor]]] = []
-        pending: list[tuple[dict[str, Any], torch.Tensor, list[torch.Tensor]]] = []
+        held: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, int]] = []
         routed: list[Routed] = []
         for (group, p), (layout, g_local), g_full in zip(entries, items, full_grads):
             state = self.state[p]
@@ -245,12 +249,22 @@ class DistributedShampoo(DistOptimizer):
             route = self._route(p)
             if route is not None:
                 routed.append(Routed(group, p, state, g_local.detach(), t, self._plans[p], layout))
-                continue
+            else:
+                held.append((group, p, g_full, t))
+        return _Bucket(held, routed, *send_routed(routed, comm_dtype, wait=False))
+
+    def _finish(self, bucket: _Bucket) -> None:
+        """The second half: directions (owners), their sharing and the parameter updates."""
+        shares: list[tuple[Owner, list[torch.Tensor]]] = []
+        pending: list[tuple[dict[str, Any], torch.Tensor, list[torch.Tensor]]] = []
+        for group, p, g_full, t in bucket.held:
             directions = self._held_directions(group, p, g_full, t, shares)
             if directions is not None:
                 pending.append((group, p, directions))
+        routed = bucket.routed
         if routed:
-            exchange_routed(routed, self._block_direction, comm_dtype, self.communication_dtype)
+            bucket.sending.wait()
+            finish_routed(routed, bucket.moved, self._block_direction, self.communication_dtype)
             for r in routed:
                 update = r.update.to(r.p.dtype).view_as(r.p)  # type: ignore[union-attr]
                 apply_update(r.p.detach(), update, self.state[r.p].get("momentum_buffer"), r.group)
@@ -414,6 +428,16 @@ class DistributedShampoo(DistOptimizer):
                 bucket.add(total, [work.group])
         bucket.flush()
         return int(sum(float(total) for _, total in totals.values()))
+
+
+@dataclass
+class _Bucket:
+    """A bucket between :meth:`DistributedShampoo._start` and :meth:`~DistributedShampoo._finish`."""
+
+    held: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, int]]
+    routed: list[Routed]
+    moved: list[Moved]
+    sending: Sending
 
 
 def _decayed(

@@ -6,9 +6,10 @@ through :mod:`dist_optim.comm`); nothing of the mechanism is written here:
 * :func:`plan_owners`: every parameter's blocks (:func:`~dist_optim.shampoo.blocking.plan_blocks`)
   as an owner :class:`~dist_optim.owners.Task` of its work group, owners balanced by the cost
   model ``sum_k d_k^3`` (:func:`dist_optim.owners.plan_tasks`);
-* :func:`exchange_routed`: for parameters held in pieces (TP slices, ZeRO chunks), gradient pieces
-  to the owners of their blocks and the owners' directions back to every rank that holds their
-  pieces (:func:`~dist_optim.owners.to_owners` / :func:`~dist_optim.owners.from_owners`: one
+* :func:`send_routed` / :func:`finish_routed`: for parameters held in pieces (TP slices, ZeRO
+  chunks), gradient pieces to the owners of their blocks (in flight while the previous bucket
+  computes) and the owners' directions back to every rank that holds their pieces
+  (:func:`~dist_optim.owners.to_owners` / :func:`~dist_optim.owners.from_owners`: one
   ``all_to_all`` per work group and direction).
 
 Parameters held whole (DDP) or gathered whole use their full gradients; their owners' directions
@@ -25,11 +26,11 @@ from typing import Any
 import torch
 
 from ..layout import ParamLayout
-from ..owners import Moved, Owner, Task, WorkGroup, from_owners, plan_tasks, to_owners
+from ..owners import Moved, Owner, Sending, Task, WorkGroup, from_owners, plan_tasks, to_owners
 from ..placement import Route
 from .blocking import Block, plan_blocks
 
-__all__ = ["Plan", "Routed", "plan_owners", "exchange_routed"]
+__all__ = ["Plan", "Routed", "plan_owners", "send_routed", "finish_routed"]
 
 
 @dataclass
@@ -59,8 +60,8 @@ class Plan:
 
 @dataclass
 class Routed:
-    """A parameter stepped through :func:`exchange_routed`: its local gradient, then its local
-    update."""
+    """A parameter stepped through :func:`send_routed` / :func:`finish_routed`: its local
+    gradient, then its local update."""
 
     group: dict[str, Any]
     p: torch.Tensor
@@ -96,19 +97,26 @@ def plan_owners(params: Sequence[tuple[ParamLayout, dict[str, Any], WorkGroup]])
     ]
 
 
-def exchange_routed(
+def send_routed(
+    routed: Sequence[Routed], comm_dtype: torch.dtype | None, wait: bool = True
+) -> tuple[list[Moved], Sending]:
+    """Each rank's gradient pieces to the owners of their blocks (in ``comm_dtype``; None: the
+    widest of the gradients' dtypes); with ``wait=False`` in flight until the returned
+    :class:`~dist_optim.owners.Sending` is waited for. Owners keep no full gradient."""
+    moved = [Moved(r.plan.task, [r.grad], r.grad.dtype) for r in routed]
+    return moved, to_owners(moved, comm_dtype, wait)
+
+
+def finish_routed(
     routed: Sequence[Routed],
+    moved: Sequence[Moved],
     direction: Callable[..., torch.Tensor | None],
-    comm_dtype: torch.dtype | None,
     share_dtype: torch.dtype,
 ) -> None:
-    """Each rank's gradient pieces to the owners of their blocks (in ``comm_dtype``; None: the
-    widest of the gradients' dtypes), ``direction(state, i, block, gradient, group, t)`` on the owner
-    of every block ``i`` of a parameter (the optimizer's state of it, its param group and step),
-    the directions' pieces back to every rank that holds them (in ``share_dtype``) into each
-    :attr:`Routed.update`. Owners keep no full gradient and nobody assembles a full direction."""
-    moved = [Moved(r.plan.task, [r.grad], r.grad.dtype) for r in routed]
-    to_owners(moved, comm_dtype)
+    """After :func:`send_routed` (waited for): ``direction(state, i, block, gradient, group, t)`` on
+    the owner of every block ``i`` of a parameter (the optimizer's state of it, its param group
+    and step), the directions' pieces back to every rank that holds them (in ``share_dtype``)
+    into each :attr:`Routed.update`. Nobody assembles a full direction."""
     for r, m in zip(routed, moved):  # each owned block's gradient is replaced by its direction
         for i, (g,) in m.boxes.items():
             d = direction(r.state, i, r.plan.blocks[i], g, r.group, r.t)
