@@ -49,6 +49,14 @@ REORDERED_DTYPES = (torch.float32, torch.float64)
 #: the 2-core CPU, one thread, vs plain ``mm``: 0.93 / 0.87 / 0.82 at 256, 0.87 / 0.81 / 0.79 at
 #: 128, 0.89 / 0.82 / 0.78 at 64; with two threads within run-to-run noise at every size.
 SYMMETRIC_MIN_SIZE = 128
+#: fp32/fp64 matrices of more bytes than this update ``X <- a X + P X`` in place, one block of
+#: columns at a time (:data:`IN_PLACE_BLOCK_BYTES` per block's product), instead of allocating a
+#: new ``X`` per iteration: the owner of a 70B MLP matrix (8192 x 28672, 0.94 GB in fp32) holds one
+#: ``X`` and the ``m x m`` products, not two ``X`` (part of the step-memory budget,
+#: :mod:`dist_optim.budget`). Below it, one ``addmm`` (the fastest on small matrices).
+IN_PLACE_MIN_BYTES = 64 * 2**20
+#: The bytes of one column block's product in the in-place update (a block has at least one column).
+IN_PLACE_BLOCK_BYTES = 32 * 2**20
 
 
 def takes_gram_space(rows: int, cols: int, steps: int, dtype: torch.dtype, gram_space: bool) -> bool:
@@ -95,11 +103,25 @@ def newton_schulz(
     elif takes_gram_space(x.size(0), x.size(1), len(coefficients), x.dtype, gram_space):
         x = newton_schulz_gram_space(x, coefficients)
     else:
+        in_place = x.numel() * x.element_size() > IN_PLACE_MIN_BYTES  # x is this call's own tensor
         for a, b, cc in coefficients:
             gram = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
             poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE).mul_(cc).add_(gram, alpha=b)
-            x = torch.addmm(x, poly, x, beta=a)
+            del gram
+            x = _update_by_columns_(x, poly, a) if in_place else torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
+
+
+def _update_by_columns_(x: torch.Tensor, poly: torch.Tensor, a: float) -> torch.Tensor:
+    """``x <- a x + poly x`` in place, a block of columns at a time: every column of the result
+    depends on its own column of ``x`` only, so each block is overwritten once computed. The same
+    products as one ``addmm`` (each element the same length-``m`` dot product), computed per block."""
+    m, n = x.shape
+    cols = max(1, IN_PLACE_BLOCK_BYTES // max(1, m * x.element_size()))
+    for start in range(0, n, cols):
+        block = x[:, start : start + cols]
+        block.copy_(torch.addmm(block, poly, block, beta=a))
+    return x
 
 
 def newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficients]) -> torch.Tensor:

@@ -45,7 +45,18 @@ LAYOUTS = {
 #: Optimizer options for the tiny model (GaLore's default rank 128 exceeds its 64-wide matrices).
 #: LAMB's foreach=None picks per-tensor kernels on the CPU and foreach ones on an accelerator (the
 #: path the planner simulates): the test runs the accelerator's path on the CPU, like with like.
-ARGS: dict[str, dict[str, Any]] = {"galore": {"galore": {"rank": 8}}, "lamb": {"foreach": True}}
+#: The owner optimizers take a step-memory budget small enough that every step runs in several
+#: buckets (asserted below), so that the planner is checked on the bucketed, pipelined exchange.
+BUDGET = {"bucket_bytes": 20_000}
+ARGS: dict[str, dict[str, Any]] = {
+    "galore": {"galore": {"rank": 8}},
+    "lamb": {"foreach": True},
+    "shampoo": BUDGET,
+    "muon": BUDGET,
+    "kron": BUDGET,
+}
+#: The optimizers whose every step must show several buckets (more exchanges than one bucket has).
+BUCKETED = {"shampoo", "muon", "kron"}
 
 #: The planner's name for each torch.distributed collective (it names what dist_optim.comm does);
 #: a collective missing here keeps its torch name, which no planned kind has: the comparison fails.
@@ -177,6 +188,11 @@ def test_plan_equals_the_run(name: str, layout_id: str, tiny_config: Any, reques
         for s, m in zip(planned.steps, run["steps"]):
             off.append((rank, s["step"], s["transient"], m["transient"], m["largest"]))
         _check_layouts(tiny_config, layout, name, rank, run)
+        if name in BUCKETED:
+            # one bucket moves its tensors in at most one all_to_all per work group and direction
+            # (routed) or one all_gather per group (gathered, shared): one work group here
+            moving = [sum(m["by_kind"].get(k, (0, 0))[0] for k in ("all_to_all", "all_gather")) for m in run["steps"]]
+            assert min(moving) > 2, f"rank {rank}: all_to_all + all_gather per step {moving}: not several buckets"
     objects = [[m["object_bytes"] for m in run["steps"]] for run in runs]
     print(f"pickled bytes of object collectives per rank and step (not in the plan's bytes): {objects}")
     print(f"transient (rank, step, planned, measured, largest buffer): {off}")

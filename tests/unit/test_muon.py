@@ -667,3 +667,28 @@ def test_owners_routing_and_collectives(pool4, layout: tuple[int, int, int]) -> 
             assert 0 < max(r["err"] for r in results) < 2e-2, [r["err"] for r in results]
             for r in results[1:]:
                 assert all(torch.equal(a, b) for a, b in zip(r["full"], results[0]["full"])), "ranks disagree"
+
+
+# ---- the in-place update of large matrices (the owners' part of the step-memory budget) --------
+def test_large_matrices_update_x_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above IN_PLACE_MIN_BYTES, ``X <- a X + P X`` overwrites X one column block at a time: the
+    same iteration (float64: within 1e-12 of one addmm per iteration, wide and tall), and the
+    iteration's peak of allocated bytes (tests/helpers/allocated.py) lower by X less two column
+    blocks' products at least (measured: X less 1.5 blocks)."""
+    from tests.helpers.allocated import AllocatedBytes
+
+    gen = torch.Generator().manual_seed(3)
+    coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
+    for shape in ((96, 1000), (1000, 96)):
+        c = torch.randn(shape, generator=gen, dtype=torch.float64)
+        whole = newton_schulz.newton_schulz(c, coeffs, 1e-7)
+        peaks = {}
+        for label, min_bytes in (("addmm", 2**40), ("in place", 1024)):
+            monkeypatch.setattr(newton_schulz, "IN_PLACE_MIN_BYTES", min_bytes)
+            monkeypatch.setattr(newton_schulz, "IN_PLACE_BLOCK_BYTES", 96 * 8 * 128)  # 128 columns a block
+            with AllocatedBytes() as live:
+                got = newton_schulz.newton_schulz(c, coeffs, 1e-7)
+            peaks[label] = live.peak
+            assert_close(got, whole)
+        x_bytes, block_bytes = c.numel() * c.element_size(), 96 * 8 * 128
+        assert peaks["in place"] <= peaks["addmm"] - (x_bytes - 2 * block_bytes), (shape, peaks, x_bytes)
