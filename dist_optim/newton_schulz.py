@@ -73,11 +73,15 @@ def newton_schulz(
     eps_form: str = "max",
     dtype: torch.dtype | None = None,
     gram_space: bool = False,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """The orthogonalized 2-D ``c``: normalised by its Frobenius norm, then one quintic
     Newton-Schulz iteration ``X <- a X + (b A + c A A) X`` (``A = X X^T``) per ``(a, b, c)`` in
     ``coefficients``, on the wide orientation (``X`` transposed when ``m > n``, so that ``A`` is
-    the smaller Gram matrix), in ``dtype`` (default ``c``'s). A new tensor; ``c`` is not changed.
+    the smaller Gram matrix), in ``dtype`` (default ``c``'s). A new tensor and ``c`` unchanged,
+    unless ``overwrite`` (``c`` is the caller's scratch, e.g. a block an owner received): then
+    ``c`` is normalised in place and, in fp32/fp64 above :data:`IN_PLACE_MIN_BYTES`, iterated in
+    place and returned (one matrix held instead of two).
 
     In fp32/fp64 (:data:`REORDERED_DTYPES`) the symmetric products ``A = X X^T`` and ``A A`` are
     computed one off-diagonal block at a time (:func:`~dist_optim.structured.symmetric_product`):
@@ -88,12 +92,15 @@ def newton_schulz(
     ``gram_space=True`` a wide matrix (:func:`takes_gram_space`) iterates in Gram space instead
     (:func:`newton_schulz_gram_space`, its accuracy there). In bfloat16/float16 the formula is
     computed in its own order."""
-    x = c.to(dtype) if dtype is not None else c
+    converted = dtype is not None and dtype != c.dtype  # then x is a new tensor
+    x = c.to(dtype) if converted else c
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
     norm = x.norm()
-    x = x / (norm.clamp(min=eps) if eps_form == "max" else norm + eps)
+    scale = norm.clamp(min=eps) if eps_form == "max" else norm + eps
+    # In place where x is not the caller's (a dtype conversion made it) or the caller allows it.
+    x = x.div_(scale) if overwrite or converted else x / scale
     if x.dtype not in REORDERED_DTYPES:
         for a, b, cc in coefficients:
             gram = x @ x.T

@@ -383,20 +383,21 @@ class DistributedMuon(DistOptimizer):
         sending.wait()
         for (group, _, _), m in zip(routed, moved):
             for b, (c_box,) in m.boxes.items():
-                m.results[b] = self._orthogonalize(c_box, group)
+                m.results[b] = self._orthogonalize(c_box, group, overwrite=m.sent)
         from_owners(moved, self.communication_dtype)
         for (group, p, _), m in zip(routed, moved):
             assert m.out is not None
             _apply(p, m.out.view_as(p), self.layout(p), group)
 
     @staticmethod
-    def _orthogonalize(c: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    def _orthogonalize(c: torch.Tensor, group: dict[str, Any], overwrite: bool = False) -> torch.Tensor:
         """X of ``c``: a whole parameter's C, or with ``stacked`` a slice of one or all its
-        slices (each its own matrix), in ``c``'s shape."""
+        slices (each its own matrix), in ``c``'s shape; ``overwrite``: ``c`` is scratch (a block
+        received by its owner) that the iteration may work in."""
         shape = tuple(c.shape)
         options = (_schedule(group), group["eps"], group["eps_form"], group["ns_dtype"], group["ns_gram_space"])
         if not _is_stacked(shape, group):
-            return newton_schulz(c.reshape(shape[0], -1), *options).reshape(shape)
+            return newton_schulz(c.reshape(shape[0], -1), *options, overwrite=overwrite).reshape(shape)
         return torch.stack([newton_schulz(s.reshape(shape[1], -1), *options) for s in c]).reshape(shape)
 
     # ---- the auxiliary AdamW ------------------------------------------------------------------

@@ -692,3 +692,25 @@ def test_large_matrices_update_x_in_place(monkeypatch: pytest.MonkeyPatch) -> No
             assert_close(got, whole)
         x_bytes, block_bytes = c.numel() * c.element_size(), 96 * 8 * 128
         assert peaks["in place"] <= peaks["addmm"] - (x_bytes - 2 * block_bytes), (shape, peaks, x_bytes)
+
+
+def test_overwrite_works_in_the_callers_matrix() -> None:
+    """``overwrite=True``: the same X (bit for bit), computed in ``c`` itself above
+    IN_PLACE_MIN_BYTES (the returned tensor is ``c``'s storage); without it ``c`` is unchanged."""
+    gen = torch.Generator().manual_seed(4)
+    coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
+    c = torch.randn(64, 300, generator=gen)
+    kept = c.clone()
+    want = newton_schulz.newton_schulz(c, coeffs, 1e-7)
+    assert torch.equal(c, kept)
+    small = c.clone()
+    assert torch.equal(newton_schulz.newton_schulz(small, coeffs, 1e-7, overwrite=True), want)
+    old = newton_schulz.IN_PLACE_MIN_BYTES
+    try:
+        newton_schulz.IN_PLACE_MIN_BYTES = 1024
+        scratch = c.clone()
+        got = newton_schulz.newton_schulz(scratch, coeffs, 1e-7, overwrite=True)
+        assert got.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
+        assert_close(got, newton_schulz.newton_schulz(c, coeffs, 1e-7))
+    finally:
+        newton_schulz.IN_PLACE_MIN_BYTES = old
