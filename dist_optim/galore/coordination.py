@@ -34,7 +34,7 @@ __all__ = ["refresh", "project_all", "shared_absmax"]
 
 def refresh(
     items: list[Item],
-    work_group: Callable[[ParamLayout], WorkGroup],
+    work_of: Callable[[ParamLayout], WorkGroup],
     projector_dtype: Callable[[torch.dtype], torch.dtype],
     stats: collections.Counter[str],
 ) -> None:
@@ -48,7 +48,7 @@ def refresh(
         it.full_grad = full
 
     # One owner per SVD in the matrix's work group; the projectors then go to its other ranks.
-    owners = assign([(work_group(it.layout), svd_cost(it.layout.full_shape)) for it in items])
+    owners = assign([(work_of(it.layout), svd_cost(it.layout.full_shape)) for it in items])
     results = []
     for it, owner in zip(items, owners):
         tensors = new_projectors(
