@@ -163,7 +163,7 @@ class Plan:
 TRANSIENT_OPTIONS = {
     "shampoo": "max_gather_bytes (gathered gradients per bucket), communication_dtype",
     "muon": "communication_dtype (routed pieces), ns_dtype (Newton-Schulz workspace)",
-    "galore": "the rank and update_proj_gap (SVD workspace on refresh steps)",
+    "galore": "bucket_bytes (full gradients at the SVD owners per refresh bucket, low-rank sums per bucket), the rank",
     "kron": "communication_dtype (routed pieces), max_size_triangular (dense factors)",
     "lamb": "none: the foreach update holds one update per parameter",
     "adamw": "foreach=False (torch's per-parameter loop)",
