@@ -14,6 +14,10 @@ layout-aware, *bucketed* operations:
 * :func:`exchange`: pieces from each rank to the ranks that need them (gradient pieces to the
   owners of blocks, the owners' results back to the holders of the pieces), in one
   ``all_to_all``: each rank receives what it uses, not everything.
+* :func:`reduce_scatter` / :func:`all_gather_chunks`: sums split into equal chunks, one per rank
+  (:func:`chunk_span`), and the chunks back to whole tensors; one collective each for all the
+  tensors of a call. The sum is made in rank order on the chunk's rank, so its value does not
+  depend on which other tensors share the call (a bucketed step equals an unbucketed one bit for bit).
 
 Each is a no-op for a parameter whose layout is local. ``COUNTS`` counts the collectives issued
 (tests and benchmarks read it to prove that the number per step does not grow with the number of
@@ -43,11 +47,16 @@ __all__ = [
     "reset_counts",
     "SumBucket",
     "MaxBucket",
+    "OrderedSumBucket",
     "gather_full",
     "broadcast_from",
     "share_owned",
     "exchange",
     "Pending",
+    "chunk_numel",
+    "chunk_span",
+    "reduce_scatter",
+    "all_gather_chunks",
     "all_gather_objects",
     "grid_groups",
     "group_key",
@@ -177,10 +186,13 @@ class SumBucket:
                     if g is group:
                         by_dtype[tensor.dtype].append(tensor)
                 for dtype in sorted(by_dtype, key=str):
-                    _all_reduce_many(by_dtype[dtype], group, self._op)
+                    self._reduce(by_dtype[dtype], group)
 
     #: The reduction (a class attribute so subclasses pick another one).
     _op = "sum"
+
+    def _reduce(self, tensors: list[torch.Tensor], group: Any) -> None:
+        _all_reduce_many(tensors, group, self._op)
 
 
 @dataclass
@@ -189,6 +201,19 @@ class MaxBucket(SumBucket):
     tensors whose pieces live on several ranks)."""
 
     _op = "max"
+
+
+@dataclass
+class OrderedSumBucket(SumBucket):
+    """:class:`SumBucket` whose sums are added in rank order (:func:`reduce_scatter` then
+    :func:`all_gather_chunks`: two collectives per group and dtype where :class:`SumBucket` issues
+    one ``all_reduce``), so that a tensor's sum does not depend on which other tensors share the
+    bucket: a step split into buckets gives the same bits as one bucket."""
+
+    def _reduce(self, tensors: list[torch.Tensor], group: Any) -> None:
+        chunks = reduce_scatter(tensors, group)
+        for t, full in zip(tensors, all_gather_chunks(chunks, [t.numel() for t in tensors], group)):
+            t.copy_(full.view(t.shape))
 
 
 def _all_reduce_many(tensors: list[torch.Tensor], group: Any, op: str = "sum") -> None:
@@ -389,6 +414,67 @@ def exchange(
         pending.wait()
         return None
     return pending
+
+
+def chunk_numel(numel: int, size: int, align: int = 1) -> int:
+    """The chunk of a tensor of ``numel`` elements split over ``size`` ranks: the smallest multiple of
+    ``align`` that ``size`` chunks cover ``numel`` with (trailing ranks may hold less, or nothing)."""
+    per = -(-numel // size) if numel else 0
+    return -(-per // align) * align
+
+
+def chunk_span(numel: int, size: int, rank: int, align: int = 1) -> tuple[int, int]:
+    """``[start, stop)`` of the flat elements of a ``numel``-element tensor that rank ``rank`` of
+    ``size`` holds in :func:`reduce_scatter`'s split (chunks of :func:`chunk_numel`, clipped)."""
+    c = chunk_numel(numel, size, align)
+    return min(rank * c, numel), min((rank + 1) * c, numel)
+
+
+def reduce_scatter(tensors: Sequence[torch.Tensor], group: Any, align: int = 1) -> list[torch.Tensor]:
+    """The sum over the ranks of ``group`` of each of ``tensors`` (same shapes on every rank), each rank
+    getting only its chunk (:func:`chunk_span`, of the flattened tensor): one ``all_to_all`` for all of
+    them (sent in their own dtype, which must be one dtype for the call). The chunk owner adds the
+    pieces in rank order, so a value does not depend on the other tensors of the call; a reduce-scatter
+    collective would sum in an order set by the element's place in the buffer."""
+    size, me = group_size(group), group_rank(group)
+    flats = [t.reshape(-1) for t in tensors]
+    if size == 1:
+        return [f.clone() for f in flats]
+    spans = [[chunk_span(f.numel(), size, r, align) for r in range(size)] for f in flats]
+    send = [[f[sp[r][0] : sp[r][1]] for f, sp in zip(flats, spans)] for r in range(size)]
+    mine = [sp[me][1] - sp[me][0] for sp in spans]
+    dtype, device = flats[0].dtype, flats[0].device
+    got = [[torch.empty(n, dtype=dtype, device=device) for n in mine] for _ in range(size)]
+    exchange(send, got, group, dtype, device)
+    out = []
+    for i in range(len(flats)):
+        acc = got[0][i]
+        for r in range(1, size):
+            acc = acc.add_(got[r][i])
+        out.append(acc)
+    return out
+
+
+def all_gather_chunks(
+    chunks: Sequence[torch.Tensor], numels: Sequence[int], group: Any, align: int = 1
+) -> list[torch.Tensor]:
+    """The inverse of :func:`reduce_scatter`'s split: whole flat tensors of ``numels`` elements from every
+    rank's chunks (1-D, of one dtype), in one ``all_gather``."""
+    size = group_size(group)
+    if size == 1:
+        return [c.reshape(-1) for c in chunks]
+    widths = [chunk_numel(n, size, align) for n in numels]
+    flat = torch.zeros(sum(widths), dtype=chunks[0].dtype, device=chunks[0].device)
+    offset = 0
+    for c, w in zip(chunks, widths):
+        flat[offset : offset + c.numel()].copy_(c.reshape(-1))
+        offset += w
+    gathered = _all_gather_flat(flat, group)
+    out, offset = [], 0
+    for n, w in zip(numels, widths):
+        out.append(gathered[:, offset : offset + w].reshape(-1)[:n])
+        offset += w
+    return out
 
 
 #: Grid groups made by :func:`grid_groups`, by their sorted member ranks (made once per job), with

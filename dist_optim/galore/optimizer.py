@@ -19,12 +19,13 @@ import torch
 
 from .. import bnb_states as bnb
 from ..base import DistOptimizer
-from ..owners import WorkGroups
+from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..owners import Task, WorkGroups
 from .adamw import fused_plain_adamw, low_rank_adamw, plain_adamw_update
-from .coordination import project_all, refresh, shared_absmax
+from .coordination import plan_refresh, project_all, refresh, shared_absmax
 from .options import GROUP_DEFAULTS, OPTIMIZER_WIDE, check_full_shape, check_optimizer_options, validate_options
 from .projection import add_back_projection
-from .state import Item, init_plain_state, keeps_saved_dtype, new_item, stored_projectors
+from .state import Item, init_plain_state, keeps_saved_dtype, low_rank_numel, new_item, stored_projectors
 
 __all__ = ["DistributedGaLore"]
 
@@ -53,6 +54,12 @@ class DistributedGaLore(DistOptimizer):
             Projections always multiply in the gradient's dtype.
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
+        bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`; default
+            ``DEFAULT_BUCKET_BYTES``, None: one bucket per step). A refresh goes through the GaLore
+            parameters in buckets of at most this many bytes of *full* gradients (what an SVD owner
+            assembles), the projection and update in buckets of this many bytes of low-rank
+            gradients (the partial sums sent and received). Results are bit-identical for every
+            value; only the number of collectives (one set per bucket) changes.
     """
 
     #: Moments of plain-AdamW params are param-shaped; GaLore params' states are full-form.
@@ -74,6 +81,7 @@ class DistributedGaLore(DistOptimizer):
         projector_dtype: torch.dtype | None = None,
         *,
         nonfinite: str = "raise",
+        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     ) -> None:
         if args is not None:
             quant = bnb.quant_args(args, "DistributedGaLore")
@@ -83,6 +91,10 @@ class DistributedGaLore(DistOptimizer):
             adam_style = "bnb" if args is not None else "hf"
         # Not group options (options.py says why): checked once here; every group's in validate_group.
         check_optimizer_options(optim_bits, min_8bit_size, adam_style, projector_dtype)
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
+        #: Each GaLore parameter's SVD task (owner and route, :func:`.coordination.plan_refresh`),
+        #: planned at the first refresh after binding or a new group.
+        self._svd_tasks: dict[torch.Tensor, Task] | None = None
         self.projector_dtype = projector_dtype
         self.optim_bits = int(optim_bits)
         self.min_8bit_size = int(min_8bit_size)
@@ -120,6 +132,7 @@ class DistributedGaLore(DistOptimizer):
             for key, value in GROUP_DEFAULTS.items():
                 param_group.setdefault(key, value)
             self._shapes_checked = False
+        self._svd_tasks = None
         super().add_param_group(param_group)
         for key in OPTIMIZER_WIDE:
             self.param_groups[-1].pop(key, None)
@@ -141,6 +154,7 @@ class DistributedGaLore(DistOptimizer):
         # process groups, made now, collectively over the job (every process binds).
         galore = [self.layout(p) for g in self.param_groups if "rank" in g for p in g["params"]]
         self._work.bind(galore, self.dp_group, self.tp_group)
+        self._svd_tasks = None
 
     def _check_shapes(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -173,11 +187,32 @@ class DistributedGaLore(DistOptimizer):
             return loss
         refreshing = [it for it in items if it.refresh]
         if refreshing:
-            refresh(refreshing, self._work.of, self._projector_dtype, self.comm_stats)
-        project_all(items, self.comm_stats)
-        for it in items:
-            self._galore_update(it)
+            tasks = self._refresh_tasks()
+            refresh(
+                refreshing,
+                [tasks[it.param] for it in refreshing],
+                self._projector_dtype,
+                self.comm_stats,
+                self.bucket_bytes,
+            )
+        # Projection, low-rank AdamW and update bucket by bucket: the partial low-rank gradients of
+        # one bucket at a time are alive (their sums in rank order: the same bits for any budget).
+        sizes = [low_rank_numel(it) * it.grad.element_size() for it in items]
+        for start, stop in buckets(sizes, self.bucket_bytes):
+            project_all(items[start:stop], self.comm_stats)
+            for it in items[start:stop]:
+                self._galore_update(it)
         return loss
+
+    def _refresh_tasks(self) -> dict[torch.Tensor, Task]:
+        """Every GaLore parameter's SVD task, planned once (collective: routes are asked of the work
+        groups; every rank plans at the same step, its first refresh)."""
+        if self._svd_tasks is None:
+            params = [p for g in self.param_groups if "rank" in g for p in g["params"]]
+            layouts = [self.layout(p) for p in params]
+            tasks = plan_refresh([(layout, layout.full_shape) for layout in layouts], self._work.of)
+            self._svd_tasks = dict(zip(params, tasks))
+        return self._svd_tasks
 
     def _galore_update(self, it: Item) -> None:
         """Low-rank AdamW, the step projected back onto this rank's elements, then decoupled

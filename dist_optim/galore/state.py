@@ -20,11 +20,12 @@ import torch
 
 from .. import bnb_states as bnb
 from ..layout import ParamLayout
-from .geometry import projection_side
+from .geometry import low_rank_shape, projection_side
 
 __all__ = [
     "Item",
     "new_item",
+    "low_rank_numel",
     "stored_projectors",
     "keeps_saved_dtype",
     "init_low_rank_state",
@@ -72,6 +73,12 @@ def new_item(
     has_proj = ("proj_left" in state) or ("proj_right" in state)
     refresh = (not has_proj) or step % int(group["update_proj_gap"]) == 0
     return Item(group, param, grad, layout, side, state, refresh)
+
+
+def low_rank_numel(item: Item) -> int:
+    """Elements of the item's low-rank gradient (its full low-rank shape)."""
+    rows, cols = low_rank_shape(item.layout.full_shape, item.side, int(item.group["rank"]))
+    return rows * cols
 
 
 def stored_projectors(state: dict[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

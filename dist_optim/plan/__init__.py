@@ -163,7 +163,7 @@ class Plan:
 TRANSIENT_OPTIONS = {
     "shampoo": "bucket_bytes (full gradients moved per bucket), communication_dtype",
     "muon": "bucket_bytes (full C moved per bucket), ns_dtype (Newton-Schulz workspace)",
-    "galore": "the rank and update_proj_gap (SVD workspace on refresh steps)",
+    "galore": "bucket_bytes (full gradients at the SVD owners per refresh bucket, low-rank sums per bucket), the rank",
     "kron": "bucket_bytes (full momenta moved per bucket), max_size_triangular (dense factors)",
     "lamb": "none: the foreach update holds one update per parameter",
     "adamw": "foreach=False (torch's per-parameter loop)",

@@ -42,14 +42,15 @@ LAYOUTS = {
 }
 
 
-#: Optimizer options for the tiny model (GaLore's default rank 128 exceeds its 64-wide matrices).
+#: Optimizer options for the tiny model (GaLore's default rank 128 exceeds its 64-wide matrices;
+#: its bucket_bytes of 16 KiB makes each refresh and each step run several buckets).
 #: LAMB's foreach=None picks per-tensor kernels on the CPU and foreach ones on an accelerator (the
 #: path the planner simulates): the test runs the accelerator's path on the CPU, like with like.
 #: The owner optimizers take a step-memory budget small enough that every step runs in several
 #: buckets (asserted below), so that the planner is checked on the bucketed, pipelined exchange.
 BUDGET = {"bucket_bytes": 20_000}
 ARGS: dict[str, dict[str, Any]] = {
-    "galore": {"galore": {"rank": 8}},
+    "galore": {"galore": {"rank": 8}, "bucket_bytes": 16384},
     "lamb": {"foreach": True},
     "shampoo": BUDGET,
     "muon": BUDGET,

@@ -696,7 +696,8 @@ def _dist_worker(copies: int, proj_type: str, optim_bits: int) -> dict[str, Any]
             before = (dict(comm.COUNTS), dict(opt.comm_stats))
             opt.step()
             if record is not None:
-                counts = {k: comm.COUNTS[k] - before[0].get(k, 0) for k in ("all_gather", "all_reduce", "broadcast")}
+                kinds = ("all_gather", "all_reduce", "all_to_all", "broadcast")
+                counts = {k: comm.COUNTS[k] - before[0].get(k, 0) for k in kinds}
                 stats = {k: opt.comm_stats[k] - before[1].get(k, 0) for k in opt.comm_stats}
                 record.append((counts, stats))
 
@@ -767,7 +768,7 @@ def test_distributed_exact_on_crash_shapes(pool4: Any, proj_type: str, optim_bit
     assert not failures, "\n".join(failures)
 
 
-def test_collectives_constant_and_gather_only_at_refresh(pool4: Any) -> None:
+def test_collectives_constant_and_routed_only_at_refresh(pool4: Any) -> None:
     one = pool4.run(_dist_worker, 1, "std", 32)
     two = pool4.run(_dist_worker, 2, "std", 32)
     for r1, r2 in zip(one, two):
@@ -775,14 +776,115 @@ def test_collectives_constant_and_gather_only_at_refresh(pool4: Any) -> None:
         for label, record in r1["record"].items():
             record2 = r2["record"][label]
             for step, ((counts, stats), (counts2, _)) in enumerate(zip(record, record2)):
-                # Twice the parameters, the same collectives.
+                # Twice the parameters, the same collectives (one bucket: the default budget).
                 assert counts == counts2, (label, step, counts, counts2)
-                # At most: refresh = 2 gathers (ZeRO, TP) + 1 share of the projectors over the owner
-                # grid; 1 all-reduce per group and the NaN/Inf check's flag over the job.
-                assert counts["all_gather"] <= 3 and 1 <= counts["all_reduce"] <= 3 and counts["broadcast"] == 0
+                # The NaN/Inf check's flag is the one all-reduce: the low-rank sums are a
+                # reduce-scatter (all-to-all) and an all-gather per group and stage (ZeRO, TP); a
+                # refresh adds one all-to-all (pieces to the SVD owners) and one all-gather (the
+                # projectors) over the owner grid.
+                assert counts["all_reduce"] == 1 and counts["broadcast"] == 0, (label, step, counts)
+                assert counts["all_to_all"] <= 3 and counts["all_gather"] <= 3, (label, step, counts)
+                # The gradients are routed, never gathered whole (their pieces tile the matrices).
+                assert stats.get("gather_bytes", 0) == 0, (label, step)
                 if stats.get("refresh_steps", 0) == 0:
-                    assert counts["all_gather"] == 0, (label, step)
-                    assert stats.get("gather_bytes", 0) == 0 and stats.get("share_bytes", 0) == 0
+                    assert stats.get("route_bytes", 0) == 0 and stats.get("share_bytes", 0) == 0, (label, step)
             refreshes = [step for step, (_, stats) in enumerate(record) if stats.get("refresh_steps")]
             # steps 0, 2, 4 for all; param 1 skipped step 3, so it refreshes again at step 5.
             assert refreshes == [0, 2, 4, 5], (label, refreshes)
+
+
+#: Budgets of the bucket test: one bucket, a few matrices per bucket, less than any one matrix.
+BUDGETS: list[int | None] = [None, 1200, 1]
+
+
+def _bucket_worker(copies: int, optim_bits: int) -> dict[str, Any]:
+    """The crash shapes (``copies`` times) on tp=2 x ZeRO-2 and ZeRO-4, stepped under every budget of
+    :data:`BUDGETS`: each budget's local params, full state and, per step, the collectives this rank
+    issued (counted at torch.distributed, by function name)."""
+    import torch.distributed as dist
+
+    from dist_optim.testing import grid_groups
+    from tests.helpers.collectives import counting_collectives
+    from tests.helpers.parity import tp_slice, zero_chunk
+
+    specs = DIST_SHAPES * copies
+    shapes = [s for s, _ in specs]
+    out: dict[str, Any] = {}
+    for tp, dp in ((2, 2), (1, 4)):
+        tp_group, dp_group = grid_groups(tp, dp)
+        tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
+        dims = [d if tp > 1 else None for _, d in specs]
+        for budget in BUDGETS:
+            gen = torch.Generator().manual_seed(11)
+            params, layouts = [], {}
+            for shape, dim in zip(shapes, dims):
+                piece = tp_slice(torch.randn(shape, generator=gen) * 0.5, dim, tp, tp_rank)
+                tps = TPSplit(dim, tp, tp_rank, tp_group) if dim is not None else None
+                p = zero_chunk(piece, dp, dp_rank).clone()
+                params.append(p)
+                layouts[p] = ParamLayout(shape, tps, ZeroShard(dp, dp_rank, (-piece.numel()) % dp, dp_group))
+            opt = DistributedGaLore(
+                [{"params": params, "rank": 4, "update_proj_gap": 2, "scale": 0.5, "proj_type": "std"}],
+                lr=1e-2,
+                weight_decay=1e-2,
+                optim_bits=optim_bits,
+                min_8bit_size=0,
+                bucket_bytes=budget,
+            )
+            opt.bind(layouts, dp_group=dp_group)
+            local = functools.partial(
+                _local_piece, dims=dims, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, is_zero=True
+            )
+            counts = []
+            for step in range(STEPS):
+                for i, (p, g) in enumerate(zip(params, _grads(step, shapes, 0.1 * (step + 1)))):
+                    # Every copy of matrix 1 skips a step: copies differ in nothing.
+                    p.grad = None if (i % len(DIST_SHAPES) == 1 and step == NONE_STEP) else local(i, g)
+                with counting_collectives() as seen:
+                    opt.step()
+                counts.append(dict(seen.counts))
+            out[f"tp={tp} dp={dp} bucket_bytes={budget}"] = dict(
+                params=[p.clone() for p in params], state=opt.full_state(), counts=counts
+            )
+    return out
+
+
+@pytest.mark.parametrize("optim_bits", [32, 8])
+def test_bucket_bytes_changes_collectives_not_bits(pool4: Any, optim_bits: int) -> None:
+    """Every budget (one bucket, a few matrices, less than one matrix) gives the same params and
+    state, bit for bit (torch.equal), on every rank; the collectives of a step grow with the number of
+    buckets only: twice the matrices in one bucket issue the same collectives, and one bucket per
+    matrix issues one bucket's collectives per matrix on top of the step's own (the NaN/Inf flag)."""
+    one = pool4.run(_bucket_worker, 1, optim_bits)
+    two = pool4.run(_bucket_worker, 2, optim_bits)
+    for r1, r2 in zip(one, two):
+        for tp_dp in ("tp=2 dp=2", "tp=1 dp=4"):
+            ref = r1[f"{tp_dp} bucket_bytes=None"]
+            for budget in BUDGETS[1:]:
+                got = r1[f"{tp_dp} bucket_bytes={budget}"]
+                for a, b in zip(got["params"], ref["params"]):
+                    assert torch.equal(a, b), (tp_dp, budget)
+                for sa, sb in zip(got["state"], ref["state"]):
+                    assert sa.keys() == sb.keys()
+                    for key in sb:
+                        assert torch.equal(sa[key], sb[key]), (tp_dp, budget, key)
+            one_bucket, two_one_bucket = ref["counts"], r2[f"{tp_dp} bucket_bytes=None"]["counts"]
+            assert one_bucket == two_one_bucket, (tp_dp, one_bucket, two_one_bucket)
+            per_matrix, per_matrix2 = r1[f"{tp_dp} bucket_bytes=1"]["counts"], r2[f"{tp_dp} bucket_bytes=1"]["counts"]
+            for step, (c1, c2) in enumerate(zip(per_matrix, per_matrix2)):
+                # Planning the SVD routes (every rank's holdings, one all_gather_object per work
+                # group) happens once, at the first refresh, whatever the budget.
+                assert c1.get("all_gather_object", 0) == c2.get("all_gather_object", 0) == (step == 0)
+                for kind in (set(c1) | set(c2)) - {"all_gather_object"}:
+                    # f(n buckets) = flag + n x (one bucket's): doubling n adds f(n) - flag.
+                    flag = 1 if kind == "all_reduce" else 0
+                    assert c2.get(kind, 0) - flag == 2 * (c1.get(kind, 0) - flag), (tp_dp, step, kind, c1, c2)
+                assert sum(c1.values()) > sum(one_bucket[step].values()), (tp_dp, step)
+
+
+def test_bad_bucket_bytes_refused() -> None:
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    for bad in (0, -1, 1.5, "256MiB", True):
+        with pytest.raises(ValueError, match="bucket_bytes"):
+            DistributedGaLore([{"params": [p], "rank": 2}], bucket_bytes=bad)
+    assert DistributedGaLore([{"params": [p], "rank": 2}], bucket_bytes=None).bucket_bytes is None
