@@ -10,9 +10,23 @@ must still be those of the *full* matrix.
 How, without gathering a gradient: each rank reduces the elements it holds into *full-size*
 row/column bins (zeros where it holds nothing), and the bins are summed over the parameter's
 ``sum_groups`` (ZeRO group, then TP group) through a :class:`~dist_optim.comm.SumBucket` shared by
-all parameters of the step. After the flush every rank has the full statistics (replicated, in
-full form, so checkpoints do not depend on the layout), and expands them back onto its own
-elements.
+all parameters of the step. After the flush every rank has the step's full statistics, and
+expands them back onto its own elements.
+
+What a rank keeps between steps is only its *partition* of each statistic: the flattened
+statistic cut into ``n`` equal contiguous parts over the ``n`` ranks that share the parameter (the
+product of its ``sum_groups``, ZeRO-style, :meth:`FactoredLayout.part`), so the state is 1/n of
+the full statistics. The exponential moving average is folded into the same all-reduce: each rank
+adds ``(1 - beta)/count`` times its partial sums everywhere and ``beta`` times its old partition
+(plus the epsilon term, once) on its own partition, so the sum over the ranks *is* the new full
+statistic (``beta old + (1 - beta) mean``). That is the all-reduce of today's bins (same
+collectives, same bytes), no reduce-scatter or all-gather more; the full statistic lives for the
+step only (as the reduced bins did), and the rank copies its partition back into its state.
+Deviation: the EMA is then summed in the all-reduce rather than taken by a ``lerp`` after it,
+equal in exact arithmetic and within fp32 rounding (a whole, unshared parameter keeps the
+``lerp``). Checkpoints stay in full form (:meth:`FactoredOptimizer.full_state` assembles the
+partitions; :meth:`FactoredOptimizer._localize_state` cuts a full-form state to this rank's
+partition), so they do not depend on the layout.
 
 :class:`FactoredLayout` does the index math. A ZeRO chunk is a contiguous range of the flattened
 working param, so it covers a contiguous run of "rows" (index over ``local[:-1]``), the first and
@@ -34,12 +48,13 @@ from typing import Any
 import torch
 
 from .base import DistOptimizer
-from .comm import SumBucket
+from .comm import SumBucket, group_rank, group_size
 from .layout import ParamLayout
 
 __all__ = [
     "FactoredLayout",
     "Item",
+    "STAT_KEYS",
     "EPS_ADD",
     "EPS_CLAMP",
     "init_second_moment",
@@ -61,6 +76,10 @@ __all__ = [
 #: ``V = R C / max(mean(R), eps1)`` and ``V^-1/2 = rsqrt(max(V, eps1^2))``.
 EPS_ADD = "add"
 EPS_CLAMP = "clamp"
+
+#: The factored statistics, in full form in checkpoints and partitioned over the ranks that share
+#: a parameter in ``optimizer.state`` (module docstring); row statistics end in ``row_var``.
+STAT_KEYS = ("row_var", "col_var", "res_row_var", "res_col_var")
 
 
 class FactoredLayout:
@@ -84,6 +103,12 @@ class FactoredLayout:
         self.lead_full = math.prod(full[:-2])
         self.lead_local = math.prod(local[:-2])
         self.rows_local, self.cols_local = local[-2], local[-1]
+        # The partition of every statistic this rank keeps: index in the product of the sum groups
+        # (ZeRO rank, then TP rank), the same on every rank that sums over them.
+        self.shares, self.share_index = 1, 0
+        for g in layout.sum_groups:
+            n = group_size(g)
+            self.shares, self.share_index = self.shares * n, self.share_index * n + group_rank(g)
         tp = layout.tp
         last = layout.ndim - 1
         # Offset of this rank's columns in the full matrix (only a last-dim split moves them).
@@ -115,6 +140,24 @@ class FactoredLayout:
         leadmap = ParamLayout(full[:-2], lead_tp).full_flat_index(device=device)
         self._rows = rowmap[q0 : q0 + nrows].contiguous()
         self._leads = leadmap[torch.div(q, self.rows_local, rounding_mode="floor")].contiguous()
+
+    def part(self, key: str) -> tuple[int, int]:
+        """``[lo, hi)`` of the flattened statistic ``key`` (one of :data:`STAT_KEYS`) that this
+        rank keeps: the ``share_index``-th of ``shares`` parts of ``ceil(numel / shares)``
+        elements, ZeRO's rule (the last part shorter, possibly empty). The whole statistic when
+        the parameter is not shared."""
+        numel = math.prod(self.row_shape if key.endswith("row_var") else self.col_shape)
+        size = -(-numel // self.shares)
+        lo = min(numel, self.share_index * size)
+        return lo, min(numel, lo + size)
+
+    def localize(self, key: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's partition (a copy) of the full-form statistic ``key``, as it is kept in
+        ``optimizer.state`` (the full tensor itself when the parameter is not shared)."""
+        if self.shares == 1:
+            return full
+        lo, hi = self.part(key)
+        return full.reshape(-1)[lo:hi].clone()
 
     # ---- work form ------------------------------------------------------------------------
     def to_work(self, t: torch.Tensor) -> torch.Tensor:
@@ -197,6 +240,10 @@ class Item:
     fac: FactoredLayout | None
     grad: torch.Tensor  # fp32, local form, sign applied (maximize)
     sums: tuple[torch.Tensor, torch.Tensor] | None = None
+    # What the queued sums fold into: (row key, col key), beta, eps_add (queue_factored_sums).
+    fold: tuple[tuple[str, str], float, float] | None = None
+    # This step's full statistics by key, after fold_sums (the state holds only a partition).
+    full: dict[str, torch.Tensor] = field(default_factory=dict)
     update: torch.Tensor | None = None  # vectors only: the preconditioned gradient
     sumsq: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -207,42 +254,78 @@ def math_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
+def init_statistics(state: dict[str, Any], param: torch.Tensor, fac: FactoredLayout, keys: tuple[str, str]) -> None:
+    """Zero row and column statistics ``keys``: this rank's partitions (:meth:`FactoredLayout.part`),
+    or the full shapes when the parameter is not shared; fp32 (float64 for float64 parameters)."""
+    dtype = math_dtype(param)
+    for key, shape in zip(keys, (fac.row_shape, fac.col_shape)):
+        if fac.shares == 1:
+            state[key] = torch.zeros(shape, dtype=dtype, device=param.device)
+        else:
+            lo, hi = fac.part(key)
+            state[key] = torch.zeros(hi - lo, dtype=dtype, device=param.device)
+
+
 def init_second_moment(state: dict[str, Any], item_param: torch.Tensor, fac: FactoredLayout | None) -> None:
-    """Zero row/column statistics (factored) or a param-shaped ``variance`` (vectors), in fp32
-    (float64 for float64 parameters)."""
+    """Zero row/column statistics (factored, :func:`init_statistics`) or a param-shaped
+    ``variance`` (vectors), in fp32 (float64 for float64 parameters)."""
     dtype = math_dtype(item_param)
     if fac is not None:
-        state["row_var"] = torch.zeros(fac.row_shape, dtype=dtype, device=item_param.device)
-        state["col_var"] = torch.zeros(fac.col_shape, dtype=dtype, device=item_param.device)
+        init_statistics(state, item_param, fac, ("row_var", "col_var"))
     else:
         state["variance"] = torch.zeros_like(item_param, dtype=dtype, memory_format=torch.preserve_format)
 
 
-def queue_factored_sums(bucket: SumBucket, item: Item, values: torch.Tensor) -> None:
-    """Queue the full row/column sums of ``values`` (local form; may be the workspace, which is
-    free again on return) in ``bucket`` as ``item.sums``; complete after ``bucket.flush()``."""
+def queue_factored_sums(
+    bucket: SumBucket, item: Item, values: torch.Tensor, keys: tuple[str, str], beta: float, eps_add: float = 0.0
+) -> None:
+    """Queue this step's row/column means of ``values`` (local form; may be the workspace, which
+    is free again on return) in ``bucket``, to be folded into the statistics ``keys`` (row, col)
+    with decay ``beta`` by :func:`fold_sums` after ``bucket.flush()``. ``eps_add`` is the epsilon
+    the references add to every squared element before the means: added to the means instead
+    (the same value in exact arithmetic, and no pass over the elements).
+
+    A shared parameter's EMA rides in the all-reduce (module docstring): the sum over the ranks of
+    ``(1 - beta) partial / count``, plus ``beta old + (1 - beta) eps_add`` on each rank's own
+    partition, is the new full statistic."""
     fac = item.fac
     assert fac is not None, "only factored parameters have row/column sums"
     rows, cols = fac.partial_sums(fac.to_work(values))
+    if fac.shares > 1:
+        for key, bins, count in zip(keys, (rows, cols), (fac.cols_full, fac.rows_full)):
+            bins.mul_((1.0 - beta) / count)
+            lo, hi = fac.part(key)
+            mine = bins.view(-1)[lo:hi]
+            mine.add_(item.state[key], alpha=beta)
+            if eps_add:
+                mine.add_((1.0 - beta) * eps_add)
     groups = item.layout.sum_groups
     item.sums = (bucket.add(rows, groups), bucket.add(cols, groups))
+    item.fold = (keys, beta, eps_add)
 
 
-def fold_sums(item: Item, row_key: str, col_key: str, beta: float, eps_add: float = 0.0) -> None:
-    """``state[row_key]``/``state[col_key]`` <- EMA with the reduced means of this step's
-    ``item.sums``. ``eps_add`` is the epsilon the references add to every squared element before
-    the means: added to the means instead (the same value in exact arithmetic, and no pass over
-    the elements)."""
+def fold_sums(item: Item) -> None:
+    """After the flush of the bucket :func:`queue_factored_sums` used: the statistics it named
+    hold their EMA with this step's means, and ``item.full`` their full form for the step (a
+    shared parameter keeps its partition of the reduced statistic; a whole one folds it in)."""
     fac = item.fac
-    assert fac is not None and item.sums is not None, "queue the factored sums before folding them"
+    assert fac is not None and item.sums is not None and item.fold is not None, "queue the factored sums first"
+    keys, beta, eps_add = item.fold
+    if fac.shares > 1:
+        for key, new in zip(keys, item.sums):
+            lo, hi = fac.part(key)
+            item.state[key].copy_(new.view(-1)[lo:hi])
+            item.full[key] = new
+        return
     rows, cols = item.sums
     rows = rows.div_(fac.cols_full)
     cols = cols.div_(fac.rows_full)
     if eps_add:
         rows.add_(eps_add)
         cols.add_(eps_add)
-    ema_(item.state[row_key], rows, beta)
-    ema_(item.state[col_key], cols, beta)
+    for key, new in zip(keys, (rows, cols)):
+        ema_(item.state[key], new, beta)
+        item.full[key] = item.state[key]
 
 
 def ema_(avg: torch.Tensor, new: torch.Tensor, beta: float) -> None:
@@ -287,11 +370,12 @@ def approx_inv_sqrt(
 
 
 def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> None:
-    """Fold this step's (reduced) statistics into the second moment with decay ``beta``; for a
-    vector, also compute its preconditioned gradient (``item.update``)."""
+    """Fold this step's statistics into the second moment: a factored parameter's (reduced)
+    row/column means, queued with their decay (:func:`queue_factored_sums`); a vector's squared
+    gradient with decay ``beta``, also computing its preconditioned gradient (``item.update``)."""
     state, g = item.state, item.grad
     if item.fac is not None:
-        fold_sums(item, "row_var", "col_var", beta, eps1 if eps_mode == EPS_ADD else 0.0)
+        fold_sums(item)
         return
     variance = state["variance"]
     sq = g * g
@@ -312,8 +396,8 @@ def preconditioned(
     if item.fac is None:
         assert item.update is not None, "fold the second moment first"
         return item.update if scale is None else item.update.mul_(scale)
-    state = item.state
-    return approx_inv_sqrt(item.fac, state["row_var"], state["col_var"], item.grad, eps_mode, eps1, out, scale)
+    full = item.full
+    return approx_inv_sqrt(item.fac, full["row_var"], full["col_var"], item.grad, eps_mode, eps1, out, scale)
 
 
 def queue_sumsq(bucket: SumBucket, layout: ParamLayout, t: torch.Tensor) -> torch.Tensor:
@@ -372,6 +456,52 @@ class FactoredOptimizer(DistOptimizer):
         """The state a parameter starts with besides ``step`` (called at its first step)."""
         raise NotImplementedError
 
+    def _second_moment_decay(self, item: Item) -> tuple[float, float]:
+        """``(beta, eps_add)`` of this step's second moment of ``item`` (after its step is counted)."""
+        raise NotImplementedError
+
+    # ---- full-form state --------------------------------------------------------------------------
+    def full_state(self) -> list[dict[str, Any]]:
+        """Every parameter's state in full form (:meth:`DistOptimizer.full_state`), the factored
+        statistics assembled from the partitions of the ranks that share them: each rank puts its
+        partition into zeros of the full shape and one :class:`~dist_optim.comm.SumBucket`
+        flush adds them up (exact: every element is one rank's value plus zeros). Collective when
+        bound."""
+        out = super().full_state()
+        bucket = SumBucket()
+        for entry, p in zip(out, self._all_params()):
+            fac = self._fac(p) if p in self.state else None
+            if fac is None or fac.shares == 1:
+                continue
+            for key in STAT_KEYS:
+                if key in entry:
+                    lo, hi = fac.part(key)
+                    shape = fac.row_shape if key.endswith("row_var") else fac.col_shape
+                    full = entry[key].new_zeros(shape)
+                    full.view(-1)[lo:hi] = entry[key]
+                    entry[key] = bucket.add(full, fac.layout.sum_groups)
+        bucket.flush()
+        return out
+
+    def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """For ``load_full_state``: a full-form statistic (checked against the parameter's full
+        shape) becomes this rank's partition of it."""
+        fac = self._fac(param)
+        if fac is None:
+            return state
+        for key in STAT_KEYS:
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            shape = fac.row_shape if key.endswith("row_var") else fac.col_shape
+            if tuple(value.shape) != shape:
+                raise ValueError(
+                    f"load_full_state: state {key!r} has shape {tuple(value.shape)}, expected {shape} for a "
+                    f"parameter of full shape {fac.layout.full_shape}"
+                )
+            state[key] = fac.localize(key, value)
+        return state
+
     def _items(self, stats: SumBucket) -> list[Item]:
         """The first phase of a step: every parameter with a gradient as an :class:`Item` (fp32
         gradient, negated for ``maximize``), its state started and its step counted, and the
@@ -390,7 +520,9 @@ class FactoredOptimizer(DistOptimizer):
                     self._init_state(item)
                 item.state["step"] += 1
                 if fac is not None:
-                    queue_factored_sums(stats, item, torch.mul(g, g, out=self._workspace(g)))
+                    beta, eps_add = self._second_moment_decay(item)
+                    squares = torch.mul(g, g, out=self._workspace(g))
+                    queue_factored_sums(stats, item, squares, ("row_var", "col_var"), beta, eps_add)
                 items.append(item)
         return items
 
