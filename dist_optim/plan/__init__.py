@@ -165,7 +165,7 @@ TRANSIENT_OPTIONS = {
     "muon": "communication_dtype (routed pieces), ns_dtype (Newton-Schulz workspace)",
     "galore": "the rank and update_proj_gap (SVD workspace on refresh steps)",
     "kron": "communication_dtype (routed pieces), max_size_triangular (dense factors)",
-    "lamb": "none: the foreach update holds one update per parameter",
+    "lamb": "bucket_bytes (the local update buffers of one bucket of parameters; default 256 MiB)",
     "adamw": "foreach=False (torch's per-parameter loop)",
     "adafactor": "none (row/column statistics are small)",
     "came": "none (row/column statistics are small)",
