@@ -36,8 +36,9 @@ State keys follow ``torch.optim.Adafactor``: ``step``; ``row_var`` (shape ``full
 and ``col_var`` (``full[:-2] + (1, C)``) for parameters with >= 2 dims; ``variance`` for vectors and
 ``exp_avg`` (beta1), which have the parameter's local form. Deviation: a parameter shared by ``n``
 ranks (TP slices, ZeRO chunks) keeps in ``optimizer.state`` only this rank's 1/n partition of
-``row_var`` and ``col_var``, flattened (:mod:`dist_optim.factored`); ``full_state()`` and
-checkpoints have them in full-matrix form, as above, under every layout.
+``row_var`` and ``col_var``, flattened, and a vector replicated over the TP group (a norm weight)
+only this rank's part of its ``variance`` (:mod:`dist_optim.factored`); ``full_state()`` and
+checkpoints have them in full form, as above, under every layout.
 
 Distributed (see :mod:`dist_optim.factored`): the row/column statistics, RMS(W) and RMS(U)
 are those of the full tensor. A step issues two flushes of one :class:`~dist_optim.comm.SumBucket`
@@ -218,7 +219,7 @@ class DistributedAdafactor(FactoredOptimizer):
         return beta, eps1 if eps_mode == EPS_ADD else 0.0
 
     def _init_state(self, item: Item) -> None:
-        init_second_moment(item.state, item.param, item.fac)
+        init_second_moment(item.state, item.param, item.fac, self._vector_part(item.param))
         if item.group["beta1"] is not None:
             item.state["exp_avg"] = torch.zeros_like(item.param, dtype=math_dtype(item.param))
 

@@ -22,8 +22,9 @@ State keys: ``step``, ``exp_avg``; ``row_var``/``col_var`` (second moment) and
 ``res_row_var``/``res_col_var`` (confidence) in full-matrix form for >= 2-D parameters;
 ``variance`` for vectors. ``exp_avg`` and ``variance`` have the parameter's local form.
 Deviation: a parameter shared by ``n`` ranks (TP slices, ZeRO chunks) keeps in ``optimizer.state``
-only this rank's 1/n partition of the four statistics, flattened (:mod:`dist_optim.factored`);
-``full_state()`` and checkpoints have them in full-matrix form under every layout.
+only this rank's 1/n partition of the four statistics, flattened, and a vector replicated over
+the TP group only this rank's part of its ``variance`` (:mod:`dist_optim.factored`);
+``full_state()`` and checkpoints have them in full form under every layout.
 
 Distributed: every statistic is that of the full tensor. A step flushes three
 :class:`~dist_optim.comm.SumBucket` s, shared by all parameters: second-moment statistics, RMS(U),
@@ -120,7 +121,7 @@ class DistributedCAME(FactoredOptimizer):
     def _init_state(self, item: Item) -> None:
         state = item.state
         state["exp_avg"] = torch.zeros_like(item.param, dtype=math_dtype(item.param))
-        init_second_moment(state, item.param, item.fac)
+        init_second_moment(state, item.param, item.fac, self._vector_part(item.param))
         if item.fac is not None:
             init_statistics(state, item.param, item.fac, ("res_row_var", "res_col_var"))
 
@@ -154,6 +155,8 @@ class DistributedCAME(FactoredOptimizer):
             beta1 = group["betas"][0]
             clip = clip_factor(item.sumsq["update"], item.layout, group["clip_threshold"])
             update = preconditioned(item, EPS_ADD, group["eps"][0], self._workspace(item.grad), clip)
+            # The full second-moment statistics are not needed again this step: free them.
+            item.full.clear()
             exp_avg = item.state["exp_avg"]
             ema_(exp_avg, update, beta1)
             if item.fac is not None:

@@ -28,6 +28,13 @@ equal in exact arithmetic and within fp32 rounding (a whole, unshared parameter 
 partitions; :meth:`FactoredOptimizer._localize_state` cuts a full-form state to this rank's
 partition), so they do not depend on the layout.
 
+A vector's ``variance`` (param-shaped, ZeRO-sharded like the parameter) is the same on the ranks
+of a TP group when the vector is not TP-split (norm weights): those replicas keep one part each
+(:class:`VectorPart`). The rank that keeps a part folds it (the same elementwise EMA as a whole
+vector's), writes it into zeros of the local chunk's size, and one all-reduce over the TP group,
+queued at the stage where the TP-split parameters' bins are summed over that group (no collective
+more), gives every replica the new chunk, bit for bit (one rank's value plus zeros).
+
 :class:`FactoredLayout` does the index math. A ZeRO chunk is a contiguous range of the flattened
 working param, so it covers a contiguous run of "rows" (index over ``local[:-1]``), the first and
 last possibly cut. The chunk is padded at the front and back into a ``(rows, C_local)`` block, so
@@ -55,6 +62,7 @@ __all__ = [
     "FactoredLayout",
     "Item",
     "STAT_KEYS",
+    "VectorPart",
     "EPS_ADD",
     "EPS_CLAMP",
     "init_second_moment",
@@ -221,6 +229,19 @@ class FactoredLayout:
         return r, c
 
 
+@dataclass(frozen=True)
+class VectorPart:
+    """The part ``[lo, hi)`` of a TP-replicated vector's flattened local ``variance`` (``numel``
+    elements) that this rank keeps: ``group`` is the TP group of its replicas, ``stage`` the
+    :class:`~dist_optim.comm.SumBucket` stage at which it is summed over that group."""
+
+    group: Any
+    lo: int
+    hi: int
+    numel: int
+    stage: int
+
+
 # ---- shared step pieces -------------------------------------------------------------------------
 @dataclass
 class Item:
@@ -242,7 +263,8 @@ class Item:
     sums: tuple[torch.Tensor, torch.Tensor] | None = None
     # What the queued sums fold into: (row key, col key), beta, eps_add (queue_factored_sums).
     fold: tuple[tuple[str, str], float, float] | None = None
-    # This step's full statistics by key, after fold_sums (the state holds only a partition).
+    # This step's full statistics by key, after fold_sums (the state holds only a partition); a
+    # TP-replicated vector's whole local variance after the flush of queue_vector_moment.
     full: dict[str, torch.Tensor] = field(default_factory=dict)
     update: torch.Tensor | None = None  # vectors only: the preconditioned gradient
     sumsq: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -266,12 +288,17 @@ def init_statistics(state: dict[str, Any], param: torch.Tensor, fac: FactoredLay
             state[key] = torch.zeros(hi - lo, dtype=dtype, device=param.device)
 
 
-def init_second_moment(state: dict[str, Any], item_param: torch.Tensor, fac: FactoredLayout | None) -> None:
+def init_second_moment(
+    state: dict[str, Any], item_param: torch.Tensor, fac: FactoredLayout | None, part: VectorPart | None = None
+) -> None:
     """Zero row/column statistics (factored, :func:`init_statistics`) or a param-shaped
-    ``variance`` (vectors), in fp32 (float64 for float64 parameters)."""
+    ``variance`` (vectors; this rank's part of it for a TP-replicated one), in fp32 (float64 for
+    float64 parameters)."""
     dtype = math_dtype(item_param)
     if fac is not None:
         init_statistics(state, item_param, fac, ("row_var", "col_var"))
+    elif part is not None:
+        state["variance"] = torch.zeros(part.hi - part.lo, dtype=dtype, device=item_param.device)
     else:
         state["variance"] = torch.zeros_like(item_param, dtype=dtype, memory_format=torch.preserve_format)
 
@@ -302,6 +329,23 @@ def queue_factored_sums(
     groups = item.layout.sum_groups
     item.sums = (bucket.add(rows, groups), bucket.add(cols, groups))
     item.fold = (keys, beta, eps_add)
+
+
+def queue_vector_moment(bucket: SumBucket, item: Item, part: VectorPart, beta: float, eps_add: float) -> None:
+    """A TP-replicated vector's second moment (module docstring): fold this rank's part with
+    decay ``beta`` (``g^2 + eps_add``, as :func:`fold_second_moment` folds a whole vector) and
+    queue it, in zeros of the local size, to be summed over the replicas; after the flush,
+    ``item.full["variance"]`` is the whole local variance."""
+    g = item.grad.reshape(-1)[part.lo : part.hi]
+    sq = g * g
+    if eps_add:
+        sq.add_(eps_add)
+    mine = item.state["variance"]
+    ema_(mine, sq, beta)
+    whole = mine.new_zeros(part.numel)
+    whole[part.lo : part.hi] = mine
+    bucket.add(whole, (part.group,), first_stage=part.stage)
+    item.full["variance"] = whole.view(item.grad.shape)
 
 
 def fold_sums(item: Item) -> None:
@@ -377,6 +421,13 @@ def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> N
     if item.fac is not None:
         fold_sums(item)
         return
+    if "variance" in item.full:  # a TP-replicated vector: folded before the flush
+        variance = item.full["variance"]
+        if eps_mode == EPS_ADD:
+            item.update = variance.rsqrt().mul_(g)
+        else:
+            item.update = variance.clamp(min=eps1 * eps1).rsqrt_().mul_(g)
+        return
     variance = state["variance"]
     sq = g * g
     if eps_mode == EPS_ADD:
@@ -437,6 +488,7 @@ class FactoredOptimizer(DistOptimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, nonfinite: str = "raise") -> None:
         self._factored: dict[torch.Tensor, FactoredLayout | None] = {}
+        self._vector_parts: dict[torch.Tensor, VectorPart | None] = {}
         self._scratch = torch.empty(0, dtype=torch.float32)
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -446,6 +498,22 @@ class FactoredOptimizer(DistOptimizer):
 
     def _on_bind(self) -> None:
         self._factored.clear()
+        self._vector_parts.clear()
+
+    def _vector_part(self, p: torch.Tensor) -> VectorPart | None:
+        """The part of a vector's ``variance`` this rank keeps when the vector is replicated over
+        the TP group (not TP-split); None otherwise (the whole local variance)."""
+        if p not in self._vector_parts:
+            layout = self.layout(p)
+            part = None
+            n = group_size(self.tp_group) if self.tp_group is not None else 1
+            if layout.ndim < 2 and layout.tp is None and n > 1:
+                numel = p.numel()
+                size = -(-numel // n)
+                lo = min(numel, group_rank(self.tp_group) * size)
+                part = VectorPart(self.tp_group, lo, min(numel, lo + size), numel, len(layout.sum_groups))
+            self._vector_parts[p] = part
+        return self._vector_parts[p]
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
         """Every statistic is kept in :func:`math_dtype` (fp32 for bf16/fp16 parameters): restored
@@ -467,9 +535,25 @@ class FactoredOptimizer(DistOptimizer):
         partition into zeros of the full shape and one :class:`~dist_optim.comm.SumBucket`
         flush adds them up (exact: every element is one rank's value plus zeros). Collective when
         bound."""
-        out = super().full_state()
+        params = self._all_params()
+        vectors = SumBucket()
+        kept: dict[torch.Tensor, torch.Tensor] = {}
+        for p in params:
+            part = self._vector_part(p) if "variance" in self.state.get(p, {}) else None
+            if part is not None:
+                mine = self.state[p]["variance"]
+                whole = mine.new_zeros(part.numel)
+                whole[part.lo : part.hi] = mine
+                kept[p] = mine
+                self.state[p]["variance"] = vectors.add(whole, (part.group,)).view(p.shape)
+        vectors.flush()
+        try:
+            out = super().full_state()
+        finally:
+            for p, mine in kept.items():
+                self.state[p]["variance"] = mine
         bucket = SumBucket()
-        for entry, p in zip(out, self._all_params()):
+        for entry, p in zip(out, params):
             fac = self._fac(p) if p in self.state else None
             if fac is None or fac.shares == 1:
                 continue
@@ -485,9 +569,13 @@ class FactoredOptimizer(DistOptimizer):
 
     def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
         """For ``load_full_state``: a full-form statistic (checked against the parameter's full
-        shape) becomes this rank's partition of it."""
+        shape) becomes this rank's partition of it; a TP-replicated vector keeps its part of the
+        local variance."""
         fac = self._fac(param)
         if fac is None:
+            part = self._vector_part(param)
+            if part is not None and isinstance(state.get("variance"), torch.Tensor):
+                state["variance"] = state["variance"].reshape(-1)[part.lo : part.hi].clone()
             return state
         for key in STAT_KEYS:
             value = state.get(key)
@@ -519,10 +607,13 @@ class FactoredOptimizer(DistOptimizer):
                     item.state["step"] = torch.zeros((), dtype=torch.float32)
                     self._init_state(item)
                 item.state["step"] += 1
+                part = self._vector_part(p) if fac is None else None
                 if fac is not None:
                     beta, eps_add = self._second_moment_decay(item)
                     squares = torch.mul(g, g, out=self._workspace(g))
                     queue_factored_sums(stats, item, squares, ("row_var", "col_var"), beta, eps_add)
+                elif part is not None:
+                    queue_vector_moment(stats, item, part, *self._second_moment_decay(item))
                 items.append(item)
         return items
 

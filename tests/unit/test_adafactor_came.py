@@ -350,7 +350,7 @@ def test_collectives_per_step_do_not_grow_with_params(pool4, cls: type, kwargs: 
 
 
 # ---- statistics partitioned over the ranks that share a parameter ---------------------------------
-def _partition_worker(cls: type, kwargs: dict[str, Any]) -> list[tuple[str, int, int, int, bool]]:
+def _partition_worker(cls: type, kwargs: dict[str, Any]) -> tuple[list[tuple[str, int, int, int, bool]], torch.Tensor]:
     """tp=2 x zero=2: every factored statistic a rank keeps is its 1/n partition of the full one
     (what full_state() returns; n = 4 for a TP-split parameter, 2 for a TP-replicated one, which
     its TP replicas keep alike), and load_full_state() of that full state cuts the same partition."""
@@ -378,6 +378,17 @@ def _partition_worker(cls: type, kwargs: dict[str, Any]) -> list[tuple[str, int,
     kept = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
     opt.load_full_state(full_states)
     out = []
+    # The TP-replicated vector (7,): its ZeRO chunk (4 elements, padding included) is split over the
+    # 2 TP replicas, each keeping 2 elements of the variance.
+    vector, layout = params[-1], layouts[params[-1]]
+    chunk = layout.take_local(full_states[-1]["variance"]).reshape(-1)
+    chunk = torch.nn.functional.pad(chunk, (0, layout.chunk_numel - chunk.numel()))
+    expected = chunk[2 * tp_rank : 2 * tp_rank + 2]
+    # ZeRO padding (the last element of the second chunk) is not in the full form: compare the rest.
+    real = max(0, min(2, layout.valid_numel - 2 * tp_rank))
+    same = torch.equal(kept[-1]["variance"][:real], expected[:real])
+    same = same and torch.equal(opt.state[vector]["variance"], expected)
+    out.append(("variance", kept[-1]["variance"].numel(), 2, 7, same))
     for (_, dim), p, before, full in zip(shapes, params, kept, full_states):
         # The partition index: ZeRO rank, then TP rank (TP-split parameters only).
         n, me = (4, dp_rank * 2 + tp_rank) if dim is not None else (2, dp_rank)
@@ -389,7 +400,7 @@ def _partition_worker(cls: type, kwargs: dict[str, Any]) -> list[tuple[str, int,
             expected = flat[me * size : (me + 1) * size]
             same = torch.equal(before[key], expected) and torch.equal(opt.state[p][key], expected)
             out.append((key, before[key].numel(), expected.numel(), flat.numel(), same))
-    return out
+    return out, full_states[-1]["variance"]
 
 
 def grid_groups_22() -> tuple[Any, Any]:
@@ -404,10 +415,15 @@ def grid_groups_22() -> tuple[Any, Any]:
     ids=["adafactor", "came"],
 )
 def test_statistics_are_partitioned(pool4, cls: type, kwargs: dict[str, Any]) -> None:
-    results = pool4.run(_partition_worker, cls, kwargs)
+    returned = pool4.run(_partition_worker, cls, kwargs)
+    results = [r for r, _ in returned]
+    # The vector's full-form variance, assembled from the TP replicas' parts, is the same everywhere.
+    assert all(torch.equal(v, returned[0][1]) for _, v in returned), [v for _, v in returned]
     keys = 8 if cls is DistributedAdafactor else 16  # 4 factored params, 2 or 4 statistics each
     for rank in results:
-        assert len(rank) == keys, rank
+        assert len(rank) == keys + 1, rank
+        _, vector_kept, vector_expected, _, vector_same = rank.pop(0)  # the vector's variance
+        assert vector_kept == vector_expected and vector_same, rank
         for key, kept, expected, full, same in rank:
             assert kept == expected and same, (key, kept, expected, full)
     # Together the ranks keep each statistic once (its TP replicas twice), not once per rank.
