@@ -44,7 +44,8 @@ LAYOUTS = {
 #: Optimizer options for the tiny model (GaLore's default rank 128 exceeds its 64-wide matrices).
 #: LAMB's foreach=None picks per-tensor kernels on the CPU and foreach ones on an accelerator (the
 #: path the planner simulates): the test runs the accelerator's path on the CPU, like with like.
-ARGS: dict[str, dict[str, Any]] = {"galore": {"galore": {"rank": 8}}, "lamb": {"foreach": True}}
+#: Its bucket_bytes is small enough that every step runs several buckets, each with its collectives.
+ARGS: dict[str, dict[str, Any]] = {"galore": {"galore": {"rank": 8}}, "lamb": {"foreach": True, "bucket_bytes": 2**14}}
 
 #: The planner's name for each torch.distributed collective (it names what dist_optim.comm does);
 #: a collective missing here keeps its torch name, which no planned kind has: the comparison fails.
