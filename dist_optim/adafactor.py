@@ -33,9 +33,12 @@ decay is decoupled. Deviations from ``torch.optim.Adafactor`` in the transformer
 is added to the squared gradient (paper, fairseq) and the decay uses the scaled step.
 
 State keys follow ``torch.optim.Adafactor``: ``step``; ``row_var`` (shape ``full[:-1] + (1,)``)
-and ``col_var`` (``full[:-2] + (1, C)``) for parameters with >= 2 dims, replicated and in
-full-matrix form under every layout; ``variance`` for vectors and ``exp_avg`` (beta1), which have
-the parameter's local form.
+and ``col_var`` (``full[:-2] + (1, C)``) for parameters with >= 2 dims; ``variance`` for vectors and
+``exp_avg`` (beta1), which have the parameter's local form. Deviation: a parameter shared by ``n``
+ranks (TP slices, ZeRO chunks) keeps in ``optimizer.state`` only this rank's 1/n partition of
+``row_var`` and ``col_var``, flattened, and a vector replicated over the TP group (a norm weight)
+only this rank's part of its ``variance`` (:mod:`dist_optim.factored`); ``full_state()`` and
+checkpoints have them in full form, as above, under every layout.
 
 Distributed (see :mod:`dist_optim.factored`): the row/column statistics, RMS(W) and RMS(U)
 are those of the full tensor. A step issues two flushes of one :class:`~dist_optim.comm.SumBucket`
@@ -198,10 +201,9 @@ class DistributedAdafactor(FactoredOptimizer):
 
         norms = SumBucket()
         for item in items:
-            t = float(item.state["step"])  # a CPU scalar: no device sync
-            # Both variants' beta2_t is 1 - t^decay_rate.
+            # step is a CPU scalar: no device sync.
             eps_mode, eps1 = self._eps(item)
-            fold_second_moment(item, 1.0 - math.pow(t, item.group["decay_rate"]), eps_mode, eps1)
+            fold_second_moment(item, self._second_moment_decay(item)[0], eps_mode, eps1)
             update = preconditioned(item, eps_mode, eps1, self._workspace(item.grad))
             item.sumsq["update"] = queue_sumsq(norms, item.layout, update)
         norms.flush()
@@ -210,8 +212,14 @@ class DistributedAdafactor(FactoredOptimizer):
             self._apply(item)
         return loss
 
+    def _second_moment_decay(self, item: Item) -> tuple[float, float]:
+        # Both variants' beta2_t is 1 - t^decay_rate; only the transformers variant adds eps1.
+        beta = 1.0 - math.pow(float(item.state["step"]), item.group["decay_rate"])
+        eps_mode, eps1 = self._eps(item)
+        return beta, eps1 if eps_mode == EPS_ADD else 0.0
+
     def _init_state(self, item: Item) -> None:
-        init_second_moment(item.state, item.param, item.fac)
+        init_second_moment(item.state, item.param, item.fac, self._vector_part(item.param))
         if item.group["beta1"] is not None:
             item.state["exp_avg"] = torch.zeros_like(item.param, dtype=math_dtype(item.param))
 

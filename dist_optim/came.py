@@ -21,6 +21,10 @@ with leading dims kept. The second moment and its preconditioning are Adafactor'
 State keys: ``step``, ``exp_avg``; ``row_var``/``col_var`` (second moment) and
 ``res_row_var``/``res_col_var`` (confidence) in full-matrix form for >= 2-D parameters;
 ``variance`` for vectors. ``exp_avg`` and ``variance`` have the parameter's local form.
+Deviation: a parameter shared by ``n`` ranks (TP slices, ZeRO chunks) keeps in ``optimizer.state``
+only this rank's 1/n partition of the four statistics, flattened, and a vector replicated over
+the TP group only this rank's part of its ``variance`` (:mod:`dist_optim.factored`);
+``full_state()`` and checkpoints have them in full form under every layout.
 
 Distributed: every statistic is that of the full tensor. A step flushes three
 :class:`~dist_optim.comm.SumBucket` s, shared by all parameters: second-moment statistics, RMS(U),
@@ -48,6 +52,7 @@ from .factored import (
     fold_second_moment,
     fold_sums,
     init_second_moment,
+    init_statistics,
     low_precision_copy,
     math_dtype,
     preconditioned,
@@ -116,10 +121,12 @@ class DistributedCAME(FactoredOptimizer):
     def _init_state(self, item: Item) -> None:
         state = item.state
         state["exp_avg"] = torch.zeros_like(item.param, dtype=math_dtype(item.param))
-        init_second_moment(state, item.param, item.fac)
+        init_second_moment(state, item.param, item.fac, self._vector_part(item.param))
         if item.fac is not None:
-            state["res_row_var"] = torch.zeros_like(state["row_var"])
-            state["res_col_var"] = torch.zeros_like(state["col_var"])
+            init_statistics(state, item.param, item.fac, ("res_row_var", "res_col_var"))
+
+    def _second_moment_decay(self, item: Item) -> tuple[float, float]:
+        return item.group["betas"][1], item.group["eps"][0]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -148,11 +155,15 @@ class DistributedCAME(FactoredOptimizer):
             beta1 = group["betas"][0]
             clip = clip_factor(item.sumsq["update"], item.layout, group["clip_threshold"])
             update = preconditioned(item, EPS_ADD, group["eps"][0], self._workspace(item.grad), clip)
+            # The full second-moment statistics are not needed again this step: free them.
+            item.full.clear()
             exp_avg = item.state["exp_avg"]
             ema_(exp_avg, update, beta1)
             if item.fac is not None:
                 # Instability of the update w.r.t. its running mean: the statistic CAME factors.
-                queue_factored_sums(confidence, item, update.sub_(exp_avg).square_())
+                instability = update.sub_(exp_avg).square_()
+                keys = ("res_row_var", "res_col_var")
+                queue_factored_sums(confidence, item, instability, keys, group["betas"][2], group["eps"][1])
 
         confidence.flush()
 
@@ -166,9 +177,10 @@ class DistributedCAME(FactoredOptimizer):
             if group["weight_decay"] != 0:
                 w.add_(w, alpha=-group["weight_decay"] * lr)
             if item.fac is not None:
-                fold_sums(item, "res_row_var", "res_col_var", group["betas"][2], group["eps"][1])
+                fold_sums(item)
+                full = item.full
                 step = approx_inv_sqrt(
-                    item.fac, state["res_row_var"], state["res_col_var"], exp_avg, out=self._workspace(exp_avg)
+                    item.fac, full["res_row_var"], full["res_col_var"], exp_avg, out=self._workspace(exp_avg)
                 )
             else:
                 step = exp_avg

@@ -151,6 +151,10 @@ def ordered_groups(groups: Iterable[Any]) -> list[Any]:
     return [unique[k] for k in sorted(unique, key=lambda k: k[0])]
 
 
+#: A stage a :class:`SumBucket` request skips (``first_stage``).
+_SKIPPED = object()
+
+
 @dataclass
 class SumBucket:
     """Collects in-place all-reduce (sum) requests and runs them in as few collectives as it can.
@@ -159,14 +163,18 @@ class SumBucket:
     layout's ``sum_groups``: ZeRO group, then TP group; every member of a group must queue its
     tensor with the same sequence of group roles). After :meth:`flush`, every queued tensor holds
     its reduced value. Tensors of one dtype that share a group travel in one flat buffer.
+
+    ``first_stage`` (default 0) puts a request's first group at a later stage: a tensor summed
+    over a TP group only, beside tensors summed over their ZeRO group and then that TP group, joins
+    their TP all-reduce (stage 1) instead of adding one of its own at stage 0.
     """
 
     _requests: list[tuple[torch.Tensor, tuple[Any, ...]]] = field(default_factory=list)
 
-    def add(self, tensor: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
+    def add(self, tensor: torch.Tensor, groups: Sequence[Any], first_stage: int = 0) -> torch.Tensor:
         groups = tuple(g for g in groups if group_size(g) > 1)
         if groups:
-            self._requests.append((tensor, groups))
+            self._requests.append((tensor, (_SKIPPED,) * first_stage + groups))
         return tensor
 
     def __len__(self) -> int:
@@ -179,7 +187,7 @@ class SumBucket:
         # the same state (a tensor summed over its ZeRO group, then over its TP group); within a
         # stage, groups go in the global order of ordered_groups.
         for stage in range(max((len(gs) for _, gs in requests), default=0)):
-            staged = [(t, gs[stage]) for t, gs in requests if len(gs) > stage]
+            staged = [(t, gs[stage]) for t, gs in requests if len(gs) > stage and gs[stage] is not _SKIPPED]
             for group in ordered_groups(g for _, g in staged):
                 by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
                 for tensor, g in staged:

@@ -10,16 +10,32 @@ must still be those of the *full* matrix.
 How, without gathering a gradient: each rank reduces the elements it holds into *full-size*
 row/column bins (zeros where it holds nothing), and the bins are summed over the parameter's
 ``sum_groups`` (ZeRO group, then TP group) through a :class:`~dist_optim.comm.SumBucket` shared by
-all parameters of the step. After the flush every rank has the full statistics (replicated, in
-full form, so checkpoints do not depend on the layout), and expands them back onto its own
-elements.
+all parameters of the step. After the flush every rank has the step's full statistics, and
+expands them back onto its own elements.
 
-:class:`FactoredLayout` does the index math. A ZeRO chunk is a contiguous range of the flattened
-working param, so it covers a contiguous run of "rows" (index over ``local[:-1]``), the first and
-last possibly cut. The chunk is padded at the front and back into a ``(rows, C_local)`` block, so
-reductions and expansions are plain row/column operations plus an ``index_add_`` over *rows*:
-the index tensors kept per parameter have one entry per row, not per element. ZeRO padding (the
-suffix of the last rank's chunk beyond the working param) never enters the block.
+What a rank keeps between steps is only its *partition* of each statistic: the flattened
+statistic cut into ``n`` equal contiguous parts over the ``n`` ranks that share the parameter (the
+product of its ``sum_groups``, ZeRO-style, :meth:`FactoredLayout.part`), so the state is 1/n of
+the full statistics. The exponential moving average is folded into the same all-reduce: each rank
+adds ``(1 - beta)/count`` times its partial sums everywhere and ``beta`` times its old partition
+(plus the epsilon term, once) on its own partition, so the sum over the ranks *is* the new full
+statistic (``beta old + (1 - beta) mean``). That is the all-reduce of today's bins (same
+collectives, same bytes), no reduce-scatter or all-gather more; the full statistic lives for the
+step only (as the reduced bins did), and the rank copies its partition back into its state.
+Deviation: the EMA is then summed in the all-reduce rather than taken by a ``lerp`` after it,
+equal in exact arithmetic and within fp32 rounding (a whole, unshared parameter keeps the
+``lerp``). Checkpoints stay in full form (:meth:`FactoredOptimizer.full_state` assembles the
+partitions; :meth:`FactoredOptimizer._localize_state` cuts a full-form state to this rank's
+partition), so they do not depend on the layout.
+
+A vector's ``variance`` (param-shaped, ZeRO-sharded like the parameter) is the same on the ranks
+of a TP group when the vector is not TP-split (norm weights): those replicas keep one part each
+(:class:`VectorPart`). The rank that keeps a part folds it (the same elementwise EMA as a whole
+vector's), writes it into zeros of the local chunk's size, and one all-reduce over the TP group,
+queued at the stage where the TP-split parameters' bins are summed over that group (no collective
+more), gives every replica the new chunk, bit for bit (one rank's value plus zeros).
+
+The index math (:class:`FactoredLayout`, :class:`VectorPart`) is in :mod:`dist_optim.factored_layout`.
 
 The shared steps of both optimizers live here too: queueing the partial statistics of a step,
 folding them into the state, and preconditioning the gradient.
@@ -27,19 +43,21 @@ folding them into the state, and preconditioning the gradient.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .base import DistOptimizer
-from .comm import SumBucket
+from .comm import SumBucket, group_rank, group_size
+from .factored_layout import FactoredLayout, VectorPart
 from .layout import ParamLayout
 
 __all__ = [
     "FactoredLayout",
     "Item",
+    "STAT_KEYS",
+    "VectorPart",
     "EPS_ADD",
     "EPS_CLAMP",
     "init_second_moment",
@@ -62,120 +80,9 @@ __all__ = [
 EPS_ADD = "add"
 EPS_CLAMP = "clamp"
 
-
-class FactoredLayout:
-    """Maps a parameter's local tensor (whole, TP slice, or flat ZeRO chunk) to the row and column
-    statistics of its full tensor (``ndim >= 2``).
-
-    Work form: a view of the local tensor on which rows and columns are plain dims, ``(L, R, C)``
-    for a whole tensor or TP slice, ``(rows, C)`` for a ZeRO chunk (padded at both ends to whole
-    rows). :meth:`partial_sums` reduces a work-form tensor to full-size row/column bins;
-    :meth:`expand` turns full row/column vectors into tensors that broadcast against the work form.
-    """
-
-    def __init__(self, layout: ParamLayout, device: torch.device | str | None = None) -> None:
-        if layout.ndim < 2:
-            raise ValueError(f"FactoredLayout: a factored parameter needs >= 2 dims, got shape {layout.full_shape}")
-        full, local = layout.full_shape, layout.local_shape
-        self.layout = layout
-        self.rows_full, self.cols_full = full[-2], full[-1]
-        self.row_shape: tuple[int, ...] = full[:-1] + (1,)
-        self.col_shape: tuple[int, ...] = full[:-2] + (1, full[-1])
-        self.lead_full = math.prod(full[:-2])
-        self.lead_local = math.prod(local[:-2])
-        self.rows_local, self.cols_local = local[-2], local[-1]
-        tp = layout.tp
-        last = layout.ndim - 1
-        # Offset of this rank's columns in the full matrix (only a last-dim split moves them).
-        self.col_offset = layout.tp_offset if tp is not None and tp.dim == last else 0
-        self.zero = layout.zero is not None
-        if not self.zero:
-            # A whole tensor or TP slice: the statistics of the slice sit at the slice's position.
-            sl = layout.tp_slices()
-            self._row_index = sl[:-1] + (slice(None),)
-            self._col_index = sl[:-2] + (slice(None), sl[-1])
-            return
-        # ZeRO: the chunk covers local rows [q0, q0 + nrows) of the (local[:-1]) row index.
-        cl = self.cols_local
-        start, _ = layout.chunk_range
-        self.valid = layout.valid_numel
-        q0 = start // cl
-        self.front = start - q0 * cl
-        nrows = -(-(self.front + self.valid) // cl) if self.valid else 0
-        self.back = nrows * cl - self.front - self.valid
-        self.nrows = nrows
-        self.chunk_numel = layout.chunk_numel
-        # Full flat row index of every local row, and full flat leading index of every local row:
-        # the layouts of the row space full[:-1] and of the leading space full[:-2], with the TP
-        # split kept when it cuts those dims.
-        row_tp = tp if tp is not None and tp.dim < last else None
-        lead_tp = tp if tp is not None and tp.dim < last - 1 else None
-        q = torch.arange(q0, q0 + nrows, device=device)
-        rowmap = ParamLayout(full[:-1], row_tp).full_flat_index(device=device)
-        leadmap = ParamLayout(full[:-2], lead_tp).full_flat_index(device=device)
-        self._rows = rowmap[q0 : q0 + nrows].contiguous()
-        self._leads = leadmap[torch.div(q, self.rows_local, rounding_mode="floor")].contiguous()
-
-    # ---- work form ------------------------------------------------------------------------
-    def to_work(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (the optimizer's local tensor for this param) in work form."""
-        if not self.zero:
-            return t.reshape(self.lead_local, self.rows_local, self.cols_local)
-        # Only the valid prefix: ZeRO padding is not part of the full tensor.
-        valid = t.reshape(-1)[: self.valid]
-        return torch.nn.functional.pad(valid, (self.front, self.back)).view(self.nrows, self.cols_local)
-
-    def from_work(self, w: torch.Tensor) -> torch.Tensor:
-        """Back to the local form; ZeRO padding elements are zero."""
-        if not self.zero:
-            return w.reshape(self.layout.local_shape)
-        flat = w.reshape(-1)[self.front : self.front + self.valid]
-        return torch.nn.functional.pad(flat, (0, self.chunk_numel - self.valid))
-
-    # ---- statistics -------------------------------------------------------------------------
-    def partial_sums(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's share of the full row sums (over the last dim) and column sums (over the
-        second-to-last dim) of a work-form tensor, as full-size tensors of shapes
-        :attr:`row_shape` and :attr:`col_shape`. Summed over ``layout.sum_groups`` they are the
-        sums of the full tensor."""
-        if not self.zero:
-            rows = w.sum(dim=-1, keepdim=True)
-            cols = w.sum(dim=-2, keepdim=True)
-            if self.layout.tp is None:
-                return rows.view(self.row_shape), cols.view(self.col_shape)
-            local = self.layout.local_shape
-            row_full = w.new_zeros(self.row_shape)
-            col_full = w.new_zeros(self.col_shape)
-            row_full[self._row_index] = rows.view(local[:-1] + (1,))
-            col_full[self._col_index] = cols.view(local[:-2] + (1, local[-1]))
-            return row_full, col_full
-        row_full = w.new_zeros(self.lead_full * self.rows_full)
-        col_full = w.new_zeros(self.lead_full, self.cols_full)
-        if self.nrows:
-            row_full.index_add_(0, self._rows, w.sum(dim=-1))
-            # Rows of one leading index add into the same column bins.
-            col_full[:, self.col_offset : self.col_offset + self.cols_local].index_add_(0, self._leads, w)
-        return row_full.view(self.row_shape), col_full.view(self.col_shape)
-
-    def expand(self, row: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full row/column tensors (shapes :attr:`row_shape`, :attr:`col_shape`) as tensors that
-        broadcast against the work form: element (i, j) of the work form meets row i's and
-        column j's values."""
-        if not self.zero:
-            if self.layout.tp is None:
-                return (
-                    row.reshape(self.lead_local, self.rows_local, 1),
-                    col.reshape(self.lead_local, 1, self.cols_local),
-                )
-            return (
-                row[self._row_index].reshape(self.lead_local, self.rows_local, 1),
-                col[self._col_index].reshape(self.lead_local, 1, self.cols_local),
-            )
-        r = row.reshape(-1).index_select(0, self._rows).unsqueeze(1)
-        c = col.reshape(self.lead_full, self.cols_full)[
-            self._leads, self.col_offset : self.col_offset + self.cols_local
-        ]
-        return r, c
+#: The factored statistics, in full form in checkpoints and partitioned over the ranks that share
+#: a parameter in ``optimizer.state`` (module docstring); row statistics end in ``row_var``.
+STAT_KEYS = ("row_var", "col_var", "res_row_var", "res_col_var")
 
 
 # ---- shared step pieces -------------------------------------------------------------------------
@@ -197,6 +104,11 @@ class Item:
     fac: FactoredLayout | None
     grad: torch.Tensor  # fp32, local form, sign applied (maximize)
     sums: tuple[torch.Tensor, torch.Tensor] | None = None
+    # What the queued sums fold into: (row key, col key), beta, eps_add (queue_factored_sums).
+    fold: tuple[tuple[str, str], float, float] | None = None
+    # This step's full statistics by key, after fold_sums (the state holds only a partition); a
+    # TP-replicated vector's whole local variance after the flush of queue_vector_moment.
+    full: dict[str, torch.Tensor] = field(default_factory=dict)
     update: torch.Tensor | None = None  # vectors only: the preconditioned gradient
     sumsq: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -207,42 +119,100 @@ def math_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
-def init_second_moment(state: dict[str, Any], item_param: torch.Tensor, fac: FactoredLayout | None) -> None:
-    """Zero row/column statistics (factored) or a param-shaped ``variance`` (vectors), in fp32
-    (float64 for float64 parameters)."""
+def init_statistics(state: dict[str, Any], param: torch.Tensor, fac: FactoredLayout, keys: tuple[str, str]) -> None:
+    """Zero row and column statistics ``keys``: this rank's partitions (:meth:`FactoredLayout.part`),
+    or the full shapes when the parameter is not shared; fp32 (float64 for float64 parameters)."""
+    dtype = math_dtype(param)
+    for key, shape in zip(keys, (fac.row_shape, fac.col_shape)):
+        if fac.shares == 1:
+            state[key] = torch.zeros(shape, dtype=dtype, device=param.device)
+        else:
+            lo, hi = fac.part(key)
+            state[key] = torch.zeros(hi - lo, dtype=dtype, device=param.device)
+
+
+def init_second_moment(
+    state: dict[str, Any], item_param: torch.Tensor, fac: FactoredLayout | None, part: VectorPart | None = None
+) -> None:
+    """Zero row/column statistics (factored, :func:`init_statistics`) or a param-shaped
+    ``variance`` (vectors; this rank's part of it for a TP-replicated one), in fp32 (float64 for
+    float64 parameters)."""
     dtype = math_dtype(item_param)
     if fac is not None:
-        state["row_var"] = torch.zeros(fac.row_shape, dtype=dtype, device=item_param.device)
-        state["col_var"] = torch.zeros(fac.col_shape, dtype=dtype, device=item_param.device)
+        init_statistics(state, item_param, fac, ("row_var", "col_var"))
+    elif part is not None:
+        state["variance"] = torch.zeros(part.hi - part.lo, dtype=dtype, device=item_param.device)
     else:
         state["variance"] = torch.zeros_like(item_param, dtype=dtype, memory_format=torch.preserve_format)
 
 
-def queue_factored_sums(bucket: SumBucket, item: Item, values: torch.Tensor) -> None:
-    """Queue the full row/column sums of ``values`` (local form; may be the workspace, which is
-    free again on return) in ``bucket`` as ``item.sums``; complete after ``bucket.flush()``."""
+def queue_factored_sums(
+    bucket: SumBucket, item: Item, values: torch.Tensor, keys: tuple[str, str], beta: float, eps_add: float = 0.0
+) -> None:
+    """Queue this step's row/column means of ``values`` (local form; may be the workspace, which
+    is free again on return) in ``bucket``, to be folded into the statistics ``keys`` (row, col)
+    with decay ``beta`` by :func:`fold_sums` after ``bucket.flush()``. ``eps_add`` is the epsilon
+    the references add to every squared element before the means: added to the means instead
+    (the same value in exact arithmetic, and no pass over the elements).
+
+    A shared parameter's EMA rides in the all-reduce (module docstring): the sum over the ranks of
+    ``(1 - beta) partial / count``, plus ``beta old + (1 - beta) eps_add`` on each rank's own
+    partition, is the new full statistic."""
     fac = item.fac
     assert fac is not None, "only factored parameters have row/column sums"
     rows, cols = fac.partial_sums(fac.to_work(values))
+    if fac.shares > 1:
+        for key, bins, count in zip(keys, (rows, cols), (fac.cols_full, fac.rows_full)):
+            bins.mul_((1.0 - beta) / count)
+            lo, hi = fac.part(key)
+            mine = bins.view(-1)[lo:hi]
+            mine.add_(item.state[key], alpha=beta)
+            if eps_add:
+                mine.add_((1.0 - beta) * eps_add)
     groups = item.layout.sum_groups
     item.sums = (bucket.add(rows, groups), bucket.add(cols, groups))
+    item.fold = (keys, beta, eps_add)
 
 
-def fold_sums(item: Item, row_key: str, col_key: str, beta: float, eps_add: float = 0.0) -> None:
-    """``state[row_key]``/``state[col_key]`` <- EMA with the reduced means of this step's
-    ``item.sums``. ``eps_add`` is the epsilon the references add to every squared element before
-    the means: added to the means instead (the same value in exact arithmetic, and no pass over
-    the elements)."""
+def queue_vector_moment(bucket: SumBucket, item: Item, part: VectorPart, beta: float, eps_add: float) -> None:
+    """A TP-replicated vector's second moment (module docstring): fold this rank's part with
+    decay ``beta`` (``g^2 + eps_add``, as :func:`fold_second_moment` folds a whole vector) and
+    queue it, in zeros of the local size, to be summed over the replicas; after the flush,
+    ``item.full["variance"]`` is the whole local variance."""
+    g = item.grad.reshape(-1)[part.lo : part.hi]
+    sq = g * g
+    if eps_add:
+        sq.add_(eps_add)
+    mine = item.state["variance"]
+    ema_(mine, sq, beta)
+    whole = mine.new_zeros(part.numel)
+    whole[part.lo : part.hi] = mine
+    bucket.add(whole, (part.group,), first_stage=part.stage)
+    item.full["variance"] = whole.view(item.grad.shape)
+
+
+def fold_sums(item: Item) -> None:
+    """After the flush of the bucket :func:`queue_factored_sums` used: the statistics it named
+    hold their EMA with this step's means, and ``item.full`` their full form for the step (a
+    shared parameter keeps its partition of the reduced statistic; a whole one folds it in)."""
     fac = item.fac
-    assert fac is not None and item.sums is not None, "queue the factored sums before folding them"
+    assert fac is not None and item.sums is not None and item.fold is not None, "queue the factored sums first"
+    keys, beta, eps_add = item.fold
+    if fac.shares > 1:
+        for key, new in zip(keys, item.sums):
+            lo, hi = fac.part(key)
+            item.state[key].copy_(new.view(-1)[lo:hi])
+            item.full[key] = new
+        return
     rows, cols = item.sums
     rows = rows.div_(fac.cols_full)
     cols = cols.div_(fac.rows_full)
     if eps_add:
         rows.add_(eps_add)
         cols.add_(eps_add)
-    ema_(item.state[row_key], rows, beta)
-    ema_(item.state[col_key], cols, beta)
+    for key, new in zip(keys, (rows, cols)):
+        ema_(item.state[key], new, beta)
+        item.full[key] = item.state[key]
 
 
 def ema_(avg: torch.Tensor, new: torch.Tensor, beta: float) -> None:
@@ -287,11 +257,19 @@ def approx_inv_sqrt(
 
 
 def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> None:
-    """Fold this step's (reduced) statistics into the second moment with decay ``beta``; for a
-    vector, also compute its preconditioned gradient (``item.update``)."""
+    """Fold this step's statistics into the second moment: a factored parameter's (reduced)
+    row/column means, queued with their decay (:func:`queue_factored_sums`); a vector's squared
+    gradient with decay ``beta``, also computing its preconditioned gradient (``item.update``)."""
     state, g = item.state, item.grad
     if item.fac is not None:
-        fold_sums(item, "row_var", "col_var", beta, eps1 if eps_mode == EPS_ADD else 0.0)
+        fold_sums(item)
+        return
+    if "variance" in item.full:  # a TP-replicated vector: folded before the flush
+        variance = item.full["variance"]
+        if eps_mode == EPS_ADD:
+            item.update = variance.rsqrt().mul_(g)
+        else:
+            item.update = variance.clamp(min=eps1 * eps1).rsqrt_().mul_(g)
         return
     variance = state["variance"]
     sq = g * g
@@ -312,8 +290,8 @@ def preconditioned(
     if item.fac is None:
         assert item.update is not None, "fold the second moment first"
         return item.update if scale is None else item.update.mul_(scale)
-    state = item.state
-    return approx_inv_sqrt(item.fac, state["row_var"], state["col_var"], item.grad, eps_mode, eps1, out, scale)
+    full = item.full
+    return approx_inv_sqrt(item.fac, full["row_var"], full["col_var"], item.grad, eps_mode, eps1, out, scale)
 
 
 def queue_sumsq(bucket: SumBucket, layout: ParamLayout, t: torch.Tensor) -> torch.Tensor:
@@ -353,6 +331,7 @@ class FactoredOptimizer(DistOptimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, nonfinite: str = "raise") -> None:
         self._factored: dict[torch.Tensor, FactoredLayout | None] = {}
+        self._vector_parts: dict[torch.Tensor, VectorPart | None] = {}
         self._scratch = torch.empty(0, dtype=torch.float32)
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -362,6 +341,22 @@ class FactoredOptimizer(DistOptimizer):
 
     def _on_bind(self) -> None:
         self._factored.clear()
+        self._vector_parts.clear()
+
+    def _vector_part(self, p: torch.Tensor) -> VectorPart | None:
+        """The part of a vector's ``variance`` this rank keeps when the vector is replicated over
+        the TP group (not TP-split); None otherwise (the whole local variance)."""
+        if p not in self._vector_parts:
+            layout = self.layout(p)
+            part = None
+            n = group_size(self.tp_group) if self.tp_group is not None else 1
+            if layout.ndim < 2 and layout.tp is None and n > 1:
+                numel = p.numel()
+                size = -(-numel // n)
+                lo = min(numel, group_rank(self.tp_group) * size)
+                part = VectorPart(self.tp_group, lo, min(numel, lo + size), numel, len(layout.sum_groups))
+            self._vector_parts[p] = part
+        return self._vector_parts[p]
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
         """Every statistic is kept in :func:`math_dtype` (fp32 for bf16/fp16 parameters): restored
@@ -371,6 +366,72 @@ class FactoredOptimizer(DistOptimizer):
     def _init_state(self, item: Item) -> None:
         """The state a parameter starts with besides ``step`` (called at its first step)."""
         raise NotImplementedError
+
+    def _second_moment_decay(self, item: Item) -> tuple[float, float]:
+        """``(beta, eps_add)`` of this step's second moment of ``item`` (after its step is counted)."""
+        raise NotImplementedError
+
+    # ---- full-form state --------------------------------------------------------------------------
+    def full_state(self) -> list[dict[str, Any]]:
+        """Every parameter's state in full form (:meth:`DistOptimizer.full_state`), the factored
+        statistics assembled from the partitions of the ranks that share them: each rank puts its
+        partition into zeros of the full shape and one :class:`~dist_optim.comm.SumBucket`
+        flush adds them up (exact: every element is one rank's value plus zeros). Collective when
+        bound."""
+        params = self._all_params()
+        vectors = SumBucket()
+        kept: dict[torch.Tensor, torch.Tensor] = {}
+        for p in params:
+            part = self._vector_part(p) if "variance" in self.state.get(p, {}) else None
+            if part is not None:
+                mine = self.state[p]["variance"]
+                whole = mine.new_zeros(part.numel)
+                whole[part.lo : part.hi] = mine
+                kept[p] = mine
+                self.state[p]["variance"] = vectors.add(whole, (part.group,)).view(p.shape)
+        vectors.flush()
+        try:
+            out = super().full_state()
+        finally:
+            for p, mine in kept.items():
+                self.state[p]["variance"] = mine
+        bucket = SumBucket()
+        for entry, p in zip(out, params):
+            fac = self._fac(p) if p in self.state else None
+            if fac is None or fac.shares == 1:
+                continue
+            for key in STAT_KEYS:
+                if key in entry:
+                    lo, hi = fac.part(key)
+                    shape = fac.row_shape if key.endswith("row_var") else fac.col_shape
+                    full = entry[key].new_zeros(shape)
+                    full.view(-1)[lo:hi] = entry[key]
+                    entry[key] = bucket.add(full, fac.layout.sum_groups)
+        bucket.flush()
+        return out
+
+    def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """For ``load_full_state``: a full-form statistic (checked against the parameter's full
+        shape) becomes this rank's partition of it; a TP-replicated vector keeps its part of the
+        local variance."""
+        fac = self._fac(param)
+        if fac is None:
+            part = self._vector_part(param)
+            if part is not None and isinstance(state.get("variance"), torch.Tensor):
+                state["variance"] = state["variance"].reshape(-1)[part.lo : part.hi].clone()
+            return state
+        for key in STAT_KEYS:
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            shape = fac.row_shape if key.endswith("row_var") else fac.col_shape
+            if tuple(value.shape) != shape:
+                raise ValueError(
+                    f"load_full_state: state {key!r} has shape {tuple(value.shape)}, expected {shape} for a "
+                    f"parameter of full shape {fac.layout.full_shape}"
+                )
+            state[key] = fac.localize(key, value)
+        return state
 
     def _items(self, stats: SumBucket) -> list[Item]:
         """The first phase of a step: every parameter with a gradient as an :class:`Item` (fp32
@@ -389,8 +450,13 @@ class FactoredOptimizer(DistOptimizer):
                     item.state["step"] = torch.zeros((), dtype=torch.float32)
                     self._init_state(item)
                 item.state["step"] += 1
+                part = self._vector_part(p) if fac is None else None
                 if fac is not None:
-                    queue_factored_sums(stats, item, torch.mul(g, g, out=self._workspace(g)))
+                    beta, eps_add = self._second_moment_decay(item)
+                    squares = torch.mul(g, g, out=self._workspace(g))
+                    queue_factored_sums(stats, item, squares, ("row_var", "col_var"), beta, eps_add)
+                elif part is not None:
+                    queue_vector_moment(stats, item, part, *self._second_moment_decay(item))
                 items.append(item)
         return items
 

@@ -16,11 +16,21 @@ scaling function ``phi`` is the identity, or a clamp at ``clamp_value`` (torch_o
 ``clamp_value``) when set.
 
 Distributed: the two norms are of the *full* parameter and update. Each rank squares and sums the
-elements it holds (a TP slice, a ZeRO chunk, or both); the sums of all parameters of the step are
-all-reduced in one collective per process group (see :class:`dist_optim.comm.SumBucket`), so a
-step issues at most one all-reduce per group, whatever the number of parameters, plus the NaN/Inf
-check's flag (one all-reduce over the job and one host read, unless ``nonfinite="ignore"``; see
-:class:`~dist_optim.base.DistOptimizer`). No other ``.item()``: the trust ratio stays a tensor.
+elements it holds (a TP slice, a ZeRO chunk, or both); the sums of the parameters of a bucket are
+all-reduced in one collective per process group (see :class:`dist_optim.comm.SumBucket`), plus the
+NaN/Inf check's flag (one all-reduce over the job and one host read, unless ``nonfinite="ignore"``;
+see :class:`~dist_optim.base.DistOptimizer`). No other ``.item()``: the trust ratio stays a tensor.
+
+Step memory (:mod:`dist_optim.budget`): the step goes through the parameters (in param-group
+order) in buckets of at most ``bucket_bytes`` of local update buffers (a parameter's bytes: its
+local tensor's, the update having its dtype); per bucket the moments and updates, the norms' one
+all-reduce per process group, the trust ratios and the update applied, then the buffers are
+freed. So the step holds one bucket's updates instead of one per parameter, and issues at most one
+all-reduce per group *per bucket* (``bucket_bytes=None``: one bucket, the fewest collectives).
+Every parameter's arithmetic is the same whatever the bucketing, and so are the results, bit for
+bit, where a reduction's sum does not depend on its buffer's length (the tests: groups of 2 ranks);
+a backend that sums more ranks in an order set by the position in the buffer may differ in the
+last bit of a norm.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from typing import Any
 import torch
 
 from .base import DistOptimizer, check_adam_options, check_range
+from .budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from .comm import SumBucket
 from .registry import Conversion, PlanEntry, register, register_plan
 
@@ -52,6 +63,8 @@ class DistributedLamb(DistOptimizer):
         clamp_value: if set, ``||w||`` is clamped to ``[0, clamp_value]`` before the ratio.
         foreach: multi-tensor (foreach) kernels; ``None`` (default) uses them on accelerators and a
             per-tensor loop on the CPU, as torch's optimizers do. The result is the same.
+        bucket_bytes: the step's budget of local update buffers per bucket of parameters
+            (:mod:`dist_optim.budget`; default 256 MiB), or None for one bucket per step.
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
@@ -70,8 +83,10 @@ class DistributedLamb(DistOptimizer):
         clamp_value: float | None = None,
         foreach: bool | None = None,
         *,
+        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -95,10 +110,28 @@ class DistributedLamb(DistOptimizer):
         loss = self._begin_step(closure)
         if not self._gradients_ok():
             return loss
-        # Every group's sums of squares go into one bucket: one collective per process group
-        # for the whole step, then each group finishes with the reduced norms.
+        work = [(group, p, g) for group in self.param_groups for p, g in zip(*self._grads(group))]
+        sizes = [p.numel() * p.element_size() for _, p, _ in work]
+        for start, stop in buckets(sizes, self.bucket_bytes):
+            self._step_bucket(work[start:stop])
+        return loss
+
+    def _step_bucket(self, work: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> None:
+        """One bucket of ``(group, param, grad)``, consecutive in param-group order: moments and
+        updates, the sums of squares of all its groups in one :class:`SumBucket` (one collective
+        per process group), then each group finishes with the reduced norms. The updates are freed
+        on return."""
         bucket = SumBucket()
-        pending = [item for group in self.param_groups if (item := self._queue_group(group, bucket)) is not None]
+        pending = []
+        i = 0
+        while i < len(work):
+            group = work[i][0]
+            j = i
+            while j < len(work) and work[j][0] is group:
+                j += 1
+            params, grads = [w[1] for w in work[i:j]], [w[2] for w in work[i:j]]
+            pending.append(self._queue_group(group, params, grads, bucket))
+            i = j
         bucket.flush()
         for group, params, updates, steps, sq, parts in pending:
             for index, reduced in parts:
@@ -111,14 +144,12 @@ class DistributedLamb(DistOptimizer):
                 # On the CPU a scalar read is no device sync; one fused pass per tensor.
                 for p, u, c in zip(params, updates, scale.tolist()):
                     p.add_(u, alpha=c)
-        return loss
 
-    def _queue_group(self, group: dict[str, Any], bucket: SumBucket) -> tuple[Any, ...] | None:
-        """Moments and updates of one group; the local sums of squares of the parameters held in
-        pieces queued in ``bucket``. None for a group without gradients."""
-        params, grads = self._grads(group)
-        if not params:
-            return None
+    def _queue_group(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], bucket: SumBucket
+    ) -> tuple[Any, ...]:
+        """Moments and updates of ``params`` (of ``group``, with gradients ``grads``); the local
+        sums of squares of the parameters held in pieces queued in ``bucket``."""
         for p in params:
             state = self.state[p]
             if not state:

@@ -165,7 +165,7 @@ TRANSIENT_OPTIONS = {
     "muon": "bucket_bytes (full C moved per bucket), ns_dtype (Newton-Schulz workspace)",
     "galore": "bucket_bytes (full gradients at the SVD owners per refresh bucket, low-rank sums per bucket), the rank",
     "kron": "bucket_bytes (full momenta moved per bucket), max_size_triangular (dense factors)",
-    "lamb": "none: the foreach update holds one update per parameter",
+    "lamb": "bucket_bytes (the local update buffers of one bucket of parameters; default 256 MiB)",
     "adamw": "foreach=False (torch's per-parameter loop)",
     "adafactor": "none (row/column statistics are small)",
     "came": "none (row/column statistics are small)",

@@ -51,7 +51,7 @@ LAYOUTS = {
 BUDGET = {"bucket_bytes": 20_000}
 ARGS: dict[str, dict[str, Any]] = {
     "galore": {"galore": {"rank": 8}, "bucket_bytes": 16384},
-    "lamb": {"foreach": True},
+    "lamb": {"foreach": True, "bucket_bytes": 2**14},
     "shampoo": BUDGET,
     "muon": BUDGET,
     "kron": BUDGET,

@@ -349,6 +349,89 @@ def test_collectives_per_step_do_not_grow_with_params(pool4, cls: type, kwargs: 
         assert counts == {"all_reduce": 2 * flushes + 1}, counts
 
 
+# ---- statistics partitioned over the ranks that share a parameter ---------------------------------
+def _partition_worker(cls: type, kwargs: dict[str, Any]) -> tuple[list[tuple[str, int, int, int, bool]], torch.Tensor]:
+    """tp=2 x zero=2: every factored statistic a rank keeps is its 1/n partition of the full one
+    (what full_state() returns; n = 4 for a TP-split parameter, 2 for a TP-replicated one, which
+    its TP replicas keep alike), and load_full_state() of that full state cuts the same partition."""
+    from dist_optim.factored import STAT_KEYS
+
+    tp_group, dp_group = grid_groups_22()
+    tp_rank, dp_rank = comm.group_rank(tp_group), comm.group_rank(dp_group)
+    gen = torch.Generator().manual_seed(1)
+    shapes = [((8, 6), 0), ((6, 8), 1), ((5, 3), None), ((3, 4, 2), 1), ((7,), None)]
+    params, layouts = [], {}
+    for shape, dim in shapes:
+        tp = TPSplit(dim, 2, tp_rank, tp_group) if dim is not None else None
+        probe = ParamLayout(shape, tp)
+        layout = ParamLayout(shape, tp, ZeroShard(2, dp_rank, (-probe.local_numel) % 2, dp_group))
+        full = torch.randn(shape, generator=gen)
+        params.append(torch.nn.functional.pad(layout.take_local(full).reshape(-1), (0, 0)).clone())
+        layouts[params[-1]] = layout
+    opt = cls(params, **kwargs)
+    opt.bind(layouts, dp_group=dp_group)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    full_states = opt.full_state()
+    kept = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    opt.load_full_state(full_states)
+    out = []
+    # The TP-replicated vector (7,): its ZeRO chunk (4 elements, padding included) is split over the
+    # 2 TP replicas, each keeping 2 elements of the variance.
+    vector, layout = params[-1], layouts[params[-1]]
+    chunk = layout.take_local(full_states[-1]["variance"]).reshape(-1)
+    chunk = torch.nn.functional.pad(chunk, (0, layout.chunk_numel - chunk.numel()))
+    expected = chunk[2 * tp_rank : 2 * tp_rank + 2]
+    # ZeRO padding (the last element of the second chunk) is not in the full form: compare the rest.
+    real = max(0, min(2, layout.valid_numel - 2 * tp_rank))
+    same = torch.equal(kept[-1]["variance"][:real], expected[:real])
+    same = same and torch.equal(opt.state[vector]["variance"], expected)
+    out.append(("variance", kept[-1]["variance"].numel(), 2, 7, same))
+    for (_, dim), p, before, full in zip(shapes, params, kept, full_states):
+        # The partition index: ZeRO rank, then TP rank (TP-split parameters only).
+        n, me = (4, dp_rank * 2 + tp_rank) if dim is not None else (2, dp_rank)
+        for key in STAT_KEYS:
+            if key not in full:
+                continue
+            flat = full[key].reshape(-1)
+            size = -(-flat.numel() // n)
+            expected = flat[me * size : (me + 1) * size]
+            same = torch.equal(before[key], expected) and torch.equal(opt.state[p][key], expected)
+            out.append((key, before[key].numel(), expected.numel(), flat.numel(), same))
+    return out, full_states[-1]["variance"]
+
+
+def grid_groups_22() -> tuple[Any, Any]:
+    from dist_optim.testing import grid_groups
+
+    return grid_groups(2, 2)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [(DistributedAdafactor, dict(beta1=0.9)), (DistributedCAME, dict(lr=1e-2))],
+    ids=["adafactor", "came"],
+)
+def test_statistics_are_partitioned(pool4, cls: type, kwargs: dict[str, Any]) -> None:
+    returned = pool4.run(_partition_worker, cls, kwargs)
+    results = [r for r, _ in returned]
+    # The vector's full-form variance, assembled from the TP replicas' parts, is the same everywhere.
+    assert all(torch.equal(v, returned[0][1]) for _, v in returned), [v for _, v in returned]
+    keys = 8 if cls is DistributedAdafactor else 16  # 4 factored params, 2 or 4 statistics each
+    for rank in results:
+        assert len(rank) == keys + 1, rank
+        _, vector_kept, vector_expected, _, vector_same = rank.pop(0)  # the vector's variance
+        assert vector_kept == vector_expected and vector_same, rank
+        for key, kept, expected, full, same in rank:
+            assert kept == expected and same, (key, kept, expected, full)
+    # Together the ranks keep each statistic once (its TP replicas twice), not once per rank.
+    for i in range(keys):
+        replicas = 2 if results[0][i][3] in (5, 3) else 1  # the (5, 3) parameter: rows 5, columns 3
+        assert sum(rank[i][1] for rank in results) == replicas * results[0][i][3], [rank[i] for rank in results]
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 def test_bad_input() -> None:
     w = torch.nn.Parameter(torch.randn(3, 4))

@@ -168,3 +168,76 @@ def test_zero_norms_give_trust_ratio_one() -> None:
     # ||w|| = 0 -> ratio 1: plain Adam-form step m/(sqrt(v)+eps) = 0.1/(0.0316+1e-6)
     expected = -0.1 * (0.1 / (0.001**0.5 + 1e-6))
     torch.testing.assert_close(w.detach(), torch.full((4,), expected))
+
+
+# ---- the step-memory budget (bucket_bytes) ---------------------------------------------------------
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "256"])
+def test_bad_bucket_bytes(value) -> None:
+    with pytest.raises(ValueError, match=rf"bucket_bytes={value!r}") as info:
+        DistributedLamb(_model().parameters(), bucket_bytes=value)
+    assert "\n" not in str(info.value)
+
+
+#: (full shape, TP dim or None) of the bucketed test's parameters, in two param groups.
+BUCKET_SHAPES = [((8, 6), 0), ((6, 10), 1), ((7,), None), ((40, 6), 0), ((3, 4, 2), 1), ((5,), None)]
+
+
+def _bucket_worker(budgets: list[int | None], foreach: bool) -> list[tuple[list[torch.Tensor], int, int, int]]:
+    """tp=2 x zero=2, fp32: train the same parameters under each budget (a None gradient at step
+    2); per budget, every parameter and state tensor after the steps, the all-reduces of the last
+    step (counted at torch.distributed), the number of buckets and the process groups summed over
+    per bucket (a TP-replicated vector's bucket: its ZeRO group only)."""
+    from dist_optim import ParamLayout, TPSplit, ZeroShard, comm
+    from dist_optim.budget import buckets
+    from dist_optim.testing import grid_groups
+    from tests.helpers.collectives import counting_collectives
+
+    tp_group, dp_group = grid_groups(2, 2)
+    tp_rank, dp_rank = comm.group_rank(tp_group), comm.group_rank(dp_group)
+    out = []
+    for budget in budgets:
+        gen = torch.Generator().manual_seed(3)
+        params, layouts = [], {}
+        for shape, dim in BUCKET_SHAPES:
+            tp = TPSplit(dim, 2, tp_rank, tp_group) if dim is not None else None
+            probe = ParamLayout(shape, tp)
+            layout = ParamLayout(shape, tp, ZeroShard(2, dp_rank, (-probe.local_numel) % 2, dp_group))
+            full = torch.randn(shape, generator=gen)
+            local = layout.take_local(full).reshape(-1)
+            params.append(torch.nn.functional.pad(local, (0, layout.chunk_numel - local.numel())).clone())
+            layouts[params[-1]] = layout
+        groups = [{"params": params[:3]}, {"params": params[3:], "lr": 3e-2, "weight_decay": 0.1}]
+        opt = DistributedLamb(groups, lr=1e-2, foreach=foreach, bucket_bytes=budget)
+        opt.bind(layouts, dp_group=dp_group)
+        for step in range(4):
+            for i, p in enumerate(params):
+                p.grad = None if (step == 2 and i == 1) else torch.randn(p.shape, generator=gen)
+            if step == 3:
+                with counting_collectives() as seen:
+                    opt.step()
+            else:
+                opt.step()
+        tensors = [t.clone() for p in params for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+        spans = list(buckets([p.numel() * p.element_size() for p in params], budget))
+        groups_per_bucket = sum(len({id(g) for p in params[a:b] for g in layouts[p].sum_groups}) for a, b in spans)
+        out.append((tensors, seen.counts["all_reduce"], len(spans), groups_per_bucket))
+        assert set(seen.counts) == {"all_reduce"}, dict(seen.counts)
+    return out
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "foreach"])
+def test_buckets_are_bit_identical_and_count_collectives(pool4, foreach: bool) -> None:
+    """Any bucket_bytes gives the same parameters and state, bit for bit, as one bucket (None), on
+    a tp=2 x zero=2 layout in fp32; budgets smaller than one parameter (each its own bucket), a few
+    parameters, everything. The collectives of a step: the NaN/Inf flag's all-reduce, then one
+    all-reduce per process group (ZeRO, TP) per bucket, whatever the parameters in it."""
+    budgets = [None, 4, 100, 256, 10**9]  # the largest chunk is 240 bytes (40 x 6 / 4 ranks, fp32)
+    for rank in pool4.run(_bucket_worker, budgets, foreach):
+        reference = rank[0][0]
+        counts = [(n, per_bucket, count) for _, count, n, per_bucket in rank]
+        assert [n for n, _, _ in counts] == [1, 6, 4, 3, 1], counts
+        for budget, (tensors, count, _, per_bucket) in zip(budgets, rank):
+            assert count == 1 + per_bucket, (budget, counts)
+            assert all(torch.equal(a, b) for a, b in zip(tensors, reference)), budget
+        # One bucket: ZeRO and TP once; one parameter per bucket: 4 TP-split (2 each) + 2 vectors (1).
+        assert [c[1] for c in counts] == [2, 10, 8, 6, 2], counts
