@@ -16,6 +16,7 @@ import torch
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..owners import Owner, Sending, Task, WorkGroups, pipelined, route_tasks, share_results
+from .blocks import discard_probe, draw_probe
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
 from .preconditioner import owner_direction
 from .randomness import KronRandomness
@@ -226,10 +227,9 @@ class DistributedKron(DistOptimizer):
                     return f"{gi}.{pi}"
         raise KeyError("parameter is not in this optimizer")
 
-    def _probe(self, p: torch.Tensor, plan: FactorPlan, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _probe_generator(self, p: torch.Tensor) -> torch.Generator:
         step = int(self.state[p]["step"])
-        gen = self._random.probe_generator(device, lambda: self.param_names.get(p) or self._position(p), step)
-        return torch.randn(plan.shape, generator=gen, dtype=dtype, device=device)
+        return self._random.probe_generator(p.device, lambda: self.param_names.get(p) or self._position(p), step)
 
     # ---- the step --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -294,13 +294,17 @@ class DistributedKron(DistOptimizer):
         stays in step) and, on the owner, compute the direction; elsewhere a buffer for it."""
         group, p = item.group, item.p
         plan = self._plan(p, group)
-        probe = None
-        if do_update and (self.probe_rng == "sequential" or self._mine(p)):
-            probe = self._probe(p, plan, precond_dtype(group), item.m.device)
+        dtype = precond_dtype(group)
+        draws = do_update and (self.probe_rng == "sequential" or self._mine(p))
         u = None
         if self._mine(p):
             assert item.full_m is not None and item.full_g is not None
-            u = owner_direction(self.state[p], group, plan, item.full_m, item.full_g, probe, balance)
+            probes = draw_probe(self._probe_generator(p), plan, dtype, item.m.device) if draws else None
+            # An assembled momentum is the owner's scratch; a whole local one is the state's buffer.
+            scratch = not item.layout.is_local
+            u = owner_direction(self.state[p], group, plan, item.full_m, item.full_g, probes, balance, scratch)
+        elif draws:  # the numbers, chunk by chunk, dropped: the sequential generator stays in step
+            discard_probe(self._probe_generator(p), plan, dtype, item.m.device)
         hold_direction(item, u, plan.shape)
 
     def _apply(self, item: Item) -> None:
@@ -315,6 +319,7 @@ class DistributedKron(DistOptimizer):
         if group["weight_decay"] != 0 and layout.ndim >= 2:
             local.add_(p, alpha=group["weight_decay"])
         p.add_(local.to(p.dtype), alpha=-group["lr"])
+        item.direction = None  # applied: freed now, not when the whole step's items are
 
     # ---- state -------------------------------------------------------------------------------------
     def full_state(self) -> list[dict[str, Any]]:

@@ -10,12 +10,14 @@ differs (~1e-7 relative).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ..structured import gram, matmul_triangular, upper_times_upper
+from ..structured import gram, gram_update_, matmul_triangular, symmetrize_, upper_times_upper
+from .blocks import Blocks, block_plan, factor_block
 from .options import precond_dtype
 from .state import factors as stored_factors
 from .state import has_factors, store_factors
@@ -26,7 +28,8 @@ __all__ = [
     "initial_factors",
     "apply_factors",
     "apply_inverse_transposed",
-    "update_factors",
+    "step_factor",
+    "fit_factors",
     "update_scalar_factor",
     "balance",
     "precondition",
@@ -110,43 +113,57 @@ def _gram(t: torch.Tensor, dim: int, diagonal: bool) -> torch.Tensor:
     return (rows * rows).sum(1) if diagonal else gram(rows)
 
 
-def _spectral_lower_bound(sym: torch.Tensor, max_abs: torch.Tensor) -> torch.Tensor:
+def _spectral_lower_bound_(sym: torch.Tensor, max_abs: torch.Tensor) -> torch.Tensor:
     """A cheap lower bound of the spectral norm of a symmetric matrix: one power-iteration step
-    started from its column of largest norm (computed on ``sym / max_abs`` for range)."""
-    scaled = sym / max_abs
+    started from its column of largest norm (computed on ``sym / max_abs`` for range, in place:
+    ``sym`` is consumed)."""
+    scaled = sym.div_(max_abs)
     col = torch.argmax((scaled * scaled).sum(0))
     x = scaled.index_select(1, col.reshape(1)).reshape(-1) @ scaled
     x = x / x.norm()
     return (scaled @ x).norm() * max_abs
 
 
-def update_factors(
-    factors: list[torch.Tensor], g: torch.Tensor, v: torch.Tensor, precond_lr: float, tiny: torch.Tensor
-) -> None:
-    """One step of the whitening fit on the Lie group (Li 2018), in place. ``g`` already carries
-    the probe noise; every factor's step uses the ``A``/``B`` of the factors before the step.
-    Triangular factors take the normalised step ``triu(T1 - T2) / max(lb||T1 + T2||_2, tiny) Q``,
-    diagonal ones ``(T1 - T2) / max(max|T1 + T2|, tiny) * Q``."""
-    a = apply_factors(g, factors)
-    b = apply_inverse_transposed(v, factors)
-    lr = torch.tensor(precond_lr, dtype=g.dtype, device=g.device)
+def step_factor(q: torch.Tensor, pair: list[torch.Tensor], precond_lr: float, tiny: torch.Tensor) -> None:
+    """One factor's step of the whitening fit on the Lie group (Li 2018), in place, from
+    ``pair = [T1 - T2, T1 + T2]`` (``T1 = A_(k) A_(k)^T``, ``T2 = B_(k) B_(k)^T``; diagonal factors:
+    the diagonals), which it consumes (the list is emptied, its tensors overwritten, so that they
+    are freed as soon as they are used). Triangular factors take the normalised step
+    ``triu(T1 - T2) / max(lb||T1 + T2||_2, tiny) Q``, diagonal ones
+    ``(T1 - T2) / max(max|T1 + T2|, tiny) * Q``."""
+    diff, total = pair
+    pair.clear()
+    diff.mul_(torch.tensor(precond_lr, dtype=diff.dtype, device=diff.device))
+    max_abs = torch.maximum(total.max(), total.min().neg())  # max|T1 + T2| without a temporary
+    if q.dim() < 2:
+        q.sub_(diff * q / max_abs.clamp(min=tiny))
+        return
+    bound = torch.where(max_abs > 0, _spectral_lower_bound_(total, max_abs), max_abs).clamp(min=tiny)
+    del total
+    # Only diff's upper triangle enters: triu(diff) @ Q with Q upper triangular.
+    q.sub_(upper_times_upper(diff.div_(bound), q))
+
+
+def fit_factors(factors: list[torch.Tensor], ab: list[torch.Tensor], precond_lr: float, tiny: torch.Tensor) -> None:
+    """Every factor's step (:func:`step_factor`) from ``ab = [A, B]`` of the factors before the
+    step, ``A = (Q_1 (x) ...) G`` with ``G`` carrying the probe noise and ``B = (Q_1^-T (x) ...) V``;
+    ``ab`` is emptied once the last factor's statistics are taken, so that A and B are freed
+    before its step."""
     for dim, q in enumerate(factors):
         diagonal = q.dim() < 2
-        ga, gb = _gram(a, dim, diagonal), _gram(b, dim, diagonal)
-        diff, total = (ga - gb) * lr, ga + gb
-        max_abs = total.abs().max()
-        if diagonal:
-            q.sub_(diff * q / max_abs.clamp(min=tiny))
-        else:
-            bound = torch.where(max_abs > 0, _spectral_lower_bound(total, max_abs), max_abs).clamp(min=tiny)
-            # Only diff's upper triangle enters: triu(diff) @ Q with Q upper triangular.
-            q.sub_(upper_times_upper(diff.div_(bound), q))
+        ga, gb = _gram(ab[0], dim, diagonal), _gram(ab[1], dim, diagonal)
+        if dim == len(factors) - 1:
+            ab.clear()
+        total = ga + gb
+        pair = [ga.sub_(gb), total]
+        del ga, gb, total
+        step_factor(q, pair, precond_lr, tiny)
 
 
 def update_scalar_factor(
     q: torch.Tensor, g: torch.Tensor, v: torch.Tensor, precond_lr: float, tiny: torch.Tensor
 ) -> None:
-    """:func:`update_factors` for a 0-dim tensor's one scalar factor (kron_torch fails there)."""
+    """:func:`fit_factors` for a 0-dim tensor's one scalar factor (kron_torch fails there)."""
     a, b = q * g, v / q
     ga, gb = a * a, b * b
     lr = torch.tensor(precond_lr, dtype=g.dtype, device=g.device)
@@ -184,29 +201,44 @@ def owner_direction(
     plan: FactorPlan,
     full_m: torch.Tensor,
     full_g: torch.Tensor,
-    probe: torch.Tensor | None,
+    probes: Iterator[torch.Tensor] | None,
     do_balance: bool,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """On the owner, from the whole momentum (and gradient): debias, (balance,) update the
-    factors when a probe is given, precondition, clip. Makes the factors at the first call."""
+    factors when probes are given, precondition, clip. Makes the factors at the first call.
+
+    ``probes`` is :func:`~dist_optim.kron.blocks.draw_probe`'s. A large tensor with a diagonal
+    factor is worked on in blocks along that factor's dim (:func:`~dist_optim.kron.blocks.block_plan`,
+    :mod:`dist_optim.kron.blocks`); ``overwrite``: ``full_m`` is the caller's scratch buffer,
+    which that path turns into the direction."""
     dtype = precond_dtype(group)
     if not has_factors(state):
         store_factors(state, initial_factors(plan, group["precond_init_scale"], dtype, full_m.device))
     factors = stored_factors(state, plan)
-    b1 = group["b1"]
-    debiased = (full_m / (1 - b1 ** int(state["step"]))).to(dtype).reshape(plan.shape)
+    if do_balance and len(plan.shape) > 1:
+        balance(factors)
+    blocks = block_plan(plan, dtype)
+    if blocks is not None:
+        return _blocked_direction(factors, group, plan, full_m, full_g, probes, blocks, overwrite, state)
+    scale = 1 - group["b1"] ** int(state["step"])
+    if overwrite and full_m.dtype == dtype:  # the same values, in the caller's scratch buffer
+        debiased = full_m.div_(scale).reshape(plan.shape)
+    else:
+        debiased = (full_m / scale).to(dtype).reshape(plan.shape)
     if group["momentum_into_precond_update"]:
         fit = debiased
     else:  # a copy: never write into the user's gradient (kron_torch does)
         fit = full_g.to(dtype, copy=True).reshape(plan.shape)
-    if do_balance and len(plan.shape) > 1:
-        balance(factors)
-    if probe is not None:
+    if probes is not None:
+        probe = next(probes)
         eps = torch.tensor(torch.finfo(torch.float32).eps, dtype=fit.dtype, device=fit.device)
         fit.add_(eps.sqrt() * fit.abs().mean() * probe)
         tiny = torch.tensor(torch.finfo(dtype).tiny, dtype=dtype, device=fit.device)
         if plan.shape:
-            update_factors(factors, fit, probe, group["precond_lr"], tiny)
+            ab = [apply_factors(fit, factors), apply_inverse_transposed(probe, factors)]
+            del probe, fit  # A and B are what the fit needs from here on
+            fit_factors(factors, ab, group["precond_lr"], tiny)
         else:
             update_scalar_factor(factors[0], fit, probe, group["precond_lr"], tiny)
     # kron_torch preconditions the noised debiased momentum (its update adds the probe noise in
@@ -215,3 +247,100 @@ def owner_direction(
     if group["clip_update_rms"]:
         clip_rms(u)
     return u
+
+
+def _new_sums(a: torch.Tensor, b: torch.Tensor, k: int, diagonal: bool, blocked: bool, n: int) -> list[torch.Tensor]:
+    """Zero accumulators of ``T1``, ``T2`` of factor ``k`` (the blocked dim's: per index, ``n``)."""
+    size = n if blocked else a.shape[k]
+    shape = (size,) if diagonal else (size, size)
+    return [torch.zeros(shape, dtype=a.dtype, device=a.device), torch.zeros(shape, dtype=b.dtype, device=b.device)]
+
+
+def _add_sums(
+    sums: list[torch.Tensor], a: torch.Tensor, b: torch.Tensor, k: int, diagonal: bool, span: tuple[int, int] | None
+) -> None:
+    """One block's part of factor ``k``'s ``T1``, ``T2``: the blocked dim's rows ``span`` written,
+    the others' added in place (a triangular factor's lower triangle: :func:`gram_update_`)."""
+    for acc, t in zip(sums, (a, b)):
+        rows = t.movedim(k, 0).reshape(t.shape[k], -1)
+        if span is not None:
+            acc[span[0] : span[1]] = (rows * rows).sum(1)
+        elif diagonal:
+            acc.add_((rows * rows).sum(1))
+        else:
+            gram_update_(acc, rows, 1.0, 1.0)
+
+
+def _blocked_direction(
+    factors: list[torch.Tensor],
+    group: dict[str, Any],
+    plan: FactorPlan,
+    full_m: torch.Tensor,
+    full_g: torch.Tensor,
+    probes: Iterator[torch.Tensor] | None,
+    blocks: Blocks,
+    overwrite: bool,
+    state: dict[str, Any],
+) -> torch.Tensor:
+    """:func:`owner_direction`'s work in blocks along ``blocks.dim`` (a diagonal factor's): the
+    same steps, with ``mean|G|`` and the other factors' statistics summed over the blocks."""
+    dtype = precond_dtype(group)
+    m = full_m.reshape(plan.shape)
+    g = full_g.reshape(plan.shape)
+    scale = 1 - group["b1"] ** int(state["step"])
+    into_m = group["momentum_into_precond_update"]
+    dim, spans = blocks.dim, blocks.spans()
+    in_place = overwrite and m.dtype == dtype and m.is_contiguous()
+    out = m if in_place else torch.empty(plan.shape, dtype=dtype, device=m.device)
+
+    def cut(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        return t.narrow(dim, lo, hi - lo)
+
+    def debiased(lo: int, hi: int) -> torch.Tensor:
+        return (cut(m, lo, hi) / scale).to(dtype)
+
+    def fit_block(lo: int, hi: int) -> torch.Tensor:
+        return debiased(lo, hi) if into_m else cut(g, lo, hi).to(dtype, copy=True)
+
+    if probes is None:
+        for lo, hi in spans:
+            cut(out, lo, hi).copy_(precondition(factor_block(factors, dim, lo, hi), debiased(lo, hi)))
+    else:
+        abs_sum = torch.stack([fit_block(lo, hi).abs().sum(dtype=torch.float64) for lo, hi in spans]).sum()
+        eps = torch.tensor(torch.finfo(torch.float32).eps, dtype=dtype, device=m.device)
+        noise = eps.sqrt() * (abs_sum / math.prod(plan.shape)).to(dtype)
+        # The blocked dim's factor statistics are per index: each block fills its own. The
+        # others' are sums over every index of the blocked dim, accumulated in place (a square
+        # factor's T1 and T2 are as large as the factor).
+        sums: list[list[torch.Tensor]] = []
+        for i, (lo, hi) in enumerate(spans):
+            probe = next(probes)
+            d = debiased(lo, hi)
+            fit = d if into_m else cut(g, lo, hi).to(dtype, copy=True)
+            fit.add_(noise * probe)
+            cut(out, lo, hi).copy_(d)  # the noised debiased momentum where it is the fit target, as whole
+            part = factor_block(factors, dim, lo, hi)
+            a, b = apply_factors(fit, part), apply_inverse_transposed(probe, part)
+            del probe, d, fit
+            if i == 0:
+                sums = [_new_sums(a, b, k, q.dim() < 2, k == dim, plan.shape[dim]) for k, q in enumerate(factors)]
+            for k, q in enumerate(factors):
+                _add_sums(sums[k], a, b, k, q.dim() < 2, (lo, hi) if k == dim else None)
+        tiny = torch.tensor(torch.finfo(dtype).tiny, dtype=dtype, device=m.device)
+        for k, q in enumerate(factors):
+            ga, gb = sums[k]
+            if q.dim() >= 2:
+                symmetrize_(ga)
+                symmetrize_(gb)
+            total = ga + gb
+            pair = [ga.sub_(gb), total]
+            sums[k] = []
+            del ga, gb, total
+            step_factor(q, pair, group["precond_lr"], tiny)
+        for lo, hi in spans:
+            cut(out, lo, hi).copy_(precondition(factor_block(factors, dim, lo, hi), cut(out, lo, hi)))
+    if group["clip_update_rms"]:
+        sumsq = torch.stack([cut(out, lo, hi).square().sum(dtype=torch.float64) for lo, hi in spans]).sum()
+        rms = (sumsq / out.numel()).sqrt().to(dtype)
+        out.mul_(torch.clamp(CLIP_RMS / (rms + 1e-12), max=1.0))
+    return out
