@@ -109,11 +109,16 @@ one all_gather per ZeRO/TP group) and receives the owner's full direction
 (:func:`dist_optim.owners.share_results`, one all_gather per work group): the same result, bit
 for bit in fp32. :meth:`DistributedKron.full_state` returns every factor in full on every rank.
 
-Limitations: the owner holds the whole momentum, direction and fit temporaries of the parameters
-it owns, and with ``probe_rng="sequential"`` every rank draws (and non-owners discard) a full-size
-probe for every parameter on update steps, one at a time, so that every generator stays in step;
-under MoE without ZeRO, expert parameters would be owned across the plain data-parallel group,
-which spans different experts (pass ``zero_group_of``/use ZeRO).
+Memory: the owner holds the whole momentum of each parameter it owns (received, or its own when
+every rank holds the tensor whole) while it works on it. A tensor of at least 64 MiB with a
+diagonal factor is worked on in 32 MiB blocks along that factor's dim (:mod:`.blocks`: the
+direction written into the received momentum, the probe drawn block by block), smaller ones whole
+with their temporaries dropped as soon as they are used; with ``probe_rng="sequential"`` every
+rank draws (and non-owners discard, one chunk at a time) the probe of every parameter on update
+steps, so that every generator stays in step. The step's buckets of ``bucket_bytes`` bound what
+moves at once (two buckets in flight). Under MoE without ZeRO, expert parameters would be owned
+across the plain data-parallel group, which spans different experts (pass
+``zero_group_of``/use ZeRO).
 
 The package, split as :mod:`dist_optim.shampoo` is (math on local tensors apart from who computes
 what and how tensors move):
@@ -127,6 +132,7 @@ what and how tensors move):
 * :mod:`.state`: what ``optimizer.state`` holds per parameter and its keys;
 * :mod:`.preconditioner`: factor initialisation, the fit with probes, balancing, preconditioning
   and clipping, on whole local tensors, no communication;
+* :mod:`.blocks`: the block plan of a large tensor's owner work and the probe's chunks;
 * :mod:`.routing`: owners and work groups, momenta to the owners and directions back, sharing (on
   :mod:`dist_optim.owners`);
 * :mod:`.optimizer`: :class:`DistributedKron`, the coordinator;
