@@ -47,7 +47,6 @@ __all__ = [
     "reset_counts",
     "SumBucket",
     "MaxBucket",
-    "OrderedSumBucket",
     "gather_full",
     "broadcast_from",
     "share_owned",
@@ -209,19 +208,6 @@ class MaxBucket(SumBucket):
     tensors whose pieces live on several ranks)."""
 
     _op = "max"
-
-
-@dataclass
-class OrderedSumBucket(SumBucket):
-    """:class:`SumBucket` whose sums are added in rank order (:func:`reduce_scatter` then
-    :func:`all_gather_chunks`: two collectives per group and dtype where :class:`SumBucket` issues
-    one ``all_reduce``), so that a tensor's sum does not depend on which other tensors share the
-    bucket: a step split into buckets gives the same bits as one bucket."""
-
-    def _reduce(self, tensors: list[torch.Tensor], group: Any) -> None:
-        chunks = reduce_scatter(tensors, group)
-        for t, full in zip(tensors, all_gather_chunks(chunks, [t.numel() for t in tensors], group)):
-            t.copy_(full.view(t.shape))
 
 
 def _all_reduce_many(tensors: list[torch.Tensor], group: Any, op: str = "sum") -> None:
