@@ -444,15 +444,15 @@ def reduce_scatter(tensors: Sequence[torch.Tensor], group: Any, align: int | Seq
     send = [[f[sp[r][0] : sp[r][1]] for f, sp in zip(flats, spans)] for r in range(size)]
     mine = [sp[me][1] - sp[me][0] for sp in spans]
     dtype, device = flats[0].dtype, flats[0].device
-    got = [[torch.empty(n, dtype=dtype, device=device) for n in mine] for _ in range(size)]
-    exchange(send, got, group, dtype, device)
-    out = []
-    for i in range(len(flats)):
-        acc = got[0][i]
-        for r in range(1, size):
-            acc = acc.add_(got[r][i])
-        out.append(acc)
-    return out
+    # What rank r sends is this rank's chunks of every tensor, in order: one row of ``got`` each,
+    # summed row by row (element by element the same additions in rank order as tensor by tensor,
+    # in ``size`` operations instead of ``size`` per tensor).
+    got = torch.empty(size, sum(mine), dtype=dtype, device=device)
+    exchange(send, [[got[r]] for r in range(size)], group, dtype, device)
+    acc = got[0].clone()  # not a view: the received rows go when this returns
+    for r in range(1, size):
+        acc.add_(got[r])
+    return list(acc.split(mine))
 
 
 def all_gather_chunks(
