@@ -16,6 +16,8 @@ rule for the factored statistics (it calls :func:`partition_span`).
   chunk it received over the next group, and so on. The sum of an element is made in the order of
   summing over the first group, then the second, whole (bit for bit what an all-reduce in rank
   order per group gives), and does not depend on which other tensors share the call.
+  Groups over which the tensor is already the same (``replicas``: the TP peers of a matrix TP
+  replicates) come last and cost no collective: each rank keeps its chunk of its own copy.
 * :func:`all_gather_parts`: the inverse, whole tensors from every rank's part, stages in reverse
   (:func:`dist_optim.comm.all_gather_chunks`: one all-gather per group, dtype and stage).
 
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .comm import all_gather_chunks, chunk_numel, group_rank, group_size, ordered_groups, reduce_scatter
+from .comm import all_gather_chunks, chunk_numel, chunk_span, group_rank, group_size, ordered_groups, reduce_scatter
 
 __all__ = ["live_groups", "partition_span", "reduce_scatter_parts", "all_gather_parts"]
 
@@ -85,23 +87,36 @@ def _padded(chunk: torch.Tensor, width: int) -> torch.Tensor:
     return out
 
 
-def reduce_scatter_parts(requests: Sequence[tuple[torch.Tensor, Sequence[Any], int]]) -> list[torch.Tensor]:
-    """For each ``(tensor, groups, align)`` (``tensor`` of the same shape on every rank of the
-    groups): this rank's part (1-D, :func:`partition_span`) of the sum of ``tensor`` over
-    ``groups``; ``tensor`` itself where no group has two ranks. Collective over every group named."""
-    groups_of = [live_groups(gs) for _, gs, _ in requests]
-    aligns = [_stage_aligns(gs, align) for gs, (_, _, align) in zip(groups_of, requests)]
-    cur = [t.reshape(-1) if gs else t for (t, _, _), gs in zip(requests, groups_of)]
+def reduce_scatter_parts(
+    requests: Sequence[tuple[torch.Tensor, Sequence[Any], int, Sequence[Any]]],
+) -> list[torch.Tensor]:
+    """For each ``(tensor, groups, align, replicas)`` (``tensor`` of the same shape on every rank of
+    the groups): this rank's part (1-D, :func:`partition_span` over ``groups + replicas``) of the sum
+    of ``tensor`` over ``groups``; ``tensor`` itself where no group has two ranks. ``replicas``:
+    groups over which the sum is the same on every rank already (a tensor TP replicates), partitioned
+    without a collective (each rank keeps its part of its own copy). Collective over every group of
+    ``groups``."""
+    groups_of = [live_groups(tuple(gs) + tuple(rs)) for _, gs, _, rs in requests]
+    summed = [len(live_groups(gs)) for _, gs, _, _ in requests]
+    aligns = [_stage_aligns(gs, align) for gs, (_, _, align, _) in zip(groups_of, requests)]
+    cur = [t.reshape(-1) if gs else t for (t, _, _, _), gs in zip(requests, groups_of)]
     for stage in range(max(map(len, groups_of), default=0)):
         for group, idx in _staged(groups_of, stage, cur):
-            chunks = reduce_scatter([cur[i] for i in idx], group, [aligns[i][stage] for i in idx])
-            for i, chunk in zip(idx, chunks):
+            summing = [i for i in idx if stage < summed[i]]
+            replica = [i for i in idx if stage >= summed[i]]
+            chunks = (
+                reduce_scatter([cur[i] for i in summing], group, [aligns[i][stage] for i in summing]) if summing else []
+            )
+            for i in replica:  # the same on every rank of the group: its own chunk of its own copy
+                lo, hi = chunk_span(cur[i].numel(), group_size(group), group_rank(group), aligns[i][stage])
+                chunks.append(cur[i][lo:hi])
+            for i, chunk in zip(summing + replica, chunks):
                 if stage + 1 < len(groups_of[i]):
                     # The last chunk of a stage is padded to the others' width (zeros past the
                     # tensor's end): the next stage then cuts every chunk into the same parts.
                     chunk = _padded(chunk, chunk_numel(cur[i].numel(), group_size(group), aligns[i][stage]))
                 cur[i] = chunk
-    for i, ((t, _, align), gs) in enumerate(zip(requests, groups_of)):
+    for i, ((t, _, align, _), gs) in enumerate(zip(requests, groups_of)):
         if gs:
             lo, hi = partition_span(t.numel(), gs, align)
             cur[i] = cur[i][: hi - lo]

@@ -51,9 +51,11 @@ full moments (:mod:`dist_optim.partition`: the flattened tensor cut into n conti
   pieces of the matrix (its ``sum_groups``: ZeRO group, then TP group), where the partial low-rank
   gradients are summed. 8-bit parts begin on a 256-value block boundary (``align``), so each rank
   quantises whole blocks of the full tensor with bitsandbytes' own kernel and codes and absmax are
-  those of one device. A matrix that TP replicates (not split) keeps its moments partitioned over
-  its ZeRO group only, the same on its TP peers (as ZeRO leaves replicated state); a data-parallel
-  replica without ZeRO (DDP, ZeRO-0) keeps the moments whole, its projectors still partitioned.
+  those of one device. A matrix that TP replicates (not split) has its moments partitioned over
+  its TP peers too: they hold the same sum, and each keeps its part of it (no collective but the
+  step's all-gather, which its TP-split neighbours' share). Data-parallel replicas without ZeRO
+  (DDP, ZeRO-0) keep the moments whole, as ZeRO-0 keeps every state; their projectors are still
+  partitioned over the work group.
 
 :meth:`DistributedGaLore.full_state` assembles the full tensors (checkpoints keep the
 layout-independent full form) and ``load_full_state`` cuts this rank's parts, so a checkpoint

@@ -202,7 +202,7 @@ def project_all(items: Sequence[Item], stats: collections.Counter[str], eight_bi
     for it in items:
         assert it.proj is not None, "gather the projectors first"
         low = project(it.grad, it.layout, it.side, int(it.group["rank"]), *it.proj)
-        requests.append((low, it.layout.sum_groups, _align(it, eight_bit)))
+        requests.append((low, it.layout.sum_groups, _align(it, eight_bit), it.replicas))
         if it.layout.sum_groups:
             stats["sum_bytes"] += low.numel() * low.element_size()
     for it, part in zip(items, reduce_scatter_parts(requests)):
@@ -216,7 +216,8 @@ def gather_steps(
     rank's partition (``parts``, as :func:`project_all` gave the gradients): the inverse collectives
     (:func:`dist_optim.partition.all_gather_parts`), the same bytes as the partial sums' all-gather."""
     requests = [
-        (part, it.layout.sum_groups, low_rank_numel(it), _align(it, eight_bit)) for it, part in zip(items, parts)
+        (part, it.layout.sum_groups + it.replicas, low_rank_numel(it), _align(it, eight_bit))
+        for it, part in zip(items, parts)
     ]
     out = []
     for it, whole in zip(items, all_gather_parts(requests)):

@@ -23,6 +23,7 @@ import torch
 from .. import bnb_states as bnb
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..comm import group_size
 from ..layout import ParamLayout
 from ..owners import Task, WorkGroups
 from ..partition import all_gather_parts, live_groups, partition_span
@@ -200,6 +201,7 @@ class DistributedGaLore(DistOptimizer):
             for p, g in zip(params, grads):
                 it = new_item(group, p, g, self.layout(p), self.state[p])
                 it.proj_groups = self._projector_groups(it.layout)
+                it.replicas = self._replica_groups(it.layout)
                 items.append(it)
 
         if not items:
@@ -234,6 +236,14 @@ class DistributedGaLore(DistOptimizer):
         work = self._work.of(layout)
         return (work.group,) if work.size > 1 else ()
 
+    def _replica_groups(self, layout: ParamLayout) -> tuple[Any, ...]:
+        """The groups over which a GaLore parameter is replicated whole or as the same ZeRO chunk
+        (the optimizer's TP group for a matrix TP does not split): its low-rank moments are
+        partitioned over them too, each replica keeping its part of the same sum."""
+        if layout.tp is None and self.tp_group is not None and group_size(self.tp_group) > 1:
+            return (self.tp_group,)
+        return ()
+
     def _eight_bit(self, it: Item) -> bool:
         """Whether the item's low-rank moments are 8-bit (bitsandbytes' ``min_8bit_size`` rule, on
         the full low-rank numel)."""
@@ -249,7 +259,7 @@ class DistributedGaLore(DistOptimizer):
         rank = int(group["rank"])
         rows, cols = low_rank_shape(layout.full_shape, side, rank)
         eight = self.optim_bits == 8 and rows * cols >= self.min_8bit_size
-        return state_partitions(layout, side, rank, self._projector_groups(layout), eight)
+        return state_partitions(layout, side, rank, self._projector_groups(layout), eight, self._replica_groups(layout))
 
     # ---- full-form state ------------------------------------------------------------------
     def full_state(self) -> list[dict[str, Any]]:

@@ -41,10 +41,24 @@ __all__ = [
 class Item:
     """One GaLore parameter in one step: its group, gradient, layout, projection side, state,
     whether its projectors are refreshed, the groups its projectors are partitioned over (set by the
-    optimizer: the work group's, or none), and (set during the step) its whole projectors in the
+    optimizer: the work group's, or none) and the groups its low-rank moments are partitioned over
+    besides its ``sum_groups`` (``replicas``: the TP group of a matrix TP replicates), and (set
+    during the step) its whole projectors in the
     gradient's dtype and its low-rank gradient (this rank's partition of the sum)."""
 
-    __slots__ = ("group", "param", "grad", "layout", "side", "state", "refresh", "proj_groups", "proj", "low")
+    __slots__ = (
+        "group",
+        "param",
+        "grad",
+        "layout",
+        "side",
+        "state",
+        "refresh",
+        "proj_groups",
+        "replicas",
+        "proj",
+        "low",
+    )
 
     def __init__(
         self,
@@ -64,6 +78,7 @@ class Item:
         self.state = state
         self.refresh = refresh
         self.proj_groups: tuple[Any, ...] = ()
+        self.replicas: tuple[Any, ...] = ()
         self.proj: tuple[torch.Tensor, torch.Tensor] | None = None
         self.low: torch.Tensor | None = None
 
@@ -101,15 +116,21 @@ Partitioned = tuple[tuple[int, ...], tuple[Any, ...], int]
 
 
 def state_partitions(
-    layout: ParamLayout, side: str, rank: int, proj_groups: tuple[Any, ...], eight_bit: bool
+    layout: ParamLayout,
+    side: str,
+    rank: int,
+    proj_groups: tuple[Any, ...],
+    eight_bit: bool,
+    replicas: tuple[Any, ...] = (),
 ) -> dict[str, Partitioned]:
     """How each entry of a GaLore parameter's state is partitioned: the projectors over
     ``proj_groups`` (the work group's process group where it has more than one rank: every rank of it
     needs whole projectors to project its pieces, and gets them by one all-gather per bucket), the
     low-rank moments over ``layout.sum_groups`` (the ranks that hold pieces of the matrix, whose
     partial low-rank gradients are summed: a reduce-scatter gives each rank its partition of the
-    sum), 8-bit codes aligned to whole blocks and their absmax partitioned as the blocks are. Entries
-    with no groups of more than one rank are whole."""
+    sum) and then ``replicas`` (groups whose ranks hold the same sum: each keeps its part of it),
+    8-bit codes aligned to whole blocks and their absmax partitioned as the blocks are. Entries with
+    no groups of more than one rank are whole."""
     m, n = layout.full_shape
     low = low_rank_shape(layout.full_shape, side, rank)
     out: dict[str, Partitioned] = {}
@@ -118,9 +139,9 @@ def state_partitions(
     if side in ("right", "full"):
         out["proj_right"] = ((rank, n), proj_groups, 1)
     for key, _ in bnb.MOMENTS:
-        out["low_rank_" + key] = (low, layout.sum_groups, bnb.BLOCKSIZE if eight_bit else 1)
+        out["low_rank_" + key] = (low, layout.sum_groups + replicas, bnb.BLOCKSIZE if eight_bit else 1)
         if eight_bit:
-            out[f"low_rank_{key}_absmax"] = ((-(-low[0] * low[1] // bnb.BLOCKSIZE),), layout.sum_groups, 1)
+            out[f"low_rank_{key}_absmax"] = ((-(-low[0] * low[1] // bnb.BLOCKSIZE),), layout.sum_groups + replicas, 1)
     return out
 
 
