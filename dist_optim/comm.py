@@ -47,7 +47,6 @@ __all__ = [
     "reset_counts",
     "SumBucket",
     "MaxBucket",
-    "OrderedSumBucket",
     "gather_full",
     "broadcast_from",
     "share_owned",
@@ -209,19 +208,6 @@ class MaxBucket(SumBucket):
     tensors whose pieces live on several ranks)."""
 
     _op = "max"
-
-
-@dataclass
-class OrderedSumBucket(SumBucket):
-    """:class:`SumBucket` whose sums are added in rank order (:func:`reduce_scatter` then
-    :func:`all_gather_chunks`: two collectives per group and dtype where :class:`SumBucket` issues
-    one ``all_reduce``), so that a tensor's sum does not depend on which other tensors share the
-    bucket: a step split into buckets gives the same bits as one bucket."""
-
-    def _reduce(self, tensors: list[torch.Tensor], group: Any) -> None:
-        chunks = reduce_scatter(tensors, group)
-        for t, full in zip(tensors, all_gather_chunks(chunks, [t.numel() for t in tensors], group)):
-            t.copy_(full.view(t.shape))
 
 
 def _all_reduce_many(tensors: list[torch.Tensor], group: Any, op: str = "sum") -> None:
@@ -438,40 +424,46 @@ def chunk_span(numel: int, size: int, rank: int, align: int = 1) -> tuple[int, i
     return min(rank * c, numel), min((rank + 1) * c, numel)
 
 
-def reduce_scatter(tensors: Sequence[torch.Tensor], group: Any, align: int = 1) -> list[torch.Tensor]:
+def _aligns(align: int | Sequence[int], n: int) -> list[int]:
+    return [align] * n if isinstance(align, int) else list(align)
+
+
+def reduce_scatter(tensors: Sequence[torch.Tensor], group: Any, align: int | Sequence[int] = 1) -> list[torch.Tensor]:
     """The sum over the ranks of ``group`` of each of ``tensors`` (same shapes on every rank), each rank
-    getting only its chunk (:func:`chunk_span`, of the flattened tensor): one ``all_to_all`` for all of
-    them (sent in their own dtype, which must be one dtype for the call). The chunk owner adds the
-    pieces in rank order, so a value does not depend on the other tensors of the call; a reduce-scatter
-    collective would sum in an order set by the element's place in the buffer."""
+    getting only its chunk (:func:`chunk_span`, of the flattened tensor; ``align``: one for all, or one
+    per tensor): one ``all_to_all`` for all of them (sent in their own dtype, which must be one dtype for
+    the call). The chunk owner adds the pieces in rank order, so a value does not depend on the other
+    tensors of the call; a reduce-scatter collective would sum in an order set by the element's place in
+    the buffer."""
     size, me = group_size(group), group_rank(group)
     flats = [t.reshape(-1) for t in tensors]
     if size == 1:
         return [f.clone() for f in flats]
-    spans = [[chunk_span(f.numel(), size, r, align) for r in range(size)] for f in flats]
+    aligns = _aligns(align, len(flats))
+    spans = [[chunk_span(f.numel(), size, r, a) for r in range(size)] for f, a in zip(flats, aligns)]
     send = [[f[sp[r][0] : sp[r][1]] for f, sp in zip(flats, spans)] for r in range(size)]
     mine = [sp[me][1] - sp[me][0] for sp in spans]
     dtype, device = flats[0].dtype, flats[0].device
-    got = [[torch.empty(n, dtype=dtype, device=device) for n in mine] for _ in range(size)]
-    exchange(send, got, group, dtype, device)
-    out = []
-    for i in range(len(flats)):
-        acc = got[0][i]
-        for r in range(1, size):
-            acc = acc.add_(got[r][i])
-        out.append(acc)
-    return out
+    # What rank r sends is this rank's chunks of every tensor, in order: one row of ``got`` each,
+    # summed row by row (element by element the same additions in rank order as tensor by tensor,
+    # in ``size`` operations instead of ``size`` per tensor).
+    got = torch.empty(size, sum(mine), dtype=dtype, device=device)
+    exchange(send, [[got[r]] for r in range(size)], group, dtype, device)
+    acc = got[0].clone()  # not a view: the received rows go when this returns
+    for r in range(1, size):
+        acc.add_(got[r])
+    return list(acc.split(mine))
 
 
 def all_gather_chunks(
-    chunks: Sequence[torch.Tensor], numels: Sequence[int], group: Any, align: int = 1
+    chunks: Sequence[torch.Tensor], numels: Sequence[int], group: Any, align: int | Sequence[int] = 1
 ) -> list[torch.Tensor]:
     """The inverse of :func:`reduce_scatter`'s split: whole flat tensors of ``numels`` elements from every
     rank's chunks (1-D, of one dtype), in one ``all_gather``."""
     size = group_size(group)
     if size == 1:
         return [c.reshape(-1) for c in chunks]
-    widths = [chunk_numel(n, size, align) for n in numels]
+    widths = [chunk_numel(n, size, a) for n, a in zip(numels, _aligns(align, len(numels)))]
     flat = torch.zeros(sum(widths), dtype=chunks[0].dtype, device=chunks[0].device)
     offset = 0
     for c, w in zip(chunks, widths):

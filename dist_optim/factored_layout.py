@@ -22,6 +22,7 @@ import torch
 
 from .comm import group_rank, group_size
 from .layout import ParamLayout
+from .partition import partition_span
 
 __all__ = ["FactoredLayout", "VectorPart"]
 
@@ -88,12 +89,11 @@ class FactoredLayout:
     def part(self, key: str) -> tuple[int, int]:
         """``[lo, hi)`` of the flattened statistic ``key`` (one of :data:`STAT_KEYS`) that this
         rank keeps: the ``share_index``-th of ``shares`` parts of ``ceil(numel / shares)``
-        elements, ZeRO's rule (the last part shorter, possibly empty). The whole statistic when
-        the parameter is not shared."""
+        elements, ZeRO's rule (the last part shorter, possibly empty; :func:`dist_optim.partition.partition_span`,
+        the rule GaLore's partitioned state follows too). The whole statistic when the parameter is not
+        shared."""
         numel = math.prod(self.row_shape if key.endswith("row_var") else self.col_shape)
-        size = -(-numel // self.shares)
-        lo = min(numel, self.share_index * size)
-        return lo, min(numel, lo + size)
+        return partition_span(numel, self.layout.sum_groups)
 
     def localize(self, key: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's partition (a copy) of the full-form statistic ``key``, as it is kept in

@@ -26,9 +26,11 @@ work goes through the same five steps, all here:
    tensor), the fallback is to gather the full tensor (:func:`dist_optim.comm.gather_full`), let
    the owners compute and share the results whole (step 5).
 5. **Whole results** (:func:`share_results`): results every rank of the work group needs whole
-   (Kron's factors in its full state, GaLore's projectors, directions of tensors held whole or
-   gathered) from their owners, one ``all_gather`` per work group, the owner rounding its own copy
-   through the communication dtype so that replicas stay equal.
+   (Kron's factors in its full state, directions of tensors held whole or gathered) from their
+   owners, one ``all_gather`` per work group, the owner rounding its own copy through the
+   communication dtype so that replicas stay equal; or **partitioned results**
+   (:func:`scatter_results`): each rank's partition of them (GaLore's projectors, kept 1/n per
+   rank), one ``all_to_all`` per work group.
 
 Work groups are visited in the one global order (:func:`dist_optim.comm.ordered_groups`), so every
 rank issues the same collectives in the same order. Pure planning here, every collective in
@@ -53,6 +55,7 @@ import torch
 from .comm import (
     Pending,
     all_gather_objects,
+    chunk_span,
     exchange,
     grid_groups,
     group_key,
@@ -89,6 +92,7 @@ __all__ = [
     "pipelined",
     "from_owners",
     "share_results",
+    "scatter_results",
 ]
 
 #: What a rank tells the others of its work group about its piece of a tensor: the full shape, its
@@ -515,3 +519,37 @@ def share_results(results: Sequence[tuple[Owner, Sequence[torch.Tensor]]], dtype
                 if owner == work.rank and t.dtype != dtype:
                     t.copy_(t.to(dtype))
         share_owned(tensors, owners, work.group, dtype=dtype)
+
+
+def scatter_results(
+    results: Sequence[tuple[Owner, Sequence[torch.Tensor], Sequence[torch.Tensor]]], dtype: torch.dtype | None = None
+) -> None:
+    """Every rank of each item's work group gets its partition of the item's tensors from their
+    owner, in place: rank ``r`` of a work group of ``n`` ranks the flattened elements
+    ``chunk_span(numel, n, r)`` (:func:`dist_optim.partition.partition_span` over the work group):
+    one ``all_to_all`` per work group for all its items (:func:`~dist_optim.comm.exchange`), work
+    groups in the one global order. Each rank receives its parts only, not every whole result
+    (:func:`share_results`), and the owner sends each result once.
+
+    ``results`` are ``(owner, tensors, parts)``: ``tensors`` the whole results, read on the owner only
+    (elsewhere may be empty); ``parts`` this rank's 1-D partitions of them to fill, on every rank.
+    Collective over every work group of more than one rank among them: every rank of a work group
+    lists the same items in the same order. ``dtype`` is the communication precision (None: the
+    widest dtype of each work group's parts; a rank's part of its own results goes through it too)."""
+    shared = [entry for entry in results if entry[0].shared]
+    for work, members in _by_work_group(shared, work_of=lambda entry: entry[0].work):
+        send: list[list[torch.Tensor]] = [[] for _ in range(work.size)]
+        recv: list[list[torch.Tensor]] = [[] for _ in range(work.size)]
+        for owner, tensors, parts in members:
+            if owner.rank == work.rank:
+                for t in tensors:
+                    flat = t.reshape(-1)
+                    for r in range(work.size):
+                        lo, hi = chunk_span(flat.numel(), work.size, r)
+                        send[r].append(flat[lo:hi])
+            recv[owner.rank] += list(parts)
+        parts_all = [p for _, _, parts in members for p in parts]
+        if not parts_all:
+            continue
+        comm_dtype = dtype or widest_dtype(parts_all)
+        exchange(send, recv, work.group, comm_dtype, parts_all[0].device)

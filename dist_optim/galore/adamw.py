@@ -54,17 +54,24 @@ def low_rank_adamw(
 ) -> tuple[float, torch.Tensor]:
     """One AdamW step of a GaLore parameter's low-rank moments from its low-rank gradient ``low``
     (counts the parameter's ``step``; 8-bit moments are read, updated in fp32 and re-quantised, as
-    bitsandbytes' kernel does). Returns the step size and the normalised step ``m / denom``."""
+    bitsandbytes' kernel does). Returns the step size and the normalised step ``m / denom``.
+
+    ``low`` may be this rank's partition of the low-rank gradient (1-D; the moments are then the
+    same partition of the full moments): 8-bit partitions begin on a block boundary, so
+    bitsandbytes' blocks of the partition are those of the full tensor. An empty partition (more
+    ranks than blocks) only counts the step."""
     beta1, beta2 = group["betas"]
     if "low_rank_exp_avg" not in state:
         init_low_rank_state(state, low, eight_bit, buffers)
     state["step"] += 1
     t = float(state["step"])
     buffers.prefetch(state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"])
-    # The low-rank moments are whole on every rank: bitsandbytes' own blocks of them.
-    blocks = bnb.FullBlocks(ParamLayout(tuple(low.shape)), low.device) if eight_bit else None
+    # Whole moments or a partition of whole blocks: bitsandbytes' own blocks of them.
+    blocks = bnb.FullBlocks(ParamLayout(tuple(low.shape)), low.device) if eight_bit and low.numel() else None
     if blocks is not None:
         exp_avg, exp_avg_sq = (m.to(low.dtype) for m in bnb.read_moments_8bit(state, "low_rank_", blocks))
+    elif eight_bit:  # an empty partition
+        exp_avg, exp_avg_sq = torch.zeros_like(low), torch.zeros_like(low)
     else:
         exp_avg, exp_avg_sq = state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"]
     exp_avg.mul_(beta1).add_(low, alpha=1.0 - beta1)

@@ -5,10 +5,15 @@ owners from :mod:`dist_optim.owners`); the arithmetic is :mod:`.projection`'s an
   :func:`.projection.svd_cost`) and the routes of its gradient's pieces to it, planned once;
 * :func:`refresh`: bucket by bucket (``bucket_bytes`` of full gradients), the pieces of the
   refreshing gradients routed to their SVD owners (``owners.to_owners``: one all-to-all per work
-  group), the SVDs, the projectors shared with the work group (``share_results``: one all-gather
-  per work group);
+  group), the SVDs, each rank's partition of the projectors from their owners
+  (``owners.scatter_results``: one all-to-all per work group);
+* :func:`gather_projectors`: a bucket's whole projectors from the work groups' partitions (one
+  all-gather per work group, :mod:`dist_optim.partition`);
 * :func:`project_all`: every rank's partial low-rank gradients of a bucket summed over the ranks
-  that hold pieces of each matrix, in rank order (:class:`~dist_optim.comm.OrderedSumBucket`);
+  that hold pieces of each matrix, in rank order, each rank receiving its partition of the sums
+  (a reduce-scatter: one all-to-all per group and stage);
+* :func:`gather_steps`: the whole normalised low-rank steps from every rank's partition (one
+  all-gather per group and stage);
 * :func:`shared_absmax`: the absmax of every 8-bit block of plain parameters held in pieces,
   max-reduced over their holders (one :class:`~dist_optim.comm.MaxBucket`).
 
@@ -27,12 +32,14 @@ from .. import bnb_states as bnb
 from .. import comm
 from ..budget import buckets
 from ..layout import ParamLayout
-from ..owners import Moved, Task, WorkGroup, plan_tasks, route_tasks, share_results, to_owners
+from ..owners import Moved, Owner, Task, WorkGroup, plan_tasks, route_tasks, scatter_results, to_owners
+from ..partition import all_gather_parts, live_groups, partition_span, reduce_scatter_parts
 from .adamw import plain_moments_8bit
+from .geometry import low_rank_shape
 from .projection import new_projectors, project, svd_cost
-from .state import Item, stored_projectors
+from .state import Item, low_rank_numel, stored_projectors
 
-__all__ = ["plan_refresh", "refresh", "project_all", "shared_absmax"]
+__all__ = ["plan_refresh", "refresh", "gather_projectors", "project_all", "gather_steps", "shared_absmax"]
 
 
 def plan_refresh(
@@ -61,12 +68,13 @@ def refresh(
     """New projectors from the SVDs of the full gradients of ``items`` (``tasks``: their
     :func:`plan_refresh` tasks), bucket by bucket (:func:`dist_optim.budget.buckets` of the full
     gradients' bytes): each rank's pieces of the bucket's gradients to the SVD owners
-    (:func:`dist_optim.owners.to_owners`: one ``all_to_all`` per work group), the owners' SVDs, the
-    projectors from their owners to the work group (``share_results``: one ``all_gather`` per work
-    group), the full gradients dropped before the next bucket. A matrix whose pieces have no route
-    (holdings that do not tile it) is gathered whole instead (``comm.gather_full``). Counts the bytes
-    moved in ``stats`` (``route_bytes``: pieces sent to owners; ``gather_bytes``; ``share_bytes``)
-    and the refresh step."""
+    (:func:`dist_optim.owners.to_owners`: one ``all_to_all`` per work group), the owners' SVDs, each
+    rank's partition of the projectors from their owner (``scatter_results``: one ``all_to_all`` per
+    work group; with whether the owner's SVD succeeded), the full gradients dropped before the next
+    bucket. A matrix whose pieces have no route (holdings that do not tile it) is gathered whole
+    instead (``comm.gather_full``). Counts the bytes moved in ``stats`` (``route_bytes``: pieces sent
+    to owners; ``gather_bytes``; ``scatter_bytes``: whole projectors an owner sends out) and the
+    refresh step."""
     stats["refresh_steps"] += 1
     sizes = [it.layout.full_numel * it.grad.element_size() for it in items]
     for start, stop in buckets(sizes, bucket_bytes):
@@ -84,7 +92,8 @@ def _refresh_bucket(
     moved = {id(m.task): m for m in routed}
     unrouted = [it for it, task in zip(items, tasks) if task.work.size > 1 and task.route is None]
     gathered = dict(zip(map(id, unrouted), comm.gather_full([(it.layout, it.grad) for it in unrouted])))
-    results = []
+    results: list[tuple[Owner, list[torch.Tensor], list[torch.Tensor]]] = []
+    previous = []
     for it, task in zip(items, tasks):
         owner = task.owner(0)
         m = moved.get(id(task))
@@ -98,40 +107,122 @@ def _refresh_bucket(
             full = gathered[id(it)] if owner.mine else None
         else:
             full = it.grad  # this rank alone holds the matrix, whole
-        tensors = new_projectors(
-            it.state,
-            it.side,
-            it.layout.full_shape,
-            int(it.group["rank"]),
-            projector_dtype(it.grad.dtype),
-            it.grad.device,
-            None if full is None else full.reshape(it.layout.full_shape),
-            shared=owner.shared,
-        )
-        results.append((owner, tensors))
-    # The owners' full gradients go before the projectors are shared: only projectors stay.
+        dtype = projector_dtype(it.grad.dtype)
+        grad = None if full is None else full.reshape(it.layout.full_shape)
+        if not owner.shared:
+            new_projectors(
+                it.state, it.side, it.layout.full_shape, int(it.group["rank"]), dtype, it.grad.device, grad, False
+            )
+            continue
+        # Shared: the owner computes the whole projectors, and whether its SVD succeeded (one value
+        # per rank, so that each receives it with its partition); every rank gets its partitions.
+        tensors: list[torch.Tensor] = []
+        previous.append((it, {k: it.state.pop(k) for k in _projector_keys(it.side) if k in it.state}))
+        if grad is not None:
+            tensors, ok = new_projectors(
+                it.state, it.side, it.layout.full_shape, int(it.group["rank"]), dtype, it.grad.device, grad, True
+            )
+            tensors.append(torch.full((owner.work.size,), float(ok), dtype=dtype, device=it.grad.device))
+        parts = [_empty_part(numel, it.proj_groups, dtype, it.grad.device) for numel in _projector_numels(it)]
+        results.append((owner, tensors, parts + [torch.empty(1, dtype=dtype, device=it.grad.device)]))
+    # The owners' full gradients go before the projectors are sent: only projectors stay.
     for m in routed:
         m.boxes = {}
     gathered.clear()
-    share_results(results)
-    stats["share_bytes"] += sum(
-        t.numel() * t.element_size() for owner, tensors in results if owner.shared for t in tensors
-    )
+    scatter_results(results)
+    stats["scatter_bytes"] += sum(t.numel() * t.element_size() for _, tensors, _ in results for t in tensors)
+    for (it, old), (_, _, parts) in zip(previous, results):
+        _keep_partitions(it, parts[:-1], parts[-1], old)
 
 
-def project_all(items: Sequence[Item], stats: collections.Counter[str]) -> None:
-    """Every item's low-rank gradient (``item.low``), whole on every rank that holds a piece of it,
-    its partial sums added in rank order (:class:`~dist_optim.comm.OrderedSumBucket`: a
-    reduce-scatter and an all-gather per group and stage), so that the sum does not depend on the
-    other items of the call (the caller's buckets); counts the bytes summed in ``stats["sum_bytes"]``."""
-    bucket = comm.OrderedSumBucket()
+def _projector_keys(side: str) -> list[str]:
+    return [k for k, sides in (("proj_left", ("left", "full")), ("proj_right", ("right", "full"))) if side in sides]
+
+
+def _projector_numels(it: Item) -> list[int]:
+    m, n = it.layout.full_shape
+    r = int(it.group["rank"])
+    return [m * r if key == "proj_left" else r * n for key in _projector_keys(it.side)]
+
+
+def _empty_part(numel: int, groups: tuple[Any, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    lo, hi = partition_span(numel, groups)
+    return torch.empty(hi - lo, dtype=dtype, device=device)
+
+
+def _keep_partitions(it: Item, parts: Sequence[torch.Tensor], ok: torch.Tensor, old: dict[str, Any]) -> None:
+    """This rank's partitions of the new projectors over its work group (``parts``) go into the
+    state (the owner's whole ones are dropped); where the owner's SVD failed (``ok`` 0), the
+    previous partitions stay, as an unshared projector keeps its previous value."""
+    for key, part in zip(_projector_keys(it.side), parts):
+        prev = old.get(key)
+        if prev is not None and prev.shape == part.shape:
+            it.state[key] = torch.where(ok.bool(), part, prev)
+        else:
+            it.state[key] = part
+
+
+def gather_projectors(items: Sequence[Item], stats: collections.Counter[str]) -> None:
+    """Every item's whole projectors (``item.proj``, in the gradient's dtype) from the partitions
+    the ranks of its work group keep: one all-gather per work group for the call
+    (:func:`dist_optim.partition.all_gather_parts`); the stored ones where they are whole. Counts
+    the bytes gathered in ``stats["projector_bytes"]``."""
+    requests, where = [], []
     for it in items:
-        left, right = stored_projectors(it.state, it.grad.dtype)
-        it.low = project(it.grad, it.layout, it.side, int(it.group["rank"]), left, right)
+        if not live_groups(it.proj_groups):
+            it.proj = stored_projectors(it.state, it.grad.dtype)
+        else:
+            absent = torch.empty(0, dtype=it.grad.dtype, device=it.grad.device)
+            it.proj = (absent, absent)
+            m, n = it.layout.full_shape
+            r = int(it.group["rank"])
+            for key, shape in (("proj_left", (m, r)), ("proj_right", (r, n))):
+                if key in it.state:
+                    requests.append((it.state[key], it.proj_groups, m * r if key == "proj_left" else r * n, 1))
+                    where.append((it, key, shape))
+    for (it, key, shape), full in zip(where, all_gather_parts(requests)):
+        stats["projector_bytes"] += full.numel() * full.element_size()
+        left, right = it.proj  # type: ignore[misc]
+        whole = full.view(shape).to(it.grad.dtype)
+        it.proj = (whole, right) if key == "proj_left" else (left, whole)
+
+
+def _align(it: Item, eight_bit: Callable[[Item], bool]) -> int:
+    return bnb.BLOCKSIZE if eight_bit(it) else 1
+
+
+def project_all(items: Sequence[Item], stats: collections.Counter[str], eight_bit: Callable[[Item], bool]) -> None:
+    """Every item's low-rank gradient: this rank's partial sum (its pieces times the whole
+    projectors, ``item.proj``), summed over the ranks that hold pieces of the matrix, each rank
+    receiving its partition of the sum (``item.low``, :func:`dist_optim.partition.reduce_scatter_parts`:
+    an all-to-all per group and stage, added in rank order), so that the sum does not depend on the
+    other items of the call (the caller's buckets). ``eight_bit(item)``: its moments are 8-bit (their
+    partitions hold whole blocks). Counts the bytes summed in ``stats["sum_bytes"]``."""
+    requests = []
+    for it in items:
+        assert it.proj is not None, "gather the projectors first"
+        low = project(it.grad, it.layout, it.side, int(it.group["rank"]), *it.proj)
+        requests.append((low, it.layout.sum_groups, _align(it, eight_bit), it.replicas))
         if it.layout.sum_groups:
-            bucket.add(it.low, it.layout.sum_groups)
-            stats["sum_bytes"] += it.low.numel() * it.low.element_size()
-    bucket.flush()
+            stats["sum_bytes"] += low.numel() * low.element_size()
+    for it, part in zip(items, reduce_scatter_parts(requests)):
+        it.low = part
+
+
+def gather_steps(
+    items: Sequence[Item], parts: Sequence[torch.Tensor], eight_bit: Callable[[Item], bool]
+) -> list[torch.Tensor]:
+    """The whole normalised low-rank steps of ``items`` (of their low-rank shapes) from every
+    rank's partition (``parts``, as :func:`project_all` gave the gradients): the inverse collectives
+    (:func:`dist_optim.partition.all_gather_parts`), the same bytes as the partial sums' all-gather."""
+    requests = [
+        (part, it.layout.sum_groups + it.replicas, low_rank_numel(it), _align(it, eight_bit))
+        for it, part in zip(items, parts)
+    ]
+    out = []
+    for it, whole in zip(items, all_gather_parts(requests)):
+        out.append(whole.view(low_rank_shape(it.layout.full_shape, it.side, int(it.group["rank"]))))
+    return out
 
 
 def shared_absmax(

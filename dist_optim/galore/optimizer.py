@@ -1,16 +1,19 @@
 """The optimizer class: a coordinator of the package's parts (see :mod:`dist_optim.galore`).
 
 A step counts each parameter's step and makes its :class:`~.state.Item`; refreshing parameters get
-new projectors (:func:`.coordination.refresh`: gather, SVD on an owner, share), every GaLore
-parameter's low-rank gradient is projected and summed over its holders
-(:func:`.coordination.project_all`), its low-rank AdamW moments updated (:func:`.adamw.low_rank_adamw`)
-and the normalised step projected back onto this rank's elements
+new projectors (:func:`.coordination.refresh`: pieces to an owner, SVD, each rank's partition back).
+Then bucket by bucket: the whole projectors are gathered from their partitions
+(:func:`.coordination.gather_projectors`), every GaLore parameter's low-rank gradient is projected
+and reduce-scattered over its holders (:func:`.coordination.project_all`), this rank's partition of
+its low-rank AdamW moments updated (:func:`.adamw.low_rank_adamw`), the normalised step gathered
+(:func:`.coordination.gather_steps`) and projected back onto this rank's elements
 (:func:`.projection.add_back_projection`). Plain parameters get AdamW (:mod:`.adamw`).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -20,12 +23,25 @@ import torch
 from .. import bnb_states as bnb
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..comm import group_size
+from ..layout import ParamLayout
 from ..owners import Task, WorkGroups
+from ..partition import all_gather_parts, live_groups, partition_span
 from .adamw import fused_plain_adamw, low_rank_adamw, plain_adamw_update
-from .coordination import plan_refresh, project_all, refresh, shared_absmax
+from .coordination import gather_projectors, gather_steps, plan_refresh, project_all, refresh, shared_absmax
+from .geometry import low_rank_shape, projection_side
 from .options import GROUP_DEFAULTS, OPTIMIZER_WIDE, check_full_shape, check_optimizer_options, validate_options
 from .projection import add_back_projection
-from .state import Item, init_plain_state, keeps_saved_dtype, low_rank_numel, new_item, stored_projectors
+from .state import (
+    Item,
+    Partitioned,
+    init_plain_state,
+    keeps_saved_dtype,
+    low_rank_numel,
+    new_item,
+    projector_numel,
+    state_partitions,
+)
 
 __all__ = ["DistributedGaLore"]
 
@@ -58,7 +74,8 @@ class DistributedGaLore(DistOptimizer):
             ``DEFAULT_BUCKET_BYTES``, None: one bucket per step). A refresh goes through the GaLore
             parameters in buckets of at most this many bytes of *full* gradients (what an SVD owner
             assembles), the projection and update in buckets of this many bytes of low-rank
-            gradients (the partial sums sent and received). Results are bit-identical for every
+            gradients and whole projectors (the partial sums sent and received, the projectors
+            gathered from their partitions). Results are bit-identical for every
             value; only the number of collectives (one set per bucket) changes.
     """
 
@@ -101,8 +118,9 @@ class DistributedGaLore(DistOptimizer):
         self.is_paged = bool(is_paged)
         self._buffers = bnb.Buffers(self.is_paged, "DistributedGaLore")
         self.adam_style = adam_style
-        #: Bytes this rank moved per collective kind (gather at refresh, share of projectors,
-        #: all-reduce of low-rank partial sums) and the number of refresh steps.
+        #: Bytes this rank moved per kind (at a refresh: pieces routed to SVD owners, whole
+        #: gradients gathered, projectors scattered by their owners; every step: projectors
+        #: gathered, low-rank partial sums) and the number of refresh steps.
         self.comm_stats: collections.Counter[str] = collections.Counter()
         self._shapes_checked = False
         #: The ranks that share each matrix's SVDs (:class:`dist_optim.owners.WorkGroups`; this
@@ -181,7 +199,10 @@ class DistributedGaLore(DistOptimizer):
                 self._plain_adamw(group, params, grads)
                 continue
             for p, g in zip(params, grads):
-                items.append(new_item(group, p, g, self.layout(p), self.state[p]))
+                it = new_item(group, p, g, self.layout(p), self.state[p])
+                it.proj_groups = self._projector_groups(it.layout)
+                it.replicas = self._replica_groups(it.layout)
+                items.append(it)
 
         if not items:
             return loss
@@ -195,14 +216,91 @@ class DistributedGaLore(DistOptimizer):
                 self.comm_stats,
                 self.bucket_bytes,
             )
-        # Projection, low-rank AdamW and update bucket by bucket: the partial low-rank gradients of
-        # one bucket at a time are alive (their sums in rank order: the same bits for any budget).
-        sizes = [low_rank_numel(it) * it.grad.element_size() for it in items]
+        # Projection, low-rank AdamW and update bucket by bucket: the whole projectors and the
+        # partial low-rank gradients of one bucket at a time are alive (their sums in rank order:
+        # the same bits for any budget).
+        sizes = [(low_rank_numel(it) + projector_numel(it)) * it.grad.element_size() for it in items]
         for start, stop in buckets(sizes, self.bucket_bytes):
-            project_all(items[start:stop], self.comm_stats)
-            for it in items[start:stop]:
-                self._galore_update(it)
+            bucket = items[start:stop]
+            gather_projectors(bucket, self.comm_stats)
+            project_all(bucket, self.comm_stats, self._eight_bit)
+            steps = [self._low_rank_step(it) for it in bucket]
+            norms = gather_steps(bucket, [norm for _, norm in steps], self._eight_bit)
+            for it, (step_size, _), norm in zip(bucket, steps, norms):
+                self._galore_update(it, step_size, norm)
         return loss
+
+    def _projector_groups(self, layout: ParamLayout) -> tuple[Any, ...]:
+        """The groups a GaLore parameter's projectors are partitioned over: its work group's (the
+        SVD owner's ranks, which all need the whole projectors), none where it is this rank alone."""
+        work = self._work.of(layout)
+        return (work.group,) if work.size > 1 else ()
+
+    def _replica_groups(self, layout: ParamLayout) -> tuple[Any, ...]:
+        """The groups over which a GaLore parameter is replicated whole or as the same ZeRO chunk
+        (the optimizer's TP group for a matrix TP does not split): its low-rank moments are
+        partitioned over them too, each replica keeping its part of the same sum."""
+        if layout.tp is None and self.tp_group is not None and group_size(self.tp_group) > 1:
+            return (self.tp_group,)
+        return ()
+
+    def _eight_bit(self, it: Item) -> bool:
+        """Whether the item's low-rank moments are 8-bit (bitsandbytes' ``min_8bit_size`` rule, on
+        the full low-rank numel)."""
+        return self.optim_bits == 8 and low_rank_numel(it) >= self.min_8bit_size
+
+    def state_partitions(self, p: torch.Tensor) -> dict[str, Partitioned]:
+        """How this rank keeps each entry of GaLore parameter ``p``'s state: its full shape, the
+        groups it is partitioned over and the alignment of the parts
+        (:func:`.state.state_partitions`, :func:`dist_optim.partition.partition_span`)."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        layout = self.layout(p)
+        side = projection_side(layout.full_shape, group["proj_type"])
+        rank = int(group["rank"])
+        rows, cols = low_rank_shape(layout.full_shape, side, rank)
+        eight = self.optim_bits == 8 and rows * cols >= self.min_8bit_size
+        return state_partitions(layout, side, rank, self._projector_groups(layout), eight, self._replica_groups(layout))
+
+    # ---- full-form state ------------------------------------------------------------------
+    def full_state(self) -> list[dict[str, Any]]:
+        """Every parameter's state in full form (:meth:`DistOptimizer.full_state`), a GaLore
+        parameter's projectors and low-rank moments assembled from the partitions of the ranks that
+        keep them (:func:`.state.state_partitions`; one all-gather per group, dtype and stage).
+        Collective when bound."""
+        out = super().full_state()
+        requests, where = [], []
+        entries = iter(out)  # in param_groups order
+        for group in self.param_groups:
+            for p, entry in zip(group["params"], entries):
+                if "rank" not in group:
+                    continue
+                for key, (shape, groups, align) in self.state_partitions(p).items():
+                    if key in entry and live_groups(groups):
+                        requests.append((entry[key], groups, math.prod(shape), align))
+                        where.append((entry, key, shape))
+        for (entry, key, shape), full in zip(where, all_gather_parts(requests)):
+            entry[key] = full.view(shape)
+        return out
+
+    def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """For ``load_full_state``: this rank's partitions of a GaLore parameter's full-form
+        projectors and low-rank moments (checked against their full shapes)."""
+        group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
+        if "rank" not in group:
+            return state
+        for key, (shape, groups, align) in self.state_partitions(param).items():
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) != shape:
+                raise ValueError(
+                    f"load_full_state: GaLore state {key!r} has shape {tuple(value.shape)}, expected {shape} for a "
+                    f"parameter of full shape {self.layout(param).full_shape}"
+                )
+            if live_groups(groups):
+                lo, hi = partition_span(value.numel(), groups, align)
+                state[key] = value.reshape(-1)[lo:hi].clone()
+        return state
 
     def _refresh_tasks(self) -> dict[torch.Tensor, Task]:
         """Every GaLore parameter's SVD task, planned once (collective: routes are asked of the work
@@ -214,18 +312,24 @@ class DistributedGaLore(DistOptimizer):
             self._svd_tasks = dict(zip(params, tasks))
         return self._svd_tasks
 
-    def _galore_update(self, it: Item) -> None:
-        """Low-rank AdamW, the step projected back onto this rank's elements, then decoupled
+    def _low_rank_step(self, it: Item) -> tuple[float, torch.Tensor]:
+        """Low-rank AdamW on this rank's partition of the item's low-rank gradient: the step size
+        and the partition of the normalised step."""
+        assert it.low is not None, "projected before the update"
+        step = low_rank_adamw(it.state, it.low, it.group, self.adam_style, self._eight_bit(it), self._buffers)
+        it.low = None
+        return step
+
+    def _galore_update(self, it: Item, step_size: float, norm: torch.Tensor) -> None:
+        """The whole normalised step projected back onto this rank's elements, then decoupled
         weight decay (after the update, as galore_torch)."""
-        group, low = it.group, it.low
-        assert low is not None, "projected before the update"
-        eight_bit = self.optim_bits == 8 and low.numel() >= self.min_8bit_size
-        step_size, norm = low_rank_adamw(it.state, low, group, self.adam_style, eight_bit, self._buffers)
-        left, right = stored_projectors(it.state, norm.dtype)
+        group = it.group
+        assert it.proj is not None, "projectors gathered before the update"
+        left, right = (t.to(norm.dtype) for t in it.proj)
         add_back_projection(it.param, it.layout, it.side, group["scale"], norm, -step_size, left, right)
         if group["weight_decay"] > 0.0:
             it.param.add_(it.param, alpha=-group["lr"] * group["weight_decay"])
-        it.low = None
+        it.proj = None
 
     def _plain_adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """AdamW of a group without ``rank``: torch's fused kernel where it applies, else per

@@ -47,10 +47,12 @@ def new_projectors(
     device: torch.device,
     full_grad: torch.Tensor | None,
     shared: bool,
-) -> list[torch.Tensor]:
+) -> tuple[list[torch.Tensor], bool]:
     """Allocate the projectors of ``side`` in ``state`` (``proj_left`` then ``proj_right``) and, on
     the owner (``full_grad`` given), compute them: ``U[:, :r]`` / ``V^T[:r]`` of the fp32 SVD of
-    the full gradient, stored in ``dtype``. Returns them in that order.
+    the full gradient, stored in ``dtype``. Returns them in that order, and False where the owner's
+    SVD failed (then an unshared projector keeps its previous value, a shared one is NaN: its
+    receivers keep their partitions of the previous one, :func:`.coordination.refresh`).
 
     A projector shared with other ranks is stored contiguous on its owner too: the slice of
     U / V^T is strided, the receivers' copies are not, and matmuls on the two round
@@ -74,7 +76,7 @@ def new_projectors(
                 # slice (LAPACK's column-major U[:, :r]) keeps its strides, so its products
                 # round as before.
                 tensor = tensor.clone()
-        elif compute and key in state:
+        elif compute and key in state and not shared:
             tensor = state[key].clone()
         elif compute:
             tensor = torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -82,7 +84,7 @@ def new_projectors(
             tensor = torch.empty(shape, dtype=dtype, device=device)
         state[key] = tensor
         out.append(tensor)
-    return out
+    return out, not compute or (u is not None and vh is not None)
 
 
 def project(

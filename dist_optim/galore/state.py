@@ -4,9 +4,12 @@
 the layout (galore_torch keeps a projector object instead):
 
 * every parameter: ``step`` (fp32 scalar, its own steps: those with a gradient);
-* GaLore parameters: ``proj_left`` (``M x r``) and/or ``proj_right`` (``r x N``), whole on every
-  rank of the work group, in the projector dtype; ``low_rank_exp_avg`` / ``low_rank_exp_avg_sq``
-  of the low-rank shape, whole and the same on every rank;
+* GaLore parameters: ``proj_left`` (``M x r``) and/or ``proj_right`` (``r x N``) in the projector
+  dtype; ``low_rank_exp_avg`` / ``low_rank_exp_avg_sq`` of the low-rank shape. Where ranks share a
+  matrix, each keeps only its partition of these (:func:`state_partitions`, the rule of
+  :mod:`dist_optim.partition`): a projector over the matrix's work group, the low-rank moments over
+  the ranks that hold its pieces; :meth:`~dist_optim.galore.DistributedGaLore.full_state` assembles
+  the full tensors;
 * plain parameters: ``exp_avg`` / ``exp_avg_sq``, shaped (and sharded) like the parameter;
 * 8-bit moments: uint8 codes under the moment's name plus ``<name>_absmax`` (fp32, one per block of
   256 values of the full tensor; :mod:`dist_optim.bnb_states`).
@@ -30,15 +33,32 @@ __all__ = [
     "keeps_saved_dtype",
     "init_low_rank_state",
     "init_plain_state",
+    "projector_numel",
+    "state_partitions",
 ]
 
 
 class Item:
     """One GaLore parameter in one step: its group, gradient, layout, projection side, state,
-    whether its projectors are refreshed, and (set during the step) its gathered full gradient and
-    its low-rank gradient."""
+    whether its projectors are refreshed, the groups its projectors are partitioned over (set by the
+    optimizer: the work group's, or none) and the groups its low-rank moments are partitioned over
+    besides its ``sum_groups`` (``replicas``: the TP group of a matrix TP replicates), and (set
+    during the step) its whole projectors in the
+    gradient's dtype and its low-rank gradient (this rank's partition of the sum)."""
 
-    __slots__ = ("group", "param", "grad", "layout", "side", "state", "refresh", "full_grad", "low")
+    __slots__ = (
+        "group",
+        "param",
+        "grad",
+        "layout",
+        "side",
+        "state",
+        "refresh",
+        "proj_groups",
+        "replicas",
+        "proj",
+        "low",
+    )
 
     def __init__(
         self,
@@ -57,7 +77,9 @@ class Item:
         self.side = side
         self.state = state
         self.refresh = refresh
-        self.full_grad: torch.Tensor | None = None
+        self.proj_groups: tuple[Any, ...] = ()
+        self.replicas: tuple[Any, ...] = ()
+        self.proj: tuple[torch.Tensor, torch.Tensor] | None = None
         self.low: torch.Tensor | None = None
 
 
@@ -79,6 +101,48 @@ def low_rank_numel(item: Item) -> int:
     """Elements of the item's low-rank gradient (its full low-rank shape)."""
     rows, cols = low_rank_shape(item.layout.full_shape, item.side, int(item.group["rank"]))
     return rows * cols
+
+
+def projector_numel(item: Item) -> int:
+    """Elements of the item's whole projectors (``M r`` and/or ``r N``)."""
+    m, n = item.layout.full_shape
+    r = int(item.group["rank"])
+    return (m * r if item.side in ("left", "full") else 0) + (r * n if item.side in ("right", "full") else 0)
+
+
+#: How one partitioned state entry is kept: its full shape, the groups it is partitioned over and the
+#: alignment of its parts (:func:`dist_optim.partition.partition_span`).
+Partitioned = tuple[tuple[int, ...], tuple[Any, ...], int]
+
+
+def state_partitions(
+    layout: ParamLayout,
+    side: str,
+    rank: int,
+    proj_groups: tuple[Any, ...],
+    eight_bit: bool,
+    replicas: tuple[Any, ...] = (),
+) -> dict[str, Partitioned]:
+    """How each entry of a GaLore parameter's state is partitioned: the projectors over
+    ``proj_groups`` (the work group's process group where it has more than one rank: every rank of it
+    needs whole projectors to project its pieces, and gets them by one all-gather per bucket), the
+    low-rank moments over ``layout.sum_groups`` (the ranks that hold pieces of the matrix, whose
+    partial low-rank gradients are summed: a reduce-scatter gives each rank its partition of the
+    sum) and then ``replicas`` (groups whose ranks hold the same sum: each keeps its part of it),
+    8-bit codes aligned to whole blocks and their absmax partitioned as the blocks are. Entries with
+    no groups of more than one rank are whole."""
+    m, n = layout.full_shape
+    low = low_rank_shape(layout.full_shape, side, rank)
+    out: dict[str, Partitioned] = {}
+    if side in ("left", "full"):
+        out["proj_left"] = ((m, rank), proj_groups, 1)
+    if side in ("right", "full"):
+        out["proj_right"] = ((rank, n), proj_groups, 1)
+    for key, _ in bnb.MOMENTS:
+        out["low_rank_" + key] = (low, layout.sum_groups + replicas, bnb.BLOCKSIZE if eight_bit else 1)
+        if eight_bit:
+            out[f"low_rank_{key}_absmax"] = ((-(-low[0] * low[1] // bnb.BLOCKSIZE),), layout.sum_groups + replicas, 1)
+    return out
 
 
 def stored_projectors(state: dict[str, Any], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,146 @@
+"""Optimizer state kept as partitions over the ranks that share a tensor (ZeRO's rule), and the
+bucketed collectives that make and undo them.
+
+A tensor shared by the ranks of one or more process groups (a parameter's ``sum_groups``: its ZeRO
+group, then its TP group; or the work group of an owner's results) is cut, flattened, into ``n``
+contiguous parts, ``n`` the product of the groups' sizes. The rank with rank ``r_k`` in group ``k``
+(of ``s_k`` ranks) keeps part ``index = (r_0 s_1 + r_1) s_2 + ...`` of ``p = chunk_numel(numel, n,
+align)`` elements (:func:`partition_span`; the last parts shorter, or empty). ``align`` puts the
+part boundaries on multiples of a block: 8-bit states quantise blocks of 256 values, so each rank
+then holds whole blocks. With ``align=1`` this is :class:`dist_optim.factored_layout.FactoredLayout`'s
+rule for the factored statistics (it calls :func:`partition_span`).
+
+* :func:`reduce_scatter_parts`: each tensor summed over its groups, every rank receiving only its
+  part, stage by stage: over the first group (:func:`dist_optim.comm.reduce_scatter`: one
+  all-to-all per group, dtype and stage; each chunk added in rank order on its receiver), then the
+  chunk it received over the next group, and so on. The sum of an element is made in the order of
+  summing over the first group, then the second, whole (bit for bit what an all-reduce in rank
+  order per group gives), and does not depend on which other tensors share the call.
+  Groups over which the tensor is already the same (``replicas``: the TP peers of a matrix TP
+  replicates) come last and cost no collective: each rank keeps its chunk of its own copy.
+* :func:`all_gather_parts`: the inverse, whole tensors from every rank's part, stages in reverse
+  (:func:`dist_optim.comm.all_gather_chunks`: one all-gather per group, dtype and stage).
+
+Groups of one rank are left out; a tensor with no group left is its own (whole) part. Groups are
+visited stage by stage in the one global order (:func:`dist_optim.comm.ordered_groups`), so every
+rank issues the same collectives in the same order. The ranks of a later group must share their
+ranks in the earlier ones (a TP group's members are at the same place in their ZeRO groups, as in
+ColossalAI's mesh): they then hold the same chunk of the earlier stages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .comm import all_gather_chunks, chunk_numel, chunk_span, group_rank, group_size, ordered_groups, reduce_scatter
+
+__all__ = ["live_groups", "partition_span", "reduce_scatter_parts", "all_gather_parts"]
+
+
+def live_groups(groups: Sequence[Any]) -> tuple[Any, ...]:
+    """``groups`` without those of one rank (nothing to share over)."""
+    return tuple(g for g in groups if group_size(g) > 1)
+
+
+def partition_span(numel: int, groups: Sequence[Any], align: int = 1) -> tuple[int, int]:
+    """``[lo, hi)`` of the flattened ``numel`` elements that this rank keeps of a tensor partitioned
+    over ``groups`` (the module docstring's rule); ``(0, numel)`` when no group has two ranks."""
+    index, n = 0, 1
+    for g in live_groups(groups):
+        size = group_size(g)
+        index, n = index * size + group_rank(g), n * size
+    p = chunk_numel(numel, n, align)
+    lo = min(numel, index * p)
+    return lo, min(numel, lo + p)
+
+
+def _stage_aligns(groups: Sequence[Any], align: int) -> list[int]:
+    """The alignment of each stage's chunks: the parts of the later stages fit whole in a chunk."""
+    sizes = [group_size(g) for g in groups]
+    return [align * math.prod(sizes[k + 1 :]) for k in range(len(sizes))]
+
+
+def _staged(
+    groups_of: Sequence[tuple[Any, ...]], stage: int, tensors: Sequence[torch.Tensor]
+) -> Iterator[tuple[Any, list[int]]]:
+    """``(group, indices)`` of the requests that go through ``stage``: groups in the global order,
+    each group's requests split by dtype (one collective moves one dtype)."""
+    staged = [i for i, gs in enumerate(groups_of) if len(gs) > stage]
+    for group in ordered_groups(groups_of[i][stage] for i in staged):
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in staged:
+            if groups_of[i][stage] is group:
+                by_dtype.setdefault(tensors[i].dtype, []).append(i)
+        for dtype in sorted(by_dtype, key=str):
+            yield group, by_dtype[dtype]
+
+
+def _padded(chunk: torch.Tensor, width: int) -> torch.Tensor:
+    if chunk.numel() == width:
+        return chunk
+    out = chunk.new_zeros(width)
+    out[: chunk.numel()] = chunk
+    return out
+
+
+def reduce_scatter_parts(
+    requests: Sequence[tuple[torch.Tensor, Sequence[Any], int, Sequence[Any]]],
+) -> list[torch.Tensor]:
+    """For each ``(tensor, groups, align, replicas)`` (``tensor`` of the same shape on every rank of
+    the groups): this rank's part (1-D, :func:`partition_span` over ``groups + replicas``) of the sum
+    of ``tensor`` over ``groups``; ``tensor`` itself where no group has two ranks. ``replicas``:
+    groups over which the sum is the same on every rank already (a tensor TP replicates), partitioned
+    without a collective (each rank keeps its part of its own copy). Collective over every group of
+    ``groups``."""
+    groups_of = [live_groups(tuple(gs) + tuple(rs)) for _, gs, _, rs in requests]
+    summed = [len(live_groups(gs)) for _, gs, _, _ in requests]
+    aligns = [_stage_aligns(gs, align) for gs, (_, _, align, _) in zip(groups_of, requests)]
+    cur = [t.reshape(-1) if gs else t for (t, _, _, _), gs in zip(requests, groups_of)]
+    for stage in range(max(map(len, groups_of), default=0)):
+        for group, idx in _staged(groups_of, stage, cur):
+            summing = [i for i in idx if stage < summed[i]]
+            replica = [i for i in idx if stage >= summed[i]]
+            chunks = (
+                reduce_scatter([cur[i] for i in summing], group, [aligns[i][stage] for i in summing]) if summing else []
+            )
+            for i in replica:  # the same on every rank of the group: its own chunk of its own copy
+                lo, hi = chunk_span(cur[i].numel(), group_size(group), group_rank(group), aligns[i][stage])
+                chunks.append(cur[i][lo:hi])
+            for i, chunk in zip(summing + replica, chunks):
+                if stage + 1 < len(groups_of[i]):
+                    # The last chunk of a stage is padded to the others' width (zeros past the
+                    # tensor's end): the next stage then cuts every chunk into the same parts.
+                    chunk = _padded(chunk, chunk_numel(cur[i].numel(), group_size(group), aligns[i][stage]))
+                cur[i] = chunk
+    for i, ((t, _, align, _), gs) in enumerate(zip(requests, groups_of)):
+        if gs:
+            lo, hi = partition_span(t.numel(), gs, align)
+            cur[i] = cur[i][: hi - lo]
+    return cur
+
+
+def all_gather_parts(requests: Sequence[tuple[torch.Tensor, Sequence[Any], int, int]]) -> list[torch.Tensor]:
+    """For each ``(part, groups, numel, align)``: the whole flattened tensor of ``numel`` elements of
+    which every rank of ``groups`` holds its :func:`partition_span` (``part``, 1-D); ``part`` itself
+    where no group has two ranks. Collective over every group named."""
+    groups_of = [live_groups(gs) for _, gs, _, _ in requests]
+    aligns = [_stage_aligns(gs, align) for gs, (_, _, _, align) in zip(groups_of, requests)]
+    lengths = []  # per request, the length of what each stage splits (the whole, then the chunks)
+    for (_, _, numel, _), gs, al in zip(requests, groups_of, aligns):
+        length = [numel]
+        for g, a in zip(gs[:-1], al[:-1]):
+            length.append(chunk_numel(length[-1], group_size(g), a))
+        lengths.append(length)
+    cur = [part for part, _, _, _ in requests]
+    for stage in reversed(range(max(map(len, groups_of), default=0))):
+        for group, idx in _staged(groups_of, stage, cur):
+            whole = all_gather_chunks(
+                [cur[i] for i in idx], [lengths[i][stage] for i in idx], group, [aligns[i][stage] for i in idx]
+            )
+            for i, t in zip(idx, whole):
+                cur[i] = t
+    return cur
