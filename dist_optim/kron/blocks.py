@@ -137,13 +137,16 @@ def draw_probe(gen: torch.Generator, plan: FactorPlan, dtype: torch.dtype, devic
     if blocks is not None:
         rest = _moved(shape, blocks.dim)[1:]
         for lo, hi in blocks.spans():
-            block = torch.empty((hi - lo,) + rest, dtype=dtype, device=device).normal_(generator=gen)
-            yield block.movedim(0, blocks.dim)
+            yield torch.randn((hi - lo,) + rest, generator=gen, dtype=dtype, device=device).movedim(0, blocks.dim)
+        return
+    chunks = probe_chunks(plan, dtype)
+    if len(chunks) == 1:  # drawn at once, as kron_torch does
+        yield torch.randn(shape, generator=gen, dtype=dtype, device=device)
         return
     whole = torch.empty(shape, dtype=dtype, device=device)
     flat, start = whole.view(-1), 0
-    for size in probe_chunks(plan, dtype):
-        flat[start : start + size].normal_(generator=gen)
+    for size in chunks:
+        flat[start : start + size] = torch.randn(size, generator=gen, dtype=dtype, device=device)
         start += size
     pending = [whole]
     del whole, flat  # the suspended generator must not keep the probe alive after handing it over
@@ -154,7 +157,7 @@ def discard_probe(gen: torch.Generator, plan: FactorPlan, dtype: torch.dtype, de
     """Draw the probe's numbers chunk by chunk and drop them: a non-owner keeps the sequential
     generator in step holding one chunk at a time."""
     for size in probe_chunks(plan, dtype):
-        torch.empty(size, dtype=dtype, device=device).normal_(generator=gen)
+        torch.randn(size, generator=gen, dtype=dtype, device=device)
 
 
 def factor_block(factors: Sequence[torch.Tensor], dim: int, lo: int, hi: int) -> list[torch.Tensor]:
