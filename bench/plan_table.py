@@ -8,7 +8,9 @@ optimizer with its defaults, on the simulated CUDA path.
 
 One row per plan, as ``python -m dist_optim.plan --sweep`` prints them (state GB per rank of the
 busiest rank vs the ideal, the peak transient, GB sent per step, steady and at a refresh), with
-the model and the seconds the plan took on this machine.
+the model, the GB left on a GPU of ``--gpu-gib`` (default 80 GiB = 85.9 GB) before activations
+(what ``python -m dist_optim.plan ... --gpu-memory 80GiB`` prints) and the seconds the plan took
+on this machine.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", type=int, nargs="*", help="indices into the four configurations (default: all)")
     ap.add_argument("--skip", nargs="*", default=[], help="optimizers to leave out")
+    ap.add_argument("--gpu-gib", type=float, default=80, help="GPU memory in GiB for the 'GB left' column")
     a = ap.parse_args()
-    from dist_optim.plan import Layout, format_sweep, make_plan
+    from dist_optim.plan import GB, Layout, format_sweep, make_plan
     from dist_optim.plan.simulate import OPTIMIZERS
 
     configs = [
@@ -36,14 +39,18 @@ def main() -> None:
         ("llama-70b", Layout("hybrid", tp=8, zero=1, dp=8, precision="bf16")),
         ("llama-70b", Layout("hybrid", tp=8, zero=1, dp=64, precision="bf16")),
     ]
-    print(format_sweep([]).splitlines()[0].replace("| optimizer |", "| model | optimizer |") + " seconds |")
-    print("|" + "---|" * 12)
+    gpu = int(a.gpu_gib * 2**30)
+    head = format_sweep([]).splitlines()[0].replace("| optimizer |", "| model | optimizer |")
+    print(head + f" GB left of {gpu / GB:.1f} (before activations) | seconds |")
+    print("|" + "---|" * 13)
     chosen = [configs[i] for i in a.configs] if a.configs else configs
     for model, layout in chosen:
         for name in (n for n in OPTIMIZERS if n not in a.skip):
             t0 = time.perf_counter()
-            row = format_sweep([make_plan(model, layout, name, {})]).splitlines()[-1]
-            print(f"| {model} {row} {time.perf_counter() - t0:.0f} |", flush=True)
+            plan = make_plan(model, layout, name, {}, gpu_memory=gpu)
+            row = format_sweep([plan]).splitlines()[-1]
+            left = (gpu - plan.busiest.total) / GB
+            print(f"| {model} {row} {left:.2f} | {time.perf_counter() - t0:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
