@@ -355,19 +355,14 @@ def _partition_worker(cls: type, kwargs: dict[str, Any]) -> tuple[list[tuple[str
     (what full_state() returns; n = 4 for a TP-split parameter, 2 for a TP-replicated one, which
     its TP replicas keep alike), and load_full_state() of that full state cuts the same partition."""
     from dist_optim.factored import STAT_KEYS
+    from dist_optim.testing import tp_zero_chunks
 
     tp_group, dp_group = grid_groups_22()
     tp_rank, dp_rank = comm.group_rank(tp_group), comm.group_rank(dp_group)
     gen = torch.Generator().manual_seed(1)
     shapes = [((8, 6), 0), ((6, 8), 1), ((5, 3), None), ((3, 4, 2), 1), ((7,), None)]
-    params, layouts = [], {}
-    for shape, dim in shapes:
-        tp = TPSplit(dim, 2, tp_rank, tp_group) if dim is not None else None
-        probe = ParamLayout(shape, tp)
-        layout = ParamLayout(shape, tp, ZeroShard(2, dp_rank, (-probe.local_numel) % 2, dp_group))
-        full = torch.randn(shape, generator=gen)
-        params.append(torch.nn.functional.pad(layout.take_local(full).reshape(-1), (0, 0)).clone())
-        layouts[params[-1]] = layout
+    fulls = [torch.randn(shape, generator=gen) for shape, _ in shapes]
+    params, layouts = tp_zero_chunks(fulls, [dim for _, dim in shapes], tp_group, dp_group)
     opt = cls(params, **kwargs)
     opt.bind(layouts, dp_group=dp_group)
     for _ in range(3):

@@ -187,25 +187,16 @@ def _bucket_worker(budgets: list[int | None], foreach: bool) -> list[tuple[list[
     2); per budget, every parameter and state tensor after the steps, the all-reduces of the last
     step (counted at torch.distributed), the number of buckets and the process groups summed over
     per bucket (a TP-replicated vector's bucket: its ZeRO group only)."""
-    from dist_optim import ParamLayout, TPSplit, ZeroShard, comm
     from dist_optim.budget import buckets
-    from dist_optim.testing import grid_groups
+    from dist_optim.testing import grid_groups, tp_zero_chunks
     from tests.helpers.collectives import counting_collectives
 
     tp_group, dp_group = grid_groups(2, 2)
-    tp_rank, dp_rank = comm.group_rank(tp_group), comm.group_rank(dp_group)
     out = []
     for budget in budgets:
         gen = torch.Generator().manual_seed(3)
-        params, layouts = [], {}
-        for shape, dim in BUCKET_SHAPES:
-            tp = TPSplit(dim, 2, tp_rank, tp_group) if dim is not None else None
-            probe = ParamLayout(shape, tp)
-            layout = ParamLayout(shape, tp, ZeroShard(2, dp_rank, (-probe.local_numel) % 2, dp_group))
-            full = torch.randn(shape, generator=gen)
-            local = layout.take_local(full).reshape(-1)
-            params.append(torch.nn.functional.pad(local, (0, layout.chunk_numel - local.numel())).clone())
-            layouts[params[-1]] = layout
+        fulls = [torch.randn(shape, generator=gen) for shape, _ in BUCKET_SHAPES]
+        params, layouts = tp_zero_chunks(fulls, [dim for _, dim in BUCKET_SHAPES], tp_group, dp_group)
         groups = [{"params": params[:3]}, {"params": params[3:], "lr": 3e-2, "weight_decay": 0.1}]
         opt = DistributedLamb(groups, lr=1e-2, foreach=foreach, bucket_bytes=budget)
         opt.bind(layouts, dp_group=dp_group)
