@@ -124,15 +124,18 @@ def _spectral_lower_bound_(sym: torch.Tensor, max_abs: torch.Tensor) -> torch.Te
     return (scaled @ x).norm() * max_abs
 
 
-def step_factor(q: torch.Tensor, pair: list[torch.Tensor], precond_lr: float, tiny: torch.Tensor) -> None:
+def step_factor(q: torch.Tensor, grams: list[torch.Tensor], precond_lr: float, tiny: torch.Tensor) -> None:
     """One factor's step of the whitening fit on the Lie group (Li 2018), in place, from
-    ``pair = [T1 - T2, T1 + T2]`` (``T1 = A_(k) A_(k)^T``, ``T2 = B_(k) B_(k)^T``; diagonal factors:
-    the diagonals), which it consumes (the list is emptied, its tensors overwritten, so that they
-    are freed as soon as they are used). Triangular factors take the normalised step
+    ``grams = [T1, T2]`` (``T1 = A_(k) A_(k)^T``, ``T2 = B_(k) B_(k)^T``; diagonal factors: the
+    diagonals), which it consumes (the list is emptied, ``T1`` overwritten by ``T1 - T2``, so that
+    they are freed as soon as they are used). Triangular factors take the normalised step
     ``triu(T1 - T2) / max(lb||T1 + T2||_2, tiny) Q``, diagonal ones
     ``(T1 - T2) / max(max|T1 + T2|, tiny) * Q``."""
-    diff, total = pair
-    pair.clear()
+    ga, gb = grams
+    grams.clear()
+    total = ga + gb
+    diff = ga.sub_(gb)
+    del ga, gb
     diff.mul_(torch.tensor(precond_lr, dtype=diff.dtype, device=diff.device))
     max_abs = torch.maximum(total.max(), total.min().neg())  # max|T1 + T2| without a temporary
     if q.dim() < 2:
@@ -154,10 +157,9 @@ def fit_factors(factors: list[torch.Tensor], ab: list[torch.Tensor], precond_lr:
         ga, gb = _gram(ab[0], dim, diagonal), _gram(ab[1], dim, diagonal)
         if dim == len(factors) - 1:
             ab.clear()
-        total = ga + gb
-        pair = [ga.sub_(gb), total]
-        del ga, gb, total
-        step_factor(q, pair, precond_lr, tiny)
+        grams = [ga, gb]
+        del ga, gb
+        step_factor(q, grams, precond_lr, tiny)
 
 
 def update_scalar_factor(
@@ -316,7 +318,7 @@ def _blocked_direction(
         for i, (lo, hi) in enumerate(spans):
             probe = next(probes)
             d = debiased(lo, hi)
-            fit = d if into_m else cut(g, lo, hi).to(dtype, copy=True)
+            fit = d if into_m else fit_block(lo, hi)
             fit.add_(noise * probe)
             cut(out, lo, hi).copy_(d)  # the noised debiased momentum where it is the fit target, as whole
             part = factor_block(factors, dim, lo, hi)
@@ -327,16 +329,11 @@ def _blocked_direction(
             for k, q in enumerate(factors):
                 _add_sums(sums[k], a, b, k, q.dim() < 2, (lo, hi) if k == dim else None)
         tiny = torch.tensor(torch.finfo(dtype).tiny, dtype=dtype, device=m.device)
-        for k, q in enumerate(factors):
-            ga, gb = sums[k]
+        for q, grams in zip(factors, sums):
             if q.dim() >= 2:
-                symmetrize_(ga)
-                symmetrize_(gb)
-            total = ga + gb
-            pair = [ga.sub_(gb), total]
-            sums[k] = []
-            del ga, gb, total
-            step_factor(q, pair, group["precond_lr"], tiny)
+                for t in grams:
+                    symmetrize_(t)
+            step_factor(q, grams, group["precond_lr"], tiny)
         for lo, hi in spans:
             cut(out, lo, hi).copy_(precondition(factor_block(factors, dim, lo, hi), cut(out, lo, hi)))
     if group["clip_update_rms"]:

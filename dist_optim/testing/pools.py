@@ -169,32 +169,25 @@ def grid_groups(tp: int, dp: int) -> tuple[Any, Any]:
 def zero_chunks(fulls: list[torch.Tensor], group: Any) -> tuple[list[torch.Tensor], dict[torch.Tensor, Any]]:
     """This rank's ZeRO chunks of full tensors sharded over ``group`` (padded as ZeRO pads), and
     their layouts: what a test binds an optimizer with to run it as ZeRO would."""
-    from dist_optim.layout import ParamLayout, ZeroShard
-
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    params, layouts = [], {}
-    for full in fulls:
-        layout = ParamLayout(tuple(full.shape), zero=ZeroShard(size, rank, (-full.numel()) % size, group))
-        p = layout.take_local(full)
-        params.append(p)
-        layouts[p] = layout
-    return params, layouts
+    return tp_zero_chunks(fulls, [None] * len(fulls), None, group)
 
 
 def tp_zero_chunks(
     fulls: list[torch.Tensor], tp_dims: list[int | None], tp_group: Any, zero_group: Any
 ) -> tuple[list[torch.Tensor], dict[torch.Tensor, Any]]:
-    """This rank's TP slice (along ``tp_dims``, None = replicated) of each full tensor, cut into
-    its ZeRO chunk over ``zero_group`` (padded as ZeRO pads), and their layouts: what a test binds
-    an optimizer with to run it as HybridParallelPlugin with TP and ZeRO would."""
+    """This rank's TP slice (along ``tp_dims``, None = replicated; ``tp_group`` read only for a dim) of
+    each full tensor, cut into its ZeRO chunk over ``zero_group`` (padded as ZeRO pads), and their
+    layouts: what a test binds an optimizer with to run it as HybridParallelPlugin with TP and
+    ZeRO would."""
     from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
 
-    tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     size, rank = dist.get_world_size(zero_group), dist.get_rank(zero_group)
     params, layouts = [], {}
     for full, dim in zip(fulls, tp_dims):
         shape = tuple(full.shape)
-        tp = TPSplit(dim, tp_size, tp_rank, tp_group) if dim is not None else None
+        tp = None
+        if dim is not None:
+            tp = TPSplit(dim, dist.get_world_size(tp_group), dist.get_rank(tp_group), tp_group)
         padding = (-ParamLayout(shape, tp).local_numel) % size
         layout = ParamLayout(shape, tp, ZeroShard(size, rank, padding, zero_group))
         p = layout.take_local(full)

@@ -835,6 +835,7 @@ def _blocked_parity_worker() -> list[str]:
     from dist_optim.kron import blocks
     from tests.helpers import parity
 
+    old = blocks.ROW_BLOCK_MIN_BYTES, blocks.ROW_BLOCK_BYTES
     blocks.ROW_BLOCK_MIN_BYTES, blocks.ROW_BLOCK_BYTES = 1, 40 * 4 * 64
     try:
         return parity.parity_worker(
@@ -845,7 +846,7 @@ def _blocked_parity_worker() -> list[str]:
             _block_specs(),
         )
     finally:
-        blocks.ROW_BLOCK_MIN_BYTES, blocks.ROW_BLOCK_BYTES = 64 * 2**20, 32 * 2**20
+        blocks.ROW_BLOCK_MIN_BYTES, blocks.ROW_BLOCK_BYTES = old
 
 
 def test_row_blocks_keep_parity_on_every_layout(pool4) -> None:
