@@ -193,13 +193,10 @@ class SumBucket:
                     if g is group:
                         by_dtype[tensor.dtype].append(tensor)
                 for dtype in sorted(by_dtype, key=str):
-                    self._reduce(by_dtype[dtype], group)
+                    _all_reduce_many(by_dtype[dtype], group, self._op)
 
     #: The reduction (a class attribute so subclasses pick another one).
     _op = "sum"
-
-    def _reduce(self, tensors: list[torch.Tensor], group: Any) -> None:
-        _all_reduce_many(tensors, group, self._op)
 
 
 @dataclass

@@ -23,6 +23,7 @@ Every rank calls these with the same items in the same order, so the collectives
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from ..layout import ParamLayout
 from ..owners import Moved, Owner, Task, WorkGroup, plan_tasks, route_tasks, scatter_results, to_owners
 from ..partition import all_gather_parts, live_groups, partition_span, reduce_scatter_parts
 from .adamw import plain_moments_8bit
-from .geometry import low_rank_shape
+from .geometry import low_rank_shape, projector_shapes
 from .projection import new_projectors, project, svd_cost
 from .state import Item, low_rank_numel, stored_projectors
 
@@ -117,13 +118,14 @@ def _refresh_bucket(
         # Shared: the owner computes the whole projectors, and whether its SVD succeeded (one value
         # per rank, so that each receives it with its partition); every rank gets its partitions.
         tensors: list[torch.Tensor] = []
-        previous.append((it, {k: it.state.pop(k) for k in _projector_keys(it.side) if k in it.state}))
+        previous.append((it, {k: it.state.pop(k) for k in _projector_shapes(it) if k in it.state}))
         if grad is not None:
             tensors, ok = new_projectors(
                 it.state, it.side, it.layout.full_shape, int(it.group["rank"]), dtype, it.grad.device, grad, True
             )
             tensors.append(torch.full((owner.work.size,), float(ok), dtype=dtype, device=it.grad.device))
-        parts = [_empty_part(numel, it.proj_groups, dtype, it.grad.device) for numel in _projector_numels(it)]
+        numels = [math.prod(shape) for shape in _projector_shapes(it).values()]
+        parts = [_empty_part(numel, it.proj_groups, dtype, it.grad.device) for numel in numels]
         results.append((owner, tensors, parts + [torch.empty(1, dtype=dtype, device=it.grad.device)]))
     # The owners' full gradients go before the projectors are sent: only projectors stay.
     for m in routed:
@@ -135,14 +137,8 @@ def _refresh_bucket(
         _keep_partitions(it, parts[:-1], parts[-1], old)
 
 
-def _projector_keys(side: str) -> list[str]:
-    return [k for k, sides in (("proj_left", ("left", "full")), ("proj_right", ("right", "full"))) if side in sides]
-
-
-def _projector_numels(it: Item) -> list[int]:
-    m, n = it.layout.full_shape
-    r = int(it.group["rank"])
-    return [m * r if key == "proj_left" else r * n for key in _projector_keys(it.side)]
+def _projector_shapes(it: Item) -> dict[str, tuple[int, int]]:
+    return projector_shapes(it.layout.full_shape, it.side, int(it.group["rank"]))
 
 
 def _empty_part(numel: int, groups: tuple[Any, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -154,7 +150,7 @@ def _keep_partitions(it: Item, parts: Sequence[torch.Tensor], ok: torch.Tensor, 
     """This rank's partitions of the new projectors over its work group (``parts``) go into the
     state (the owner's whole ones are dropped); where the owner's SVD failed (``ok`` 0), the
     previous partitions stay, as an unshared projector keeps its previous value."""
-    for key, part in zip(_projector_keys(it.side), parts):
+    for key, part in zip(_projector_shapes(it), parts):
         prev = old.get(key)
         if prev is not None and prev.shape == part.shape:
             it.state[key] = torch.where(ok.bool(), part, prev)

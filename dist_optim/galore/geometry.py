@@ -15,7 +15,7 @@ import torch
 from ..layout import ParamLayout
 from .options import PROJ_TYPES
 
-__all__ = ["Piece", "matrix_pieces", "piece_view", "projection_side", "low_rank_shape"]
+__all__ = ["Piece", "matrix_pieces", "piece_view", "projection_side", "low_rank_shape", "projector_shapes"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,16 @@ def low_rank_shape(shape: tuple[int, ...], side: str, rank: int) -> tuple[int, i
     """The shape of the low-rank gradient of an ``M x N`` matrix: ``r x N``, ``M x r`` or ``r x r``."""
     m, n = shape
     return {"left": (rank, n), "right": (m, rank), "full": (rank, rank)}[side]
+
+
+def projector_shapes(shape: tuple[int, ...], side: str, rank: int) -> dict[str, tuple[int, int]]:
+    """The projectors an ``M x N`` matrix keeps for ``side``, by state key, left first:
+    ``proj_left`` (``M x r``) for ``left`` and ``full``, ``proj_right`` (``r x N``) for ``right`` and
+    ``full``."""
+    m, n = shape
+    out = {}
+    if side in ("left", "full"):
+        out["proj_left"] = (m, rank)
+    if side in ("right", "full"):
+        out["proj_right"] = (rank, n)
+    return out

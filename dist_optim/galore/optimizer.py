@@ -245,9 +245,14 @@ class DistributedGaLore(DistOptimizer):
         return ()
 
     def _eight_bit(self, it: Item) -> bool:
-        """Whether the item's low-rank moments are 8-bit (bitsandbytes' ``min_8bit_size`` rule, on
-        the full low-rank numel)."""
-        return self.optim_bits == 8 and low_rank_numel(it) >= self.min_8bit_size
+        """Whether the item's low-rank moments are 8-bit (:meth:`_eight_bit_numel` of its full
+        low-rank numel)."""
+        return self._eight_bit_numel(low_rank_numel(it))
+
+    def _eight_bit_numel(self, numel: int) -> bool:
+        """Whether low-rank moments of ``numel`` elements are 8-bit (bitsandbytes' ``min_8bit_size``
+        rule)."""
+        return self.optim_bits == 8 and numel >= self.min_8bit_size
 
     def state_partitions(self, p: torch.Tensor) -> dict[str, Partitioned]:
         """How this rank keeps each entry of GaLore parameter ``p``'s state: its full shape, the
@@ -258,7 +263,7 @@ class DistributedGaLore(DistOptimizer):
         side = projection_side(layout.full_shape, group["proj_type"])
         rank = int(group["rank"])
         rows, cols = low_rank_shape(layout.full_shape, side, rank)
-        eight = self.optim_bits == 8 and rows * cols >= self.min_8bit_size
+        eight = self._eight_bit_numel(rows * cols)
         return state_partitions(layout, side, rank, self._projector_groups(layout), eight, self._replica_groups(layout))
 
     # ---- full-form state ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..layout import ParamLayout
-from .geometry import Piece, low_rank_shape, matrix_pieces, piece_view
+from .geometry import Piece, low_rank_shape, matrix_pieces, piece_view, projector_shapes
 
 __all__ = ["svd_cost", "new_projectors", "project", "project_back", "add_back_projection"]
 
@@ -57,16 +57,10 @@ def new_projectors(
     A projector shared with other ranks is stored contiguous on its owner too: the slice of
     U / V^T is strided, the receivers' copies are not, and matmuls on the two round
     differently. Unshared, the strided slice is kept, as galore_torch keeps it (same rounding)."""
-    m, n = full_shape
     compute = full_grad is not None
     u, vh = _svd_factors(full_grad) if full_grad is not None else (None, None)
     out: list[torch.Tensor] = []
-    for key, sides, shape in (
-        ("proj_left", ("left", "full"), (m, rank)),
-        ("proj_right", ("right", "full"), (rank, n)),
-    ):
-        if side not in sides:
-            continue
+    for key, shape in projector_shapes(full_shape, side, rank).items():
         if compute and u is not None and vh is not None:
             tensor = (u[:, :rank] if key == "proj_left" else vh[:rank, :]).to(dtype)
             tensor = tensor.contiguous() if shared else tensor

@@ -17,13 +17,14 @@ the layout (galore_torch keeps a projector object instead):
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from .. import bnb_states as bnb
 from ..layout import ParamLayout
-from .geometry import low_rank_shape, projection_side
+from .geometry import low_rank_shape, projection_side, projector_shapes
 
 __all__ = [
     "Item",
@@ -105,9 +106,8 @@ def low_rank_numel(item: Item) -> int:
 
 def projector_numel(item: Item) -> int:
     """Elements of the item's whole projectors (``M r`` and/or ``r N``)."""
-    m, n = item.layout.full_shape
-    r = int(item.group["rank"])
-    return (m * r if item.side in ("left", "full") else 0) + (r * n if item.side in ("right", "full") else 0)
+    shapes = projector_shapes(item.layout.full_shape, item.side, int(item.group["rank"]))
+    return sum(math.prod(s) for s in shapes.values())
 
 
 #: How one partitioned state entry is kept: its full shape, the groups it is partitioned over and the
@@ -131,13 +131,10 @@ def state_partitions(
     sum) and then ``replicas`` (groups whose ranks hold the same sum: each keeps its part of it),
     8-bit codes aligned to whole blocks and their absmax partitioned as the blocks are. Entries with
     no groups of more than one rank are whole."""
-    m, n = layout.full_shape
     low = low_rank_shape(layout.full_shape, side, rank)
-    out: dict[str, Partitioned] = {}
-    if side in ("left", "full"):
-        out["proj_left"] = ((m, rank), proj_groups, 1)
-    if side in ("right", "full"):
-        out["proj_right"] = ((rank, n), proj_groups, 1)
+    out: dict[str, Partitioned] = {
+        key: (shape, proj_groups, 1) for key, shape in projector_shapes(layout.full_shape, side, rank).items()
+    }
     for key, _ in bnb.MOMENTS:
         out["low_rank_" + key] = (low, layout.sum_groups + replicas, bnb.BLOCKSIZE if eight_bit else 1)
         if eight_bit:
