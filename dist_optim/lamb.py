@@ -36,6 +36,7 @@ last bit of a norm.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -123,15 +124,9 @@ class DistributedLamb(DistOptimizer):
         on return."""
         bucket = SumBucket()
         pending = []
-        i = 0
-        while i < len(work):
-            group = work[i][0]
-            j = i
-            while j < len(work) and work[j][0] is group:
-                j += 1
-            params, grads = [w[1] for w in work[i:j]], [w[2] for w in work[i:j]]
-            pending.append(self._queue_group(group, params, grads, bucket))
-            i = j
+        for _, run in itertools.groupby(work, key=lambda w: id(w[0])):  # each group's consecutive params
+            part = list(run)
+            pending.append(self._queue_group(part[0][0], [w[1] for w in part], [w[2] for w in part], bucket))
         bucket.flush()
         for group, params, updates, steps, sq, parts in pending:
             for index, reduced in parts:
