@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,7 @@ __all__ = [
     "all_gather_chunks",
     "all_gather_objects",
     "grid_groups",
+    "grid_of",
     "group_key",
     "ordered_groups",
     "barrier",
@@ -119,17 +121,36 @@ def reset_counts() -> None:
     COUNTS.clear()
 
 
+#: (size, rank) of process groups of torch.distributed itself, by the group object: a group's
+#: members never change, and asking torch.distributed costs microseconds a call where a step of a
+#: hundred parameters asks hundreds of times. Weak keys: an entry goes with its group (an id can be
+#: reused by a later group, an object cannot). Not for ``None`` (the world is re-made by each
+#: ``init_process_group``) nor for another backend (``collectives_through``'s).
+_PLACES: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+_TORCH_DIST = dist  # ``dist`` itself is rebound inside collectives_through
+
+
+def _place(group: Any) -> tuple[int, int]:
+    if group is not None and dist is _TORCH_DIST:
+        place = _PLACES.get(group)
+        if place is not None:
+            return place
+    if not dist.is_available() or not dist.is_initialized():
+        return 1, 0
+    place = dist.get_world_size(group), dist.get_rank(group)
+    if group is not None and dist is _TORCH_DIST:
+        _PLACES[group] = place
+    return place
+
+
 def group_size(group: Any) -> int:
     """World size of ``group`` (1 when no process group is initialised)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
+    return _place(group)[0]
 
 
 def group_rank(group: Any) -> int:
-    if not dist.is_available() or not dist.is_initialized():
-        return 0
-    return dist.get_rank(group)
+    """This process's rank in ``group`` (0 when no process group is initialised)."""
+    return _place(group)[1]
 
 
 def group_key(group: Any) -> tuple[int, ...]:
@@ -389,8 +410,13 @@ def exchange(
     send_counts = [sum(t.numel() for t in pieces) for pieces in send]
     recv_counts = [sum(t.numel() for t in pieces) for pieces in recv]
     flat = torch.empty(sum(send_counts), dtype=dtype, device=device)
-    offset = 0
-    for pieces in send:
+    pieces = [t for per_rank in send for t in per_rank]
+    if pieces and all(t.dtype == dtype for t in pieces):
+        # One call: a step sends pieces of every tensor of a bucket to every rank, and a copy per
+        # piece from Python costs more than the bytes.
+        torch.cat([t.reshape(-1) for t in pieces], out=flat)
+    else:
+        offset = 0
         for t in pieces:
             n = t.numel()
             flat[offset : offset + n].view(t.shape).copy_(t)
@@ -479,6 +505,23 @@ def all_gather_chunks(
 _GRIDS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
 
+#: Grids whose ranks are in the order of parts partitioned over a data-parallel group, then TP
+#: (:func:`grid_of`), by the keys of the two groups, with the default group they were made under.
+_GRID_OF: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Any, Any]] = {}
+
+
+def grid_of(base: Any, tp: Any) -> Any:
+    """The grid group :func:`grid_groups` made of data-parallel group ``base`` and TP group ``tp``
+    when every member's rank in it is ``rank(base) * size(tp) + rank(tp)``: the index of the part
+    a member keeps of a tensor partitioned over ``(base, tp)`` (:mod:`dist_optim.partition`), which
+    then takes one collective over the grid instead of one per group. None otherwise (no grid made,
+    or its ranks in another order)."""
+    if base is None or tp is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    found = _GRID_OF.get((group_key(base), group_key(tp)))
+    return found[1] if found is not None and found[0] is dist.group.WORLD else None
+
+
 def grid_groups(tp_group: Any, bases: Sequence[Any]) -> list[Any]:
     """For each group in ``bases`` (data-parallel groups of this process), the group of all ranks
     of the grid it spans with ``tp_group``: the union of the TP groups of its members (the TP x DP
@@ -520,6 +563,12 @@ def grid_groups(tp_group: Any, bases: Sequence[Any]) -> list[Any]:
         made = _GRIDS.get(ranks)
         if made is None or made[0] is not world:
             _GRIDS[ranks] = (world, dist.new_group(list(ranks)))
+        # A member's grid rank is its place in the sorted ranks (new_group sorts them); where that is
+        # r_dp * tp + r_tp for every member, the grid is the two groups in one (grid_of).
+        pairs = {q: next(pair for pair, s in zip(every[q], spans[q]) if s == ranks) for q in ranks}
+        if all(i == b.index(q) * len(a) + a.index(q) for i, (q, (a, b)) in enumerate(pairs.items())):
+            for a, b in set(pairs.values()):
+                _GRID_OF[(b, a)] = (world, _GRIDS[ranks][1])
     me = dist.get_rank()
     return [_GRIDS[s][1] if s in valid else None for s in spans[me]]
 

@@ -21,6 +21,13 @@ rule for the factored statistics (it calls :func:`partition_span`).
 * :func:`all_gather_parts`: the inverse, whole tensors from every rank's part, stages in reverse
   (:func:`dist_optim.comm.all_gather_chunks`: one all-gather per group, dtype and stage).
 
+A ZeRO group and a TP group whose grid a bound optimizer made (:func:`dist_optim.comm.grid_of`:
+grid rank ``r_0 s_1 + r_1``) are one stage: one collective over the grid instead of two, the same
+parts (``chunk_numel`` over ``s_0 s_1`` ranks equals the two stages' chunk of a chunk), each
+element summed over the grid in rank order. Fewer rounds of messages and one packing of the
+buffers instead of two; the bytes are those of the first stage alone. Not with a replica stage,
+which must not be summed.
+
 Groups of one rank are left out; a tensor with no group left is its own (whole) part. Groups are
 visited stage by stage in the one global order (:func:`dist_optim.comm.ordered_groups`), so every
 rank issues the same collectives in the same order. The ranks of a later group must share their
@@ -36,7 +43,16 @@ from typing import Any
 
 import torch
 
-from .comm import all_gather_chunks, chunk_numel, chunk_span, group_rank, group_size, ordered_groups, reduce_scatter
+from .comm import (
+    all_gather_chunks,
+    chunk_numel,
+    chunk_span,
+    grid_of,
+    group_rank,
+    group_size,
+    ordered_groups,
+    reduce_scatter,
+)
 
 __all__ = ["live_groups", "partition_span", "reduce_scatter_parts", "all_gather_parts"]
 
@@ -56,6 +72,18 @@ def partition_span(numel: int, groups: Sequence[Any], align: int = 1) -> tuple[i
     p = chunk_numel(numel, n, align)
     lo = min(numel, index * p)
     return lo, min(numel, lo + p)
+
+
+def _fused(groups: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A data-parallel group and a TP group as their grid (:func:`dist_optim.comm.grid_of`), one
+    stage instead of two, where one was made in the order of the parts: the same parts (the part
+    index ``r_0 s_1 + r_1`` is the grid rank, and ``chunk_numel`` over ``s_0 s_1`` ranks is the
+    two stages' chunk of a chunk), summed in grid rank order."""
+    if len(groups) == 2:
+        grid = grid_of(*groups)
+        if grid is not None:
+            return (grid,)
+    return groups
 
 
 def _stage_aligns(groups: Sequence[Any], align: int) -> list[int]:
@@ -98,6 +126,10 @@ def reduce_scatter_parts(
     ``groups``."""
     groups_of = [live_groups(tuple(gs) + tuple(rs)) for _, gs, _, rs in requests]
     summed = [len(live_groups(gs)) for _, gs, _, _ in requests]
+    for i, gs in enumerate(groups_of):
+        if summed[i] == len(gs):  # a replica stage sums nothing: not fused with a summing one
+            groups_of[i] = _fused(gs)
+            summed[i] = len(groups_of[i])
     aligns = [_stage_aligns(gs, align) for gs, (_, _, align, _) in zip(groups_of, requests)]
     cur = [t.reshape(-1) if gs else t for (t, _, _, _), gs in zip(requests, groups_of)]
     for stage in range(max(map(len, groups_of), default=0)):
@@ -127,7 +159,7 @@ def all_gather_parts(requests: Sequence[tuple[torch.Tensor, Sequence[Any], int, 
     """For each ``(part, groups, numel, align)``: the whole flattened tensor of ``numel`` elements of
     which every rank of ``groups`` holds its :func:`partition_span` (``part``, 1-D); ``part`` itself
     where no group has two ranks. Collective over every group named."""
-    groups_of = [live_groups(gs) for _, gs, _, _ in requests]
+    groups_of = [_fused(live_groups(gs)) for _, gs, _, _ in requests]
     aligns = [_stage_aligns(gs, align) for gs, (_, _, _, align) in zip(groups_of, requests)]
     lengths = []  # per request, the length of what each stage splits (the whole, then the chunks)
     for (_, _, numel, _), gs, al in zip(requests, groups_of, aligns):

@@ -11,9 +11,9 @@ owners from :mod:`dist_optim.owners`); the arithmetic is :mod:`.projection`'s an
   all-gather per work group, :mod:`dist_optim.partition`);
 * :func:`project_all`: every rank's partial low-rank gradients of a bucket summed over the ranks
   that hold pieces of each matrix, in rank order, each rank receiving its partition of the sums
-  (a reduce-scatter: one all-to-all per group and stage);
+  (a reduce-scatter: one all-to-all per group and stage; ZeRO and TP one stage over their grid);
 * :func:`gather_steps`: the whole normalised low-rank steps from every rank's partition (one
-  all-gather per group and stage);
+  all-gather per group and stage, likewise);
 * :func:`shared_absmax`: the absmax of every 8-bit block of plain parameters held in pieces,
   max-reduced over their holders (one :class:`~dist_optim.comm.MaxBucket`).
 

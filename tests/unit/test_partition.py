@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -27,12 +28,54 @@ def _expected_span(numel: int, index: int, n: int, align: int) -> tuple[int, int
     return lo, min(numel, lo + part)
 
 
-def _worker() -> list[str]:
-    from dist_optim import comm
-    from dist_optim.partition import all_gather_parts, partition_span, reduce_scatter_parts
+def _worker(fused: bool) -> list[str]:
+    """The cases below, with the ZeRO x TP grid made and used (``fused``: one collective over the
+    grid for a tensor summed over both groups) or set aside (two stages, group by group)."""
+    from dist_optim import comm, partition
     from dist_optim.testing import grid_groups
 
     tp_group, dp_group = grid_groups(2, 2)
+    comm.grid_groups(tp_group, [dp_group])  # what a bound optimizer does; idempotent
+    saved = partition.grid_of
+    if not fused:
+        partition.grid_of = lambda base, tp: None  # type: ignore[assignment]
+    try:
+        failures = _cases(tp_group, dp_group)
+        failures += _collectives(tp_group, dp_group, fused)
+    finally:
+        partition.grid_of = saved
+    return failures
+
+
+def _collectives(tp_group: Any, dp_group: Any, fused: bool) -> list[str]:
+    """The collectives of one tensor partitioned over (ZeRO, TP), counted at torch.distributed:
+    one all-to-all and one all-gather over the 4-rank grid when fused, one per 2-rank group
+    otherwise; with TP replicas the reduce-scatter sums over ZeRO alone either way."""
+    from dist_optim.partition import all_gather_parts, reduce_scatter_parts
+    from tests.helpers.collectives import counting_collectives
+
+    t = torch.ones(37)
+    failures = []
+    for label, groups, replicas, rs_expected in [
+        ("dp,tp", [dp_group, tp_group], [], 1 if fused else 2),
+        ("dp + tp replicas", [dp_group], [tp_group], 1),
+    ]:
+        with counting_collectives() as rs:
+            (part,) = reduce_scatter_parts([(t, groups, 1, replicas)])
+        with counting_collectives() as ag:
+            all_gather_parts([(part, groups + replicas, 37, 1)])
+        ag_expected = 1 if fused else 2
+        if rs.counts != {"all_to_all_single": rs_expected}:
+            failures.append(f"{label} fused={fused}: reduce-scatter issued {dict(rs.counts)}")
+        if ag.counts != {"all_gather_into_tensor": ag_expected}:
+            failures.append(f"{label} fused={fused}: all-gather issued {dict(ag.counts)}")
+    return failures
+
+
+def _cases(tp_group: Any, dp_group: Any) -> list[str]:
+    from dist_optim import comm
+    from dist_optim.partition import all_gather_parts, partition_span, reduce_scatter_parts
+
     tp_rank, dp_rank = comm.group_rank(tp_group), comm.group_rank(dp_group)
     me = dist.get_rank()
     failures: list[str] = []
@@ -95,10 +138,38 @@ def _worker() -> list[str]:
     return failures
 
 
-def test_parts_tile_and_collectives_invert(pool4) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["staged", "grid"])
+def test_parts_tile_and_collectives_invert(pool4, fused: bool) -> None:
     """On every layout of groups (ZeRO alone, ZeRO then TP, TP alone, ZeRO with TP replicas), each
     rank's span is ZeRO's rule and the ranks' spans tile the tensor, its reduce-scattered part is
     its slice of the exact sum over the groups, and the all-gather of every rank's part gives the
-    whole sum back. (Broken on purpose, a part index ignoring the earlier groups' ranks fails.)"""
-    failures = [f for res in pool4.run(_worker) for f in res]
+    whole sum back; group by group, or in one collective over the ZeRO x TP grid, whose count is
+    asserted. (Broken on purpose, a part index ignoring the earlier groups' ranks fails, and so
+    does a grid used for a replica stage.)"""
+    failures = [f for res in pool4.run(_worker, fused) for f in res]
+    assert not failures, "\n".join(failures[:10])
+
+
+def _order_worker() -> list[str]:
+    """A grid is one stage only for groups given in the order of its ranks: the ZeRO group, then
+    TP (grid rank ``r_dp * 2 + r_tp`` with TP innermost), not TP then ZeRO."""
+    from dist_optim import comm
+    from dist_optim.testing import grid_groups
+
+    tp_group, dp_group = grid_groups(2, 2)
+    (grid,) = comm.grid_groups(tp_group, [dp_group])
+    comm.grid_groups(dp_group, [tp_group])  # the same ranks with the roles swapped: not in part order
+    failures = []
+    if comm.grid_of(dp_group, tp_group) is not grid:
+        failures.append("no grid for (ZeRO, TP)")
+    if comm.grid_of(tp_group, dp_group) is not None:
+        failures.append("a grid for (TP, ZeRO), whose part index r_tp * 2 + r_dp is not its rank")
+    index = comm.group_rank(dp_group) * 2 + comm.group_rank(tp_group)
+    if comm.group_rank(grid) != index:
+        failures.append(f"grid rank {comm.group_rank(grid)} != part index {index}")
+    return failures
+
+
+def test_grid_only_in_part_order(pool4) -> None:
+    failures = [f for res in pool4.run(_order_worker) for f in res]
     assert not failures, "\n".join(failures[:10])
