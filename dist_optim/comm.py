@@ -411,9 +411,10 @@ def exchange(
     recv_counts = [sum(t.numel() for t in pieces) for pieces in recv]
     flat = torch.empty(sum(send_counts), dtype=dtype, device=device)
     pieces = [t for per_rank in send for t in per_rank]
-    if pieces and all(t.dtype == dtype for t in pieces):
+    if pieces and all(t.dtype == dtype and t.is_contiguous() for t in pieces):
         # One call: a step sends pieces of every tensor of a bucket to every rank, and a copy per
-        # piece from Python costs more than the bytes.
+        # piece from Python costs more than the bytes. Not for strided pieces (boxes of a matrix):
+        # flattening each would copy it first, all of them alive at once.
         torch.cat([t.reshape(-1) for t in pieces], out=flat)
     else:
         offset = 0
