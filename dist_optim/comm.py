@@ -52,6 +52,7 @@ __all__ = [
     "broadcast_from",
     "share_owned",
     "exchange",
+    "exchange_round",
     "Pending",
     "chunk_numel",
     "chunk_span",
@@ -386,6 +387,14 @@ class Pending:
         self.recv = []
 
 
+def exchange_round(source: int, target: int, size: int, rounds: int) -> int:
+    """The round in which rank ``source`` sends to rank ``target`` when an :func:`exchange` over
+    ``size`` ranks runs in ``rounds`` all_to_alls: by the offset ``(target - source) mod size``, in
+    ``rounds`` consecutive runs of offsets (``rounds == size``: round k pairs each rank with the one
+    k places on). Both ends of a pair compute it alike."""
+    return ((target - source) % size) * rounds // size
+
+
 def exchange(
     send: Sequence[Sequence[torch.Tensor]],
     recv: Sequence[Sequence[torch.Tensor]],
@@ -393,6 +402,7 @@ def exchange(
     dtype: torch.dtype,
     device: torch.device,
     wait: bool = True,
+    rounds: int = 1,
 ) -> Pending | None:
     """Pieces between the ranks of ``group`` in one ``all_to_all``: ``send[r]`` (tensors or views,
     in order) go to rank r, which writes them into its ``recv[me]`` (views of the same shapes, in
@@ -403,10 +413,28 @@ def exchange(
     ``device`` holds the buffers (the one the backend communicates from). With ``wait=False`` the
     all_to_all is issued asynchronously and a :class:`Pending` returned: the caller computes
     meanwhile and calls its ``wait()`` before reading ``recv`` (the send tensors may be reused at
-    once: they were copied into the send buffer)."""
+    once: they were copied into the send buffer).
+
+    ``rounds`` (the same on every rank; at most the group's size counts) splits the exchange into
+    that many all_to_alls, each moving the pieces of the pairs :func:`exchange_round` gives it:
+    the send and receive buffers then hold about ``1/rounds`` of the pieces each, where one owner
+    sending a whole tensor's pieces to every holder would otherwise copy all of it at once. Run
+    one after the other (``wait`` is ignored: None is returned); the same values."""
     size = group_size(group)
     if len(send) != size or len(recv) != size:
         raise ValueError(f"exchange: one list of pieces per rank of the group ({size}) to send and to receive")
+    rounds = max(1, min(int(rounds), size))
+    if rounds > 1:
+        me = group_rank(group)
+        for k in range(rounds):
+            exchange(
+                [send[r] if exchange_round(me, r, size, rounds) == k else [] for r in range(size)],
+                [recv[r] if exchange_round(r, me, size, rounds) == k else [] for r in range(size)],
+                group,
+                dtype,
+                device,
+            )
+        return None
     send_counts = [sum(t.numel() for t in pieces) for pieces in send]
     recv_counts = [sum(t.numel() for t in pieces) for pieces in recv]
     flat = torch.empty(sum(send_counts), dtype=dtype, device=device)

@@ -47,11 +47,13 @@ computed from a ``None`` that means "none".
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from .budget import exchange_rounds
 from .comm import (
     Pending,
     all_gather_objects,
@@ -400,7 +402,9 @@ class Sending:
         self.pending = []
 
 
-def to_owners(moved: Sequence[Moved], dtype: torch.dtype | None, wait: bool = True) -> Sending:
+def to_owners(
+    moved: Sequence[Moved], dtype: torch.dtype | None, wait: bool = True, bucket_bytes: int | None = None
+) -> Sending:
     """Every rank's pieces of the inputs of ``moved`` to the owners of their boxes, who get them
     whole in :attr:`Moved.boxes`: one ``all_to_all`` per work group for all its tasks, in ``dtype``
     (None: the widest dtype of the group's inputs that travel). Collective over every work group
@@ -408,7 +412,11 @@ def to_owners(moved: Sequence[Moved], dtype: torch.dtype | None, wait: bool = Tr
 
     With ``wait=False`` the all_to_alls are issued asynchronously (the inputs may change at once:
     they were copied) and the boxes are filled by the returned :class:`Sending`'s ``wait()``: the
-    next bucket's pieces travel while this one's owners compute (:func:`pipelined`)."""
+    next bucket's pieces travel while this one's owners compute (:func:`pipelined`).
+
+    ``bucket_bytes``: the step-memory budget. A work group's tensors larger than it in full move in
+    :func:`dist_optim.budget.exchange_rounds` rounds, at once (not overlapped: a bucket that size
+    is not double-buffered)."""
     sending_all = Sending([])
     for work, members in _by_work_group(moved):
         sending: list[tuple[Route, torch.Tensor, dict[int, torch.Tensor]]] = []
@@ -431,12 +439,14 @@ def to_owners(moved: Sequence[Moved], dtype: torch.dtype | None, wait: bool = Tr
         # the same tasks, each held whole either on all of them or on none.
         if sending:
             wire = dtype or widest_dtype(local for _, local, _ in sending)
+            full = sum(math.prod(m.task.view) * len(m.inputs) for m in members if m.sent) * wire.itemsize
             pending = _move(
                 [(r.gather_send, local, r.gather_recv, owned) for r, local, owned in sending],
                 work.group,
                 wire,
                 sending[0][1].device,
                 wait,
+                exchange_rounds(full, bucket_bytes),
             )
             if pending is not None:
                 sending_all.pending.append(pending)
@@ -459,11 +469,13 @@ def pipelined(buckets: Iterable[B], start: Callable[[B], S], finish: Callable[[S
         finish(state)
 
 
-def from_owners(moved: Sequence[Moved], dtype: torch.dtype | None) -> None:
+def from_owners(moved: Sequence[Moved], dtype: torch.dtype | None, bucket_bytes: int | None = None) -> None:
     """The way back of :func:`to_owners`: each owner's :attr:`Moved.results` to every rank that holds
     a piece of them, into a new :attr:`Moved.out`; one ``all_to_all`` per work group in ``dtype``
-    (None: the widest of the group's ``out_dtype``). A rank's pieces to itself go through ``dtype``
-    too, so every holder applies the same values. The owners' boxes and results are dropped."""
+    (None: the widest of the group's ``out_dtype``), or :func:`dist_optim.budget.exchange_rounds`
+    of them where the work group's tensors exceed ``bucket_bytes`` in full. A rank's pieces to
+    itself go through ``dtype`` too, so every holder applies the same values. The owners' boxes
+    and results are dropped."""
     for work, members in _by_work_group(moved):
         moves = []
         for m in members:
@@ -476,7 +488,8 @@ def from_owners(moved: Sequence[Moved], dtype: torch.dtype | None) -> None:
             moves.append((route.scatter_send, results, route.scatter_recv, out))
             m.out = out
         wire = dtype or widest_dtype(m.out for m in members if m.out is not None)
-        _move(moves, work.group, wire, members[0].inputs[0].device)
+        full = sum(math.prod(m.task.view) for m in members) * wire.itemsize
+        _move(moves, work.group, wire, members[0].inputs[0].device, rounds=exchange_rounds(full, bucket_bytes))
         for m in members:
             m.boxes, m.results = {}, {}
 
@@ -487,6 +500,7 @@ def _move(
     dtype: torch.dtype,
     device: torch.device,
     wait: bool = True,
+    rounds: int = 1,
 ) -> Pending | None:
     size = group_size(group)
     send: list[list[torch.Tensor]] = [[] for _ in range(size)]
@@ -496,7 +510,7 @@ def _move(
             send[rank] += [pc.view(source) for pc in pieces]
         for rank, pieces in in_pieces.items():
             recv[rank] += [pc.view(target) for pc in pieces]
-    return exchange(send, recv, group, dtype, device, wait)
+    return exchange(send, recv, group, dtype, device, wait, rounds)
 
 
 def share_results(results: Sequence[tuple[Owner, Sequence[torch.Tensor]]], dtype: torch.dtype | None = None) -> None:

@@ -79,7 +79,7 @@ def refresh(
     stats["refresh_steps"] += 1
     sizes = [it.layout.full_numel * it.grad.element_size() for it in items]
     for start, stop in buckets(sizes, bucket_bytes):
-        _refresh_bucket(items[start:stop], tasks[start:stop], projector_dtype, stats)
+        _refresh_bucket(items[start:stop], tasks[start:stop], projector_dtype, stats, bucket_bytes)
 
 
 def _refresh_bucket(
@@ -87,9 +87,10 @@ def _refresh_bucket(
     tasks: Sequence[Task],
     projector_dtype: Callable[[torch.dtype], torch.dtype],
     stats: collections.Counter[str],
+    bucket_bytes: int | None,
 ) -> None:
     routed = [Moved(task, [it.grad], it.grad.dtype) for it, task in zip(items, tasks) if task.route is not None]
-    to_owners(routed, None)
+    to_owners(routed, None, bucket_bytes=bucket_bytes)
     moved = {id(m.task): m for m in routed}
     unrouted = [it for it, task in zip(items, tasks) if task.work.size > 1 and task.route is None]
     gathered = dict(zip(map(id, unrouted), comm.gather_full([(it.layout, it.grad) for it in unrouted])))

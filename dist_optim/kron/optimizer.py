@@ -270,7 +270,9 @@ class DistributedKron(DistOptimizer):
         """A bucket's inputs to the owners: gathered whole where no route exists, routed pieces in
         flight."""
         gather_inputs([item for item in work if not item.routed], self.communication_dtype)
-        return work, send_inputs([item for item in work if item.routed], self.communication_dtype, wait=False)
+        return work, send_inputs(
+            [item for item in work if item.routed], self.communication_dtype, False, self.bucket_bytes
+        )
 
     def _finish_bucket(self, work: list[Item], sending: Sending, do_update: bool, balance: bool) -> None:
         """Directions (in parameter order on every rank: the sequential probes stay in step),
@@ -285,7 +287,7 @@ class DistributedKron(DistOptimizer):
             [(owner, [d]) for item in plain if (d := item.direction) is not None and (owner := self._owner(item.p))],
             comm_dtype,
         )
-        send_directions(routed, comm_dtype)
+        send_directions(routed, comm_dtype, self.bucket_bytes)
         for item in work:
             self._apply(item)
 

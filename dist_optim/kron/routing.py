@@ -89,17 +89,20 @@ def gather_inputs(items: Sequence[Item], comm_dtype: torch.dtype | None) -> None
         it.full_g = it.full_m if it.group["momentum_into_precond_update"] else next(fulls)
 
 
-def send_inputs(items: Sequence[Item], comm_dtype: torch.dtype | None, wait: bool = True) -> Sending:
+def send_inputs(
+    items: Sequence[Item], comm_dtype: torch.dtype | None, wait: bool = True, bucket_bytes: int | None = None
+) -> Sending:
     """The pieces of the routed items' momenta (and gradients) to their owners, who get the whole
     tensors (``full_m``, ``full_g``; filled once the returned :class:`~dist_optim.owners.Sending`
-    is waited for): one all_to_all per work group. A tensor every rank holds whole (replicated)
-    is not sent: its owner uses its own copy, the same as every other rank's."""
+    is waited for): one all_to_all per work group (in rounds over ``bucket_bytes``,
+    :func:`dist_optim.owners.to_owners`). A tensor every rank holds whole (replicated) is not sent:
+    its owner uses its own copy, the same as every other rank's."""
     moved = []
     for it in items:
         assert it.task is not None
         it.moved = Moved(it.task, it.fit_inputs(), precond_dtype(it.group))
         moved.append(it.moved)
-    sending = to_owners(moved, comm_dtype, wait)
+    sending = to_owners(moved, comm_dtype, wait, bucket_bytes)
     for it in items:
         assert it.moved is not None
         if it.moved.boxes:
@@ -123,12 +126,13 @@ def hold_direction(item: Item, u: torch.Tensor | None, shape: tuple[int, ...]) -
     item.direction = u
 
 
-def send_directions(items: Sequence[Item], comm_dtype: torch.dtype | None) -> None:
+def send_directions(items: Sequence[Item], comm_dtype: torch.dtype | None, bucket_bytes: int | None = None) -> None:
     """The owners' directions of the routed items to every rank holding a piece of them, the owner
-    included: one all_to_all per work group. :func:`dist_optim.comm.exchange` rounds a rank's
+    included: one all_to_all per work group (in rounds over ``bucket_bytes``,
+    :func:`dist_optim.owners.from_owners`). :func:`dist_optim.comm.exchange` rounds a rank's
     pieces to itself through the communication dtype too, so every holder applies the same
     values."""
-    from_owners([it.moved for it in items if it.moved is not None], comm_dtype)
+    from_owners([it.moved for it in items if it.moved is not None], comm_dtype, bucket_bytes)
     for it in items:
         assert it.moved is not None
         it.direction, it.moved = it.moved.out, None

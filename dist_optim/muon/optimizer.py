@@ -335,7 +335,7 @@ class DistributedMuon(DistOptimizer):
         routed = [(group, p, c) for group, p, c in matrices if tasks[p].route is not None]
         plain = [(group, p, c) for group, p, c in matrices if tasks[p].route is None]
         moved = [Moved(tasks[p], [c], c.dtype) for _, p, c in routed]
-        return plain, routed, moved, to_owners(moved, self.communication_dtype, wait=False)
+        return plain, routed, moved, to_owners(moved, self.communication_dtype, False, self.bucket_bytes)
 
     def _finish_bucket(
         self,
@@ -384,7 +384,7 @@ class DistributedMuon(DistOptimizer):
         for (group, _, _), m in zip(routed, moved):
             for b, (c_box,) in m.boxes.items():
                 m.results[b] = self._orthogonalize(c_box, group, overwrite=m.sent)
-        from_owners(moved, self.communication_dtype)
+        from_owners(moved, self.communication_dtype, self.bucket_bytes)
         for (group, p, _), m in zip(routed, moved):
             assert m.out is not None
             _apply(p, m.out.view_as(p), self.layout(p), group)

@@ -251,7 +251,7 @@ class DistributedShampoo(DistOptimizer):
                 routed.append(Routed(group, p, state, g_local.detach(), t, self._plans[p], layout))
             else:
                 held.append((group, p, g_full, t))
-        return _Bucket(held, routed, *send_routed(routed, comm_dtype, wait=False))
+        return _Bucket(held, routed, *send_routed(routed, comm_dtype, False, self.bucket_bytes))
 
     def _finish(self, bucket: _Bucket) -> None:
         """The second half: directions (owners), their sharing and the parameter updates."""
@@ -264,7 +264,7 @@ class DistributedShampoo(DistOptimizer):
         routed = bucket.routed
         if routed:
             bucket.sending.wait()
-            finish_routed(routed, bucket.moved, self._block_direction, self.communication_dtype)
+            finish_routed(routed, bucket.moved, self._block_direction, self.communication_dtype, self.bucket_bytes)
             for r in routed:
                 update = r.update.to(r.p.dtype).view_as(r.p)  # type: ignore[union-attr]
                 apply_update(r.p.detach(), update, self.state[r.p].get("momentum_buffer"), r.group)

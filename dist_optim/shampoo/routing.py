@@ -98,13 +98,14 @@ def plan_owners(params: Sequence[tuple[ParamLayout, dict[str, Any], WorkGroup]])
 
 
 def send_routed(
-    routed: Sequence[Routed], comm_dtype: torch.dtype | None, wait: bool = True
+    routed: Sequence[Routed], comm_dtype: torch.dtype | None, wait: bool = True, bucket_bytes: int | None = None
 ) -> tuple[list[Moved], Sending]:
     """Each rank's gradient pieces to the owners of their blocks (in ``comm_dtype``; None: the
     widest of the gradients' dtypes); with ``wait=False`` in flight until the returned
-    :class:`~dist_optim.owners.Sending` is waited for. Owners keep no full gradient."""
+    :class:`~dist_optim.owners.Sending` is waited for (in rounds over ``bucket_bytes``:
+    :func:`dist_optim.owners.to_owners`). Owners keep no full gradient."""
     moved = [Moved(r.plan.task, [r.grad], r.grad.dtype) for r in routed]
-    return moved, to_owners(moved, comm_dtype, wait)
+    return moved, to_owners(moved, comm_dtype, wait, bucket_bytes)
 
 
 def finish_routed(
@@ -112,6 +113,7 @@ def finish_routed(
     moved: Sequence[Moved],
     direction: Callable[..., torch.Tensor | None],
     share_dtype: torch.dtype,
+    bucket_bytes: int | None = None,
 ) -> None:
     """After :func:`send_routed` (waited for): ``direction(state, i, block, gradient, group, t)`` on
     the owner of every block ``i`` of a parameter (the optimizer's state of it, its param group
@@ -122,6 +124,6 @@ def finish_routed(
             d = direction(r.state, i, r.plan.blocks[i], g, r.group, r.t)
             assert d is not None  # no parameter to apply to: always a direction
             m.results[i] = d
-    from_owners(moved, share_dtype)
+    from_owners(moved, share_dtype, bucket_bytes)
     for r, m in zip(routed, moved):
         r.update = m.out

@@ -3,8 +3,10 @@ worker functions run on every rank of the session's process pool (dist_optim/tes
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -85,18 +87,21 @@ def exchange_pieces() -> dict[str, Any]:
             return []
         return [src + dst + 1, 2 * src + 1]
 
+    from tests.helpers.collectives import counting_collectives
+
     out: dict[str, Any] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        send = [[value(me, r, k, n) for k, n in enumerate(sizes(me, r))] for r in range(4)]
-        targets = [[torch.zeros(n, 2)[:, 1] for n in sizes(s, me)] for s in range(4)]  # strided views
-        comm.reset_counts()
-        comm.exchange(send, targets, world, dtype, torch.device("cpu"))
-        out[str(dtype)] = all(
-            torch.equal(t, value(s, me, k, t.numel()).to(dtype).float())
-            for s in range(4)
-            for k, t in enumerate(targets[s])
-        )
-        out["count"] = comm.COUNTS["all_to_all"]
+    for rounds in (1, 2, 3, 4, 9):
+        for dtype in (torch.float32, torch.bfloat16):
+            send = [[value(me, r, k, n) for k, n in enumerate(sizes(me, r))] for r in range(4)]
+            targets = [[torch.zeros(n, 2)[:, 1] for n in sizes(s, me)] for s in range(4)]  # strided views
+            with counting_collectives() as seen:
+                comm.exchange(send, targets, world, dtype, torch.device("cpu"), rounds=rounds)
+            out[f"{dtype} rounds={rounds}"] = all(
+                torch.equal(t, value(s, me, k, t.numel()).to(dtype).float())
+                for s in range(4)
+                for k, t in enumerate(targets[s])
+            )
+            out[f"count rounds={rounds}"] = dict(seen.counts)
     return out
 
 
@@ -156,5 +161,33 @@ def test_grid_groups(pool4) -> None:
 
 
 def test_exchange_moves_uneven_pieces(pool4) -> None:
+    """The same pieces arrive whether in one all_to_all or in rounds (at most one per rank of the
+    group: 9 asks for more than the 4 ranks have), counted at torch.distributed."""
     for res in pool4.run(exchange_pieces):
-        assert res["torch.float32"] and res["torch.bfloat16"] and res["count"] == 1, res
+        for rounds in (1, 2, 3, 4, 9):
+            assert res[f"torch.float32 rounds={rounds}"] and res[f"torch.bfloat16 rounds={rounds}"], (rounds, res)
+            assert res[f"count rounds={rounds}"] == {"all_to_all_single": min(rounds, 4)}, (rounds, res)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 7, 64])
+def test_exchange_rounds_split_the_pairs(size: int) -> None:
+    """Every (source, target) pair moves in exactly one round; both ends compute the same one; with
+    as many rounds as ranks, each rank sends to one rank per round (and so holds 1/size of an
+    owner's pieces to all); rounds hold consecutive offsets of about size/rounds targets each."""
+    for rounds in range(1, size + 1):
+        per_round = collections.Counter()
+        for source in range(size):
+            for target in range(size):
+                k = comm.exchange_round(source, target, size, rounds)
+                assert 0 <= k < rounds
+                per_round[(source, k)] += 1
+        for source in range(size):
+            counts = [per_round[(source, k)] for k in range(rounds)]
+            assert sum(counts) == size and max(counts) - min(counts) <= 1, (size, rounds, counts)
+
+
+def test_exchange_rounds_from_bytes() -> None:
+    from dist_optim.budget import exchange_rounds
+
+    assert exchange_rounds(10, None) == 1 and exchange_rounds(10, 10) == 1 and exchange_rounds(11, 10) == 2
+    assert exchange_rounds(1_048_576_000, 256 * 2**20) == 4  # Kron's 70B embedding direction, fp32
