@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .chunks import chunk_numel, chunk_span, exchange_round
 from .layout import ParamLayout
 
 __all__ = [
@@ -52,10 +53,7 @@ __all__ = [
     "broadcast_from",
     "share_owned",
     "exchange",
-    "exchange_round",
     "Pending",
-    "chunk_numel",
-    "chunk_span",
     "reduce_scatter",
     "all_gather_chunks",
     "all_gather_objects",
@@ -387,14 +385,6 @@ class Pending:
         self.recv = []
 
 
-def exchange_round(source: int, target: int, size: int, rounds: int) -> int:
-    """The round in which rank ``source`` sends to rank ``target`` when an :func:`exchange` over
-    ``size`` ranks runs in ``rounds`` all_to_alls: by the offset ``(target - source) mod size``, in
-    ``rounds`` consecutive runs of offsets (``rounds == size``: round k pairs each rank with the one
-    k places on). Both ends of a pair compute it alike."""
-    return ((target - source) % size) * rounds // size
-
-
 def exchange(
     send: Sequence[Sequence[torch.Tensor]],
     recv: Sequence[Sequence[torch.Tensor]],
@@ -416,7 +406,8 @@ def exchange(
     once: they were copied into the send buffer).
 
     ``rounds`` (the same on every rank; at most the group's size counts) splits the exchange into
-    that many all_to_alls, each moving the pieces of the pairs :func:`exchange_round` gives it:
+    that many all_to_alls, each moving the pieces of the pairs
+    :func:`dist_optim.chunks.exchange_round` gives it:
     the send and receive buffers then hold about ``1/rounds`` of the pieces each, where one owner
     sending a whole tensor's pieces to every holder would otherwise copy all of it at once. Run
     one after the other (``wait`` is ignored: None is returned); the same values."""
@@ -460,20 +451,6 @@ def exchange(
         pending.wait()
         return None
     return pending
-
-
-def chunk_numel(numel: int, size: int, align: int = 1) -> int:
-    """The chunk of a tensor of ``numel`` elements split over ``size`` ranks: the smallest multiple of
-    ``align`` that ``size`` chunks cover ``numel`` with (trailing ranks may hold less, or nothing)."""
-    per = -(-numel // size) if numel else 0
-    return -(-per // align) * align
-
-
-def chunk_span(numel: int, size: int, rank: int, align: int = 1) -> tuple[int, int]:
-    """``[start, stop)`` of the flat elements of a ``numel``-element tensor that rank ``rank`` of
-    ``size`` holds in :func:`reduce_scatter`'s split (chunks of :func:`chunk_numel`, clipped)."""
-    c = chunk_numel(numel, size, align)
-    return min(rank * c, numel), min((rank + 1) * c, numel)
 
 
 def _aligns(align: int | Sequence[int], n: int) -> list[int]:

@@ -54,10 +54,10 @@ from typing import Any, TypeVar
 import torch
 
 from .budget import exchange_rounds
+from .chunks import chunk_span
 from .comm import (
     Pending,
     all_gather_objects,
-    chunk_span,
     exchange,
     grid_groups,
     group_key,

@@ -43,10 +43,9 @@ from typing import Any
 
 import torch
 
+from .chunks import chunk_numel, chunk_span
 from .comm import (
     all_gather_chunks,
-    chunk_numel,
-    chunk_span,
     grid_of,
     group_rank,
     group_size,

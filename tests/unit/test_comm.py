@@ -174,11 +174,13 @@ def test_exchange_rounds_split_the_pairs(size: int) -> None:
     """Every (source, target) pair moves in exactly one round; both ends compute the same one; with
     as many rounds as ranks, each rank sends to one rank per round (and so holds 1/size of an
     owner's pieces to all); rounds hold consecutive offsets of about size/rounds targets each."""
+    from dist_optim.chunks import exchange_round
+
     for rounds in range(1, size + 1):
         per_round = collections.Counter()
         for source in range(size):
             for target in range(size):
-                k = comm.exchange_round(source, target, size, rounds)
+                k = exchange_round(source, target, size, rounds)
                 assert 0 <= k < rounds
                 per_round[(source, k)] += 1
         for source in range(size):
