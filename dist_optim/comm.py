@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .chunks import chunk_numel, chunk_span, exchange_round
+from .dtypes import widest_dtype
 from .layout import ParamLayout
 
 __all__ = [
@@ -56,6 +56,8 @@ __all__ = [
     "Pending",
     "reduce_scatter",
     "all_gather_chunks",
+    "start_all_gather_chunks",
+    "Gathering",
     "all_gather_objects",
     "grid_groups",
     "grid_of",
@@ -64,41 +66,11 @@ __all__ = [
     "barrier",
     "group_size",
     "group_rank",
-    "widest_dtype",
     "collectives_through",
-    "COMMUNICATION_DTYPES",
-    "check_communication_dtype",
 ]
-
-#: The dtypes an optimizer's ``communication_dtype`` may name; None: the widest dtype of the
-#: tensors sent (:func:`widest_dtype`), i.e. exact.
-COMMUNICATION_DTYPES: tuple[torch.dtype | None, ...] = (
-    None,
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
-    torch.float64,
-)
 
 #: Number of collectives issued since the last :func:`reset_counts`, by operation name.
 COUNTS: collections.Counter[str] = collections.Counter()
-
-
-def widest_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
-    """The dtype every one of ``tensors`` converts to without loss (``torch.promote_types`` over
-    them): the default communication dtype of a bucket, so that no tensor is rounded through a
-    narrower neighbour's dtype. The same on every rank when the ranks bucket the same tensors."""
-    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
-
-
-def check_communication_dtype(value: Any, allowed: Sequence[torch.dtype | None] = COMMUNICATION_DTYPES) -> None:
-    """The one check of every optimizer's ``communication_dtype`` option: a ValueError naming the
-    value and what is accepted unless ``value`` is in ``allowed`` (default
-    :data:`COMMUNICATION_DTYPES`; an optimizer that rounds its shared results in that dtype passes
-    the narrower set it supports)."""
-    if value not in allowed:
-        names = ", ".join("None (the widest dtype of the tensors sent)" if a is None else str(a) for a in allowed)
-        raise ValueError(f"communication_dtype must be one of {names}; got {value!r}")
 
 
 @contextlib.contextmanager
@@ -120,23 +92,26 @@ def reset_counts() -> None:
     COUNTS.clear()
 
 
-#: (size, rank) of process groups of torch.distributed itself, by the group object: a group's
-#: members never change, and asking torch.distributed costs microseconds a call where a step of a
-#: hundred parameters asks hundreds of times. Weak keys: an entry goes with its group (an id can be
-#: reused by a later group, an object cannot). Not for ``None`` (the world is re-made by each
-#: ``init_process_group``) nor for another backend (``collectives_through``'s).
-_PLACES: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+#: (size, rank, member ranks) of process groups of torch.distributed itself, by the group object:
+#: a group's members never change, and asking torch.distributed costs microseconds a call where a
+#: step of a hundred parameters asks hundreds of times. Weak keys: an entry goes with its group (an
+#: id can be reused by a later group with other members, whose stale key would order collectives
+#: differently on different ranks; an object cannot). Not for ``None`` (the world is re-made by
+#: each ``init_process_group``) nor for another backend (``collectives_through``'s).
+_PLACES: weakref.WeakKeyDictionary[Any, tuple[int, int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
 _TORCH_DIST = dist  # ``dist`` itself is rebound inside collectives_through
 
 
-def _place(group: Any) -> tuple[int, int]:
+def _place(group: Any) -> tuple[int, int, tuple[int, ...]]:
     if group is not None and dist is _TORCH_DIST:
         place = _PLACES.get(group)
         if place is not None:
             return place
     if not dist.is_available() or not dist.is_initialized():
-        return 1, 0
-    place = dist.get_world_size(group), dist.get_rank(group)
+        return 1, 0, (0,)
+    size = dist.get_world_size(group)
+    key = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
+    place = size, dist.get_rank(group), key
     if group is not None and dist is _TORCH_DIST:
         _PLACES[group] = place
     return place
@@ -153,12 +128,8 @@ def group_rank(group: Any) -> int:
 
 
 def group_key(group: Any) -> tuple[int, ...]:
-    """A key that orders groups identically on every process: their global member ranks.
-
-    Not cached by ``id(group)``: a destroyed group's id can be reused by a new group with other
-    members (several boosters in one process), and a stale key orders collectives differently on
-    different ranks, which deadlocks. The lookup is a dict access in torch.distributed."""
-    return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    """A key that orders groups identically on every process: their global member ranks."""
+    return _place(group)[2]
 
 
 def ordered_groups(groups: Iterable[Any]) -> list[Any]:
@@ -247,14 +218,15 @@ def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         offset += n
 
 
-def _all_gather_flat(flat: torch.Tensor, group: Any) -> torch.Tensor:
-    """``[size, n]`` tensor whose row r is rank r's ``flat``."""
+def _all_gather_flat(flat: torch.Tensor, group: Any, wait: bool = True) -> tuple[torch.Tensor, Any]:
+    """``[size, n]`` tensor whose row r is rank r's ``flat``, and the work to wait for (None once
+    done; with ``wait=False`` the all_gather is issued asynchronously)."""
     size = group_size(group)
     # A 1-D output: gloo's all_gather_into_tensor rejects a [size, n] one.
     out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
     COUNTS["all_gather"] += 1
-    dist.all_gather_into_tensor(out, flat.contiguous(), group=group)
-    return out.view(size, flat.numel())
+    work = dist.all_gather_into_tensor(out, flat.contiguous(), group=group, async_op=not wait)
+    return out.view(size, flat.numel()), work
 
 
 def gather_full(
@@ -293,7 +265,7 @@ def gather_full(
             # tensor through a narrower neighbour's dtype.
             comm_dtype = dtype or widest_dtype(results[i] for i in idx)
             flat = torch.cat([results[i].reshape(-1).to(comm_dtype) for i in idx])
-            gathered = _all_gather_flat(flat, group)
+            gathered, _ = _all_gather_flat(flat, group)
             offset = 0
             for i in idx:
                 layout = items[i][0]
@@ -361,7 +333,7 @@ def share_owned(
     flat = torch.zeros(width, dtype=comm_dtype, device=tensors[0].device)
     if mine:
         torch.cat(mine, out=flat[: lengths[me]])
-    gathered = _all_gather_flat(flat, group)
+    gathered, _ = _all_gather_flat(flat, group)
     for rank, idx in enumerate(per_rank):
         if rank == me:
             continue
@@ -484,26 +456,50 @@ def reduce_scatter(tensors: Sequence[torch.Tensor], group: Any, align: int | Seq
     return list(acc.split(mine))
 
 
-def all_gather_chunks(
+@dataclass
+class Gathering:
+    """:func:`start_all_gather_chunks` in flight: :meth:`wait` gives the whole flat tensors."""
+
+    work: Any
+    gathered: torch.Tensor
+    numels: Sequence[int]
+    widths: Sequence[int]
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        out, offset = [], 0
+        for n, w in zip(self.numels, self.widths):
+            out.append(self.gathered[:, offset : offset + w].reshape(-1)[:n])
+            offset += w
+        return out
+
+
+def start_all_gather_chunks(
     chunks: Sequence[torch.Tensor], numels: Sequence[int], group: Any, align: int | Sequence[int] = 1
-) -> list[torch.Tensor]:
+) -> Gathering:
     """The inverse of :func:`reduce_scatter`'s split: whole flat tensors of ``numels`` elements from every
-    rank's chunks (1-D, of one dtype), in one ``all_gather``."""
+    rank's chunks (1-D, of one dtype), in one ``all_gather`` issued asynchronously (the chunks may
+    change at once: they were copied); the returned :class:`Gathering`'s ``wait()`` gives them."""
     size = group_size(group)
     if size == 1:
-        return [c.reshape(-1) for c in chunks]
+        return Gathering(None, torch.cat([c.reshape(1, -1) for c in chunks], dim=1), numels, numels)
     widths = [chunk_numel(n, size, a) for n, a in zip(numels, _aligns(align, len(numels)))]
     flat = torch.zeros(sum(widths), dtype=chunks[0].dtype, device=chunks[0].device)
     offset = 0
     for c, w in zip(chunks, widths):
         flat[offset : offset + c.numel()].copy_(c.reshape(-1))
         offset += w
-    gathered = _all_gather_flat(flat, group)
-    out, offset = [], 0
-    for n, w in zip(numels, widths):
-        out.append(gathered[:, offset : offset + w].reshape(-1)[:n])
-        offset += w
-    return out
+    gathered, work = _all_gather_flat(flat, group, wait=False)
+    return Gathering(work, gathered, numels, widths)
+
+
+def all_gather_chunks(
+    chunks: Sequence[torch.Tensor], numels: Sequence[int], group: Any, align: int | Sequence[int] = 1
+) -> list[torch.Tensor]:
+    """:func:`start_all_gather_chunks`, waited for."""
+    return start_all_gather_chunks(chunks, numels, group, align).wait()
 
 
 #: Grid groups made by :func:`grid_groups`, by their sorted member ranks (made once per job), with

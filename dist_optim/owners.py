@@ -65,8 +65,8 @@ from .comm import (
     group_size,
     ordered_groups,
     share_owned,
-    widest_dtype,
 )
+from .dtypes import widest_dtype
 from .layout import Box, ParamLayout
 from .placement import Route, assign_owners, plan_route
 

@@ -45,15 +45,23 @@ import torch
 
 from .chunks import chunk_numel, chunk_span
 from .comm import (
-    all_gather_chunks,
+    Gathering,
     grid_of,
     group_rank,
     group_size,
     ordered_groups,
     reduce_scatter,
+    start_all_gather_chunks,
 )
 
-__all__ = ["live_groups", "partition_span", "reduce_scatter_parts", "all_gather_parts"]
+__all__ = [
+    "live_groups",
+    "partition_span",
+    "reduce_scatter_parts",
+    "all_gather_parts",
+    "start_all_gather_parts",
+    "GatheringParts",
+]
 
 
 def live_groups(groups: Sequence[Any]) -> tuple[Any, ...]:
@@ -154,24 +162,55 @@ def reduce_scatter_parts(
     return cur
 
 
+class GatheringParts:
+    """:func:`start_all_gather_parts` in flight: the first stage's all-gathers issued
+    asynchronously, the later stages (which need its results) run by :meth:`wait`."""
+
+    def __init__(self, requests: Sequence[tuple[torch.Tensor, Sequence[Any], int, int]]) -> None:
+        self._groups_of = [_fused(live_groups(gs)) for _, gs, _, _ in requests]
+        self._aligns = [_stage_aligns(gs, align) for gs, (_, _, _, align) in zip(self._groups_of, requests)]
+        self._lengths = []  # per request, the length of what each stage splits (the whole, then the chunks)
+        for (_, _, numel, _), gs, al in zip(requests, self._groups_of, self._aligns):
+            length = [numel]
+            for g, a in zip(gs[:-1], al[:-1]):
+                length.append(chunk_numel(length[-1], group_size(g), a))
+            self._lengths.append(length)
+        self._cur = [part for part, _, _, _ in requests]
+        self._stages = list(reversed(range(max(map(len, self._groups_of), default=0))))
+        self._inflight = self._start(self._stages.pop(0)) if self._stages else []
+
+    def _start(self, stage: int) -> list[tuple[list[int], Gathering]]:
+        return [
+            (
+                idx,
+                start_all_gather_chunks(
+                    [self._cur[i] for i in idx],
+                    [self._lengths[i][stage] for i in idx],
+                    group,
+                    [self._aligns[i][stage] for i in idx],
+                ),
+            )
+            for group, idx in _staged(self._groups_of, stage, self._cur)
+        ]
+
+    def wait(self) -> list[torch.Tensor]:
+        while self._inflight:
+            for idx, gathering in self._inflight:
+                for i, t in zip(idx, gathering.wait()):
+                    self._cur[i] = t
+            self._inflight = self._start(self._stages.pop(0)) if self._stages else []
+        return self._cur
+
+
+def start_all_gather_parts(requests: Sequence[tuple[torch.Tensor, Sequence[Any], int, int]]) -> GatheringParts:
+    """:func:`all_gather_parts` with its first collectives issued asynchronously (the parts may change
+    at once: they were copied): the returned object's ``wait()`` gives the whole tensors. Every rank
+    of the groups calls ``wait()`` before its next collective on them (the later stages run there)."""
+    return GatheringParts(requests)
+
+
 def all_gather_parts(requests: Sequence[tuple[torch.Tensor, Sequence[Any], int, int]]) -> list[torch.Tensor]:
     """For each ``(part, groups, numel, align)``: the whole flattened tensor of ``numel`` elements of
     which every rank of ``groups`` holds its :func:`partition_span` (``part``, 1-D); ``part`` itself
     where no group has two ranks. Collective over every group named."""
-    groups_of = [_fused(live_groups(gs)) for _, gs, _, _ in requests]
-    aligns = [_stage_aligns(gs, align) for gs, (_, _, _, align) in zip(groups_of, requests)]
-    lengths = []  # per request, the length of what each stage splits (the whole, then the chunks)
-    for (_, _, numel, _), gs, al in zip(requests, groups_of, aligns):
-        length = [numel]
-        for g, a in zip(gs[:-1], al[:-1]):
-            length.append(chunk_numel(length[-1], group_size(g), a))
-        lengths.append(length)
-    cur = [part for part, _, _, _ in requests]
-    for stage in reversed(range(max(map(len, groups_of), default=0))):
-        for group, idx in _staged(groups_of, stage, cur):
-            whole = all_gather_chunks(
-                [cur[i] for i in idx], [lengths[i][stage] for i in idx], group, [aligns[i][stage] for i in idx]
-            )
-            for i, t in zip(idx, whole):
-                cur[i] = t
-    return cur
+    return GatheringParts(requests).wait()

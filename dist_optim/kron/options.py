@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..base import check_range
-from ..comm import check_communication_dtype
+from ..dtypes import check_communication_dtype
 
 __all__ = [
     "MEMORY_SAVE_MODES",

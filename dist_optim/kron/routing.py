@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..comm import gather_full, widest_dtype
+from ..comm import gather_full
+from ..dtypes import widest_dtype
 from ..layout import Box, ParamLayout
 from ..owners import Moved, Sending, Task, WorkGroup, from_owners, plan_tasks, to_owners
 from .options import precond_dtype

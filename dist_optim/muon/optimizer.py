@@ -12,7 +12,8 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ..base import DistOptimizer, check_range
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
-from ..comm import check_communication_dtype, gather_full
+from ..comm import gather_full
+from ..dtypes import check_communication_dtype
 from ..fused_adam import fused_applies
 from ..layout import ParamLayout
 from ..newton_schulz import Coefficients, newton_schulz, newton_schulz_flops

@@ -15,7 +15,7 @@ import torch
 
 from .. import matrix_functions
 from ..base import check_range
-from ..comm import check_communication_dtype
+from ..dtypes import check_communication_dtype
 
 __all__ = [
     "SGDGraftingConfig",
