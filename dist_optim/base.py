@@ -356,40 +356,28 @@ class DistOptimizer(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
-    def _gradients_ok(self) -> bool:
+    def _gradients_ok(self, summed: torch.Tensor | None = None) -> bool:
         """The NaN/Inf check of :attr:`nonfinite`, made by every ``step`` before it changes anything:
         True to take the step; False to skip it (``"skip"``, counted); raises under ``"raise"``.
 
         Each rank sums the magnitudes of each gradient it holds (one multi-tensor reduction, at
-        least fp32; NaN and Inf propagate through sums) and, when bound, one flag is summed over
-        the whole job: one all-reduce over the default process group (every process of a job
-        steps its optimizer, as ColossalAI's plugins do), so that every rank, pipeline stages and
-        data-parallel replicas included, takes the same decision and none is left waiting in a
-        later collective. Then one host read of the flag. Only when the flag is set (the step is
-        lost anyway) the exact per-element check runs and every rank learns every rank's bad
-        parameters (one ``all_gather_object``); a sum that overflowed on finite values (gradients
-        near the dtype's maximum) is then seen for what it is and the step goes on.
+        least fp32; NaN and Inf propagate through sums: :meth:`_local_nonfinite_flag`) and, when
+        bound, one flag is summed over the whole job: one all-reduce over the default process group
+        (every process of a job steps its optimizer, as ColossalAI's plugins do), so that every
+        rank, pipeline stages and data-parallel replicas included, takes the same decision and none
+        is left waiting in a later collective. ``summed``: that job-wide sum already made, the flag
+        carried by a collective of the step over every rank of the job (GaLore's first projector
+        all-gather), so none is issued here. Then one host read of the flag. Only when the flag is
+        set (the step is lost anyway) the exact per-element check runs and every rank learns every
+        rank's bad parameters (one ``all_gather_object``); a sum that overflowed on finite values
+        (gradients near the dtype's maximum) is then seen for what it is and the step goes on.
         """
         if self._nonfinite == "ignore":
             return True
-        grads: list[torch.Tensor] = []
-        params: list[torch.Tensor] = []
-        for group in self.param_groups:
-            ps, gs = self._grads(group)
-            params += ps
-            grads += gs
-        device = grads[0].device if grads else next(iter(self._all_params()), torch.empty(0)).device
-        flag = torch.zeros(1, dtype=torch.float32, device=device)
-        kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for g in grads:
-            kinds.setdefault((g.dtype, g.device), []).append(g.detach())
-        for (dtype, _), gs in kinds.items():
-            # fp16/bf16 sums in fp32 (an fp16 sum overflows at 65504); fp32/fp64 in their own dtype
-            # (torch refuses to narrow fp64).
-            sums = torch._foreach_norm(gs, 1, dtype=torch.float32 if dtype in _NARROW else None)
-            flag += (~torch.isfinite(torch.stack(sums))).any().to(device)
+        params, grads = self._all_grads()
         distributed = self.is_bound and group_size(None) > 1
-        if distributed:
+        flag = summed if summed is not None else self._local_nonfinite_flag()
+        if distributed and summed is None:
             check = SumBucket()
             check.add(flag, (None,))  # None: the default process group, i.e. the whole job
             check.flush()
@@ -411,6 +399,32 @@ class DistOptimizer(torch.optim.Optimizer):
             "nonfinite='skip' skips such steps (counted in skipped_steps), nonfinite='ignore' does not check "
             "(pass it to the constructor or set optimizer.nonfinite)"
         )
+
+    def _all_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for group in self.param_groups:
+            ps, gs = self._grads(group)
+            params += ps
+            grads += gs
+        return params, grads
+
+    def _local_nonfinite_flag(self) -> torch.Tensor:
+        """This rank's part of :meth:`_gradients_ok`'s flag (fp32, one element): how many of its
+        gradient kinds (dtype, device) sum to NaN or Inf; a small integer, exact in any float dtype
+        a collective carrying it uses."""
+        grads = self._all_grads()[1]
+        device = grads[0].device if grads else next(iter(self._all_params()), torch.empty(0)).device
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for g in grads:
+            kinds.setdefault((g.dtype, g.device), []).append(g.detach())
+        for (dtype, _), gs in kinds.items():
+            # fp16/bf16 sums in fp32 (an fp16 sum overflows at 65504); fp32/fp64 in their own dtype
+            # (torch refuses to narrow fp64).
+            sums = torch._foreach_norm(gs, 1, dtype=torch.float32 if dtype in _NARROW else None)
+            flag += (~torch.isfinite(torch.stack(sums))).any().to(device)
+        return flag
 
     def param_label(self, param: torch.Tensor) -> str:
         """How messages name ``param``: its model name (:attr:`param_names`, or a ``param_names``

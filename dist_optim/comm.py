@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,28 +91,28 @@ def reset_counts() -> None:
     COUNTS.clear()
 
 
-#: (size, rank, member ranks) of process groups of torch.distributed itself, by the group object:
-#: a group's members never change, and asking torch.distributed costs microseconds a call where a
-#: step of a hundred parameters asks hundreds of times. Weak keys: an entry goes with its group (an
-#: id can be reused by a later group with other members, whose stale key would order collectives
-#: differently on different ranks; an object cannot). Not for ``None`` (the world is re-made by
-#: each ``init_process_group``) nor for another backend (``collectives_through``'s).
-_PLACES: weakref.WeakKeyDictionary[Any, tuple[int, int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+#: (size, rank, member ranks) of process groups of torch.distributed itself, with the group, by
+#: ``id(group)``: a group's members never change, and asking torch.distributed costs microseconds a
+#: call where a step of a hundred parameters asks hundreds of times. The entry holds its group, so
+#: that its id is not reused by a later group with other members (whose stale key would order
+#: collectives differently on different ranks), and is checked to be that group. Not for ``None``
+#: (the world is re-made by each ``init_process_group``) nor for another backend
+#: (``collectives_through``'s).
+_PLACES: dict[int, tuple[Any, tuple[int, int, tuple[int, ...]]]] = {}
 _TORCH_DIST = dist  # ``dist`` itself is rebound inside collectives_through
 
 
 def _place(group: Any) -> tuple[int, int, tuple[int, ...]]:
-    if group is not None and dist is _TORCH_DIST:
-        place = _PLACES.get(group)
-        if place is not None:
-            return place
+    cached = _PLACES.get(id(group))
+    if cached is not None and cached[0] is group and dist is _TORCH_DIST:
+        return cached[1]
     if not dist.is_available() or not dist.is_initialized():
         return 1, 0, (0,)
     size = dist.get_world_size(group)
     key = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
     place = size, dist.get_rank(group), key
     if group is not None and dist is _TORCH_DIST:
-        _PLACES[group] = place
+        _PLACES[id(group)] = (group, place)
     return place
 
 

@@ -7,8 +7,9 @@ owners from :mod:`dist_optim.owners`); the arithmetic is :mod:`.projection`'s an
   refreshing gradients routed to their SVD owners (``owners.to_owners``: one all-to-all per work
   group), the SVDs, each rank's partition of the projectors from their owners
   (``owners.scatter_results``: one all-to-all per work group);
-* :func:`gather_projectors`: a bucket's whole projectors from the work groups' partitions (one
-  all-gather per work group, :mod:`dist_optim.partition`);
+* :func:`start_gather_projectors`: a bucket's whole projectors from the work groups' partitions (one
+  all-gather per work group, :mod:`dist_optim.partition`), issued asynchronously so that it travels
+  while the step does other work (the NaN/Inf check, the previous bucket);
 * :func:`project_all`: every rank's partial low-rank gradients of a bucket summed over the ranks
   that hold pieces of each matrix, in rank order, each rank receiving its partition of the sums
   (a reduce-scatter: one all-to-all per group and stage; ZeRO and TP one stage over their grid);
@@ -34,13 +35,22 @@ from .. import comm
 from ..budget import buckets
 from ..layout import ParamLayout
 from ..owners import Moved, Owner, Task, WorkGroup, plan_tasks, route_tasks, scatter_results, to_owners
-from ..partition import all_gather_parts, live_groups, partition_span, reduce_scatter_parts
+from ..partition import all_gather_parts, live_groups, partition_span, reduce_scatter_parts, start_all_gather_parts
 from .adamw import plain_moments_8bit
 from .geometry import low_rank_shape, projector_shapes
 from .projection import new_projectors, project, svd_cost
 from .state import Item, low_rank_numel, stored_projectors
 
-__all__ = ["plan_refresh", "refresh", "gather_projectors", "project_all", "gather_steps", "shared_absmax"]
+__all__ = [
+    "plan_refresh",
+    "refresh",
+    "gather_projectors",
+    "start_gather_projectors",
+    "ProjectorGathering",
+    "project_all",
+    "gather_steps",
+    "shared_absmax",
+]
 
 
 def plan_refresh(
@@ -159,16 +169,17 @@ def _keep_partitions(it: Item, parts: Sequence[torch.Tensor], ok: torch.Tensor, 
             it.state[key] = part
 
 
-def gather_projectors(items: Sequence[Item], stats: collections.Counter[str]) -> None:
-    """Every item's whole projectors (``item.proj``, in the gradient's dtype) from the partitions
-    the ranks of its work group keep: one all-gather per work group for the call
-    (:func:`dist_optim.partition.all_gather_parts`); the stored ones where they are whole. Counts
-    the bytes gathered in ``stats["projector_bytes"]``."""
-    requests, where = [], []
-    for it in items:
-        if not live_groups(it.proj_groups):
-            it.proj = stored_projectors(it.state, it.grad.dtype)
-        else:
+class ProjectorGathering:
+    """:func:`start_gather_projectors` in flight: :meth:`wait` sets the items' whole projectors (and
+    :attr:`flag_sum`, where it carried a NaN/Inf flag)."""
+
+    def __init__(self, items: Sequence[Item], stats: collections.Counter[str], flag: torch.Tensor | None) -> None:
+        requests: list[tuple[torch.Tensor, tuple[Any, ...], int, int]] = []
+        self._where: list[tuple[Item, str, tuple[int, int]]] = []
+        for it in items:
+            if not live_groups(it.proj_groups):
+                it.proj = stored_projectors(it.state, it.grad.dtype)
+                continue
             absent = torch.empty(0, dtype=it.grad.dtype, device=it.grad.device)
             it.proj = (absent, absent)
             m, n = it.layout.full_shape
@@ -176,12 +187,47 @@ def gather_projectors(items: Sequence[Item], stats: collections.Counter[str]) ->
             for key, shape in (("proj_left", (m, r)), ("proj_right", (r, n))):
                 if key in it.state:
                     requests.append((it.state[key], it.proj_groups, m * r if key == "proj_left" else r * n, 1))
-                    where.append((it, key, shape))
-    for (it, key, shape), full in zip(where, all_gather_parts(requests)):
-        stats["projector_bytes"] += full.numel() * full.element_size()
-        left, right = it.proj  # type: ignore[misc]
-        whole = full.view(shape).to(it.grad.dtype)
-        it.proj = (whole, right) if key == "proj_left" else (left, whole)
+                    self._where.append((it, key, shape))
+        #: The job-wide sum of the ranks' flags, once waited for; None where none was carried.
+        self.flag_sum: torch.Tensor | None = None
+        # The flag rides on the all-gather of a work group that is the whole job, in its dtype (a
+        # small integer: exact); each rank's flag is its one-element part of a ``size``-vector.
+        carrier = next((r for r in requests if comm.group_size(r[1][0]) == comm.group_size(None)), None)
+        self.carries_flag = flag is not None and carrier is not None
+        if flag is not None and carrier is not None:
+            group = carrier[1][0]
+            requests.append((flag.to(carrier[0].dtype), (group,), comm.group_size(group), 1))
+        self._stats = stats
+        self._gathering = start_all_gather_parts(requests)
+
+    def wait(self) -> None:
+        wholes = self._gathering.wait()
+        if self.carries_flag and self.flag_sum is None:
+            self.flag_sum = wholes[-1].float().sum().reshape(1)
+        for (it, key, shape), full in zip(self._where, wholes):
+            self._stats["projector_bytes"] += full.numel() * full.element_size()
+            left, right = it.proj  # type: ignore[misc]
+            whole = full.view(shape).to(it.grad.dtype)
+            it.proj = (whole, right) if key == "proj_left" else (left, whole)
+        self._where = []
+
+
+def start_gather_projectors(
+    items: Sequence[Item], stats: collections.Counter[str], flag: torch.Tensor | None = None
+) -> ProjectorGathering:
+    """Every item's whole projectors (``item.proj``, in the gradient's dtype, set by the returned
+    object's ``wait()``) from the partitions the ranks of its work group keep: one all-gather per
+    work group for the call (:func:`dist_optim.partition.start_all_gather_parts`), issued
+    asynchronously; the stored ones where they are whole. ``flag``: this rank's NaN/Inf flag
+    (:meth:`dist_optim.base.DistOptimizer._gradients_ok`), carried to every rank where a work
+    group is the whole job (then ``carries_flag``, and ``flag_sum`` after ``wait()``): the check
+    then needs no all-reduce of its own. Counts the bytes gathered in ``stats["projector_bytes"]``."""
+    return ProjectorGathering(items, stats, flag)
+
+
+def gather_projectors(items: Sequence[Item], stats: collections.Counter[str]) -> None:
+    """:func:`start_gather_projectors`, waited for."""
+    start_gather_projectors(items, stats, None).wait()
 
 
 def _align(it: Item, eight_bit: Callable[[Item], bool]) -> int:

@@ -3,11 +3,12 @@
 A step counts each parameter's step and makes its :class:`~.state.Item`; refreshing parameters get
 new projectors (:func:`.coordination.refresh`: pieces to an owner, SVD, each rank's partition back).
 Then bucket by bucket: the whole projectors are gathered from their partitions
-(:func:`.coordination.gather_projectors`), every GaLore parameter's low-rank gradient is projected
-and reduce-scattered over its holders (:func:`.coordination.project_all`), this rank's partition of
-its low-rank AdamW moments updated (:func:`.adamw.low_rank_adamw`), the normalised step gathered
-(:func:`.coordination.gather_steps`) and projected back onto this rank's elements
-(:func:`.projection.add_back_projection`). Plain parameters get AdamW (:mod:`.adamw`).
+(:func:`.coordination.start_gather_projectors`: the next bucket's travel while one computes, the
+first bucket's, between refreshes, during the NaN/Inf check), every GaLore parameter's low-rank
+gradient is projected and reduce-scattered over its holders (:func:`.coordination.project_all`),
+this rank's partition of its low-rank AdamW moments updated (:func:`.adamw.low_rank_adamw`), the
+normalised step gathered (:func:`.coordination.gather_steps`) and projected back onto this rank's
+elements (:func:`.projection.add_back_projection`). Plain parameters get AdamW (:mod:`.adamw`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ from ..layout import ParamLayout
 from ..owners import Task, WorkGroups
 from ..partition import all_gather_parts, live_groups, partition_span
 from .adamw import fused_plain_adamw, low_rank_adamw, plain_adamw_update
-from .coordination import gather_projectors, gather_steps, plan_refresh, project_all, refresh, shared_absmax
+from .coordination import (
+    ProjectorGathering,
+    gather_steps,
+    plan_refresh,
+    project_all,
+    refresh,
+    shared_absmax,
+    start_gather_projectors,
+)
 from .geometry import low_rank_shape, projection_side
 from .options import GROUP_DEFAULTS, OPTIMIZER_WIDE, check_full_shape, check_optimizer_options, validate_options
 from .projection import add_back_projection
@@ -126,6 +135,7 @@ class DistributedGaLore(DistOptimizer):
         #: The ranks that share each matrix's SVDs (:class:`dist_optim.owners.WorkGroups`; this
         #: rank alone until bound), with the TP x data-parallel grids made at bind.
         self._work = WorkGroups()
+        self._groups_cache: dict[torch.Tensor, tuple[ParamLayout, tuple[Any, ...], tuple[Any, ...]]] = {}
         # betas is checked with the group (validate_group); a list becomes the usual tuple
         betas = tuple(betas) if isinstance(betas, list) else betas
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=bool(correct_bias))
@@ -173,6 +183,7 @@ class DistributedGaLore(DistOptimizer):
         galore = [self.layout(p) for g in self.param_groups if "rank" in g for p in g["params"]]
         self._work.bind(galore, self.dp_group, self.tp_group)
         self._svd_tasks = None
+        self._groups_cache.clear()
 
     def _check_shapes(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -185,25 +196,29 @@ class DistributedGaLore(DistOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
-        if not self._gradients_ok():
+        early = self._early_gather()
+        try:
+            if early is not None and early[2].carries_flag:
+                early[2].wait()
+                ok = self._gradients_ok(summed=early[2].flag_sum)
+            else:
+                ok = self._gradients_ok()
+        except BaseException:
+            if early is not None:
+                early[2].wait()  # finished on every rank: each raises here
+            raise
+        if not ok:
+            if early is not None:
+                early[2].wait()
             return loss
         if not self._shapes_checked:
             self._check_shapes()
-
-        items: list[Item] = []
         for group in self.param_groups:
-            params, grads = self._grads(group)
-            if not params:
-                continue
             if "rank" not in group:
-                self._plain_adamw(group, params, grads)
-                continue
-            for p, g in zip(params, grads):
-                it = new_item(group, p, g, self.layout(p), self.state[p])
-                it.proj_groups = self._projector_groups(it.layout)
-                it.replicas = self._replica_groups(it.layout)
-                items.append(it)
-
+                params, grads = self._grads(group)
+                if params:
+                    self._plain_adamw(group, params, grads)
+        items, ranges, gathering = early if early is not None else (self._items(), None, None)
         if not items:
             return loss
         refreshing = [it for it in items if it.refresh]
@@ -216,19 +231,73 @@ class DistributedGaLore(DistOptimizer):
                 self.comm_stats,
                 self.bucket_bytes,
             )
-        # Projection, low-rank AdamW and update bucket by bucket: the whole projectors and the
-        # partial low-rank gradients of one bucket at a time are alive (their sums in rank order:
-        # the same bits for any budget).
-        sizes = [(low_rank_numel(it) + projector_numel(it)) * it.grad.element_size() for it in items]
-        for start, stop in buckets(sizes, self.bucket_bytes):
-            bucket = items[start:stop]
-            gather_projectors(bucket, self.comm_stats)
+        self._low_rank_buckets(items, ranges or self._buckets(items), gathering)
+        return loss
+
+    def _early_gather(self) -> tuple[list[Item], list[tuple[int, int]], ProjectorGathering] | None:
+        """Between refreshes the first bucket's projectors do not depend on this step's gradients:
+        this step's items, their buckets and that bucket's projector all-gather, started before the
+        NaN/Inf check. It carries the check's flag where a work group is the whole job (one
+        collective instead of two), else travels during the check's all-reduce. None on a refresh
+        step, and where making the items would change state (a GaLore parameter's first step)."""
+        if not (self._shapes_checked and self._stepped_before()):
+            return None
+        items = self._items()
+        if not items or any(it.refresh for it in items):
+            return None
+        ranges = self._buckets(items)
+        checks = self.nonfinite != "ignore" and self.is_bound and group_size(None) > 1
+        flag = self._local_nonfinite_flag() if checks else None
+        return items, ranges, start_gather_projectors(items[slice(*ranges[0])], self.comm_stats, flag)
+
+    def _low_rank_buckets(
+        self, items: list[Item], ranges: list[tuple[int, int]], gathering: ProjectorGathering | None
+    ) -> None:
+        """Projection, low-rank AdamW and update bucket by bucket (``ranges`` of ``items``), the
+        next bucket's projectors travelling while one computes (``gathering``: the first bucket's,
+        if started already): the projectors and partial low-rank gradients of two buckets at most
+        are alive; their sums are in rank order, the same bits for any budget."""
+        if gathering is None:
+            gathering = start_gather_projectors(items[slice(*ranges[0])], self.comm_stats)
+        for k, (lo, hi) in enumerate(ranges):
+            bucket = items[lo:hi]
+            gathering.wait()
+            if k + 1 < len(ranges):
+                gathering = start_gather_projectors(items[slice(*ranges[k + 1])], self.comm_stats)
             project_all(bucket, self.comm_stats, self._eight_bit)
             steps = [self._low_rank_step(it) for it in bucket]
             norms = gather_steps(bucket, [norm for _, norm in steps], self._eight_bit)
             for it, (step_size, _), norm in zip(bucket, steps, norms):
                 self._galore_update(it, step_size, norm)
-        return loss
+
+    def _stepped_before(self) -> bool:
+        """Whether every GaLore parameter with a gradient has state (so making its item changes none)."""
+        return all(self.state[p] for g in self.param_groups if "rank" in g for p in self._grads(g)[0])
+
+    def _items(self) -> list[Item]:
+        """This step's item of every GaLore parameter with a gradient, in ``param_groups`` order."""
+        items: list[Item] = []
+        for group in self.param_groups:
+            if "rank" not in group:
+                continue
+            for p, g in zip(*self._grads(group)):
+                it = new_item(group, p, g, self.layout(p), self.state[p])
+                it.proj_groups, it.replicas = self._item_groups(p, it.layout)
+                items.append(it)
+        return items
+
+    def _buckets(self, items: list[Item]) -> list[tuple[int, int]]:
+        sizes = [(low_rank_numel(it) + projector_numel(it)) * it.grad.element_size() for it in items]
+        return list(buckets(sizes, self.bucket_bytes))
+
+    def _item_groups(self, p: torch.Tensor, layout: ParamLayout) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The groups of :meth:`_projector_groups` and :meth:`_replica_groups`, kept per parameter
+        until the next bind (asked every step of every parameter otherwise)."""
+        cached = self._groups_cache.get(p)
+        if cached is None or cached[0] is not layout:
+            cached = (layout, self._projector_groups(layout), self._replica_groups(layout))
+            self._groups_cache[p] = cached
+        return cached[1], cached[2]
 
     def _projector_groups(self, layout: ParamLayout) -> tuple[Any, ...]:
         """The groups a GaLore parameter's projectors are partitioned over: its work group's (the
