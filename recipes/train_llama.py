@@ -219,7 +219,7 @@ def attn_implementation(attn: str | None) -> str:
 def model_config(model: str) -> tuple[Any, str | None]:
     """The Hugging Face config of ``model`` (a preset or a directory) and the directory to load
     pretrained weights from (None: train from scratch)."""
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import LlamaConfig
 
     if model in PRESETS:
         hidden, inter, layers, heads, kv_heads, vocab = PRESETS[model]
@@ -235,10 +235,27 @@ def model_config(model: str) -> tuple[Any, str | None]:
         )
         weights = None
     else:
-        config = AutoConfig.from_pretrained(model)
+        from dist_optim.plan.models import PlanError, read_config
+
+        try:
+            config = read_config(model)
+        except PlanError as exc:
+            raise SystemExit(str(exc)) from None
         weights = model if any(os.path.exists(os.path.join(model, f)) for f in WEIGHT_FILES) else None
     config.use_cache = False
     return config, weights
+
+
+def check_layout(config: Any, args: argparse.Namespace) -> None:
+    """The layout against the model before ColossalAI sees it (:func:`dist_optim.plan.models.check_model_layout`:
+    heads divisible by --tp, after --sp's all_to_all split; --pp at most the layers), one line."""
+    from dist_optim.plan.models import PlanError, check_model_layout
+
+    tp = args.tp if args.plugin == "hybrid" else 1
+    try:
+        check_model_layout(config, tp, args.pp, args.sp, "all_to_all" if args.sp > 1 else None)
+    except PlanError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def build_model(config: Any, seed: int, lazy: bool, attn: str) -> torch.nn.Module:
@@ -480,6 +497,14 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--world-size {world} is not a multiple of tp x pp x sp = {grid}")
     dp = world // grid
     config, weights = model_config(args.model)
+    check_layout(config, args)
+    if not args.synthetic and args.data:
+        from recipes import tokens
+
+        try:
+            tokens.expand_inputs(args.data)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     model = build_model(config, args.seed, lazy=True, attn="eager")
     total = sum(p.numel() for p in model.parameters())
     layers = config.num_hidden_layers
@@ -554,20 +579,44 @@ def dry_run_plan(args: argparse.Namespace, config: Any, dp: int) -> dict[str, An
     cover the layout or the optimizer (said in the log)."""
     from dist_optim.plan import OPTIMIZERS, Layout, PlanError, format_plan, make_plan
 
-    name = args.optimizer if args.optimizer in OPTIMIZERS else None
+    name, options = planner_name(args.optimizer), args.optimizer_args
     if name is None:
-        log(f"dry run: no plan: the planner knows the optimizers {', '.join(OPTIMIZERS)} by short name")
+        log(
+            f"dry run: no plan: {args.optimizer} is not among the planner's optimizers ({', '.join(OPTIMIZERS)}) "
+            "nor converted to one of them"
+        )
         return None
+    if name != args.optimizer:
+        log(f"dry run: planned as {name!r}, the optimizer the booster swaps {args.optimizer} for, with its defaults")
+        options = {}
     try:
         layout = Layout(args.plugin, tp=args.tp, pp=args.pp, zero=args.zero, dp=dp, precision=args.precision)
         if args.sp > 1:
             raise PlanError("--sp: sequence parallelism is not simulated")
-        plan = make_plan(config, layout, name, args.optimizer_args)
+        plan = make_plan(config, layout, name, options)
     except PlanError as exc:
         log(f"dry run: no plan: {exc}")
         return None
     log(format_plan(plan))
     return plan.to_json()
+
+
+def planner_name(optimizer: str) -> str | None:
+    """The planner's name for ``--optimizer``: a short name it knows, or the one of the class the
+    booster swaps an ordinary optimizer for (``colossalai.nn.optimizer.Lamb`` -> ``lamb``; torch's
+    AdamW, kept as it is, -> ``adamw``); None where it has none."""
+    from dist_optim.plan import OPTIMIZERS
+    from dist_optim.registry import lookup
+
+    if optimizer in OPTIMIZERS:
+        return optimizer
+    try:
+        cls, _ = optimizer_class(optimizer)
+    except SystemExit:
+        return None
+    conv = lookup(cls)
+    target = conv.target if conv is not None else cls
+    return next((name for name, entry in OPTIMIZERS.items() if entry.target is target), None)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
@@ -688,6 +737,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = launch(args.seed) if not dist.is_initialized() else _current_device()
     attn = attn_implementation(args.attn)
     config, weights = model_config(args.model)
+    check_layout(config, args)
     lazy = args.plugin == "hybrid" and not args.no_lazy
     model = build_model(config, args.seed, lazy, attn)
     num_params = sum(p.numel() for p in model.parameters())  # shapes only: lazy tensors hold no data

@@ -18,14 +18,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .models import MODELS, PlanError, check_model_layout, load_config
 from .simulate import (
-    MODELS,
     OPTIMIZERS,
     Layout,
-    PlanError,
     RankResult,
     ideal_share,
-    load_config,
     simulate_rank,
     single_device_state,
 )
@@ -40,6 +38,7 @@ __all__ = [
     "format_sweep",
     "parse_bytes",
     "MODELS",
+    "check_model_layout",
     "OPTIMIZERS",
     "NOT_SIMULATED",
     "SWEEP_LAYOUTS",
@@ -218,6 +217,7 @@ def make_plan(
     if steps < 2:
         raise PlanError(f"--steps {steps}: at least 2 (the first step also creates the state)")
     config = load_config(model)
+    check_model_layout(config, layout.tp, layout.pp)
     args = dict(optimizer_args or {})
     say = log or (lambda _: None)
     say(f"simulating rank 0 of {layout.describe()} with {optimizer}")

@@ -12,8 +12,10 @@ from . import (
     SWEEP_LAYOUTS,
     Layout,
     PlanError,
+    check_model_layout,
     format_plan,
     format_sweep,
+    load_config,
     make_plan,
     parse_bytes,
 )
@@ -24,7 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m dist_optim.plan",
         description="Simulate one optimizer step of a ColossalAI Llama job: memory per rank, collectives, bytes sent.",
     )
-    ap.add_argument("--model", default="llama-7b", help=f"{', '.join(MODELS)} or a path to a Llama config.json")
+    ap.add_argument(
+        "--model", default="llama-7b", help=f"{', '.join(MODELS)}, or a Llama model directory or its config.json"
+    )
     ap.add_argument("--plugin", default="hybrid", help="hybrid, zero (LowLevelZeroPlugin) or ddp")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
@@ -54,6 +58,15 @@ def _optimizer_args(text: str) -> dict:
     return value
 
 
+def _fits_heads(config: object, tp: int) -> bool:
+    """Whether ColossalAI can split ``config``'s heads over ``tp`` ranks (a sweep skips the others)."""
+    try:
+        check_model_layout(config, tp)
+    except PlanError:
+        return False
+    return True
+
+
 def run(argv: list[str] | None = None) -> str:
     """The planner's output for ``argv`` (raises :class:`PlanError` on bad input)."""
     a = parse_args(argv)
@@ -62,9 +75,10 @@ def run(argv: list[str] | None = None) -> str:
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if not a.json else None
     if a.sweep:
         world = a.tp * a.dp * a.pp
+        config = load_config(a.model)
         plans = []
         for plugin, tp, zero, precision in SWEEP_LAYOUTS:
-            if world % tp:
+            if world % tp or not _fits_heads(config, tp):
                 continue
             layout = Layout(plugin, tp=tp, zero=zero, dp=world // tp, precision=precision)
             for name in OPTIMIZERS:

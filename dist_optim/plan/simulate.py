@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -29,6 +28,7 @@ from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
 from dist_optim.placement import recording_owner_loads
 from dist_optim.registry import PlanEntry, plan_entries
 
+from .models import MODELS, PlanError, load_config
 from .torch_internals import DEVICES, check_torch, meta_generators
 from .torch_internals import as_device as _device_kernels
 from .traffic import LiveBytes, StepTraffic, Traffic, traffic_of
@@ -53,10 +53,6 @@ __all__ = [
 
 PLUGINS = ("hybrid", "zero", "ddp")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class PlanError(ValueError):
-    """Bad input to the planner: the message names the option and the fix."""
 
 
 @dataclass(frozen=True)
@@ -114,43 +110,6 @@ class Layout:
     def describe(self) -> str:
         zero = f" x ZeRO-{self.zero}" if self.zero else ""
         return f"{self.plugin} tp={self.tp} x dp={self.dp}{zero} ({self.world} ranks, {self.precision})"
-
-
-# Llama-2 (Touvron et al. 2023, the released config.json files): hidden, intermediate, layers,
-# heads, kv heads, vocab.
-MODELS: dict[str, tuple[int, int, int, int, int, int]] = {
-    "llama-7b": (4096, 11008, 32, 32, 32, 32000),
-    "llama-13b": (5120, 13824, 40, 40, 40, 32000),
-    "llama-70b": (8192, 28672, 80, 64, 8, 32000),
-}
-
-
-def load_config(model: Any) -> Any:
-    """A ``LlamaConfig`` from a name of :data:`MODELS`, a path to a ``config.json`` (or its
-    directory), or a config object (returned as it is)."""
-    from transformers import AutoConfig, LlamaConfig
-
-    if not isinstance(model, str):
-        return model
-    if model in MODELS:
-        hidden, inter, layers, heads, kv, vocab = MODELS[model]
-        return LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        )
-    path = model[: -len("config.json")] if model.endswith("config.json") else model
-    if not os.path.exists(os.path.join(path or ".", "config.json")):
-        raise PlanError(f"--model {model!r}: neither one of {', '.join(MODELS)} nor a path to a config.json")
-    config = AutoConfig.from_pretrained(path or ".")
-    if config.model_type != "llama":
-        raise PlanError(f"--model {model!r}: a {config.model_type!r} config; the planner shards Llama models")
-    return config
 
 
 # ---- the simulated world ------------------------------------------------------------------
