@@ -98,6 +98,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="attention kernel (flash: flash_attention_2); default flash on GPUs with flash-attn installed, else sdpa",
     )
     ap.add_argument("--no-lazy", action="store_true", help="build the full model on every rank (for comparison)")
+    ap.add_argument(
+        "--grad-checkpoint",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=0.0,
+        metavar="RATIO",
+        help="activation (gradient) checkpointing of the decoder layers: recomputed in the backward instead of "
+        "kept; RATIO, the share of each stage's layers (hybrid plugin; default 1: all)",
+    )
     ap.add_argument("--optimizer", default="colossalai.nn.optimizer.Lamb")
     ap.add_argument(
         "--optimizer-args",
@@ -153,6 +163,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.steps < 0:
         ap.error("--steps must be at least 0 (0: build and load the model, report its memory, train nothing)")
+    if not 0 <= args.grad_checkpoint <= 1:
+        ap.error(f"--grad-checkpoint {args.grad_checkpoint}: a share of the layers in (0, 1] (1 without a value)")
+    if args.grad_checkpoint not in (0.0, 1.0) and not (args.plugin == "hybrid" and args.pp > 1):
+        ap.error(
+            f"--grad-checkpoint {args.grad_checkpoint}: a share of the layers needs --plugin hybrid with --pp > 1 "
+            "(ColossalAI's PipelineGradientCheckpointConfig); without pipeline stages every layer is checkpointed (1)"
+        )
     if not 0 <= args.eval_fraction < 1:
         ap.error("--eval-fraction must be in [0, 1)")
     if args.model not in PRESETS and not os.path.isdir(args.model):
@@ -316,6 +333,7 @@ def build_plugin(args: argparse.Namespace) -> Any:
             precision=args.precision,
             max_norm=args.grad_clip,
             microbatch_size=1 if args.pp > 1 else None,
+            gradient_checkpoint_config=checkpoint_config(args),
             initial_scale=2**16,
             overlap_communication=not cpu,
             **(
@@ -416,6 +434,27 @@ class Synthetic:
 
     def eval_batches(self, max_sequences: int = 0) -> list[torch.Tensor]:
         return []
+
+
+def checkpoint_config(args: argparse.Namespace) -> Any:
+    """ColossalAI's config of how many of each pipeline stage's decoder layers ShardFormer's forward
+    checkpoints (the hybrid plugin's ``gradient_checkpoint_config``: ``--grad-checkpoint`` of them,
+    rounded down), under ``--pp > 1``; None otherwise, where the model's own switch
+    (:func:`enable_grad_checkpoint`) checkpoints every layer (ColossalAI reads a config only with
+    pipeline stages)."""
+    if not args.grad_checkpoint or args.pp == 1:
+        return None
+    from colossalai.shardformer import PipelineGradientCheckpointConfig
+
+    return PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=args.grad_checkpoint)
+
+
+def enable_grad_checkpoint(model: torch.nn.Module, args: argparse.Namespace) -> None:
+    """Turn on the model's own gradient checkpointing (transformers' switch, which ColossalAI's
+    ShardFormer forward also reads; non-reentrant, as ColossalAI's examples) before boosting: the
+    decoder layers' activations are recomputed in the backward instead of kept."""
+    if args.grad_checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def resolve_tokenizer(args: argparse.Namespace) -> str | None:
@@ -740,6 +779,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     check_layout(config, args)
     lazy = args.plugin == "hybrid" and not args.no_lazy
     model = build_model(config, args.seed, lazy, attn)
+    enable_grad_checkpoint(model, args)
     num_params = sum(p.numel() for p in model.parameters())  # shapes only: lazy tensors hold no data
     optimizer = build_optimizer(args.optimizer, model, args.lr, args.optimizer_args)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))

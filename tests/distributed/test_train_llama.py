@@ -283,3 +283,66 @@ def test_dry_run_splits_layers_over_pipeline_stages() -> None:
     embed = vocab * hidden // 2
     assert info["params_per_rank"] == [embed + layer, 2 * layer, layer + hidden + embed]
     assert sum(info["params_per_rank"]) * 2 - layers * 2 * hidden - hidden == info["parameters"]
+
+
+# ---- --grad-checkpoint ---------------------------------------------------------------------------
+def _checkpoint_worker(extra: list[str]) -> dict[str, object]:
+    """The recipe's train() for 2 steps (4 processes, fp32), counting every execution of a decoder
+    layer's forward on this rank (transformers' class, patched before the model is built): a
+    checkpointed layer runs again in the backward. Returns the count and the losses."""
+    from transformers.models.llama import modeling_llama
+
+    from dist_optim.plugins.cpu import install, quiet_colossal
+    from recipes import train_llama
+
+    install()
+    calls = {"n": 0}
+    original = modeling_llama.LlamaDecoderLayer.forward
+
+    def counted(self: object, *a: object, **k: object) -> object:
+        calls["n"] += 1
+        return original(self, *a, **k)  # type: ignore[arg-type]
+
+    modeling_llama.LlamaDecoderLayer.forward = counted  # type: ignore[method-assign]
+    argv = ["--steps", "2", "--precision", "fp32", "--seq-len", "32", "--batch-size", "2", "--no-progress"]
+    argv += ["--optimizer", "torch.optim.AdamW", "--lr", "1e-2", "--warmup", "1", "--log-every", "0", *extra]
+    try:
+        with quiet_colossal():
+            history = train_llama.train(train_llama.parse_args(argv))
+    finally:
+        modeling_llama.LlamaDecoderLayer.forward = original  # type: ignore[method-assign]
+    return {"calls": calls["n"], "loss": [e["loss"] for e in history]}
+
+
+def test_grad_checkpoint_recomputes_the_layers_and_changes_no_loss(pool4) -> None:
+    """--grad-checkpoint: every decoder layer runs twice a micro-batch (forward, recomputation in
+    the backward) under tp=2 x dp=2; under pp=2 x dp=2 with 0.5 (ColossalAI's
+    PipelineGradientCheckpointConfig), one of each stage's two layers does. The losses are the
+    same as without: recomputing gives the same values (measured equal; bound 1e-6 relative)."""
+    layouts = {
+        "tp": (["--model", "tiny", "--tp", "2"], ["--grad-checkpoint"], 2.0),
+        "pp": (["--model", "small", "--pp", "2"], ["--grad-checkpoint", "0.5"], 1.5),
+    }
+    for name, (layout, flag, ratio) in layouts.items():
+        plain = pool4.run(_checkpoint_worker, layout)
+        checked = pool4.run(_checkpoint_worker, layout + flag)
+        for rank, (a, b) in enumerate(zip(plain, checked)):
+            assert a["calls"] > 0 and b["calls"] == ratio * a["calls"], (name, rank, a["calls"], b["calls"])
+            for x, y in zip(a["loss"], b["loss"]):
+                assert abs(x - y) <= 1e-6 * abs(x), (name, rank, a["loss"], b["loss"])
+
+
+def test_grad_checkpoint_option_is_checked() -> None:
+    from recipes.train_llama import checkpoint_config, parse_args
+
+    assert parse_args(["--model", "tiny", "--grad-checkpoint"]).grad_checkpoint == 1.0
+    assert checkpoint_config(parse_args(["--model", "tiny", "--grad-checkpoint"])) is None  # no stages: all
+    config = checkpoint_config(parse_args(["--model", "small", "--pp", "2", "--grad-checkpoint", "0.5"]))
+    assert config.get_num_ckpt_layers(stage=0, num_stages=2, num_layers=2) == 1
+    for bad, message in (
+        (["--grad-checkpoint", "1.5"], "a share of the layers in"),
+        (["--grad-checkpoint", "0.5"], "needs --plugin hybrid with --pp > 1"),
+        (["--plugin", "zero", "--zero", "1", "--grad-checkpoint", "0.5"], "needs --plugin hybrid with --pp > 1"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "tiny", *bad])
