@@ -332,7 +332,7 @@ def test_grad_checkpoint_recomputes_the_layers_and_changes_no_loss(pool4) -> Non
                 assert abs(x - y) <= 1e-6 * abs(x), (name, rank, a["loss"], b["loss"])
 
 
-def test_grad_checkpoint_option_is_checked() -> None:
+def test_grad_checkpoint_option_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
     from recipes.train_llama import checkpoint_config, parse_args
 
     assert parse_args(["--model", "tiny", "--grad-checkpoint"]).grad_checkpoint == 1.0
@@ -346,3 +346,4 @@ def test_grad_checkpoint_option_is_checked() -> None:
     ):
         with pytest.raises(SystemExit):
             parse_args(["--model", "tiny", *bad])
+        assert message in capsys.readouterr().err
