@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from .comm import SumBucket, all_gather_objects, gather_full, group_rank, group_size
+from .comm import SumBucket, gather_full, group_rank, group_size
 from .layout import ParamLayout, TPSplit, ZeroShard, local_layout, read_tp_dim
+from .nonfinite import NONFINITE_POLICIES, bad_parameters, check_nonfinite_policy, local_flag, refusal
 
 __all__ = [
     "DistOptimizer",
@@ -44,9 +45,6 @@ __all__ = [
     "check_state_dict",
 ]
 
-#: What a step does with a NaN/Inf gradient (see :meth:`DistOptimizer._gradients_ok`).
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
-_NARROW = (torch.float16, torch.bfloat16)
 #: The key of :meth:`DistOptimizer.state_dict` under which the class and the extra state are saved.
 STATE_DICT_KEY = "dist_optim"
 
@@ -82,14 +80,6 @@ def check_range(
             else f"{'>' if open_low else '>='} {low}"
         )
         raise ValueError(f"{name} must be a finite number {bound}, got {value}")
-
-
-def check_nonfinite_policy(value: Any) -> str:
-    """``value`` if it is one of :data:`NONFINITE_POLICIES`, else a ValueError naming the option."""
-    if not isinstance(value, str) or value not in NONFINITE_POLICIES:
-        allowed = ", ".join(repr(v) for v in NONFINITE_POLICIES)
-        raise ValueError(f"nonfinite must be one of {allowed}, got {value!r}")
-    return value
 
 
 def check_adam_options(**options: Any) -> None:
@@ -383,22 +373,13 @@ class DistOptimizer(torch.optim.Optimizer):
             check.flush()
         if not bool(flag.item() > 0):
             return True
-        bad = [self.param_label(p) for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())]
-        if distributed:
-            every = all_gather_objects(bad)
-            bad = [f"{label} on rank {rank}" for rank, labels in enumerate(every) for label in labels]
+        bad = bad_parameters(params, grads, self.param_label, distributed)
         if not bad:
             return True  # finite gradients whose fp32 sum of magnitudes overflowed
         if self._nonfinite == "skip":
             self.skipped_steps += 1
             return False
-        shown = "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
-        raise FloatingPointError(
-            f"{type(self).__name__}: the gradient of {shown} contains NaN or Inf; the step was not taken and "
-            "nothing changed. Lower the learning rate or clip gradients, or choose another policy: "
-            "nonfinite='skip' skips such steps (counted in skipped_steps), nonfinite='ignore' does not check "
-            "(pass it to the constructor or set optimizer.nonfinite)"
-        )
+        raise refusal(type(self).__name__, bad)
 
     def _all_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         params: list[torch.Tensor] = []
@@ -410,21 +391,10 @@ class DistOptimizer(torch.optim.Optimizer):
         return params, grads
 
     def _local_nonfinite_flag(self) -> torch.Tensor:
-        """This rank's part of :meth:`_gradients_ok`'s flag (fp32, one element): how many of its
-        gradient kinds (dtype, device) sum to NaN or Inf; a small integer, exact in any float dtype
-        a collective carrying it uses."""
+        """This rank's part of :meth:`_gradients_ok`'s flag (:func:`dist_optim.nonfinite.local_flag`)."""
         grads = self._all_grads()[1]
         device = grads[0].device if grads else next(iter(self._all_params()), torch.empty(0)).device
-        flag = torch.zeros(1, dtype=torch.float32, device=device)
-        kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for g in grads:
-            kinds.setdefault((g.dtype, g.device), []).append(g.detach())
-        for (dtype, _), gs in kinds.items():
-            # fp16/bf16 sums in fp32 (an fp16 sum overflows at 65504); fp32/fp64 in their own dtype
-            # (torch refuses to narrow fp64).
-            sums = torch._foreach_norm(gs, 1, dtype=torch.float32 if dtype in _NARROW else None)
-            flag += (~torch.isfinite(torch.stack(sums))).any().to(device)
-        return flag
+        return local_flag(grads, device)
 
     def param_label(self, param: torch.Tensor) -> str:
         """How messages name ``param``: its model name (:attr:`param_names`, or a ``param_names``
