@@ -2,8 +2,11 @@
 
     torchrun --nproc_per_node 4 recipes/compare_optimizers.py --tp 2 --zero 1 --steps 150 \\
         --out runs/compare/loss_curves.png
+    torchrun --nproc_per_node 4 recipes/compare_optimizers.py --data my_text/ --steps 300   # your text
 
-Every optimizer sees the same initial weights and the same batches. Ordinary optimizers are
+Every optimizer sees the same initial weights and the same batches (``--data``: .txt / .jsonl files
+or directories, as ``recipes/train_llama.py`` takes them, byte tokens unless ``--tokenizer``;
+default: the bundled corpus). Ordinary optimizers are
 swapped for ours by the booster (the legend says which class ran).
 """
 
@@ -34,7 +37,7 @@ DEFAULT = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plugin", choices=["hybrid", "zero", "ddp"], default="hybrid")
     ap.add_argument("--tp", type=int, default=2)
@@ -42,7 +45,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--only", nargs="*", help="optimizer names to run (default: all)")
     ap.add_argument("--out", default=os.path.join("runs", "compare", "loss_curves.png"))
-    args = ap.parse_args()
+    ap.add_argument("--data", nargs="+", default=None, help=".txt / .jsonl files or directories (train_llama's --data)")
+    ap.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (default: bytes)")
+    ap.add_argument("--data-cache", default=None, help="where tokenized data is cached (train_llama's default)")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: at least 1")
+    data: list[str] = []
+    if args.data:
+        from recipes import tokens
+
+        try:
+            tokens.expand_inputs(args.data)
+        except ValueError as exc:
+            ap.error(str(exc))
+        data = ["--data", *args.data]
+    data += ["--tokenizer", args.tokenizer] if args.tokenizer else []
+    data += ["--data-cache", args.data_cache] if args.data_cache else []
     curves: dict[str, list[float]] = {}
     for label, name, lr in DEFAULT:
         if args.only and name not in args.only:
@@ -51,7 +70,7 @@ def main() -> None:
             [
                 "--plugin", args.plugin, "--tp", str(args.tp), "--zero", str(args.zero),
                 "--optimizer", name, "--lr", str(lr), "--steps", str(args.steps), "--no-progress",
-                "--warmup", str(max(1, args.steps // 10)),
+                "--warmup", str(max(1, args.steps // 10)), *data,
             ]
         )  # fmt: skip
         train_llama.log(f"--- {label}")
@@ -79,7 +98,9 @@ def plot(curves: dict[str, list[float]], args: argparse.Namespace, out: str) -> 
     for label, losses in curves.items():
         ax.plot(range(1, len(losses) + 1), losses, label=f"{label}: {losses[-1]:.3f}")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (byte-level LM)")
+    unit = f"tokens of {args.tokenizer}" if args.tokenizer else "byte tokens"
+    text = ", ".join(os.path.basename(os.path.normpath(d)) for d in args.data) if args.data else "the bundled corpus"
+    ax.set_ylabel(f"training loss ({unit} of {text})")
     ax.set_title(f"tiny Llama, {args.plugin} plugin tp={args.tp} zero={args.zero}, {dist.get_world_size()} processes")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -53,3 +53,25 @@ def test_compare_optimizers_writes_the_plot(tmp_path) -> None:
     assert os.path.getsize(png) > 10_000
     with open(png.replace(".png", ".csv")) as f:
         assert len(list(csv.DictReader(f))) == 4
+
+
+def test_compare_optimizers_on_your_text(tmp_path, capsys) -> None:
+    """--data: the comparison trains on the given text (the recipe's data log counts its one file
+    and its bytes) and a path that does not exist is refused before anything starts."""
+    import pytest
+
+    from recipes.compare_optimizers import main
+
+    text = tmp_path / "mine.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 100, encoding="utf-8")
+    png = str(tmp_path / "mine.png")
+    out = _torchrun(
+        "recipes/compare_optimizers.py", "--steps", "2", "--out", png, "--only", "torch.optim.AdamW",
+        "--data", str(text), "--data-cache", str(tmp_path / "cache"),
+    )  # fmt: skip
+    assert f"data: 1 file(s), {len(text.read_bytes())} byte tokens" in out, out[-2000:]
+    with open(png.replace(".png", ".csv")) as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["1", "2"]
+    with pytest.raises(SystemExit):
+        main(["--data", str(tmp_path / "missing.txt")])
+    assert "--data '" in capsys.readouterr().err
