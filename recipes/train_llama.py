@@ -236,24 +236,12 @@ def attn_implementation(attn: str | None) -> str:
 def model_config(model: str) -> tuple[Any, str | None]:
     """The Hugging Face config of ``model`` (a preset or a directory) and the directory to load
     pretrained weights from (None: train from scratch)."""
-    from transformers import LlamaConfig
+    from dist_optim.plan.models import PlanError, llama_config, read_config
 
     if model in PRESETS:
-        hidden, inter, layers, heads, kv_heads, vocab = PRESETS[model]
-        config = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        )
+        config = llama_config(*PRESETS[model])
         weights = None
     else:
-        from dist_optim.plan.models import PlanError, read_config
-
         try:
             config = read_config(model)
         except PlanError as exc:

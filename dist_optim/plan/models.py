@@ -11,7 +11,15 @@ import math
 import os
 from typing import Any
 
-__all__ = ["MODELS", "SUPPORTED_TYPES", "PlanError", "load_config", "read_config", "check_model_layout"]
+__all__ = [
+    "MODELS",
+    "SUPPORTED_TYPES",
+    "PlanError",
+    "load_config",
+    "llama_config",
+    "read_config",
+    "check_model_layout",
+]
 
 
 class PlanError(ValueError):
@@ -36,23 +44,28 @@ REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attent
 def load_config(model: Any) -> Any:
     """A ``LlamaConfig`` from a name of :data:`MODELS`, a path to a ``config.json`` (or its
     directory, :func:`read_config`), or a config object (returned as it is)."""
-    from transformers import LlamaConfig
-
     if not isinstance(model, str):
         return model
     if model in MODELS:
-        hidden, inter, layers, heads, kv, vocab = MODELS[model]
-        return LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        )
+        return llama_config(*MODELS[model])
     return read_config(model)
+
+
+def llama_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int) -> Any:
+    """A ``LlamaConfig`` of these sizes (the order of :data:`MODELS` and the recipe's presets),
+    4096 positions, untied embeddings (as Llama-2)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
 
 
 def read_config(model: str) -> Any:
