@@ -14,10 +14,9 @@ layout-aware, *bucketed* operations:
 * :func:`exchange`: pieces from each rank to the ranks that need them (gradient pieces to the
   owners of blocks, the owners' results back to the holders of the pieces), in one
   ``all_to_all``: each rank receives what it uses, not everything.
-* :func:`reduce_scatter` / :func:`all_gather_chunks`: sums split into equal chunks, one per rank
-  (:func:`chunk_span`), and the chunks back to whole tensors; one collective each for all the
-  tensors of a call. The sum is made in rank order on the chunk's rank, so its value does not
-  depend on which other tensors share the call (a bucketed step equals an unbucketed one bit for bit).
+* :func:`reduce_scatter` / :func:`all_gather_chunks`: sums split into equal chunks, one per rank,
+  and back to whole tensors; one collective each per call. The sum is made in rank order on the
+  chunk's rank: its value does not depend on the other tensors of the call (nor on buckets).
 
 Each is a no-op for a parameter whose layout is local. ``COUNTS`` counts the collectives issued
 (tests and benchmarks read it to prove that the number per step does not grow with the number of
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .chunks import chunk_numel, chunk_span, exchange_round
+from .chunks import chunk_numel, exchange_round
 from .dtypes import widest_dtype
 from .layout import ParamLayout
 
@@ -412,16 +411,20 @@ def exchange(
             n = t.numel()
             flat[offset : offset + n].view(t.shape).copy_(t)
             offset += n
-    out = torch.empty(sum(recv_counts), dtype=dtype, device=device)
-    COUNTS["all_to_all"] += 1
-    work = dist.all_to_all_single(
-        out, flat, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=not wait
-    )
+    out, work = _all_to_all(flat, send_counts, recv_counts, group, wait)
     pending = Pending(work, out, [t for pieces in recv for t in pieces])
     if wait:
         pending.wait()
         return None
     return pending
+
+
+def _all_to_all(flat: torch.Tensor, send: list[int], recv: list[int], group: Any, wait: bool) -> tuple[Any, Any]:
+    """One ``all_to_all_single`` of the packed ``flat`` (``send[r]`` elements for rank r, in rank
+    order): the flat received elements (``recv[r]`` from rank r) and the work to wait for."""
+    out = torch.empty(sum(recv), dtype=flat.dtype, device=flat.device)
+    COUNTS["all_to_all"] += 1
+    return out, dist.all_to_all_single(out, flat, recv, send, group=group, async_op=not wait)
 
 
 def _aligns(align: int | Sequence[int], n: int) -> list[int]:
@@ -439,20 +442,27 @@ def reduce_scatter(tensors: Sequence[torch.Tensor], group: Any, align: int | Seq
     flats = [t.reshape(-1) for t in tensors]
     if size == 1:
         return [f.clone() for f in flats]
-    aligns = _aligns(align, len(flats))
-    spans = [[chunk_span(f.numel(), size, r, a) for r in range(size)] for f, a in zip(flats, aligns)]
-    send = [[f[sp[r][0] : sp[r][1]] for f, sp in zip(flats, spans)] for r in range(size)]
-    mine = [sp[me][1] - sp[me][0] for sp in spans]
+    widths = [chunk_numel(f.numel(), size, a) for f, a in zip(flats, _aligns(align, len(flats)))]
+    mine = [max(0, min(f.numel(), (me + 1) * w) - me * w) for f, w in zip(flats, widths)]
     dtype, device = flats[0].dtype, flats[0].device
-    # What rank r sends is this rank's chunks of every tensor, in order: one row of ``got`` each,
-    # summed row by row (element by element the same additions in rank order as tensor by tensor,
-    # in ``size`` operations instead of ``size`` per tensor).
-    got = torch.empty(size, sum(mine), dtype=dtype, device=device)
-    exchange(send, [[got[r]] for r in range(size)], group, dtype, device)
+    # Row r of ``send`` is this rank's chunk of every tensor for rank r, each padded with zeros to
+    # its chunk width (past the tensor's end): one copy per tensor into place, not one per tensor and
+    # rank. What rank r receives is one row of ``got`` each, summed row by row (element by element
+    # the same additions in rank order as tensor by tensor); the padding is cut off.
+    send = torch.zeros(size, sum(widths), dtype=dtype, device=device)
+    offset = 0
+    for f, w in zip(flats, widths):
+        full, rest = divmod(f.numel(), w) if w else (0, 0)
+        block = send[:, offset : offset + w]
+        block[:full].copy_(f[: full * w].view(full, w))
+        if rest:
+            block[full, :rest].copy_(f[full * w :])
+        offset += w
+    got = _all_to_all(send.view(-1), [sum(widths)] * size, [sum(widths)] * size, group, True)[0].view(size, -1)
     acc = got[0].clone()  # not a view: the received rows go when this returns
     for r in range(1, size):
         acc.add_(got[r])
-    return list(acc.split(mine))
+    return [chunk[:n] for chunk, n in zip(acc.split(widths), mine)]
 
 
 @dataclass
