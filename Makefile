@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The recipes' default text (recipes/corpus.py): three public-domain books from a pinned PyPI archive.
+CORPUS := recipes/data/gutenberg/SOURCE.json
 
 .PHONY: setup test test-gpu demo bench lint clean
 
@@ -15,7 +17,10 @@ $(STAMP): requirements.txt requirements-dev.txt setup.py pyproject.toml
 	$(PY) -m pip install --no-deps -e .
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(CORPUS): recipes/corpus.py | $(STAMP)
+	$(PY) -m recipes.corpus --force
+
+setup: $(STAMP) $(CORPUS)
 
 # ruff (rules, format, complexity <= 15: pyproject.toml) everywhere; mypy over the package.
 lint: setup

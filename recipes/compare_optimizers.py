@@ -6,7 +6,7 @@
 
 Every optimizer sees the same initial weights and the same batches (``--data``: .txt / .jsonl files
 or directories, as ``recipes/train_llama.py`` takes them, byte tokens unless ``--tokenizer``;
-default: the bundled corpus). Ordinary optimizers are
+default: three public-domain books, ``recipes/corpus.py``). Ordinary optimizers are
 swapped for ours by the booster (the legend says which class ran).
 """
 
@@ -99,7 +99,8 @@ def plot(curves: dict[str, list[float]], args: argparse.Namespace, out: str) -> 
         ax.plot(range(1, len(losses) + 1), losses, label=f"{label}: {losses[-1]:.3f}")
     ax.set_xlabel("step")
     unit = f"tokens of {args.tokenizer}" if args.tokenizer else "byte tokens"
-    text = ", ".join(os.path.basename(os.path.normpath(d)) for d in args.data) if args.data else "the bundled corpus"
+    named = ", ".join(os.path.basename(os.path.normpath(d)) for d in args.data or [])
+    text = named or "three public-domain books"
     ax.set_ylabel(f"training loss ({unit} of {text})")
     ax.set_title(f"tiny Llama, {args.plugin} plugin tp={args.tp} zero={args.zero}, {dist.get_world_size()} processes")
     ax.grid(alpha=0.3)

@@ -31,9 +31,9 @@ SUFFIXES = (".txt", ".jsonl")
 _BATCH_DOCS = 256  # documents per tokenizer call: the fast tokenizers parallelise within a call
 
 
-def expand_inputs(paths: Sequence[str]) -> list[str]:
+def expand_inputs(paths: Sequence[str], flag: str = "--data") -> list[str]:
     """The ``.txt`` / ``.jsonl`` files named by ``paths`` (files, or directories searched recursively),
-    in a fixed order: the order given, sorted within each directory."""
+    in a fixed order: the order given, sorted within each directory; errors name ``flag``."""
     files: list[str] = []
     for path in paths:
         if os.path.isdir(path):
@@ -41,14 +41,14 @@ def expand_inputs(paths: Sequence[str]) -> list[str]:
                 os.path.join(d, name) for d, _, names in os.walk(path) for name in names if name.endswith(SUFFIXES)
             )
             if not found:
-                raise ValueError(f"--data {path!r}: the directory holds no .txt or .jsonl file")
+                raise ValueError(f"{flag} {path!r}: the directory holds no .txt or .jsonl file")
             files += found
         elif os.path.isfile(path):
             if not path.endswith(SUFFIXES):
-                raise ValueError(f"--data {path!r}: expected a .txt or .jsonl file (or a directory of them)")
+                raise ValueError(f"{flag} {path!r}: expected a .txt or .jsonl file (or a directory of them)")
             files.append(path)
         else:
-            raise ValueError(f"--data {path!r}: no such file or directory")
+            raise ValueError(f"{flag} {path!r}: no such file or directory")
     return [os.path.abspath(f) for f in files]
 
 
@@ -171,9 +171,11 @@ def byte_tokens(files: Sequence[str]) -> np.ndarray:
 @dataclass
 class PackedData:
     """``tokens`` cut into consecutive ``seq_len`` sequences; the last ``num_eval`` sequences are held
-    out. Training visits the others in a fresh permutation every epoch, seeded by ``seed`` and the
-    epoch, so the global batch of every step is fixed (an exactly resumable run) and data-parallel
-    rank ``dp_rank`` reads rows ``[dp_rank * batch, (dp_rank + 1) * batch)`` of it."""
+    out, or, given ``eval_tokens``, those cut into sequences are the held-out ones and every sequence
+    of ``tokens`` trains (``eval_fraction`` is then not used). Training visits the others in a fresh
+    permutation every epoch, seeded by ``seed`` and the epoch, so the global batch of every step is
+    fixed (an exactly resumable run) and data-parallel rank ``dp_rank`` reads rows
+    ``[dp_rank * batch, (dp_rank + 1) * batch)`` of it."""
 
     tokens: np.ndarray
     seq_len: int
@@ -182,11 +184,16 @@ class PackedData:
     dp_rank: int
     seed: int
     eval_fraction: float = 0.0
+    eval_tokens: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         total = len(self.tokens) // self.seq_len
-        self.num_eval = 0 if self.eval_fraction <= 0 else max(1, int(total * self.eval_fraction))
-        self.num_train = total - self.num_eval
+        if self.eval_tokens is not None:
+            self.num_eval = len(self.eval_tokens) // self.seq_len
+            self.num_train = total
+        else:
+            self.num_eval = 0 if self.eval_fraction <= 0 else max(1, int(total * self.eval_fraction))
+            self.num_train = total - self.num_eval
         if self.num_train < self.batch * self.dp_size:
             raise ValueError(
                 f"--data: {len(self.tokens)} tokens make {self.num_train} training sequences of --seq-len "
@@ -197,7 +204,10 @@ class PackedData:
         self._perm = np.zeros(0, dtype=np.int64)
 
     def _sequence(self, index: int) -> torch.Tensor:
-        row = self.tokens[index * self.seq_len : (index + 1) * self.seq_len]
+        source = self.tokens
+        if self.eval_tokens is not None and index >= self.num_train:
+            source, index = self.eval_tokens, index - self.num_train
+        row = source[index * self.seq_len : (index + 1) * self.seq_len]
         return torch.from_numpy(np.asarray(row, dtype=np.int64))
 
     def _order(self, epoch: int) -> np.ndarray:

@@ -51,7 +51,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-DEFAULT_CORPUS = os.path.join(ROOT, "recipes", "data", "corpus.txt")
 
 # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -126,14 +125,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data",
         nargs="+",
         default=None,
-        help=".txt / .jsonl ('text' field) files or directories of them; default: the bundled corpus",
+        help=".txt / .jsonl ('text' field) files or directories of them; default: three public-domain books "
+        "(recipes/corpus.py, installed by make setup)",
+    )
+    ap.add_argument(
+        "--eval-data",
+        nargs="+",
+        default=None,
+        help="held-out .txt / .jsonl files or directories for --eval-every (default: the books' held-out part "
+        "without --data, else the last --eval-fraction of --data)",
     )
     ap.add_argument(
         "--data-cache", default=os.path.join(ROOT, "runs", "token_cache"), help="where tokenized data is cached"
     )
     ap.add_argument("--synthetic", action="store_true", help="random tokens instead of text")
     ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: never)")
-    ap.add_argument("--eval-fraction", type=float, default=0.01, help="share of the packed sequences held out")
+    ap.add_argument(
+        "--eval-fraction", type=float, default=0.01, help="share of --data's packed sequences held out (no --eval-data)"
+    )
     ap.add_argument("--eval-sequences", type=int, default=256, help="held-out sequences per evaluation (0: all)")
     ap.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm, 0 to disable")
     ap.add_argument("--ckpt-dir", default=None)
@@ -457,49 +466,70 @@ def resolve_tokenizer(args: argparse.Namespace) -> str | None:
     return None
 
 
-def load_data(args: argparse.Namespace, vocab: int, dp_size: int, dp_rank: int) -> Any:
-    """The run's batches: synthetic, byte tokens, or the cached token file of --data under the
-    tokenizer (built by one process per node while the others wait)."""
+def data_files(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """(training files, held-out files or None): --data and --eval-data, by default the books of
+    recipes/corpus.py and their held-out part; a missing path or corpus is refused in one line."""
+    from recipes import corpus, tokens
+
+    if args.data is None and not corpus.installed():
+        raise SystemExit(corpus.missing_message())
+    held = args.eval_data or ([corpus.HELDOUT] if args.data is None else None)
+    try:
+        train = tokens.expand_inputs(args.data or [corpus.TRAIN])
+        return train, None if held is None else tokens.expand_inputs(held, "--eval-data")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def tokenize(files: list[str], args: argparse.Namespace, vocab: int) -> Any:
+    """The files' tokens: bytes without a tokenizer, else the cached token file under it (built by
+    one process per node while the others wait)."""
     from recipes import tokens
 
-    if args.synthetic:
-        return Synthetic(vocab, args.seq_len, args.batch_size, dp_size, dp_rank, args.seed)
-    try:
-        files = tokens.expand_inputs(args.data or [DEFAULT_CORPUS])
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
     tok_dir = resolve_tokenizer(args)
     if tok_dir is None:
         if vocab < 256:
             raise SystemExit("byte-level text needs a vocabulary of at least 256; give --tokenizer")
         data = tokens.byte_tokens(files)
         log(f"data: {len(files)} file(s), {len(data)} byte tokens (no tokenizer)")
-    else:
-        from transformers import AutoTokenizer
+        return data
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        if len(tokenizer) > vocab:
-            raise SystemExit(
-                f"--tokenizer {tok_dir}: {len(tokenizer)} tokens do not fit the model's vocabulary of {vocab}"
-            )
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if local_rank == 0:
-            built = tokens.build_token_file(files, tokenizer, args.data_cache)
-        dist.barrier()
-        if local_rank != 0:
-            built = tokens.build_token_file(files, tokenizer, args.data_cache, build=False)
-        dist.barrier()
-        verb = "reusing token cache" if built.reused else "tokenized into"
-        log(f"data: {len(files)} file(s), {built.num_tokens} tokens, {verb} {built.path}")
-        data = built.open()
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    if len(tokenizer) > vocab:
+        raise SystemExit(f"--tokenizer {tok_dir}: {len(tokenizer)} tokens do not fit the model's vocabulary of {vocab}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank == 0:
+        built = tokens.build_token_file(files, tokenizer, args.data_cache)
+    dist.barrier()
+    if local_rank != 0:
+        built = tokens.build_token_file(files, tokenizer, args.data_cache, build=False)
+    dist.barrier()
+    verb = "reusing token cache" if built.reused else "tokenized into"
+    log(f"data: {len(files)} file(s), {built.num_tokens} tokens, {verb} {built.path}")
+    return built.open()
+
+
+def load_data(args: argparse.Namespace, vocab: int, dp_size: int, dp_rank: int) -> Any:
+    """The run's batches: synthetic, or the tokens of the training files with the held-out ones
+    (:func:`data_files`)."""
+    from recipes import tokens
+
+    if args.synthetic:
+        return Synthetic(vocab, args.seq_len, args.batch_size, dp_size, dp_rank, args.seed)
+    train_files, eval_files = data_files(args)
+    data = tokenize(train_files, args, vocab)
+    held = None if eval_files is None else tokenize(eval_files, args, vocab)
     try:
-        packed = tokens.PackedData(data, args.seq_len, args.batch_size, dp_size, dp_rank, args.seed, args.eval_fraction)
+        packed = tokens.PackedData(
+            data, args.seq_len, args.batch_size, dp_size, dp_rank, args.seed, args.eval_fraction, held
+        )
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     if args.eval_every > 0 and packed.num_eval < dp_size:
+        fix = "give more held-out text" if held is not None else "raise --eval-fraction or give more data"
         raise SystemExit(
-            f"--eval-every: {packed.num_eval} held-out sequences, fewer than the {dp_size} data-parallel ranks; "
-            "raise --eval-fraction or give more data"
+            f"--eval-every: {packed.num_eval} held-out sequences, fewer than the {dp_size} data-parallel ranks; {fix}"
         )
     log(f"data: {packed.num_train} training and {packed.num_eval} held-out sequences of {args.seq_len} tokens")
     return packed
@@ -525,11 +555,14 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
     dp = world // grid
     config, weights = model_config(args.model)
     check_layout(config, args)
+    # the paths given are checked; the default books are not needed to plan a layout
     if not args.synthetic and args.data:
+        data_files(args)
+    elif not args.synthetic and args.eval_data:
         from recipes import tokens
 
         try:
-            tokens.expand_inputs(args.data)
+            tokens.expand_inputs(args.eval_data, "--eval-data")
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
     model = build_model(config, args.seed, lazy=True, attn="eager")

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from recipes import corpus
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -28,6 +30,10 @@ def test_train_llama_checkpoint_and_resume(tmp_path) -> None:
     out = _torchrun("recipes/train_llama.py", *common, "--steps", "2", "--ckpt-every", "2")
     assert "dist_optim: swapped" in out  # the plugin's log line (ColossalAI's logger wraps it)
     assert "optimizer: dist_optim.adafactor.DistributedAdafactor" in out
+    # No --data: the books of recipes/corpus.py train, their held-out part is held out (byte tokens,
+    # --seq-len 64: ASCII text, a byte a character).
+    train, held = (os.path.getsize(f) // 64 for f in (corpus.TRAIN, corpus.HELDOUT))
+    assert f"data: {train} training and {held} held-out sequences of 64 tokens" in out
     assert os.path.exists(os.path.join(ckpt, "step_0000002", "optimizer", "dist_optim_optimizer.index.json"))
     out = _torchrun("recipes/train_llama.py", *common, "--steps", "3", "--resume")
     assert "resumed from" in out and "final loss" in out

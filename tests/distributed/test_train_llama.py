@@ -1,6 +1,7 @@
 """recipes/train_llama.py with a real Hugging Face model directory, tokenizer and data: a tiny Llama
 saved with ``save_pretrained`` (a sharded safetensors checkpoint) and a byte-level BPE tokenizer
-trained offline on the bundled corpus, loaded by the recipe under tp=2 x ZeRO-1 on 4 CPU processes."""
+trained offline on the held-out part of the recipes' books (recipes/corpus.py), loaded by the
+recipe under tp=2 x ZeRO-1 on 4 CPU processes."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from recipes import tokens
+from recipes import corpus, tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CORPUS = os.path.join(ROOT, "recipes", "data", "corpus.txt")
+CORPUS = corpus.HELDOUT
 SEQ_LEN, BATCH, DP, STEPS, SEED, PRETRAIN_STEPS = 32, 2, 2, 20, 42, 40
 
 
