@@ -45,7 +45,11 @@ until the first refresh. At the steps of (4), with ``A = L / (1 - b2^n)``, the b
 Otherwise ``S`` is kept as it is across a refresh, not rotated into the new basis (as in Meta's
 and Vyas et al.'s code). Then ``Gr = G x_k Q_k^T`` (the refreshed basis), ``S <- b2 S + (1 - b2) Gr^2``,
 ``P = (Mhat x_k Q_k^T) / (sqrt(S / (1 - b2^t)) + epsilon)`` rotated back with ``x_k Q_k``;
-grafting as in (5) if configured; then (6).
+grafting as in (5) if configured; then (6). Without grafting the first moment is kept in the
+eigenbasis, ``Mr = M x_k Q_k^T`` (state ``exp_avg_eigen``; ``Mr <- b1 Mr + (1 - b1) Gr``, rotated
+by ``x_k Q_k'^T Q_k`` when a refresh changes the basis), as in Vyas et al.'s later code and
+heavyball: the same ``Mhat x_k Q_k^T`` in exact arithmetic with two rotations a step instead of
+three. With grafting it stays in the parameter's basis (``exp_avg``), where ``D`` needs it.
 
 Deviations, all stated:
 

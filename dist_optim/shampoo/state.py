@@ -2,8 +2,9 @@
 
 The preconditioners read and update a :class:`BlockState`. ``optimizer.state[p]`` (what torch's
 ``state_dict``, ZeRO's sharded state and the checkpoints serialise) holds the same tensors under
-flat keys ``"block<i>.<name>"`` in the order of :func:`block_spec`: ``exp_avg``, ``graft_sq``,
-``factor<k>``, ``root<k>`` (Shampoo) or ``basis<k>`` (SOAP), ``failures``, ``exp_avg_sq`` (SOAP).
+flat keys ``"block<i>.<name>"`` in the order of :func:`block_spec`: ``exp_avg`` (SOAP without
+grafting: ``exp_avg_eigen``), ``graft_sq``, ``factor<k>``, ``root<k>`` (Shampoo) or ``basis<k>``
+(SOAP), ``failures``, ``exp_avg_sq`` (SOAP).
 :meth:`BlockState.flat` writes that form and :meth:`BlockState.of` views it (the same tensors,
 updated in place); nothing else spells a key.
 """
@@ -25,6 +26,7 @@ __all__ = [
     "BlockState",
     "block_spec",
     "block_prefix",
+    "keeps_moment_in_eigenbasis",
     "keeps_saved_dtype",
     "non_block_entries",
     "full_block_entries",
@@ -49,7 +51,7 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
     soap = group["eigenvalue_correction"]
     spec: list[tuple[str, tuple, torch.dtype]] = []
     if group["betas"][0] > 0:
-        spec.append(("exp_avg", block.shape, dtype))
+        spec.append(("exp_avg_eigen" if keeps_moment_in_eigenbasis(group) else "exp_avg", block.shape, dtype))
     if isinstance(group["grafting_config"], SQUARED_GRAFTING_TYPES):
         spec.append(("graft_sq", block.shape, dtype))
     if block.precondition:
@@ -59,6 +61,13 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
     if soap:
         spec.append(("exp_avg_sq", block.shape, pdt))
     return spec
+
+
+def keeps_moment_in_eigenbasis(group: dict[str, Any]) -> bool:
+    """Whether SOAP keeps its first moment in the eigenbasis (``exp_avg_eigen``, rotated at each
+    refresh, as Vyas et al.'s code and heavyball do: two rotations a step instead of three). With
+    grafting it stays in the parameter's basis (``exp_avg``), where the grafting direction needs it."""
+    return bool(group["eigenvalue_correction"]) and group["grafting_config"] is None
 
 
 def keeps_saved_dtype(key: str) -> bool:
@@ -128,7 +137,8 @@ def checked_block_entries(
             raise ValueError(
                 f"load_full_state: state {key!r} of a parameter of full shape {full_shape} should be a "
                 f"tensor of shape {tuple(shape)}, got {got!r}; was it saved with other blocking options "
-                "(max_preconditioner_dim, merge_small_dims, eigenvalue_correction, grafting)?"
+                "(max_preconditioner_dim, merge_small_dims, eigenvalue_correction, grafting), or, for SOAP without "
+                "grafting, by an earlier dist_optim that kept the first moment in the parameter's basis ('exp_avg')?"
             )
         out[key] = value.to(param.device)
     return out
@@ -139,6 +149,7 @@ class BlockState:
     """What one block's owner keeps (None / empty where the options need no such state)."""
 
     exp_avg: torch.Tensor | None = None  # M, the first moment (betas[0] > 0)
+    exp_avg_eigen: torch.Tensor | None = None  # SOAP's M in the eigenbasis instead (keeps_moment_in_eigenbasis)
     graft_sq: torch.Tensor | None = None  # V of AdaGrad / RMSprop / Adam grafting
     factors: list[torch.Tensor] = dataclasses.field(default_factory=list)  # L_k (large ones: one triangle kept)
     roots: list[torch.Tensor] = dataclasses.field(default_factory=list)  # R_k (Shampoo)
@@ -157,6 +168,7 @@ class BlockState:
 
         return cls(
             exp_avg=get(prefix + "exp_avg"),
+            exp_avg_eigen=get(prefix + "exp_avg_eigen"),
             graft_sq=get(prefix + "graft_sq"),
             factors=mats("factor"),
             roots=mats("root"),
@@ -179,7 +191,7 @@ class BlockState:
     def flat(self, prefix: str) -> dict[str, torch.Tensor]:
         """The flat form, keys in :func:`block_spec` order."""
         out: dict[str, torch.Tensor] = {}
-        for name in ("exp_avg", "graft_sq"):
+        for name in ("exp_avg", "exp_avg_eigen", "graft_sq"):
             value = getattr(self, name)
             if value is not None:
                 out[prefix + name] = value
@@ -198,7 +210,7 @@ class BlockState:
 
     def moment_dtype(self, default: torch.dtype) -> torch.dtype:
         """The dtype of the moments (the gradient's when the state was made), ``default`` without any."""
-        for value in (self.exp_avg, self.graft_sq):
+        for value in (self.exp_avg, self.exp_avg_eigen, self.graft_sq):
             if value is not None:
                 return value.dtype
         return default

@@ -15,7 +15,7 @@ import torch
 
 from ..blocking import Block
 from ..options import start_step
-from ..state import BlockState, Scratch
+from ..state import BlockState, Scratch, keeps_moment_in_eigenbasis
 from . import root_inverse, soap
 from .factors import update_factors
 from .grafting import update_moments, updates_in_kernel
@@ -53,8 +53,11 @@ def block_direction(
     start = start_step(group)
     if apply_to is not None and (is_soap or (block.precondition and t >= start) or not updates_in_kernel(group)):
         apply_to = None
-    # SOAP keeps the reference formula's rounding (see grafting.update_moments).
-    moments = update_moments(bs, g, group, t, step, out, not is_soap, apply_to)
+    # SOAP keeps the reference formula's rounding (see grafting.update_moments); without grafting
+    # its first moment lives in the eigenbasis and soap.direction updates it.
+    moments = None
+    if not (is_soap and keeps_moment_in_eigenbasis(group)):
+        moments = update_moments(bs, g, group, t, step, out, not is_soap, apply_to)
     if block.precondition:
         scale = update_factors(bs, block, g, group, t, start)
         if scale is not None and is_soap:
@@ -63,6 +66,7 @@ def block_direction(
             root_inverse.refresh_roots(bs, block.order, scale, group)
     if is_soap:
         return soap.direction(bs, moments, g, group, t, out)
+    assert moments is not None
     if not block.precondition or t < start:
         return None if moments.applied else moments.graft_direction(out)
     return root_inverse.direction(bs, moments, group, out, scratch)

@@ -18,10 +18,13 @@ __all__ = ["refresh_bases", "direction"]
 def refresh_bases(bs: BlockState, scale: float, group: dict[str, Any], first: bool) -> None:
     """``Q_k`` from ``A = scale L_k`` by ``eigenbasis`` (``first``: the refresh at the start step,
     which ``"qr-eigh-start"`` makes by ``eigh``); a refresh that is not finite keeps the previous
-    basis and counts in ``failures``. ``"qr-eigh-start"`` permutes ``S`` with its columns."""
+    basis and counts in ``failures``. ``"qr-eigh-start"`` permutes ``S`` with its columns. A first
+    moment kept in the eigenbasis is rotated into the new one, ``Mr <- Mr x_k (Q_k'^T Q_k)``, so
+    that it stays ``M x_k Q_k'^T``: the parameter-basis moment, exactly in exact arithmetic."""
     failures, s = bs.failures, bs.exp_avg_sq
     assert failures is not None and s is not None
     mode = group["eigenbasis"]
+    previous = [q.clone() for q in bs.bases] if bs.exp_avg_eigen is not None else []
     for k, (factor, q) in enumerate(zip(bs.factors, bs.bases)):
         a = factor * scale
         perm = None
@@ -38,27 +41,43 @@ def refresh_bases(bs: BlockState, scale: float, group: dict[str, Any], first: bo
         if perm is not None:
             s.copy_(torch.where(ok, s.index_select(k, perm), s))
         failures.add_((~ok).to(failures.dtype))
+    m = bs.exp_avg_eigen
+    if m is not None and any(not torch.equal(old, q) for old, q in zip(previous, bs.bases)):
+        back = apply_each_dim(m.to(s.dtype), previous, transpose=True)
+        m.copy_(apply_each_dim(back, bs.bases, transpose=False))
 
 
 def direction(
-    bs: BlockState, moments: Moments, g: torch.Tensor, group: dict[str, Any], t: int, out: torch.Tensor
+    bs: BlockState, moments: Moments | None, g: torch.Tensor, group: dict[str, Any], t: int, out: torch.Tensor
 ) -> torch.Tensor:
     """``S <- b2 S + (1 - b2) Gr^2`` with ``Gr = G x_k Q_k^T``, then
     ``P = (Mhat x_k Q_k^T) / (sqrt(S / (1 - b2^t)) + epsilon)`` rotated back with ``x_k Q_k``, into
     ``out``; grafted to ``||D||`` when grafting is configured. A block without preconditioner has
-    no basis: Adam in the identity basis."""
-    b2 = group["betas"][1]
+    no basis: Adam in the identity basis.
+
+    ``moments`` None: the first moment is kept in the eigenbasis (``bs.exp_avg_eigen``,
+    :func:`~dist_optim.shampoo.state.keeps_moment_in_eigenbasis`), ``Mr <- b1 Mr + (1 - b1) Gr``,
+    and ``Mhat x_k Q_k^T = Mr / (1 - b1^t)``: the rotation of ``Mhat`` is saved."""
+    b1, b2 = group["betas"]
     pdt = group["preconditioner_dtype"]
     mats = bs.bases
     s = bs.exp_avg_sq
     assert s is not None
-    norm_d = moments.graft_norm(out) if group["grafting_config"] is not None else None
+    norm_d = None if moments is None or group["grafting_config"] is None else moments.graft_norm(out)
     gr = apply_each_dim(g.to(pdt), mats, transpose=False)
     if b2 == 1:
         s.add_(gr * gr)
     else:
         s.mul_(b2).add_(gr * gr * (1 - b2))
     shat = s / (1 - b2**t) if (group["use_bias_correction"] and b2 < 1) else s
-    mr = apply_each_dim(moments.mhat().to(pdt), mats, transpose=False)
+    if moments is not None:
+        mr = apply_each_dim(moments.mhat().to(pdt), mats, transpose=False)
+    elif b1 > 0:
+        m = bs.exp_avg_eigen
+        assert m is not None
+        m.mul_(b1).add_(gr, alpha=1 - b1)
+        mr = m.to(pdt) / (1 - b1**t) if group["use_bias_correction"] else m.to(pdt)
+    else:
+        mr = gr
     out.copy_(apply_each_dim(mr / (shat.sqrt() + group["epsilon"]), mats, transpose=True))
     return scale_direction(out, 1.0, norm_d)
