@@ -723,6 +723,29 @@ def test_load_full_state_refuses_other_blocking() -> None:
     assert not other.state
 
 
+def test_soap_moment_basis_follows_grafting_and_an_old_checkpoint_is_refused() -> None:
+    """SOAP without grafting keeps ``exp_avg_eigen`` (the eigenbasis), with grafting ``exp_avg``; a
+    state with the parameter-basis key where the eigenbasis one is expected (an earlier version's
+    checkpoint) is refused, naming that cause, not read as the other basis."""
+    soap = dict(eigenvalue_correction=True, eigenbasis="qr", precondition_frequency=2)
+    graft_params, grafted = _simple(**soap)  # Adam grafting
+    params = [nn.Parameter(p.detach().clone()) for p in graft_params]
+    opt = dist_optim.DistributedShampoo(params, lr=0.1, **soap)
+    for step in range(3):
+        _grads(params, step)
+        _grads(graft_params, step)
+        opt.step()
+        grafted.step()
+    assert "block0.exp_avg_eigen" in opt.state[params[0]] and "block0.exp_avg" not in opt.state[params[0]]
+    assert "block0.exp_avg" in grafted.state[graft_params[0]]
+    assert "block0.exp_avg_eigen" not in grafted.state[graft_params[0]]
+    old = [{k.replace("exp_avg_eigen", "exp_avg"): v for k, v in state.items()} for state in opt.full_state()]
+    clones = [nn.Parameter(p.detach().clone()) for p in params]
+    other = dist_optim.DistributedShampoo(clones, lr=0.1, **soap)
+    with pytest.raises(ValueError, match="kept the first moment in the parameter's basis"):
+        other.load_full_state(old)
+
+
 BF16_KWARGS = dict(
     lr=1e-2,
     epsilon=1e-6,
