@@ -186,10 +186,12 @@ def qr_power_step(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tens
     rotated coordinates with the same permutation.
     """
     a = _sym(matrix)
-    estimates = torch.einsum("ij,ik,kj->j", basis, a, basis)
+    # A Q serves both the quotients and the power step (its columns permuted): one product where
+    # a three-operand einsum and a second product took 1.4x the QR's time on 1376 x 1376 factors.
+    aq = a @ basis
+    estimates = (basis * aq).sum(0)
     perm = torch.argsort(estimates, descending=True, stable=True)
-    q = basis[:, perm]
-    q_new, r = torch.linalg.qr(a @ q)
+    q_new, r = torch.linalg.qr(aq[:, perm])
     signs = torch.sign(torch.diagonal(r))
     signs = torch.where(signs == 0, torch.ones_like(signs), signs)
     q_new = q_new * signs

@@ -228,7 +228,8 @@ class Scratch:
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: str = "out") -> torch.Tensor:
         """A contiguous tensor of ``shape`` over the memory of ``slot``: ``"out"`` (a block's
         direction), ``"grad"`` (a contiguous copy of a strided block gradient), ``"left"`` (``R_0^T M``
-        before it is multiplied by ``R_1``)."""
+        before it is multiplied by ``R_1``), SOAP's ``"rot"`` (a rotated block) and ``"den"`` (its
+        denominator)."""
         n = math.prod(shape)
         key = (slot, dtype, device)
         buf = self._buffers.get(key)

@@ -65,7 +65,7 @@ def block_direction(
         elif scale is not None:
             root_inverse.refresh_roots(bs, block.order, scale, group)
     if is_soap:
-        return soap.direction(bs, moments, g, group, t, out)
+        return soap.direction(bs, moments, g, group, t, out, scratch)
     assert moments is not None
     if not block.precondition or t < start:
         return None if moments.applied else moments.graft_direction(out)

@@ -9,7 +9,7 @@ import torch
 
 from ... import matrix_functions
 from ..blocking import apply_each_dim
-from ..state import BlockState
+from ..state import BlockState, Scratch
 from .grafting import Moments, scale_direction
 
 __all__ = ["refresh_bases", "direction"]
@@ -48,7 +48,13 @@ def refresh_bases(bs: BlockState, scale: float, group: dict[str, Any], first: bo
 
 
 def direction(
-    bs: BlockState, moments: Moments | None, g: torch.Tensor, group: dict[str, Any], t: int, out: torch.Tensor
+    bs: BlockState,
+    moments: Moments | None,
+    g: torch.Tensor,
+    group: dict[str, Any],
+    t: int,
+    out: torch.Tensor,
+    scratch: Scratch,
 ) -> torch.Tensor:
     """``S <- b2 S + (1 - b2) Gr^2`` with ``Gr = G x_k Q_k^T``, then
     ``P = (Mhat x_k Q_k^T) / (sqrt(S / (1 - b2^t)) + epsilon)`` rotated back with ``x_k Q_k``, into
@@ -57,27 +63,48 @@ def direction(
 
     ``moments`` None: the first moment is kept in the eigenbasis (``bs.exp_avg_eigen``,
     :func:`~dist_optim.shampoo.state.keeps_moment_in_eigenbasis`), ``Mr <- b1 Mr + (1 - b1) Gr``,
-    and ``Mhat x_k Q_k^T = Mr / (1 - b1^t)``: the rotation of ``Mhat`` is saved."""
+    and ``Mhat x_k Q_k^T = Mr / (1 - b1^t)``: the rotation of ``Mhat`` is saved.
+
+    The block-sized temporaries are ``scratch``'s (slots ``"rot"``, ``"left"``, ``"den"``), reused
+    across blocks and steps, and ``S`` is updated by one fused ``addcmul``."""
     b1, b2 = group["betas"]
     pdt = group["preconditioner_dtype"]
     mats = bs.bases
     s = bs.exp_avg_sq
     assert s is not None
     norm_d = None if moments is None or group["grafting_config"] is None else moments.graft_norm(out)
-    gr = apply_each_dim(g.to(pdt), mats, transpose=False)
+
+    def buf(slot: str) -> torch.Tensor:
+        return scratch.get(s.shape, pdt, s.device, slot)
+
+    def in_rot(x: torch.Tensor) -> torch.Tensor:
+        # Without bases apply_each_dim returns its input (the gradient or the moment itself),
+        # which the division below must not overwrite.
+        rot = buf("rot")
+        return x if x.data_ptr() == rot.data_ptr() else rot.copy_(x)
+
+    gr = apply_each_dim(g.to(pdt), mats, transpose=False, out=buf("rot"), tmp=buf("left"))
     if b2 == 1:
-        s.add_(gr * gr)
+        s.addcmul_(gr, gr)
     else:
-        s.mul_(b2).add_(gr * gr * (1 - b2))
-    shat = s / (1 - b2**t) if (group["use_bias_correction"] and b2 < 1) else s
+        s.mul_(b2).addcmul_(gr, gr, value=1 - b2)
+    bc2 = 1 - b2**t if (group["use_bias_correction"] and b2 < 1) else 1.0
+    den = torch.div(s, bc2, out=buf("den")).sqrt_().add_(group["epsilon"])
     if moments is not None:
-        mr = apply_each_dim(moments.mhat().to(pdt), mats, transpose=False)
+        num = in_rot(apply_each_dim(moments.mhat().to(pdt), mats, transpose=False, out=buf("rot"), tmp=buf("left")))
     elif b1 > 0:
         m = bs.exp_avg_eigen
         assert m is not None
         m.mul_(b1).add_(gr, alpha=1 - b1)
-        mr = m.to(pdt) / (1 - b1**t) if group["use_bias_correction"] else m.to(pdt)
+        bc1 = 1 - b1**t if group["use_bias_correction"] else 1.0
+        num = torch.div(m, bc1, out=buf("rot"))
     else:
-        mr = gr
-    out.copy_(apply_each_dim(mr / (shat.sqrt() + group["epsilon"]), mats, transpose=True))
+        num = in_rot(gr)
+    num.div_(den)
+    if out.dtype == pdt:
+        back = apply_each_dim(num, mats, transpose=True, out=out, tmp=buf("left"))
+        if back.data_ptr() != out.data_ptr():
+            out.copy_(back)
+    else:
+        out.copy_(apply_each_dim(num, mats, transpose=True, tmp=buf("left")))
     return scale_direction(out, 1.0, norm_d)
