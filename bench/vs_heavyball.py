@@ -151,11 +151,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30, help="timed rounds (pf=10: 3 refreshes in 30)")
     ap.add_argument("--vocab", type=int, default=2048)
     args = ap.parse_args()
-    import heavyball
+    from importlib.metadata import version
 
     shapes = llama_like(512, 1376, 2, args.vocab)
     n = sum(torch.Size(s).numel() for s in shapes)
-    print(f"torch {torch.__version__}, heavyball {getattr(heavyball, '__version__', '?')}, {n / 1e6:.1f}M parameters")
+    print(f"torch {torch.__version__}, heavyball {version('heavyball')}, {n / 1e6:.1f}M parameters")
     print(f"threads {torch.get_num_threads()}, warmup {args.warmup}, timed rounds {args.repeats}")
     for name in args.only:
         rows = run(name, shapes, args.warmup, args.repeats)
