@@ -33,7 +33,9 @@ Factor structure (as kron_torch): a dim gets a diagonal factor when its size is 
 ``max_size_triangular``, when the tensor has fewer than ``min_ndim_triangular`` dims, or by
 ``memory_save_mode`` ("one_diag": the largest dim, the last of equal largest ones; "all_diag":
 all; "smart_one_diag": the largest only if strictly larger than the second); otherwise an upper
-triangular one. Factors start at ``precond_init_scale ** (1 / ndim)`` times identity. With
+triangular one. Factors start at ``precond_init_scale ** (1 / ndim)`` times identity
+(``precond_init_scale=None``: ``mean(|G|^4)^(-1/8)`` of the parameter's first gradient, on its
+owner, which holds the whole gradient; a gradient of zeros or non-finite values falls back to 1). With
 ``merge_dims`` a tensor of more than 2 dims is preconditioned as the matrix ``[prod(s[:-1]),
 s[-1]]`` or ``[s[0], prod(s[1:])]`` that kron_torch picks. On preconditioner-update steps where a
 seeded draw is below 0.01, the factors are first rescaled to equal max-abs (their product is

@@ -45,7 +45,12 @@ class DistributedKron(DistOptimizer):
         momentum_into_precond_update: fit the preconditioner to the debiased momentum (True) or
             to the raw gradient.
         precond_lr: step size of the factor updates (>= 0).
-        precond_init_scale: initial scale of the preconditioner (> 0).
+        precond_init_scale: initial scale of the preconditioner (> 0), or None: per parameter from
+            its first gradient (its debiased first momentum, the same values up to rounding),
+            ``mean(|G|^4)^(-1/8)`` (Li's psgd_torch rule, which heavyball also offers), so that
+            the first preconditioned gradient has about unit size whatever the gradients' scale
+            (docs/convergence.md: a lower held-out loss at the best rates). Default 1.0,
+            kron_torch's (its conversions keep it).
         merge_dims: precondition tensors of > 2 dims as matrices.
         mu_dtype: dtype of the momentum (default: the parameter's).
         precond_dtype: dtype of the factors (default fp32).
@@ -93,7 +98,7 @@ class DistributedKron(DistOptimizer):
         memory_save_mode: str | None = None,
         momentum_into_precond_update: bool = True,
         precond_lr: float = 0.1,
-        precond_init_scale: float = 1.0,
+        precond_init_scale: float | None = 1.0,
         merge_dims: bool = True,
         mu_dtype: torch.dtype | None = None,
         precond_dtype: torch.dtype | None = None,

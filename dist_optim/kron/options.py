@@ -43,7 +43,7 @@ def group_defaults(
     memory_save_mode: str | None,
     momentum_into_precond_update: bool,
     precond_lr: float,
-    precond_init_scale: float,
+    precond_init_scale: float | None,
     merge_dims: bool,
     mu_dtype: torch.dtype | None,
     precond_dtype: torch.dtype | None,
@@ -83,9 +83,13 @@ def validate_options(group: dict[str, Any]) -> None:
     check_range("b1", group["b1"], 0.0, 1.0)
     check_range("weight_decay", group["weight_decay"], 0.0)
     check_range("precond_lr", group["precond_lr"], 0.0)
-    check_range("precond_init_scale", group["precond_init_scale"], 0.0)
-    if group["precond_init_scale"] <= 0:
-        raise ValueError(f"precond_init_scale must be > 0, got {group['precond_init_scale']}")
+    if group["precond_init_scale"] is not None:
+        check_range("precond_init_scale", group["precond_init_scale"], 0.0)
+        if group["precond_init_scale"] <= 0:
+            raise ValueError(
+                f"precond_init_scale must be > 0, or None to set it from the first gradient, "
+                f"got {group['precond_init_scale']}"
+            )
     for name in ("max_size_triangular", "min_ndim_triangular"):
         value = group[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -57,6 +57,14 @@ def initial_factors(
     return out
 
 
+def gradient_scale(g: torch.Tensor) -> float:
+    """``mean(|g|^4)^(-1/8)`` in float64 (Li's psgd_torch initial scale: the first preconditioned
+    gradient ``s^2 g`` then has a fourth-moment RMS of 1); 1.0 where that is not a finite positive
+    number (a gradient of zeros, or non-finite values)."""
+    scale = float(g.detach().double().abs().pow(4).mean().pow(-1 / 8))
+    return scale if math.isfinite(scale) and scale > 0 else 1.0
+
+
 def _times_upper_t(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``rows @ q.T`` for an upper-triangular ``q`` (only the triangle is read: half the flops)."""
     return matmul_triangular(rows, q.T, upper=False)
@@ -216,7 +224,13 @@ def owner_direction(
     which that path turns into the direction."""
     dtype = precond_dtype(group)
     if not has_factors(state):
-        store_factors(state, initial_factors(plan, group["precond_init_scale"], dtype, full_m.device))
+        scale = group["precond_init_scale"]
+        if scale is None:
+            # The first momentum debiased is the first gradient (the owner may hold only the
+            # momentum: momentum_into_precond_update routes no gradient).
+            b1 = group["b1"]
+            scale = gradient_scale(full_m.double() / (1 - b1 ** int(state["step"])) if b1 > 0 else full_m)
+        store_factors(state, initial_factors(plan, scale, dtype, full_m.device))
     factors = stored_factors(state, plan)
     if do_balance and len(plan.shape) > 1:
         balance(factors)

@@ -235,11 +235,16 @@ PARITY_CASES += [
 ]
 
 # DistributedKron: preconditioners of the full tensors on owner ranks. Default (probability 1 for
-# the grid's 6 steps, triangular factors, "conv" merged to 12x3); one_diag with weight decay;
-# a constant probability 0.5 (updates every 2nd step), all-diagonal factors fitted to the raw grad.
+# the grid's 6 steps, triangular factors, "conv" merged to 12x3); one_diag with weight decay and the
+# initial scale from each parameter's first gradient (on its owner); a constant probability 0.5
+# (updates every 2nd step), all-diagonal factors fitted to the raw grad.
 PARITY_CASES += [
     Case("kron", dist_optim.DistributedKron, dict(lr=1e-2)),
-    Case("kron-one_diag-wd", dist_optim.DistributedKron, dict(lr=1e-2, weight_decay=1e-2, memory_save_mode="one_diag")),
+    Case(
+        "kron-one_diag-wd-init",
+        dist_optim.DistributedKron,
+        dict(lr=1e-2, weight_decay=1e-2, memory_save_mode="one_diag", precond_init_scale=None),
+    ),
     Case(
         "kron-p0.5-all_diag-grad",
         dist_optim.DistributedKron,

@@ -314,6 +314,37 @@ def test_scalar_parameter() -> None:
     assert opt.state[p]["Q_0"].shape == () and torch.isfinite(p) and p.item() < 1.5
 
 
+@pytest.mark.parametrize("memory_save_mode", [None, "one_diag"])
+def test_initial_scale_from_the_first_gradient(memory_save_mode: str | None) -> None:
+    """precond_init_scale=None: each parameter's factors start as if precond_init_scale were
+    mean(|G|^4)^(-1/8) of its own first gradient (computed here by formula, in float64, and given
+    per param group, so that the probes are drawn in the same order): the same trajectory (the
+    optimizer reads the debiased first momentum, equal to the gradient up to a rounding that the
+    fp32 factors do not keep here); a parameter whose first gradient is zero starts at 1."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(6, 4), (5,), (3, 2)]
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) * c for c, s in zip((10.0, 0.1, 1.0), shapes)] for _ in range(4)]
+    grads[0][2] = torch.zeros(shapes[2])  # no signal at the first step: the fallback scale 1
+    auto = [torch.nn.Parameter(x.clone()) for x in init]
+    opt = DistributedKron(auto, lr=1e-2, memory_save_mode=memory_save_mode, precond_init_scale=None)
+    scales = []
+    for g in grads[0]:
+        g0 = g.double()
+        scales.append(float(g0.abs().pow(4).mean() ** (-1 / 8)) if g0.abs().max() > 0 else 1.0)
+    fixed = [torch.nn.Parameter(x.clone()) for x in init]
+    groups = [{"params": [p], "precond_init_scale": scale} for p, scale in zip(fixed, scales)]
+    ref = DistributedKron(groups, lr=1e-2, memory_save_mode=memory_save_mode)
+    for step in range(4):
+        for p, q, g in zip(auto, fixed, grads[step]):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        for p, q in zip(auto, fixed):
+            assert torch.equal(p, q), step
+    assert scales[0] < 0.5 and scales[1] > 2 and scales[2] == 1.0  # the rule, not the default 1, decides
+
+
 # ---- bad input -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "options, option",
