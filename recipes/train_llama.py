@@ -24,7 +24,8 @@ demo). The log, the CSV and TensorBoard report loss, held-out loss (``--eval-eve
 second, model FLOPs utilisation (where the device's peak is known, or ``--peak-tflops``) and each
 rank's peak memory (device memory on GPUs, resident memory on CPU).
 
-``--optimizer`` takes one of ours by short name (lamb, adafactor, came, shampoo, kron, galore, muon) or
+``--optimizer`` takes one of ours by short name (lamb, adafactor, came, shampoo, soap, kron, galore, muon;
+``OURS`` holds their recommended settings, docs/convergence.md) or
 the import path of an ordinary optimizer class (``torch.optim.AdamW``, ``colossalai.nn.optimizer.Lamb``,
 ``transformers.optimization.Adafactor``, ...): dist_optim's plugins swap the latter for our
 equivalent at ``booster.boost`` and log the swap. Without a GPU the script runs on CPU processes
@@ -51,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from dist_optim import AdamGraftingConfig  # noqa: E402
 
 # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -64,8 +66,31 @@ OURS = {
     "lamb": ("dist_optim.DistributedLamb", dict(weight_decay=0.01)),
     "adafactor": ("dist_optim.DistributedAdafactor", dict(relative_step=False, scale_parameter=False)),
     "came": ("dist_optim.DistributedCAME", dict()),
-    "shampoo": ("dist_optim.DistributedShampoo", dict(precondition_frequency=10, start_preconditioning_step=10)),
-    "kron": ("dist_optim.DistributedKron", dict()),
+    # Adam grafting as Meta's README configures it: without grafting at epsilon 1e-12 Shampoo's first
+    # roots of near-singular factors blow the update up (issue 30 measured NaN within 30 steps).
+    "shampoo": (
+        "dist_optim.DistributedShampoo",
+        dict(
+            precondition_frequency=10,
+            start_preconditioning_step=10,
+            grafting_config=AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+        ),
+    ),
+    # SOAP as Vyas et al. run it: eigenvectors at the first refresh, then one power step.
+    "soap": (
+        "dist_optim.DistributedShampoo",
+        dict(
+            eigenvalue_correction=True,
+            eigenbasis="qr-eigh-start",
+            betas=(0.95, 0.95),
+            epsilon=1e-8,
+            precondition_frequency=10,
+            start_preconditioning_step=10,
+        ),
+    ),
+    # The initial scale from each parameter's first gradient (Li's rule): at kron_torch's fixed 1 the
+    # first updates of small gradients are tiny, and a tiny Llama's loss stays high for ~100 steps.
+    "kron": ("dist_optim.DistributedKron", dict(precond_init_scale=None)),
     "galore": ("dist_optim.DistributedGaLore", dict()),
     # Muon's update RMS matched to AdamW's (Liu et al. 2025), so one --lr serves the Muon matrices
     # and the auxiliary AdamW group (embeddings, head, norms).
