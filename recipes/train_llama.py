@@ -491,19 +491,26 @@ def resolve_tokenizer(args: argparse.Namespace) -> str | None:
     return None
 
 
+def expand(paths: list[str], flag: str) -> list[str]:
+    """:func:`recipes.tokens.expand_inputs`, a bad path refused in its one line."""
+    from recipes import tokens
+
+    try:
+        return tokens.expand_inputs(paths, flag)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 def data_files(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
     """(training files, held-out files or None): --data and --eval-data, by default the books of
     recipes/corpus.py and their held-out part; a missing path or corpus is refused in one line."""
-    from recipes import corpus, tokens
+    from recipes import corpus
 
     if args.data is None and not corpus.installed():
         raise SystemExit(corpus.missing_message())
     held = args.eval_data or ([corpus.HELDOUT] if args.data is None else None)
-    try:
-        train = tokens.expand_inputs(args.data or [corpus.TRAIN])
-        return train, None if held is None else tokens.expand_inputs(held, "--eval-data")
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    train = expand(args.data or [corpus.TRAIN], "--data")
+    return train, None if held is None else expand(held, "--eval-data")
 
 
 def tokenize(files: list[str], args: argparse.Namespace, vocab: int) -> Any:
@@ -581,15 +588,9 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
     config, weights = model_config(args.model)
     check_layout(config, args)
     # the paths given are checked; the default books are not needed to plan a layout
-    if not args.synthetic and args.data:
-        data_files(args)
-    elif not args.synthetic and args.eval_data:
-        from recipes import tokens
-
-        try:
-            tokens.expand_inputs(args.eval_data, "--eval-data")
-        except ValueError as exc:
-            raise SystemExit(str(exc)) from None
+    for paths, flag in ((args.data, "--data"), (args.eval_data, "--eval-data")):
+        if paths and not args.synthetic:
+            expand(paths, flag)
     model = build_model(config, args.seed, lazy=True, attn="eager")
     total = sum(p.numel() for p in model.parameters())
     layers = config.num_hidden_layers

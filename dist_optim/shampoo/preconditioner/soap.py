@@ -101,10 +101,7 @@ def direction(
     else:
         num = in_rot(gr)
     num.div_(den)
-    if out.dtype == pdt:
-        back = apply_each_dim(num, mats, transpose=True, out=out, tmp=buf("left"))
-        if back.data_ptr() != out.data_ptr():
-            out.copy_(back)
-    else:
-        out.copy_(apply_each_dim(num, mats, transpose=True, tmp=buf("left")))
+    back = apply_each_dim(num, mats, transpose=True, out=out if out.dtype == pdt else None, tmp=buf("left"))
+    if back.data_ptr() != out.data_ptr():
+        out.copy_(back)
     return scale_direction(out, 1.0, norm_d)
