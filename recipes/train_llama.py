@@ -663,7 +663,7 @@ def dry_run_plan(args: argparse.Namespace, config: Any, dp: int) -> dict[str, An
     """The optimizer's memory and communication plan for these arguments (``dist_optim.plan``:
     simulated on meta tensors, nothing allocated), printed; None where the planner does not
     cover the layout or the optimizer (said in the log)."""
-    from dist_optim.plan import OPTIMIZERS, Layout, PlanError, format_plan, make_plan
+    from dist_optim.plan import OPTIMIZERS, Layout, PlanError, Workload, format_plan, make_plan
 
     name, options = planner_name(args.optimizer), args.optimizer_args
     if name is None:
@@ -679,7 +679,10 @@ def dry_run_plan(args: argparse.Namespace, config: Any, dp: int) -> dict[str, An
         layout = Layout(args.plugin, tp=args.tp, pp=args.pp, zero=args.zero, dp=dp, precision=args.precision)
         if args.sp > 1:
             raise PlanError("--sp: sequence parallelism is not simulated")
-        plan = make_plan(config, layout, name, options)
+        # The micro-batch these flags run; the attention the job gets on GPUs without flash-attn
+        # unless --attn says otherwise (a dry run plans the GPU job wherever it runs).
+        work = Workload(args.seq_len, args.batch_size, args.grad_checkpoint > 0, args.attn or "sdpa")
+        plan = make_plan(config, layout, name, options, workload=work)
     except PlanError as exc:
         log(f"dry run: no plan: {exc}")
         return None

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .activations import ALLOCATOR_MARGIN, Activations, Workload, activations_of_rank
 from .models import MODELS, PlanError, check_model_layout, load_config
 from .simulate import (
     OPTIMIZERS,
@@ -42,6 +43,9 @@ __all__ = [
     "OPTIMIZERS",
     "NOT_SIMULATED",
     "SWEEP_LAYOUTS",
+    "Workload",
+    "Activations",
+    "ALLOCATOR_MARGIN",
 ]
 
 GB = 1e9
@@ -49,13 +53,18 @@ GB = 1e9
 #: What the planner does not run, printed with every plan.
 NOT_SIMULATED = (
     "ColossalAI's own collectives (gradient all-reduce / reduce-scatter, ZeRO's parameter all-gather, "
-    "TP activations) and activation memory: not counted",
+    "TP activations): not counted",
+    "activations: one micro-batch's forward and backward of the sharded meta model (dist_optim.plan.activations); "
+    "memory a kernel frees before returning (workspaces) and the allocator's fragmentation are not counted: "
+    "the verdict keeps a margin for them",
     "ZeRO padding and chunking: LowLevelZero's rule (-numel mod ZeRO size), derived, checked by ParamLayout",
     "working params, fp32 masters and gradients beside the optimizer: derived from ColossalAI's wrappers "
-    "(ZeRO-0/1 keep working-precision gradients whole, ZeRO-2 only the fp32 chunk)",
+    "(ZeRO-0/1 keep working-precision gradients whole, ZeRO-2 only the fp32 chunk; torch DDP's buckets as "
+    "large as the local parameters where the plugin wraps the model in DDP)",
     "values that depend on tensor contents (.item() of a meta tensor): answered 0 / True; iterations run to "
     "their limit, NaN checks find none",
-    "pipeline parallelism (--pp) and expert parallelism (--ep): refused, not simulated",
+    "pipeline parallelism (--pp), expert parallelism (--ep) and sequence parallelism (the recipe's --sp): "
+    "not simulated (--pp and --ep refused)",
 )
 
 #: The layouts of ``--sweep`` for a world of N ranks: (plugin, tp, zero, precision).
@@ -81,6 +90,7 @@ class RankPlan:
     transient_step: int  # which simulated step reached it (1-based)
     steps: list[dict[str, Any]]  # per simulated step: collectives and bytes sent (also by kind), transient
     owner_load: float  # the optimizer's cost model: this rank's owned work
+    ddp_buckets: int = 0  # derived: torch DDP's gradient buckets (Layout.uses_torch_ddp)
 
     @property
     def total(self) -> int:
@@ -88,6 +98,7 @@ class RankPlan:
             self.working_params
             + self.fp32_masters
             + self.gradients
+            + self.ddp_buckets
             + self.optimizer_state
             + self.kept_buffers
             + self.peak_transient
@@ -112,6 +123,23 @@ class Plan:
     gpu_memory: int | None = None
     not_simulated: tuple[str, ...] = NOT_SIMULATED
     meta_items: int = 0
+    workload: Workload | None = None
+    activations: Activations | None = None  # rank 0's micro-batch (TP ranks are alike)
+    margin: float = ALLOCATOR_MARGIN
+
+    @property
+    def total(self) -> int:
+        """The busiest rank's peak: what stays across steps (parameters, masters, gradients, state,
+        kept buffers) plus the larger of the step's transient and the micro-batch's activation peak
+        (the two never coexist: activations are freed by the end of the backward)."""
+        b = self.busiest
+        act = self.activations.peak if self.activations is not None else 0
+        return b.total - b.peak_transient + max(b.peak_transient, act)
+
+    @property
+    def usable(self) -> int | None:
+        """The GPU memory the plan may fill: ``gpu_memory`` less the allocator margin."""
+        return None if self.gpu_memory is None else int(self.gpu_memory * (1 - self.margin))
 
     @property
     def steady(self) -> dict[str, Any]:
@@ -151,10 +179,15 @@ class Plan:
             "seconds": self.seconds,
             "not_simulated": list(self.not_simulated),
         }
-        if self.gpu_memory is not None:
+        if self.workload is not None and self.activations is not None:
+            out["workload"] = asdict(self.workload)
+            out["activations"] = asdict(self.activations)
+        out["total"] = self.total
+        if self.usable is not None:
             out["gpu_memory"] = self.gpu_memory
-            out["fits"] = self.busiest.total <= self.gpu_memory
-            out["headroom"] = self.gpu_memory - self.busiest.total
+            out["allocator_margin"] = self.margin
+            out["fits"] = self.total <= self.usable
+            out["headroom"] = self.usable - self.total
         return out
 
 
@@ -192,7 +225,7 @@ def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
     load = result.owner_loads[result.rank] if result.rank < len(result.owner_loads) else 0.0
     return RankPlan(
         result.rank, working, master_bytes if separate else 0, grads, result.state_bytes, result.kept_bytes,
-        peak["transient"], peak["step"], steps, load,
+        peak["transient"], peak["step"], steps, load, working if layout.uses_torch_ddp else 0,
     )  # fmt: skip
 
 
@@ -206,11 +239,16 @@ def make_plan(
     gpu_memory: int | None = None,
     log: Callable[[str], None] | None = None,
     device: str = "cuda",
+    workload: Workload | None = None,
+    margin: float = ALLOCATOR_MARGIN,
+    activations: Activations | None = None,
 ) -> Plan:
     """Simulate ``optimizer`` on ``model`` (a :data:`MODELS` name, a config.json path or a config)
     under ``layout``: rank 0, the busiest owner, and every rank when the world has at most
     ``all_ranks_up_to`` ranks; as on ``device`` (``"cuda"``, or ``"cpu"`` to compare with a CPU run:
-    :func:`~dist_optim.plan.simulate.as_device`)."""
+    :func:`~dist_optim.plan.simulate.as_device`). With a ``workload``, also one micro-batch's
+    forward and backward on rank 0 (:func:`~dist_optim.plan.activations.activations_of_rank`), unless
+    ``activations`` gives them (a sweep simulates them once per layout)."""
     t0 = time.perf_counter()
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
@@ -218,8 +256,13 @@ def make_plan(
         raise PlanError(f"--steps {steps}: at least 2 (the first step also creates the state)")
     config = load_config(model)
     check_model_layout(config, layout.tp, layout.pp)
+    if not 0 <= margin < 1:
+        raise PlanError(f"--memory-margin {margin}: a share of the GPU's memory in [0, 1), e.g. 0.1")
     args = dict(optimizer_args or {})
     say = log or (lambda _: None)
+    if workload is not None and activations is None:
+        say(f"simulating the forward and backward of {workload.describe()} on rank 0")
+        activations = activations_of_rank(config, layout, workload, 0, device)
     say(f"simulating rank 0 of {layout.describe()} with {optimizer}")
     first = simulate_rank(config, layout, optimizer, args, 0, steps, device)
     results = {0: first}
@@ -245,7 +288,8 @@ def make_plan(
         model if isinstance(model, str) else "config", layout, optimizer, args, top, ranks,
         single // ideal_share(layout), single, how, max(loads) / mean_load if mean_load else 1.0,
         TRANSIENT_OPTIONS[optimizer], note, time.perf_counter() - t0, gpu_memory,
-        meta_items=sum(r.meta_items for r in results.values()),
+        meta_items=sum(r.meta_items for r in results.values()) + (activations.meta_items if activations else 0),
+        workload=workload, activations=activations, margin=margin,
     )  # fmt: skip
 
 
@@ -268,13 +312,22 @@ def format_plan(plan: Plan) -> str:
         ("working params (derived)", "working_params"),
         ("fp32 masters (derived)", "fp32_masters"),
         ("gradients (derived)", "gradients"),
+        ("DDP gradient buckets (derived)", "ddp_buckets"),
         ("optimizer state", "optimizer_state"),
         ("buffers kept by step()", "kept_buffers"),
         ("peak transient in step()", "peak_transient"),
     ):
         lines.append(f"{label:<34}{_gb(getattr(b, key)):>12}{_gb(plan.mean(key)):>20}")
+    lines.append(f"{'total before activations':<34}{_gb(b.total):>12}")
+    if plan.activations is not None and plan.workload is not None:
+        a = plan.activations
+        lines += [
+            f"{'activations kept for backward':<34}{_gb(a.kept):>12}",
+            f"{'activation peak (fwd + bwd)':<34}{_gb(a.peak):>12}",
+            f"{'peak of the step (total)':<34}{_gb(plan.total):>12}",
+            f"activations of rank 0: {plan.workload.describe()}; autograd saved {_gb(a.saved)}",
+        ]
     lines += [
-        f"{'total':<34}{_gb(b.total):>12}",
         "",
         f"ideal state per rank: {_gb(plan.ideal_state)} (single-device {_gb(plan.single_device_state)}, "
         f"{plan.ideal_how}, / {ideal_share(plan.layout)} ranks); busiest/ideal = {plan.state_vs_ideal:.3f}",
@@ -289,12 +342,14 @@ def format_plan(plan: Plan) -> str:
         f"refresh step: {plan.refresh['collectives']} collectives, {_gb(plan.refresh['bytes_sent'])} sent "
         f"({plan.refresh_note})"
     )
-    if plan.gpu_memory is not None:
-        room = plan.gpu_memory - b.total
+    if plan.gpu_memory is not None and plan.usable is not None:
+        room = plan.usable - plan.total
         verdict = "fits" if room >= 0 else "does NOT fit"
+        what = "with activations" if plan.activations is not None else "before activations"
         lines.append(
-            f"--gpu-memory {_gb(plan.gpu_memory)}: {verdict} "
-            f"({_gb(abs(room))} {'left' if room >= 0 else 'short'}, before activations)"
+            f"--gpu-memory {_gb(plan.gpu_memory)}: {verdict} {what} "
+            f"({_gb(abs(room))} {'left' if room >= 0 else 'short'} of {_gb(plan.usable)}, "
+            f"after a {plan.margin:.0%} allocator margin)"
         )
     lines.append("not simulated:")
     lines += [f"  - {n}" for n in plan.not_simulated]

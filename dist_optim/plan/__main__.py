@@ -7,6 +7,7 @@ import json
 import sys
 
 from . import (
+    ALLOCATOR_MARGIN,
     MODELS,
     OPTIMIZERS,
     SWEEP_LAYOUTS,
@@ -19,6 +20,7 @@ from . import (
     make_plan,
     parse_bytes,
 )
+from .activations import ATTENTION, Workload, activations_of_rank
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,6 +41,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
     ap.add_argument("--optimizer-args", default="{}", help="constructor options as JSON, e.g. '{\"lr\": 0.01}'")
     ap.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB: says whether the plan fits")
+    ap.add_argument(
+        "--memory-margin",
+        type=float,
+        default=ALLOCATOR_MARGIN,
+        help=f"share of --gpu-memory kept free for the allocator's fragmentation and workspaces "
+        f"(default {ALLOCATOR_MARGIN})",
+    )
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (as the recipe's flag)")
+    ap.add_argument(
+        "--batch-size", type=int, default=1, help="sequences per data-parallel rank and micro-batch (the recipe's)"
+    )
+    ap.add_argument(
+        "--grad-checkpoint", action="store_true", help="activation checkpointing of every decoder layer (the recipe's)"
+    )
+    ap.add_argument("--attn", default="sdpa", help=f"attention kernel as the recipe's --attn: {', '.join(ATTENTION)}")
+    ap.add_argument(
+        "--no-activations", action="store_true", help="skip the forward/backward simulation (state and step only)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps to simulate (at least 2)")
     ap.add_argument("--device", default="cuda", help="the device type simulated: cuda (default) or cpu")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -73,6 +93,7 @@ def run(argv: list[str] | None = None) -> str:
     args = _optimizer_args(a.optimizer_args)
     gpu = parse_bytes(a.gpu_memory) if a.gpu_memory else None
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if not a.json else None
+    work = None if a.no_activations else Workload(a.seq_len, a.batch_size, a.grad_checkpoint, a.attn)
     if a.sweep:
         world = a.tp * a.dp * a.pp
         config = load_config(a.model)
@@ -81,17 +102,31 @@ def run(argv: list[str] | None = None) -> str:
             if world % tp or not _fits_heads(config, tp):
                 continue
             layout = Layout(plugin, tp=tp, zero=zero, dp=world // tp, precision=precision)
+            acts = activations_of_rank(config, layout, work, 0, a.device) if work is not None else None
             for name in OPTIMIZERS:
                 plans.append(
                     make_plan(
-                        a.model, layout, name, args if name == a.optimizer else {}, a.steps, log=log, device=a.device
-                    )
+                        a.model,
+                        layout,
+                        name,
+                        args if name == a.optimizer else {},
+                        a.steps,
+                        gpu_memory=gpu,
+                        log=log,
+                        device=a.device,
+                        workload=work,
+                        margin=a.memory_margin,
+                        activations=acts,
+                    )  # fmt: skip
                 )
         if a.json:
             return json.dumps([p.to_json() for p in plans], indent=1)
         return format_sweep(plans)
     layout = Layout(a.plugin, tp=a.tp, pp=a.pp, zero=a.zero, dp=a.dp, ep=a.ep, precision=a.precision)
-    plan = make_plan(a.model, layout, a.optimizer, args, a.steps, gpu_memory=gpu, log=log, device=a.device)
+    plan = make_plan(
+        a.model, layout, a.optimizer, args, a.steps, gpu_memory=gpu, log=log, device=a.device, workload=work,
+        margin=a.memory_margin,
+    )  # fmt: skip
     return json.dumps(plan.to_json(), indent=1) if a.json else format_plan(plan)
 
 

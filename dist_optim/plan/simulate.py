@@ -41,6 +41,7 @@ __all__ = [
     "Piece",
     "SimWorld",
     "build_pieces",
+    "sharded_meta_model",
     "build_optimizer",
     "StepResult",
     "RankResult",
@@ -97,6 +98,19 @@ class Layout:
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def uses_torch_ddp(self) -> bool:
+        """Whether the plugin wraps the model in torch's DistributedDataParallel, whose reducer keeps
+        gradient buckets as large as the model's local parameters beside ``.grad`` (the plugins'
+        default ``gradient_as_bucket_view=False``): TorchDDPPlugin always; HybridParallelPlugin by
+        ColossalAI 0.5.0's rule (``HybridParallelPlugin.boost``: dp > 1 without ZeRO, or dp == 1,
+        both without pipeline stages); LowLevelZeroPlugin never."""
+        if self.plugin == "ddp":
+            return True
+        if self.plugin == "hybrid":
+            return self.pp == 1 and (self.dp == 1 or self.zero == 0)
+        return False
 
     @property
     def zero_size(self) -> int:
@@ -221,15 +235,36 @@ class Piece:
     layout: ParamLayout
 
 
-def _meta_model(config: Any) -> torch.nn.Module:
+def _meta_model(config: Any, attn_implementation: str = "eager") -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
     config = type(config).from_dict(config.to_dict())
     config.use_cache = False
-    config._attn_implementation = "eager"
+    config._attn_implementation = attn_implementation
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return cast(torch.nn.Module, LlamaForCausalLM(config))
+
+
+def sharded_meta_model(
+    config: Any, layout: Layout, world: SimWorld | None, attn_implementation: str = "eager"
+) -> torch.nn.Module:
+    """The meta model of ``config`` as the plugin runs it on ``world``'s rank: split by ColossalAI's
+    ShardFormer with the plugin's ShardConfig for ``layout`` (the whole model without TP)."""
+    model = _meta_model(config, attn_implementation)
+    if world is None or layout.tp == 1:
+        return model
+    _install_cpu_shims()
+    from colossalai.shardformer import ShardConfig, ShardFormer
+
+    with _meta_device_mesh(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # The plugin's own ShardConfig for this layout (HybridParallelPlugin: TP only, no fused
+        # kernels on CPU).
+        sharded, _ = ShardFormer(
+            ShardConfig(tensor_parallel_process_group=world.tp_group, enable_tensor_parallelism=True)
+        ).optimize(model)
+    return cast(torch.nn.Module, sharded)
 
 
 def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[torch.nn.Module, list[Piece]]:
@@ -239,20 +274,10 @@ def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[t
     sharded = model
     tp_dims: dict[str, int | None] = {}
     if world is not None and layout.tp > 1:
-        _install_cpu_shims()
-        from colossalai.shardformer import ShardConfig, ShardFormer
-
         from dist_optim.plugins.colossal import tp_dim_of
 
         # ShardFormer replaces modules in place: shard a second meta model, keep the first whole.
-        sharded = _meta_model(config)
-        with _meta_device_mesh(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            # The plugin's own ShardConfig for this layout (HybridParallelPlugin: TP only, no
-            # fused kernels on CPU).
-            sharded, _ = ShardFormer(
-                ShardConfig(tensor_parallel_process_group=world.tp_group, enable_tensor_parallelism=True)
-            ).optimize(sharded)
+        sharded = sharded_meta_model(config, layout, world)
         tp_dims = {n: tp_dim_of(p) for n, p in sharded.named_parameters()}
     pieces = []
     for name, working in sharded.named_parameters():

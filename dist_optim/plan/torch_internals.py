@@ -9,12 +9,21 @@ another version the planner refuses with one line rather than simulating somethi
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["CHECKED_TORCH", "DEVICES", "check_torch", "meta_generators", "as_device"]
+__all__ = [
+    "CHECKED_TORCH",
+    "DEVICES",
+    "check_torch",
+    "meta_generators",
+    "meta_autocast",
+    "meta_collectives",
+    "as_device",
+]
 
 #: torch releases (major, minor) whose internals below were read and tested: the pinned stack, and the
 #: releases the scratch comparisons ran on.
@@ -55,6 +64,66 @@ def meta_generators() -> Iterator[None]:
         yield
     finally:
         torch.Generator = real  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def meta_autocast() -> Iterator[None]:
+    """Autocast and checkpointing on meta tensors. ``torch.autocast(device_type="meta")`` raises (meta
+    has no autocast dtype); transformers opens one, disabled, around its rotary embedding with the
+    tensor's device type. Inside the block an autocast for "meta" is one for "cpu" (the forward of a
+    meta model runs without autocast anyway)."""
+    real = torch.autocast
+    # Non-reentrant checkpointing recomputes inside torch.random.fork_rng(device_type="meta"), which
+    # looks up a ``torch.meta`` device module even when told not to fork; an empty one satisfies it.
+    had_module = hasattr(torch, "meta")
+    if not had_module:
+        torch.meta = types.ModuleType("torch.meta")  # type: ignore[attr-defined]
+
+    class autocast(real):  # type: ignore[valid-type, misc]
+        def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    torch.autocast = autocast  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.autocast = real  # type: ignore[misc]
+        if not had_module:
+            del torch.meta  # type: ignore[attr-defined]
+
+
+#: The ``c10d`` operators ``torch.distributed``'s collectives dispatch to (torch 2.5 names; missing
+#: ones are skipped).
+C10D_OPS = (
+    "broadcast_", "allreduce_", "allreduce_coalesced_", "allgather_", "_allgather_base_", "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_", "reduce_", "gather_", "scatter_", "alltoall_", "alltoall_base_",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def meta_collectives() -> Iterator[None]:
+    """``torch.distributed`` collectives on meta tensors: the ``c10d`` operators have CPU and CUDA
+    kernels only, which hand the call to the process group's backend. Inside the block their meta
+    kernel is the CPU one, so a ``fake``-backend group (which moves no data) completes them: model
+    code that calls ``torch.distributed`` itself (ColossalAI's TP layers) runs on a meta model."""
+    lib = torch.library.Library("c10d", "IMPL")
+    cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+    def on_cpu(op: Any) -> Any:
+        return lambda *args, **kwargs: op.redispatch(cpu, *args, **kwargs)
+
+    try:
+        for name in C10D_OPS:
+            packet = getattr(torch.ops.c10d, name, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                qualified = name if overload == "default" else f"{name}.{overload}"
+                lib.impl(qualified, on_cpu(getattr(packet, overload)), "Meta")
+        yield
+    finally:
+        lib._destroy()
 
 
 @contextlib.contextmanager

@@ -285,6 +285,10 @@ def test_train_llama_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert "hybrid tp=2 x dp=2 x ZeRO-1 (4 ranks, bf16), optimizer lamb" in out
     assert "optimizer state" in out and "not simulated:" in out
+    # the recipe's micro-batch (--batch-size 4, --seq-len 64 by default) and checkpointing switch
+    assert "activations of rank 0: 4 x 64 tokens per micro-batch, attention sdpa;" in out
+    main(["--model", "tiny", "--tp", "2", "--world-size", "2", "--optimizer", "lamb", "--dry-run", "--grad-checkpoint"])
+    assert "4 x 64 tokens per micro-batch, attention sdpa, checkpointed layers" in capsys.readouterr().out
 
 
 def test_an_unchecked_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,195 @@
+"""Activation memory of one training micro-batch, from the model that runs: the sharded model's own
+forward and backward on meta tensors.
+
+The model is the planner's meta model split by ColossalAI's ShardFormer exactly as for the optimizer
+(:func:`dist_optim.plan.simulate.sharded_meta_model`), in the working precision, with the gradient
+checkpointing the recipe turns on (Hugging Face's ``gradient_checkpointing_enable``, non-reentrant)
+and the attention kernel the recipe would run. One forward and one backward of ``batch_size``
+sequences of ``seq_len`` tokens are run under :class:`~dist_optim.plan.traffic.LiveBytes`, which
+follows every storage an op allocates until its last tensor dies, and under
+``torch.autograd.graph.saved_tensors_hooks``, which sees what autograd keeps for the backward.
+
+Three figures come out (:class:`Activations`):
+
+* ``saved``: the bytes of the distinct storages autograd saved in the forward, parameters excluded.
+  With checkpointing this is what the checkpointed layers' inputs and the rest of the model keep
+  (the checkpoint's own frames hold the layer inputs; they are counted in ``kept``, not here).
+* ``kept``: the bytes the forward allocated that are still alive when the backward starts: the
+  saved tensors, checkpointed layers' inputs and the loss. This is what a micro-batch in flight holds.
+* ``peak``: the most bytes alive at once over the forward and the backward, counting what both
+  allocate; each parameter's gradient is dropped as soon as autograd has accumulated it, because
+  the plan counts gradients separately (``RankPlan.gradients``), whole.
+
+Attention, as the recipe's ``--attn`` chooses it: ``sdpa`` is PyTorch's
+``scaled_dot_product_attention``, which on a meta tensor would take the math path (the ``s x s``
+probabilities saved); inside the simulation it runs the fused kernel the device would pick instead
+(CUDA: flash attention for fp16/bf16, memory-efficient attention for fp32; CPU: the CPU flash
+kernel), through that kernel's own meta function, key/value heads repeated first as transformers
+does. ``flash`` is flash-attn's ``flash_attention_2`` (CUDA only): the same kernel on the key/value
+heads as they are (flash-attn takes grouped heads). ``eager`` is transformers' own attention.
+
+Not modelled: memory inside a kernel that it frees before returning (cuBLAS / flash workspaces),
+the caching allocator's fragmentation (the verdict's margin, :data:`ALLOCATOR_MARGIN`), and
+sequence parallelism (refused by :func:`simulate_activations`: ColossalAI replaces the attention
+forward then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .models import PlanError
+from .torch_internals import meta_autocast, meta_collectives
+
+__all__ = ["ATTENTION", "ALLOCATOR_MARGIN", "Workload", "Activations", "simulate_activations", "attention_as"]
+
+#: ``--attn`` values, as the recipe's.
+ATTENTION = ("sdpa", "flash", "eager")
+
+#: Share of the GPU's memory the verdict keeps free for what the plan does not count: the caching
+#: allocator's fragmentation and rounding, the CUDA context, NCCL's buffers and kernel workspaces.
+ALLOCATOR_MARGIN = 0.1
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One micro-batch as the recipe's flags give it: ``--seq-len``, ``--batch-size`` (sequences per
+    data-parallel rank and micro-batch), ``--grad-checkpoint`` (every decoder layer) and ``--attn``."""
+
+    seq_len: int = 4096
+    batch_size: int = 1
+    grad_checkpoint: bool = False
+    attn: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
+        if self.attn not in ATTENTION:
+            raise PlanError(f"--attn {self.attn!r}: choose one of {', '.join(ATTENTION)}")
+
+    def describe(self) -> str:
+        ckpt = ", checkpointed layers" if self.grad_checkpoint else ""
+        return f"{self.batch_size} x {self.seq_len} tokens per micro-batch, attention {self.attn}{ckpt}"
+
+
+@dataclass
+class Activations:
+    """Bytes of one micro-batch's forward and backward on one rank (see the module's docstring)."""
+
+    saved: int
+    kept: int
+    peak: int
+    seconds: float
+    meta_items: int = 0
+
+
+def _fused_sdpa(device: str, grouped: bool) -> Any:
+    """``scaled_dot_product_attention`` that runs, on meta tensors, the fused kernel ``device``
+    would pick (``grouped``: key/value heads left as they are, as flash-attn takes them)."""
+    real = torch.nn.functional.scaled_dot_product_attention
+    aten = torch.ops.aten
+
+    def sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+             scale: float | None = None, **kwargs: Any) -> Any:  # fmt: skip
+        if not q.is_meta or attn_mask is not None:
+            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
+        if device == "cpu":
+            return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
+        if q.dtype in (torch.float16, torch.bfloat16) or grouped:
+            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+        return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal, scale=scale)[0]
+
+    return sdpa
+
+
+@contextlib.contextmanager
+def attention_as(attn: str, device: str) -> Iterator[str]:
+    """Inside the block, attention on meta tensors runs as ``attn`` runs on ``device``; yields the
+    ``attn_implementation`` the model must be built with."""
+    from transformers.integrations import sdpa_attention
+
+    if attn == "eager":
+        yield "eager"
+        return
+    if attn == "flash" and device != "cuda":
+        raise PlanError(f"--attn flash is flash-attn's CUDA kernel; with --device {device} plan --attn sdpa or eager")
+    functional = torch.nn.functional
+    real = functional.scaled_dot_product_attention
+    functional.scaled_dot_product_attention = _fused_sdpa(device, grouped=attn == "flash")  # type: ignore[assignment]
+    real_repeat = sdpa_attention.repeat_kv
+    if attn == "flash":
+        sdpa_attention.repeat_kv = lambda hidden_states, n_rep: hidden_states  # flash-attn reads grouped heads
+    try:
+        yield "sdpa"
+    finally:
+        functional.scaled_dot_product_attention = real  # type: ignore[assignment]
+        sdpa_attention.repeat_kv = real_repeat
+
+
+def simulate_activations(model: torch.nn.Module, workload: Workload, device: str = "cuda") -> Activations:
+    """One forward (with the loss, labels = inputs, as the recipe trains) and one backward of
+    ``model`` (a meta model, already sharded and in its working precision) on ``workload``."""
+    from .traffic import LiveBytes
+
+    t0 = time.perf_counter()
+    if workload.grad_checkpoint:
+        # As the recipe, except the RNG state: torch cannot fork a meta generator (the states a real
+        # run keeps are a few KB per layer, on the CPU and the device).
+        kwargs = {"use_reentrant": False, "preserve_rng_state": False}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    ids = torch.zeros((workload.batch_size, workload.seq_len), dtype=torch.long, device="meta")
+    try:
+        with meta_autocast(), meta_collectives(), attention_as(workload.attn, device), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with LiveBytes(answer_meta_items=True) as live:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = _loss(model(input_ids=ids, labels=ids))
+                kept = live.live
+                loss.backward()
+                del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    return Activations(sum(saved.values()), kept, live.peak, time.perf_counter() - t0, live.meta_items)
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
+
+
+def _loss(out: Any) -> torch.Tensor:
+    loss = out.loss if hasattr(out, "loss") else out["loss"]
+    return loss
+
+
+def activations_of_rank(
+    config: Any, layout: Any, workload: Workload, rank: int = 0, device: str = "cuda"
+) -> Activations:
+    """:func:`simulate_activations` on rank ``rank`` of ``layout`` (a
+    :class:`~dist_optim.plan.simulate.Layout`): its ShardFormer-split meta model in the working
+    precision, over ``fake`` process groups of the job's world size."""
+    from .simulate import SimWorld, as_device, sharded_meta_model
+
+    with SimWorld(layout, rank) as world, as_device(device), attention_as(workload.attn, device) as impl:
+        model = sharded_meta_model(config, layout, world, attn_implementation=impl)
+        model.to(layout.working_dtype)
+        return simulate_activations(model, workload, device)
