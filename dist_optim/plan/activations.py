@@ -134,9 +134,13 @@ def attention_as(attn: str, device: str) -> Iterator[str]:
         sdpa_attention.repeat_kv = real_repeat
 
 
-def simulate_activations(model: torch.nn.Module, workload: Workload, device: str = "cuda") -> Activations:
+def simulate_activations(
+    model: torch.nn.Module, workload: Workload, device: str = "cuda", breakdown: dict[str, int] | None = None
+) -> Activations:
     """One forward (with the loss, labels = inputs, as the recipe trains) and one backward of
-    ``model`` (a meta model, already sharded and in its working precision) on ``workload``."""
+    ``model`` (a meta model, already sharded and in its working precision) on ``workload``.
+    ``breakdown``, when given, receives the saved bytes by the autograd node that produced each
+    saved tensor ("input" for tensors no node produced), each storage once."""
     from .traffic import LiveBytes
 
     t0 = time.perf_counter()
@@ -152,8 +156,11 @@ def simulate_activations(model: torch.nn.Module, workload: Workload, device: str
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage._cdata not in params:
+        if storage._cdata not in params and storage._cdata not in saved:
             saved[storage._cdata] = storage.nbytes()
+            if breakdown is not None:
+                producer = type(t.grad_fn).__name__ if t.grad_fn is not None else "input"
+                breakdown[producer] = breakdown.get(producer, 0) + storage.nbytes()
         return t
 
     ids = torch.zeros((workload.batch_size, workload.seq_len), dtype=torch.long, device="meta")
@@ -182,7 +189,12 @@ def _loss(out: Any) -> torch.Tensor:
 
 
 def activations_of_rank(
-    config: Any, layout: Any, workload: Workload, rank: int = 0, device: str = "cuda"
+    config: Any,
+    layout: Any,
+    workload: Workload,
+    rank: int = 0,
+    device: str = "cuda",
+    breakdown: dict[str, int] | None = None,
 ) -> Activations:
     """:func:`simulate_activations` on rank ``rank`` of ``layout`` (a
     :class:`~dist_optim.plan.simulate.Layout`): its ShardFormer-split meta model in the working
@@ -192,4 +204,4 @@ def activations_of_rank(
     with SimWorld(layout, rank) as world, as_device(device), attention_as(workload.attn, device) as impl:
         model = sharded_meta_model(config, layout, world, attn_implementation=impl)
         model.to(layout.working_dtype)
-        return simulate_activations(model, workload, device)
+        return simulate_activations(model, workload, device, breakdown)
