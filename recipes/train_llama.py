@@ -195,6 +195,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("grad_accum", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.pp > 1 and args.batch_size < args.pp:
+        ap.error(
+            f"--batch-size {args.batch_size} with --pp {args.pp}: the pipeline runs micro-batches of one sequence and "
+            f"ColossalAI's 1F1B schedule needs at least as many as stages; use --batch-size {args.pp} or more"
+        )
     if args.steps < 0:
         ap.error("--steps must be at least 0 (0: build and load the model, report its memory, train nothing)")
     if not 0 <= args.grad_checkpoint <= 1:

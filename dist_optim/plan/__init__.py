@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from .activations import ALLOCATOR_MARGIN, Activations, Workload, activations_of_rank
 from .models import MODELS, PlanError, check_model_layout, load_config
@@ -63,8 +63,8 @@ NOT_SIMULATED = (
     "large as the local parameters where the plugin wraps the model in DDP)",
     "values that depend on tensor contents (.item() of a meta tensor): answered 0 / True; iterations run to "
     "their limit, NaN checks find none",
-    "pipeline parallelism (--pp), expert parallelism (--ep) and sequence parallelism (the recipe's --sp): "
-    "not simulated (--pp and --ep refused)",
+    "expert parallelism (--ep) and sequence parallelism (the recipe's --sp): not simulated (--ep refused); "
+    "pipeline stages: the 1F1B schedule only",
 )
 
 #: The layouts of ``--sweep`` for a world of N ranks: (plugin, tp, zero, precision).
@@ -124,17 +124,24 @@ class Plan:
     not_simulated: tuple[str, ...] = NOT_SIMULATED
     meta_items: int = 0
     workload: Workload | None = None
-    activations: Activations | None = None  # rank 0's micro-batch (TP ranks are alike)
+    #: By pipeline stage (0 without stages): the micro-batch on the stage's first rank (the ranks of
+    #: a stage are alike: TP splits evenly, data-parallel ranks run the same shapes).
+    stage_activations: dict[int, Activations] | None = None
     margin: float = ALLOCATOR_MARGIN
+
+    @property
+    def activations(self) -> Activations | None:
+        """The activations of the busiest rank's stage."""
+        if not self.stage_activations:
+            return None
+        return self.stage_activations[self.layout.stage_of(self.busiest.rank)]
 
     @property
     def total(self) -> int:
         """The busiest rank's peak: what stays across steps (parameters, masters, gradients, state,
-        kept buffers) plus the larger of the step's transient and the micro-batch's activation peak
-        (the two never coexist: activations are freed by the end of the backward)."""
-        b = self.busiest
-        act = self.activations.peak if self.activations is not None else 0
-        return b.total - b.peak_transient + max(b.peak_transient, act)
+        kept buffers) plus the larger of the step's transient and the activation peak of its
+        schedule (the two never coexist: activations are freed by the end of the backward)."""
+        return rank_total(self.busiest, self.activations)
 
     @property
     def usable(self) -> int | None:
@@ -179,9 +186,10 @@ class Plan:
             "seconds": self.seconds,
             "not_simulated": list(self.not_simulated),
         }
-        if self.workload is not None and self.activations is not None:
+        if self.workload is not None and self.stage_activations:
             out["workload"] = asdict(self.workload)
-            out["activations"] = asdict(self.activations)
+            out["activations"] = asdict(cast(Activations, self.activations))
+            out["stage_activations"] = {s: asdict(a) for s, a in self.stage_activations.items()}
         out["total"] = self.total
         if self.usable is not None:
             out["gpu_memory"] = self.gpu_memory
@@ -202,6 +210,13 @@ TRANSIENT_OPTIONS = {
     "adafactor": "none (row/column statistics are small)",
     "came": "none (row/column statistics are small)",
 }
+
+
+def rank_total(rank: RankPlan, activations: Activations | None) -> int:
+    """``rank``'s peak with its stage's ``activations``: its static bytes plus the larger of its
+    step's transient and the activation peak of its schedule."""
+    act = activations.schedule_peak if activations is not None else 0
+    return rank.total - rank.peak_transient + max(rank.peak_transient, act)
 
 
 def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
@@ -241,14 +256,17 @@ def make_plan(
     device: str = "cuda",
     workload: Workload | None = None,
     margin: float = ALLOCATOR_MARGIN,
-    activations: Activations | None = None,
+    activations: dict[int, Activations] | None = None,
 ) -> Plan:
     """Simulate ``optimizer`` on ``model`` (a :data:`MODELS` name, a config.json path or a config)
     under ``layout``: rank 0, the busiest owner, and every rank when the world has at most
     ``all_ranks_up_to`` ranks; as on ``device`` (``"cuda"``, or ``"cpu"`` to compare with a CPU run:
     :func:`~dist_optim.plan.simulate.as_device`). With a ``workload``, also one micro-batch's
-    forward and backward on rank 0 (:func:`~dist_optim.plan.activations.activations_of_rank`), unless
-    ``activations`` gives them (a sweep simulates them once per layout)."""
+    forward and backward on the first rank of each pipeline stage
+    (:func:`~dist_optim.plan.activations.activations_of_rank`), unless ``activations`` gives them by
+    stage (a sweep simulates them once per layout). With pipeline stages, the first rank of every
+    stage is simulated too, and the busiest rank is the one whose peak, activations included, is
+    the highest."""
     t0 = time.perf_counter()
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
@@ -261,20 +279,25 @@ def make_plan(
     args = dict(optimizer_args or {})
     say = log or (lambda _: None)
     if workload is not None and activations is None:
-        say(f"simulating the forward and backward of {workload.describe()} on rank 0")
-        activations = activations_of_rank(config, layout, workload, 0, device)
+        activations = stage_activations(config, layout, workload, device, say)
     say(f"simulating rank 0 of {layout.describe()} with {optimizer}")
     first = simulate_rank(config, layout, optimizer, args, 0, steps, device)
     results = {0: first}
     loads = first.owner_loads
     busiest = max(range(len(loads)), key=lambda r: (loads[r], -r)) if loads else 0
-    wanted = list(range(layout.world)) if layout.world <= all_ranks_up_to else [busiest]
+    if layout.pp > 1:  # owner loads index rank 0's stage's ranks (its TP x DP grid)
+        busiest = layout.stage_ranks(0)[busiest] if busiest < layout.stage_size else 0
+    firsts = [layout.stage_ranks(s)[0] for s in range(layout.pp)]
+    wanted = list(range(layout.world)) if layout.world <= all_ranks_up_to else [busiest, *firsts]
     for r in wanted:
         if r not in results:
             say(f"simulating rank {r}")
             results[r] = simulate_rank(config, layout, optimizer, args, r, steps, device)
     ranks = [_rank_plan(results[r], layout) for r in sorted(results)]
-    top = max(ranks, key=lambda r: (r.optimizer_state + r.kept_buffers + r.peak_transient, -r.rank))
+    if activations:
+        top = max(ranks, key=lambda r: (rank_total(r, activations[layout.stage_of(r.rank)]), -r.rank))
+    else:
+        top = max(ranks, key=lambda r: (r.optimizer_state + r.kept_buffers + r.peak_transient, -r.rank))
     single, how = single_device_state(config, optimizer, args, device)
     mean_load = sum(loads) / len(loads) if loads else 0.0
     refresh = {k: v for k, v in OPTIMIZERS[optimizer].refresh.items() if k not in args}
@@ -288,9 +311,23 @@ def make_plan(
         model if isinstance(model, str) else "config", layout, optimizer, args, top, ranks,
         single // ideal_share(layout), single, how, max(loads) / mean_load if mean_load else 1.0,
         TRANSIENT_OPTIONS[optimizer], note, time.perf_counter() - t0, gpu_memory,
-        meta_items=sum(r.meta_items for r in results.values()) + (activations.meta_items if activations else 0),
-        workload=workload, activations=activations, margin=margin,
+        meta_items=sum(r.meta_items for r in results.values())
+        + sum(a.meta_items for a in (activations or {}).values()),
+        workload=workload, stage_activations=activations, margin=margin,
     )  # fmt: skip
+
+
+def stage_activations(
+    config: Any, layout: Layout, workload: Workload, device: str = "cuda", log: Callable[[str], None] | None = None
+) -> dict[int, Activations]:
+    """The activations of ``workload`` on the first rank of each pipeline stage of ``layout``."""
+    out = {}
+    for stage in range(layout.pp):
+        rank = layout.stage_ranks(stage)[0]
+        if log is not None:
+            log(f"simulating the forward and backward of {workload.describe()} on rank {rank}")
+        out[stage] = activations_of_rank(config, layout, workload, rank, device)
+    return out
 
 
 def _gb(x: float) -> str:
@@ -319,14 +356,22 @@ def format_plan(plan: Plan) -> str:
     ):
         lines.append(f"{label:<34}{_gb(getattr(b, key)):>12}{_gb(plan.mean(key)):>20}")
     lines.append(f"{'total before activations':<34}{_gb(b.total):>12}")
-    if plan.activations is not None and plan.workload is not None:
-        a = plan.activations
+    if plan.activations is not None and plan.workload is not None and plan.stage_activations:
+        a, pp = plan.activations, plan.layout.pp
         lines += [
-            f"{'activations kept for backward':<34}{_gb(a.kept):>12}",
-            f"{'activation peak (fwd + bwd)':<34}{_gb(a.peak):>12}",
+            f"{'activations kept per micro-batch':<34}{_gb(a.kept):>12}",
+            f"{'activation peak (fwd + bwd)':<34}{_gb(a.schedule_peak):>12}",
             f"{'peak of the step (total)':<34}{_gb(plan.total):>12}",
-            f"activations of rank 0: {plan.workload.describe()}; autograd saved {_gb(a.saved)}",
         ]
+        where = f"stage {a.stage} of {pp}" if pp > 1 else "rank 0"
+        lines.append(
+            f"activations of {where}: {plan.workload.describe(pp)}; autograd saved {_gb(a.saved)} per micro-batch"
+        )
+        if pp > 1:
+            lines.append(
+                f"1F1B: stage {a.stage} holds {a.in_flight} micro-batch(es) at once; activation peak by stage: "
+                + ", ".join(f"{s}: {_gb(x.schedule_peak)}" for s, x in sorted(plan.stage_activations.items()))
+            )
     lines += [
         "",
         f"ideal state per rank: {_gb(plan.ideal_state)} (single-device {_gb(plan.single_device_state)}, "

@@ -19,8 +19,9 @@ from . import (
     load_config,
     make_plan,
     parse_bytes,
+    stage_activations,
 )
-from .activations import ATTENTION, Workload, activations_of_rank
+from .activations import ATTENTION, Workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,7 +103,7 @@ def run(argv: list[str] | None = None) -> str:
             if world % tp or not _fits_heads(config, tp):
                 continue
             layout = Layout(plugin, tp=tp, zero=zero, dp=world // tp, precision=precision)
-            acts = activations_of_rank(config, layout, work, 0, a.device) if work is not None else None
+            acts = stage_activations(config, layout, work, a.device) if work is not None else None
             for name in OPTIMIZERS:
                 plans.append(
                     make_plan(

@@ -37,6 +37,7 @@ forward then).
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import warnings
 from collections.abc import Iterator
@@ -75,20 +76,35 @@ class Workload:
         if self.attn not in ATTENTION:
             raise PlanError(f"--attn {self.attn!r}: choose one of {', '.join(ATTENTION)}")
 
-    def describe(self) -> str:
+    def describe(self, pp: int = 1) -> str:
         ckpt = ", checkpointed layers" if self.grad_checkpoint else ""
+        if pp > 1:  # the recipe's pipeline micro-batches are one sequence each
+            return f"{self.batch_size} micro-batches of 1 x {self.seq_len} tokens, attention {self.attn}{ckpt}"
         return f"{self.batch_size} x {self.seq_len} tokens per micro-batch, attention {self.attn}{ckpt}"
 
 
 @dataclass
 class Activations:
-    """Bytes of one micro-batch's forward and backward on one rank (see the module's docstring)."""
+    """Bytes of one micro-batch's forward and backward on one rank (see the module's docstring);
+    under pipeline stages, of one stage, with the micro-batches its 1F1B schedule holds at once."""
 
     saved: int
     kept: int
     peak: int
     seconds: float
     meta_items: int = 0
+    stage: int = 0
+    in_flight: int = 1  # micro-batches whose activations the stage holds at once (1F1B: stages - stage)
+    #: ColossalAI's 1F1B loop keeps the input gradient a later stage last sent back alive until the
+    #: next backward replaces it: one received-activation-sized tensor under every later micro-batch.
+    held_grad: int = 0
+
+    @property
+    def schedule_peak(self) -> int:
+        """The rank's activation peak in its schedule: the earlier micro-batches' kept bytes (and the
+        held input gradient) under the peak of the one whose backward runs (1F1B's steady state: a
+        forward, then the oldest micro-batch's backward)."""
+        return (self.in_flight - 1) * self.kept + self.held_grad + self.peak
 
 
 def _fused_sdpa(device: str, grouped: bool) -> Any:
@@ -135,12 +151,22 @@ def attention_as(attn: str, device: str) -> Iterator[str]:
 
 
 def simulate_activations(
-    model: torch.nn.Module, workload: Workload, device: str = "cuda", breakdown: dict[str, int] | None = None
+    model: torch.nn.Module,
+    workload: Workload,
+    device: str = "cuda",
+    breakdown: dict[str, int] | None = None,
+    stages: Any = None,
 ) -> Activations:
     """One forward (with the loss, labels = inputs, as the recipe trains) and one backward of
     ``model`` (a meta model, already sharded and in its working precision) on ``workload``.
     ``breakdown``, when given, receives the saved bytes by the autograd node that produced each
-    saved tensor ("input" for tensors no node produced), each storage once."""
+    saved tensor ("input" for tensors no node produced), each storage once.
+
+    ``stages``: ColossalAI's PipelineStageManager of a pipeline stage's model. The stage runs one
+    micro-batch of one sequence (the recipe's ``microbatch_size=1``) as the 1F1B schedule calls it:
+    a later stage takes the hidden states it receives, every stage but the last sends its output
+    and runs its backward from the gradient it receives (both allocated inside the measurement,
+    as the schedule's receive buffers are); ``batch_size`` micro-batches go through per step."""
     from .traffic import LiveBytes
 
     t0 = time.perf_counter()
@@ -163,20 +189,49 @@ def simulate_activations(
                 breakdown[producer] = breakdown.get(producer, 0) + storage.nbytes()
         return t
 
-    ids = torch.zeros((workload.batch_size, workload.seq_len), dtype=torch.long, device="meta")
+    rows = workload.batch_size if stages is None else 1
+    ids = torch.zeros((rows, workload.seq_len), dtype=torch.long, device="meta")
+    first = stages is None or stages.is_first_stage()
+    last = stages is None or stages.is_last_stage()
+    dtype = next(model.parameters()).dtype
+    width = int(getattr(getattr(model, "config", None), "hidden_size", 0))
     try:
         with meta_autocast(), meta_collectives(), attention_as(workload.attn, device), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with LiveBytes(answer_meta_items=True) as live:
+                inputs: dict[str, Any] = {"input_ids": ids, "labels": ids}
+                if not first:
+                    received = torch.empty((rows, workload.seq_len, width), dtype=dtype, device="meta")
+                    inputs["hidden_states"] = received.requires_grad_()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    loss = _loss(model(input_ids=ids, labels=ids))
+                    out = model(**inputs)
+                # What outlives the forward: the loss (the model's other outputs, the logits, are
+                # dropped, as the recipe's loop and the pipeline schedule drop them) or the hidden
+                # states a stage sends (the schedule holds them for the backward).
+                held = _loss(out) if last else out["hidden_states"]
+                del out
+                # Reference cycles of the forward (ColossalAI's autograd functions make some) hold
+                # small tensors until Python's collector runs, at no fixed time: collect them now, so
+                # that the figures do not depend on when it last ran.
+                gc.collect()
                 kept = live.live
-                loss.backward()
-                del loss
+                if last:
+                    held.backward()
+                else:
+                    torch.autograd.backward(held, torch.empty_like(held))
+                del held, inputs
     finally:
         for h in hooks:
             h.remove()
-    return Activations(sum(saved.values()), kept, live.peak, time.perf_counter() - t0, live.meta_items)
+    stage, in_flight, held_grad = 0, 1, 0
+    if stages is not None:
+        stage = int(stages.stage)
+        in_flight = min(int(stages.num_stages) - stage, workload.batch_size)
+        if not first and workload.batch_size > 1:
+            held_grad = rows * workload.seq_len * width * dtype.itemsize
+    return Activations(
+        sum(saved.values()), kept, live.peak, time.perf_counter() - t0, live.meta_items, stage, in_flight, held_grad
+    )
 
 
 def _drop_grad(param: torch.Tensor) -> None:
@@ -201,7 +256,13 @@ def activations_of_rank(
     precision, over ``fake`` process groups of the job's world size."""
     from .simulate import SimWorld, as_device, sharded_meta_model
 
+    if layout.pp > 1 and workload.batch_size < layout.pp:
+        raise PlanError(
+            f"--batch-size {workload.batch_size} with --pp {layout.pp}: ColossalAI's 1F1B schedule needs at least "
+            f"as many micro-batches (one sequence each, the recipe's) as stages; use --batch-size {layout.pp} or more"
+        )
+    ratio = 1.0 if workload.grad_checkpoint else None
     with SimWorld(layout, rank) as world, as_device(device), attention_as(workload.attn, device) as impl:
-        model = sharded_meta_model(config, layout, world, attn_implementation=impl)
+        model = sharded_meta_model(config, layout, world, attn_implementation=impl, checkpoint_ratio=ratio)
         model.to(layout.working_dtype)
-        return simulate_activations(model, workload, device, breakdown)
+        return simulate_activations(model, workload, device, breakdown, world.stage_manager)

@@ -58,7 +58,8 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout as the plugins take it (pipeline and expert parallelism are checked, not simulated)."""
+    """A parallel layout as the plugins take it (expert parallelism is checked, not simulated). Pipeline
+    stages (``pp``) are HybridParallelPlugin's one-forward-one-backward schedule."""
 
     plugin: str = "hybrid"
     tp: int = 1
@@ -80,8 +81,12 @@ class Layout:
             raise PlanError(
                 f"--zero {self.zero}: ZeRO stage 0, 1 or 2 (stage 3 is Gemini, which refuses our optimizers)"
             )
-        if self.pp != 1:
-            raise PlanError(f"--pp {self.pp}: the planner does not simulate pipeline parallelism yet; plan with --pp 1")
+        if self.pp > 1 and self.plugin != "hybrid":
+            raise PlanError(f"--pp {self.pp} needs --plugin hybrid (the {self.plugin} plugin has no pipeline stages)")
+        if self.pp > 1 and self.zero > 1:
+            raise PlanError(
+                f"--zero {self.zero} with --pp {self.pp}: HybridParallelPlugin takes ZeRO 0 or 1 with pipeline stages"
+            )
         if self.ep != 1:
             raise PlanError(f"--ep {self.ep}: Llama has no experts; expert parallelism needs an MoE model (--ep 1)")
         if self.plugin != "hybrid" and self.tp > 1:
@@ -123,7 +128,20 @@ class Layout:
 
     def describe(self) -> str:
         zero = f" x ZeRO-{self.zero}" if self.zero else ""
-        return f"{self.plugin} tp={self.tp} x dp={self.dp}{zero} ({self.world} ranks, {self.precision})"
+        pp = f" x pp={self.pp}" if self.pp > 1 else ""
+        return f"{self.plugin} tp={self.tp}{pp} x dp={self.dp}{zero} ({self.world} ranks, {self.precision})"
+
+    def stage_of(self, rank: int) -> int:
+        """``rank``'s pipeline stage in HybridParallelPlugin's mesh (dp, pp, tp)."""
+        return (rank // self.tp) % self.pp
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [r for r in range(self.world) if self.stage_of(r) == stage]
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (tp x dp)."""
+        return self.tp * self.dp
 
 
 # ---- the simulated world ------------------------------------------------------------------
@@ -137,8 +155,11 @@ def _install_cpu_shims() -> None:
 
 class SimWorld:
     """``rank`` of a job of ``layout.world`` ranks on the ``fake`` backend (collectives are
-    no-ops; groups, ranks and sizes are real), with its TP and data-parallel groups laid out as
-    ColossalAI's ProcessGroupMesh does for pp=1: TP innermost (ranks ``d * tp + t``)."""
+    no-ops; groups, ranks and sizes are real), with its TP, data-parallel and pipeline groups laid
+    out as HybridParallelPlugin's ProcessGroupMesh(dp, pp, tp) (its default ``dp_outside=True``):
+    TP innermost, data parallelism outermost (rank ``(d * pp + s) * tp + t``). With pipeline stages
+    it also holds ColossalAI's own mesh and PipelineStageManager over those groups, for
+    ShardFormer's stage split."""
 
     def __init__(self, layout: Layout, rank: int) -> None:
         if not 0 <= rank < layout.world:
@@ -147,17 +168,26 @@ class SimWorld:
         self.rank = rank
         self.tp_group: Any = None
         self.dp_group: Any = None
+        self.stage_manager: Any = None
 
     def tp_ranks(self, rank: int) -> tuple[int, ...]:
         base = (rank // self.layout.tp) * self.layout.tp
         return tuple(range(base, base + self.layout.tp))
 
+    def stage(self, rank: int) -> int:
+        return self.layout.stage_of(rank)
+
     def dp_ranks(self, rank: int) -> tuple[int, ...]:
-        return tuple(range(rank % self.layout.tp, self.layout.world, self.layout.tp))
+        tp, pp = self.layout.tp, self.layout.pp
+        return tuple((d * pp + self.stage(rank)) * tp + rank % tp for d in range(self.layout.dp))
+
+    def pp_ranks(self, rank: int) -> tuple[int, ...]:
+        tp, pp = self.layout.tp, self.layout.pp
+        return tuple((self.zero_rank(rank) * pp + s) * tp + rank % tp for s in range(pp))
 
     def zero_rank(self, rank: int) -> int:
         """``rank``'s index in its ZeRO group (its data-parallel group)."""
-        return rank // self.layout.tp
+        return rank // (self.layout.tp * self.layout.pp)
 
     def __enter__(self) -> SimWorld:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -167,6 +197,13 @@ class SimWorld:
         dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.layout.world)
         self.tp_group = dist.new_group(list(self.tp_ranks(self.rank)))
         self.dp_group = dist.new_group(list(self.dp_ranks(self.rank)))
+        self.stage_manager = None
+        if self.layout.pp > 1:
+            from colossalai.cluster import ProcessGroupMesh
+            from colossalai.pipeline.stage_manager import PipelineStageManager
+
+            mesh = ProcessGroupMesh(self.layout.dp, self.layout.pp, self.layout.tp)
+            self.stage_manager = PipelineStageManager(mesh, pipeline_axis=1)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -189,7 +226,7 @@ class SimWorld:
                 None if zero_rank is None else self._zero_rank_of(member),
             )
         if isinstance(obj, tuple) and obj and all(isinstance(i, int) for i in obj):
-            for ranks_of in (self.tp_ranks, self.dp_ranks, lambda r: tuple(range(self.layout.world))):
+            for ranks_of in (self.tp_ranks, self.dp_ranks, self.pp_ranks, lambda r: tuple(range(self.layout.world))):
                 if obj == ranks_of(self.rank):
                     return ranks_of(member)
         elif isinstance(obj, (list, tuple)):
@@ -247,22 +284,37 @@ def _meta_model(config: Any, attn_implementation: str = "eager") -> torch.nn.Mod
 
 
 def sharded_meta_model(
-    config: Any, layout: Layout, world: SimWorld | None, attn_implementation: str = "eager"
+    config: Any,
+    layout: Layout,
+    world: SimWorld | None,
+    attn_implementation: str = "eager",
+    checkpoint_ratio: float | None = None,
 ) -> torch.nn.Module:
     """The meta model of ``config`` as the plugin runs it on ``world``'s rank: split by ColossalAI's
-    ShardFormer with the plugin's ShardConfig for ``layout`` (the whole model without TP)."""
+    ShardFormer with the plugin's ShardConfig for ``layout`` (the whole model without TP or
+    pipeline stages): its TP slices, and only its pipeline stage's layers. ``checkpoint_ratio``: the
+    share of a stage's layers ColossalAI's pipeline forward checkpoints (the recipe's
+    PipelineGradientCheckpointConfig)."""
     model = _meta_model(config, attn_implementation)
-    if world is None or layout.tp == 1:
+    if world is None or (layout.tp == 1 and layout.pp == 1):
         return model
     _install_cpu_shims()
-    from colossalai.shardformer import ShardConfig, ShardFormer
+    from colossalai.shardformer import PipelineGradientCheckpointConfig, ShardConfig, ShardFormer
 
+    ckpt = None
+    if checkpoint_ratio and layout.pp > 1:
+        ckpt = PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=checkpoint_ratio)
     with _meta_device_mesh(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # The plugin's own ShardConfig for this layout (HybridParallelPlugin: TP only, no fused
-        # kernels on CPU).
+        # The plugin's own ShardConfig for this layout (HybridParallelPlugin: TP and stages, no
+        # fused kernels on CPU).
         sharded, _ = ShardFormer(
-            ShardConfig(tensor_parallel_process_group=world.tp_group, enable_tensor_parallelism=True)
+            ShardConfig(
+                tensor_parallel_process_group=world.tp_group,
+                pipeline_stage_manager=world.stage_manager,
+                enable_tensor_parallelism=layout.tp > 1,
+                gradient_checkpoint_config=ckpt,
+            )
         ).optimize(model)
     return cast(torch.nn.Module, sharded)
 
@@ -273,12 +325,13 @@ def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[t
     model = _meta_model(config)
     sharded = model
     tp_dims: dict[str, int | None] = {}
-    if world is not None and layout.tp > 1:
+    if world is not None and (layout.tp > 1 or layout.pp > 1):
         from dist_optim.plugins.colossal import tp_dim_of
 
         # ShardFormer replaces modules in place: shard a second meta model, keep the first whole.
         sharded = sharded_meta_model(config, layout, world)
-        tp_dims = {n: tp_dim_of(p) for n, p in sharded.named_parameters()}
+        if layout.tp > 1:
+            tp_dims = {n: tp_dim_of(p) for n, p in sharded.named_parameters()}
     pieces = []
     for name, working in sharded.named_parameters():
         pieces.append(_piece(name, working, tp_dims.get(name), layout, world))
@@ -495,8 +548,9 @@ def single_device_state(
 
 
 def ideal_share(layout: Layout) -> int:
-    """Ranks that share one copy of the model's optimizer state: every rank of a stage (TP x DP)."""
-    return layout.tp * layout.dp
+    """Ranks that share one copy of the model's optimizer state: every rank (TP x DP x pipeline
+    stages; with stages the ideal is the mean over them, the first and last stages hold more)."""
+    return layout.world
 
 
 @contextlib.contextmanager

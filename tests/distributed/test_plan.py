@@ -32,6 +32,12 @@ LAYOUTS = {
         4,
         Layout("hybrid", tp=2, zero=1, dp=2, precision="bf16"),
     ),
+    "pp2-dp2-zero1": (
+        "HybridParallelPlugin",
+        dict(tp_size=1, pp_size=2, zero_stage=1, precision="bf16", overlap_communication=False, microbatch_size=1),
+        4,
+        Layout("hybrid", pp=2, zero=1, dp=2, precision="bf16"),
+    ),
     "zero2-x4": (
         "LowLevelZeroPlugin",
         dict(stage=2, precision="bf16", overlap_communication=False),
@@ -111,7 +117,11 @@ def _measured_run(name: str, plugin_name: str, plugin_kwargs: dict[str, Any]) ->
         dp_size, dp_rank = dp_coords(plugin)
         for s in range(STEPS):
             x = rank_batch(s, dp_size, dp_rank)
-            booster.backward(model(input_ids=x, labels=x).loss, wrapper)
+            if plugin_kwargs.get("pp_size", 1) > 1:
+                batch = iter([{"input_ids": x, "labels": x}])
+                booster.execute_pipeline(batch, model, lambda out, _: out.loss, wrapper, return_loss=True)
+            else:
+                booster.backward(model(input_ids=x, labels=x).loss, wrapper)
             wrapper.step()
             wrapper.zero_grad()
         params = [p for g in inner.param_groups for p in g["params"]]
@@ -244,8 +254,10 @@ def _in_group_order(pieces: list[Any], name: str) -> list[Any]:
 def test_bad_input_names_the_option_and_the_fix() -> None:
     with pytest.raises(PlanError, match="--tp 2 needs --plugin hybrid"):
         Layout("zero", tp=2, zero=1, dp=2)
-    with pytest.raises(PlanError, match="--pp 2: .*--pp 1"):
-        Layout("hybrid", pp=2)
+    with pytest.raises(PlanError, match="^--pp 2 needs --plugin hybrid"):
+        Layout("zero", pp=2, zero=1, dp=2)
+    with pytest.raises(PlanError, match="^--zero 2 with --pp 2: HybridParallelPlugin takes ZeRO 0 or 1"):
+        Layout("hybrid", pp=2, zero=2, dp=2)
     with pytest.raises(PlanError, match="--optimizer 'adam': choose one of"):
         make_plan("llama-7b", Layout(), "adam")
     with pytest.raises(PlanError, match="--model 'nope'"):

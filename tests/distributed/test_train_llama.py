@@ -344,6 +344,7 @@ def test_grad_checkpoint_option_is_checked(capsys: pytest.CaptureFixture[str]) -
         (["--grad-checkpoint", "1.5"], "a share of the layers in"),
         (["--grad-checkpoint", "0.5"], "needs --plugin hybrid with --pp > 1"),
         (["--plugin", "zero", "--zero", "1", "--grad-checkpoint", "0.5"], "needs --plugin hybrid with --pp > 1"),
+        (["--pp", "4", "--batch-size", "2"], "--batch-size 2 with --pp 4: the pipeline runs micro-batches of one"),
     ):
         with pytest.raises(SystemExit):
             parse_args(["--model", "tiny", *bad])
