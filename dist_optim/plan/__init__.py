@@ -217,7 +217,7 @@ def make_plan(
     if steps < 2:
         raise PlanError(f"--steps {steps}: at least 2 (the first step also creates the state)")
     config = load_config(model)
-    check_model_layout(config, layout.tp, layout.pp)
+    check_model_layout(config, layout.tp, layout.pp, ep=layout.ep)
     args = dict(optimizer_args or {})
     say = log or (lambda _: None)
     say(f"simulating rank 0 of {layout.describe()} with {optimizer}")

@@ -28,7 +28,7 @@ from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
 from dist_optim.placement import recording_owner_loads
 from dist_optim.registry import PlanEntry, plan_entries
 
-from .models import MODELS, PlanError, load_config
+from .models import MODELS, PlanError, load_config, vocab_multiple
 from .torch_internals import DEVICES, check_torch, meta_generators
 from .torch_internals import as_device as _device_kernels
 from .traffic import LiveBytes, StepTraffic, Traffic, traffic_of
@@ -57,7 +57,8 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout as the plugins take it (pipeline and expert parallelism are checked, not simulated)."""
+    """A parallel layout as the plugins take it (pipeline and expert parallelism are checked, not
+    simulated; ``ep`` against the model, :func:`~dist_optim.plan.models.check_model_layout`)."""
 
     plugin: str = "hybrid"
     tp: int = 1
@@ -81,8 +82,6 @@ class Layout:
             )
         if self.pp != 1:
             raise PlanError(f"--pp {self.pp}: the planner does not simulate pipeline parallelism yet; plan with --pp 1")
-        if self.ep != 1:
-            raise PlanError(f"--ep {self.ep}: Llama has no experts; expert parallelism needs an MoE model (--ep 1)")
         if self.plugin != "hybrid" and self.tp > 1:
             raise PlanError(
                 f"--tp {self.tp} needs --plugin hybrid (the {self.plugin} plugin has no tensor parallelism)"
@@ -222,14 +221,16 @@ class Piece:
 
 
 def _meta_model(config: Any) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
+    """The causal LM of ``config``'s type (Llama, Mistral, Qwen2, Mixtral: transformers' auto
+    class, as the recipe builds it) on the meta device, with a copy of the config: sharding
+    rewrites the model's config in place."""
+    from transformers import AutoModelForCausalLM
 
     config = type(config).from_dict(config.to_dict())
     config.use_cache = False
-    config._attn_implementation = "eager"
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return cast(torch.nn.Module, LlamaForCausalLM(config))
+        return cast(torch.nn.Module, AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
 
 
 def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[torch.nn.Module, list[Piece]]:
@@ -249,9 +250,13 @@ def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[t
         with _meta_device_mesh(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # The plugin's own ShardConfig for this layout (HybridParallelPlugin: TP only, no
-            # fused kernels on CPU).
+            # fused kernels on CPU; the vocabulary padding the recipe sets, models.vocab_multiple).
             sharded, _ = ShardFormer(
-                ShardConfig(tensor_parallel_process_group=world.tp_group, enable_tensor_parallelism=True)
+                ShardConfig(
+                    tensor_parallel_process_group=world.tp_group,
+                    enable_tensor_parallelism=True,
+                    make_vocab_size_divisible_by=vocab_multiple(config),
+                )
             ).optimize(sharded)
         tp_dims = {n: tp_dim_of(p) for n, p in sharded.named_parameters()}
     pieces = []
