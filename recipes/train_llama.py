@@ -348,8 +348,11 @@ def _import(path: str) -> Any:
         raise SystemExit(f"--optimizer {path!r}: cannot import it ({exc}); ours are {sorted(OURS)}") from exc
 
 
-def build_plugin(args: argparse.Namespace) -> Any:
+def build_plugin(args: argparse.Namespace, config: Any = None) -> Any:
+    """The booster's plugin for ``args``; ``config`` (the model's) sets the hybrid plugin's
+    vocabulary padding (:func:`dist_optim.plan.models.vocab_multiple`: none for a tied Qwen2)."""
     from dist_optim import plugins
+    from dist_optim.plan.models import VOCAB_MULTIPLE, vocab_multiple
 
     cpu = not torch.cuda.is_available()
     if args.plugin == "hybrid":
@@ -361,6 +364,7 @@ def build_plugin(args: argparse.Namespace) -> Any:
             max_norm=args.grad_clip,
             microbatch_size=1 if args.pp > 1 else None,
             gradient_checkpoint_config=checkpoint_config(args),
+            make_vocab_size_divisible_by=vocab_multiple(config) if config is not None else VOCAB_MULTIPLE,
             initial_scale=2**16,
             overlap_communication=not cpu,
             **(
@@ -419,9 +423,15 @@ def device_peak_tflops(precision: str, override: float | None) -> float | None:
 def flops_per_token(config: Any, num_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6 per non-embedding-lookup parameter (forward + backward matmuls)
     plus the attention scores, 12 * layers * hidden * seq_len (Chowdhery et al. 2022, PaLM,
-    appendix B), the usual MFU convention: recomputation is not counted."""
-    embed = config.vocab_size * config.hidden_size
-    return 6.0 * (num_params - embed) + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+    appendix B), the usual MFU convention: recomputation is not counted. A Mixtral's token passes
+    through ``num_experts_per_tok`` of its ``num_local_experts`` experts (3 matrices each): the
+    others' parameters do no work for it and are not counted. A tied embedding (Qwen2's option) is
+    one parameter that is also the output head's matmul: counted."""
+    embed = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * config.hidden_size
+    experts = int(getattr(config, "num_local_experts", 0) or 0)
+    idle = experts - int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0
+    inactive = config.num_hidden_layers * idle * 3 * config.hidden_size * config.intermediate_size
+    return 6.0 * (num_params - embed - inactive) + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def peak_memory_bytes() -> int:
@@ -608,12 +618,14 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
     sharded = 1 if args.plugin != "hybrid" else args.tp
 
     def count(prefix: str) -> tuple[int, int]:
-        """(sharded, replicated) parameter counts under ``prefix``: matrices split over TP, vectors
-        (norms) replicated."""
+        """(sharded, replicated) parameter counts under ``prefix``: matrices and the q/k/v biases
+        (Qwen2's, split with their column-parallel projections) split over TP; norms and a
+        Mixtral's experts (HybridParallelPlugin shards only attention and the router) replicated.
+        A tied embedding is one parameter (named_parameters), counted once, with the embedding."""
         split = rep = 0
         for name, p in model.named_parameters():
             if name.startswith(prefix):
-                if p.dim() >= 2:
+                if (p.dim() >= 2 or name.endswith("_proj.bias")) and ".experts." not in name:
                     split += p.numel()
                 else:
                     rep += p.numel()
@@ -838,7 +850,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     num_params = sum(p.numel() for p in model.parameters())  # shapes only: lazy tensors hold no data
     optimizer = build_optimizer(args.optimizer, model, args.lr, args.optimizer_args)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
-    plugin = build_plugin(args)
+    plugin = build_plugin(args, config)
     booster = Booster(plugin=plugin)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     if weights and not args.resume:

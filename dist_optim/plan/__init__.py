@@ -273,7 +273,7 @@ def make_plan(
     if steps < 2:
         raise PlanError(f"--steps {steps}: at least 2 (the first step also creates the state)")
     config = load_config(model)
-    check_model_layout(config, layout.tp, layout.pp)
+    check_model_layout(config, layout.tp, layout.pp, ep=layout.ep)
     if not 0 <= margin < 1:
         raise PlanError(f"--memory-margin {margin}: a share of the GPU's memory in [0, 1), e.g. 0.1")
     args = dict(optimizer_args or {})

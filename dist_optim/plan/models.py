@@ -14,7 +14,10 @@ from typing import Any
 __all__ = [
     "MODELS",
     "SUPPORTED_TYPES",
+    "MOE_TYPES",
     "PlanError",
+    "check_model_type",
+    "vocab_multiple",
     "load_config",
     "llama_config",
     "read_config",
@@ -34,11 +37,32 @@ MODELS: dict[str, tuple[int, int, int, int, int, int]] = {
     "llama-70b": (8192, 28672, 80, 64, 8, 32000),
 }
 
-#: ``model_type`` values of the configs sharded here (ColossalAI's ShardFormer Llama policy).
-SUPPORTED_TYPES = ("llama",)
+#: ``model_type`` values of the configs sharded here: those of ColossalAI 0.5.0's ShardFormer
+#: policies for a causal LM (``colossalai/shardformer/policies/auto_policy.py``) that the planner's
+#: simulation and the recipe are tested with (tests/unit/test_plan_models.py checks each has a policy).
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 
-#: Fields a config.json must give: transformers would otherwise default them (a 4096-wide model).
+#: The supported types with experts (their MoE blocks; expert parallelism is MoeHybridParallelPlugin's).
+MOE_TYPES = ("mixtral",)
+
+#: Types whose ColossalAI 0.5.0 policy shards the output head as a plain column-parallel linear
+#: (``Linear1D_Col``, no padding of its own). Tied to the embedding, which ShardFormer pads to a
+#: multiple of ``make_vocab_size_divisible_by`` x tp, the head then computes the padded rows as
+#: logits of zero that enter the softmax: a tied Qwen2 of 300 tokens under tp=2 trains on a loss
+#: 0.27 above the model's (measured). :func:`vocab_multiple` turns that padding off for them.
+PLAIN_HEAD_TYPES = ("qwen2", "mixtral")
+
+#: HybridParallelPlugin's default ``make_vocab_size_divisible_by`` (a faster kernel's multiple).
+VOCAB_MULTIPLE = 64
+
+#: Types people ask for that ColossalAI cannot shard: the reason, said in the refusal. Qwen3
+#: (``Qwen3ForCausalLM``) has no entry in 0.5.0's ``_POLICY_LIST``; ShardFormer would fail on rank 0.
+NO_POLICY = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE"}
+
+#: Fields a config.json must give: transformers would otherwise default them (a 4096-wide model,
+#: or a Mixtral's 8 experts, top-2).
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+REQUIRED_MOE = ("num_local_experts", "num_experts_per_tok")
 
 
 def load_config(model: Any) -> Any:
@@ -88,9 +112,9 @@ def read_config(model: str) -> Any:
     if not isinstance(raw, dict):
         raise PlanError(f"--model {model!r}: {file} holds a JSON {type(raw).__name__}, not an object of config fields")
     kind = raw.get("model_type")
-    if kind not in SUPPORTED_TYPES:
-        raise PlanError(f"--model {model!r}: model_type {kind!r} in {file}; supported: {', '.join(SUPPORTED_TYPES)}")
-    missing = [k for k in REQUIRED if not isinstance(raw.get(k), int) or raw[k] < 1]
+    check_model_type(kind, f"--model {model!r}: model_type {kind!r} in {file}")
+    required = REQUIRED + (REQUIRED_MOE if kind in MOE_TYPES else ())
+    missing = [k for k in required if not isinstance(raw.get(k), int) or raw[k] < 1]
     if missing:
         raise PlanError(
             f"--model {model!r}: {file} lacks a positive integer {', '.join(missing)} (every {kind} config gives them)"
@@ -101,14 +125,67 @@ def read_config(model: str) -> Any:
         raise PlanError(f"--model {model!r}: transformers cannot read {file}: {exc}") from None
 
 
+def check_model_type(kind: Any, what: str) -> None:
+    """Refuse a ``model_type`` outside :data:`SUPPORTED_TYPES` in one line starting with ``what``:
+    why (no ShardFormer policy in the installed ColossalAI, for the types people ask for) and the
+    supported types. Shared by the planner and the recipe, so both refuse with the same words."""
+    if kind in SUPPORTED_TYPES:
+        return
+    supported = f"supported: {', '.join(SUPPORTED_TYPES)}"
+    if isinstance(kind, str) and kind in NO_POLICY:
+        raise PlanError(
+            f"{what}: ColossalAI {_colossalai_version()} has no ShardFormer policy for {NO_POLICY[kind]} "
+            f"({kind}); {supported}"
+        )
+    raise PlanError(f"{what}; {supported}")
+
+
+def _colossalai_version() -> str:
+    """The installed ColossalAI's version, read without importing it (its import takes seconds)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("colossalai")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _padding_breaks_tie(config: Any) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False)) and getattr(config, "model_type", "") in PLAIN_HEAD_TYPES
+
+
+def vocab_multiple(config: Any) -> int:
+    """The ``make_vocab_size_divisible_by`` that HybridParallelPlugin (the recipe) and the planner's
+    ShardConfig give ShardFormer for ``config``: the plugin's default, except 1 for a tied
+    embedding under a plain column-parallel head (:data:`PLAIN_HEAD_TYPES`), whose padded rows
+    would enter the loss; :func:`check_model_layout` then asks ``tp`` to divide the vocabulary."""
+    return 1 if _padding_breaks_tie(config) else VOCAB_MULTIPLE
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_model_layout(config: Any, tp: int = 1, pp: int = 1, sp: int = 1, sp_mode: str | None = None) -> None:
-    """Refuse, naming the value and what is accepted, a layout ColossalAI's Llama policy would
-    assert on: ``tp`` dividing the attention heads and the key/value heads (after ``sp`` divides
-    them in the ``all_to_all`` mode), and no more pipeline stages than layers."""
+def check_model_layout(
+    config: Any, tp: int = 1, pp: int = 1, sp: int = 1, sp_mode: str | None = None, ep: int = 1
+) -> None:
+    """Refuse, naming the value and what is accepted, a layout ColossalAI's policies (Llama,
+    Mistral, Qwen2, Mixtral: the same head checks) would assert on: ``tp`` dividing the attention
+    heads and the key/value heads (after ``sp`` divides them in the ``all_to_all`` mode), no more
+    pipeline stages than layers, and ``ep`` > 1, which neither the planner nor the recipe runs
+    (MoeHybridParallelPlugin's expert layout is not simulated; a dense model has no experts)."""
+    if ep != 1:
+        kind = getattr(config, "model_type", "llama")
+        if kind in MOE_TYPES:
+            raise PlanError(
+                f"--ep {ep}: expert parallelism (MoeHybridParallelPlugin) is not simulated yet; plan the {kind} "
+                "model with --ep 1 (its experts replicated on every tensor-parallel rank, as HybridParallelPlugin "
+                "runs it)"
+            )
+        raise PlanError(
+            f"--ep {ep}: a {kind} model has no experts; --ep above 1 needs an MoE model "
+            f"({', '.join(MOE_TYPES)}); plan with --ep 1"
+        )
     heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     if sp_mode == "all_to_all" and sp > 1:
@@ -122,6 +199,13 @@ def check_model_layout(config: Any, tp: int = 1, pp: int = 1, sp: int = 1, sp_mo
         raise PlanError(
             f"--tp {tp}: must divide the model's {heads} attention heads and {kv} key/value heads; "
             f"choose --tp among {', '.join(map(str, _divisors(math.gcd(heads, kv))))}"
+        )
+    vocab = int(config.vocab_size)
+    if tp > 1 and _padding_breaks_tie(config) and vocab % tp:
+        raise PlanError(
+            f"--tp {tp}: must divide the {vocab}-token vocabulary of this {config.model_type} model with tied "
+            "embeddings (ColossalAI's padding rows would enter its loss); choose --tp among "
+            f"{', '.join(map(str, _divisors(math.gcd(heads, kv, vocab))))}"
         )
     layers = int(config.num_hidden_layers)
     if pp > layers:

@@ -28,7 +28,7 @@ from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
 from dist_optim.placement import recording_owner_loads
 from dist_optim.registry import PlanEntry, plan_entries
 
-from .models import MODELS, PlanError, load_config
+from .models import MODELS, PlanError, load_config, vocab_multiple
 from .torch_internals import DEVICES, check_torch, meta_generators
 from .torch_internals import as_device as _device_kernels
 from .traffic import LiveBytes, StepTraffic, Traffic, traffic_of
@@ -58,8 +58,9 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout as the plugins take it (expert parallelism is checked, not simulated). Pipeline
-    stages (``pp``) are HybridParallelPlugin's one-forward-one-backward schedule."""
+    """A parallel layout as the plugins take it. Pipeline stages (``pp``) are HybridParallelPlugin's
+    one-forward-one-backward schedule; expert parallelism (``ep``) is checked against the model
+    (:func:`~dist_optim.plan.models.check_model_layout`), not simulated."""
 
     plugin: str = "hybrid"
     tp: int = 1
@@ -87,8 +88,6 @@ class Layout:
             raise PlanError(
                 f"--zero {self.zero} with --pp {self.pp}: HybridParallelPlugin takes ZeRO 0 or 1 with pipeline stages"
             )
-        if self.ep != 1:
-            raise PlanError(f"--ep {self.ep}: Llama has no experts; expert parallelism needs an MoE model (--ep 1)")
         if self.plugin != "hybrid" and self.tp > 1:
             raise PlanError(
                 f"--tp {self.tp} needs --plugin hybrid (the {self.plugin} plugin has no tensor parallelism)"
@@ -273,14 +272,16 @@ class Piece:
 
 
 def _meta_model(config: Any, attn_implementation: str = "eager") -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
+    """The causal LM of ``config``'s type (Llama, Mistral, Qwen2, Mixtral: transformers' auto
+    class, as the recipe builds it) on the meta device, with a copy of the config: sharding
+    rewrites the model's config in place."""
+    from transformers import AutoModelForCausalLM
 
     config = type(config).from_dict(config.to_dict())
     config.use_cache = False
-    config._attn_implementation = attn_implementation
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return cast(torch.nn.Module, LlamaForCausalLM(config))
+        return cast(torch.nn.Module, AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation))
 
 
 def sharded_meta_model(
@@ -307,13 +308,14 @@ def sharded_meta_model(
     with _meta_device_mesh(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # The plugin's own ShardConfig for this layout (HybridParallelPlugin: TP and stages, no
-        # fused kernels on CPU).
+        # fused kernels on CPU; the vocabulary padding the recipe sets, models.vocab_multiple).
         sharded, _ = ShardFormer(
             ShardConfig(
                 tensor_parallel_process_group=world.tp_group,
                 pipeline_stage_manager=world.stage_manager,
                 enable_tensor_parallelism=layout.tp > 1,
                 gradient_checkpoint_config=ckpt,
+                make_vocab_size_divisible_by=vocab_multiple(config),
             )
         ).optimize(model)
     return cast(torch.nn.Module, sharded)

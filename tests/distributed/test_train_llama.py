@@ -119,9 +119,9 @@ def test_packed_batches_split_over_dp_ranks_and_hold_out_the_tail() -> None:
     assert sorted(int(b[0, 0]) // 8 for b in held) == [8, 9]
 
 
-def _torchrun(*args: str) -> str:
+def _torchrun(*args: str, nproc: int = 4) -> str:
     # --standalone: a free port, not 29500, which other jobs on the machine may hold.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += ["recipes/train_llama.py", *args]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

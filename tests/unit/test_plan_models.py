@@ -22,6 +22,7 @@ TINY = dict(
     num_key_value_heads=2,
     vocab_size=256,
 )
+SUPPORTED = "supported: llama, mistral, qwen2, mixtral"
 
 
 def _write(tmp_path: Path, text: str) -> str:
@@ -41,8 +42,18 @@ def test_a_good_config_reads_from_its_directory_or_file(tmp_path: Path) -> None:
     [
         ('{"model_type": "llama", "hidden_size": 64,', r"config\.json is not valid JSON \(.*line 1.*\); fix or"),
         ("[1, 2]", r"holds a JSON list, not an object of config fields"),
-        (json.dumps({**TINY, "model_type": "gpt2"}), r"model_type 'gpt2' in .*config\.json; supported: llama"),
-        (json.dumps({k: v for k, v in TINY.items() if k != "model_type"}), r"model_type None .*; supported: llama"),
+        (json.dumps({**TINY, "model_type": "gpt2"}), rf"model_type 'gpt2' in .*config\.json; {SUPPORTED}$"),
+        (json.dumps({k: v for k, v in TINY.items() if k != "model_type"}), rf"model_type None .*; {SUPPORTED}$"),
+        (
+            json.dumps({**TINY, "model_type": "qwen3"}),
+            rf"model_type 'qwen3' in .*config\.json: ColossalAI 0\.5\.0 has no ShardFormer policy for Qwen3 "
+            rf"\(qwen3\); {SUPPORTED}$",
+        ),
+        ('{"model_type": "mistral", "hidden_size": 64, }', r"config\.json is not valid JSON \(.*\); fix or"),
+        (
+            json.dumps({**TINY, "model_type": "mixtral"}),
+            r"lacks a positive integer num_local_experts, num_experts_per_tok \(every mixtral config gives them\)",
+        ),
         (
             json.dumps({k: v for k, v in TINY.items() if k != "hidden_size"}),
             r"lacks a positive integer hidden_size \(every llama config gives them\)",
@@ -129,3 +140,118 @@ def test_recipe_dry_run_plans_the_default_optimizer(capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "planned as 'lamb', the optimizer the booster swaps colossalai.nn.optimizer.Lamb for" in out
     assert "hybrid tp=1 x dp=2 x ZeRO-1 (2 ranks, bf16), optimizer lamb" in out and "optimizer state" in out
+
+
+# ---- the other model types: Mistral, Qwen2 (qkv bias, tied embeddings), Mixtral ---------------------
+#: model_type -> the options of its tiny config beyond TINY's sizes.
+OTHER_TYPES: dict[str, dict[str, Any]] = {
+    "mistral": dict(sliding_window=None),
+    "qwen2": dict(tie_word_embeddings=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def test_each_supported_type_has_a_shardformer_policy_and_qwen3_has_none() -> None:
+    """SUPPORTED_TYPES and NO_POLICY against the installed ColossalAI's policy table, by the
+    causal-LM class path the table is keyed by."""
+    from colossalai.shardformer.policies.auto_policy import _POLICY_LIST
+
+    from dist_optim.plan.models import NO_POLICY, SUPPORTED_TYPES
+
+    def has_policy(kind: str) -> bool:
+        return any(
+            key.startswith(f"transformers.models.{kind}.") and key.endswith("ForCausalLM") for key in _POLICY_LIST
+        )
+
+    assert [k for k in SUPPORTED_TYPES if not has_policy(k)] == []
+    assert [k for k in NO_POLICY if has_policy(k)] == []
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_TYPES))
+def test_the_planner_accepts_each_supported_type(tmp_path: Path, kind: str) -> None:
+    import transformers
+
+    model = _write(tmp_path, json.dumps({**TINY, "model_type": kind, **OTHER_TYPES[kind]}))
+    config = load_config(model)
+    assert config.model_type == kind
+    plan = make_plan(model, Layout("hybrid", tp=2, dp=2, zero=1), "adamw", steps=2)
+    # The meta model is the type's own class (a Llama would count no q/k/v biases, no experts).
+    real = getattr(transformers, type(config).__name__.replace("Config", "ForCausalLM"))(config)
+    numel = sum(p.numel() for p in real.parameters())
+    assert plan.single_device_state == pytest.approx(8 * numel, abs=8 * 64)  # AdamW: 2 fp32 moments (+ steps)
+    assert plan.busiest.working_params > 0 and plan.busiest.optimizer_state > 0
+
+
+def test_a_tied_qwen2_is_planned_with_the_parameters_the_optimizer_gets(tmp_path: Path) -> None:
+    """A tied embedding is one parameter in ``model.parameters()``, what the optimizer is given:
+    the planner counts it once, whole (single device) and over tp=2 (ShardFormer keeps the tie)."""
+    from transformers import Qwen2ForCausalLM
+
+    config = load_config(_write(tmp_path, json.dumps({**TINY, "model_type": "qwen2", "tie_word_embeddings": True})))
+    real = Qwen2ForCausalLM(config)
+    assert (
+        real.lm_head.weight is real.model.embed_tokens.weight and real.model.layers[0].self_attn.q_proj.bias is not None
+    )
+    numel = sum(p.numel() for p in real.parameters())
+    whole = make_plan(config, Layout("hybrid", precision="fp32"), "adamw", steps=2)
+    assert whole.busiest.working_params == 4 * numel
+    assert whole.single_device_state == 8 * numel + 4 * len(list(real.parameters()))  # moments + a step each
+    split = make_plan(config, Layout("hybrid", tp=2, precision="fp32"), "adamw", steps=2)
+    # tp=2: matrices and q/k/v biases halved, the embedding padded to a multiple of 64 x tp rows.
+    hidden, vocab, padded = 64, 256, 256
+    vectors = sum(p.numel() for n, p in real.named_parameters() if p.dim() == 1 and "norm" in n)
+    assert split.busiest.working_params == 4 * (
+        (numel - vectors - vocab * hidden) // 2 + vectors + padded * hidden // 2
+    )
+
+
+def test_ep_is_refused_by_model() -> None:
+    """--ep: a dense model has no experts; a Mixtral's expert layout (MoeHybridParallelPlugin) is not
+    simulated yet. Either way one line naming the value and --ep 1."""
+    from transformers import MixtralConfig
+
+    with pytest.raises(PlanError, match=r"^--ep 2: a llama model has no experts; .*\(mixtral\); plan with --ep 1$"):
+        make_plan("llama-7b", Layout("hybrid", ep=2), "adamw")
+    mixtral = MixtralConfig(**{k: v for k, v in TINY.items() if k != "model_type"}, num_local_experts=4)
+    with pytest.raises(
+        PlanError, match=r"^--ep 4: expert parallelism \(MoeHybridParallelPlugin\) is not simulated yet; plan"
+    ):
+        make_plan(mixtral, Layout("hybrid", ep=4), "adamw")
+    check_model_layout(mixtral, tp=2, ep=1)
+
+
+def test_the_command_line_says_a_bad_type_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dist_optim.plan.__main__ import main
+
+    model = _write(tmp_path, json.dumps({**TINY, "model_type": "qwen3"}))
+    with pytest.raises(SystemExit) as info:
+        main(["--model", model])
+    assert str(info.value).startswith("dist_optim.plan: --model ") and "no ShardFormer policy for Qwen3" in str(
+        info.value
+    )
+    assert "\n" not in str(info.value)
+
+
+def test_a_tied_plain_head_model_is_not_vocabulary_padded(tmp_path: Path) -> None:
+    """ColossalAI 0.5.0's Qwen2 and Mixtral policies shard the head as a plain column-parallel
+    linear: tied to a padded embedding, its padded rows would enter the loss. The planner (as the
+    recipe's plugin) shards such a model without padding, and a --tp not dividing its vocabulary
+    is refused; an untied one, or a Llama, keeps the plugin's padding to 64 x tp."""
+    from dist_optim.plan.models import vocab_multiple
+
+    fields = {**TINY, "model_type": "qwen2", "vocab_size": 300}
+    tied = load_config(_write(tmp_path, json.dumps({**fields, "tie_word_embeddings": True})))
+    untied = read_config(_write(tmp_path, json.dumps({**fields, "tie_word_embeddings": False})))
+    assert (vocab_multiple(tied), vocab_multiple(untied), vocab_multiple(load_config("llama-7b"))) == (1, 64, 64)
+    plan = make_plan(tied, Layout("hybrid", tp=2, precision="fp32"), "adamw", steps=2)
+    embedding = 300 * 64 // 2  # padded to 384 rows it would be 384 * 64 // 2
+    # a layer: q, o 64 x 64, k, v 32 x 64, their biases and the MLP halved; 2 norms of 64 whole
+    layer = (2 * 64 * 64 + 2 * 32 * 64 + 64 + 2 * 32 + 3 * 64 * 128) // 2 + 2 * 64
+    assert plan.busiest.working_params == 4 * (embedding + 2 * layer + 64)
+    odd = read_config(_write(tmp_path, json.dumps({**fields, "vocab_size": 301, "tie_word_embeddings": True})))
+    with pytest.raises(
+        PlanError, match=r"^--tp 2: must divide the 301-token vocabulary of this qwen2 model .*among 1$"
+    ):
+        check_model_layout(odd, tp=2)
+    untied_odd = read_config(_write(tmp_path, json.dumps({**fields, "vocab_size": 301})))
+    check_model_layout(untied_odd, tp=2)  # padded by the plugin, and no tie to break
