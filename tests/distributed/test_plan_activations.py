@@ -1,6 +1,6 @@
 """The planner's activation memory against real runs: a small Llama (grouped key/value heads) split by
-HybridParallelPlugin over gloo processes as recipes/train_llama.py builds and checkpoints it: tp=2,
-one micro-batch forward and backward per rank; and pipeline stages (pp=2, tp=1 and tp=2), one step
+HybridParallelPlugin over gloo processes as recipes/train_llama.py builds and checkpoints it, and a Qwen2 (q/k/v biases,
+tied head): tp=2, one micro-batch forward and backward per rank; and pipeline stages (pp=2, tp=1 and tp=2), one step
 of ColossalAI's 1F1B schedule over four micro-batches. The run is measured with the tests' own
 instruments: what autograd saves, through the test's own ``saved_tensors_hooks``; the bytes the
 forward leaves alive and the peak of forward and backward, by tests/helpers/allocated.py (tensor
@@ -40,21 +40,26 @@ class Case:
     grad_checkpoint: bool
     batch: int = 2
     seq: int = 256
+    model: str = "llama"
 
 
 CASES = {
     "fp32-sdpa": Case("fp32", "sdpa", False),
     "bf16-sdpa-checkpointed": Case("bf16", "sdpa", True),
     "fp32-eager": Case("fp32", "eager", False, batch=1),
+    "qwen2-tied-bf16-sdpa": Case("bf16", "sdpa", False, model="qwen2"),
 }
 
 
-def _config(attn: str) -> Any:
-    from transformers import LlamaConfig
+def _config(attn: str, model: str = "llama") -> Any:
+    """A Llama with grouped key/value heads, or a Qwen2 of the same sizes (q/k/v biases, the head tied
+    to the embedding)."""
+    import transformers
 
-    config = LlamaConfig(
+    kind = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[model]
+    config = getattr(transformers, kind)(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, use_cache=False,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=model == "qwen2", use_cache=False,
     )  # fmt: skip
     config._attn_implementation = attn
     return config
@@ -77,8 +82,9 @@ def _measured(case: Case) -> dict[str, int]:
     micro-batch, then one measured: saved bytes, bytes alive after the forward, peaks."""
     from colossalai.booster import Booster
     from colossalai.booster.plugin import HybridParallelPlugin
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from dist_optim.plan.models import vocab_multiple
     from dist_optim.plugins.cpu import install, quiet_colossal
     from recipes.train_llama import enable_grad_checkpoint
 
@@ -86,9 +92,13 @@ def _measured(case: Case) -> dict[str, int]:
     malloc.fix_mmap_threshold()
     with quiet_colossal():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(_config(case.attn))
+        config = _config(case.attn, case.model)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=case.attn)
         enable_grad_checkpoint(model, argparse.Namespace(grad_checkpoint=1.0 if case.grad_checkpoint else 0.0, pp=1))
-        plugin = HybridParallelPlugin(tp_size=2, pp_size=1, precision=case.precision, zero_stage=0)
+        plugin = HybridParallelPlugin(
+            tp_size=2, pp_size=1, precision=case.precision, zero_stage=0,
+            make_vocab_size_divisible_by=vocab_multiple(config),
+        )  # fmt: skip
         model, *_ = Booster(plugin=plugin).boost(model, torch.optim.SGD(model.parameters(), lr=0.0))
     model.train()
     params = list(model.parameters())
@@ -131,9 +141,10 @@ def test_activations_equal_the_run(case_id: str, pool2: Any) -> None:
     runs = pool2.run(_measured, case)
     layout = Layout("hybrid", tp=2, dp=1, precision=case.precision)
     work = Workload(case.seq, case.batch, case.grad_checkpoint, case.attn)
-    whole = make_plan(_config(case.attn), layout, "adamw", steps=2, device="cpu", workload=work)
+    config = _config(case.attn, case.model)
+    whole = make_plan(config, layout, "adamw", steps=2, device="cpu", workload=work)
     for rank, run in enumerate(runs):
-        plan = whole.activations if rank == 0 else activations_of_rank(_config(case.attn), layout, work, rank, "cpu")
+        plan = whole.activations if rank == 0 else activations_of_rank(config, layout, work, rank, "cpu")
         assert plan is not None
         print(f"rank {rank}: plan {plan}, run {run}")
         assert plan.saved == run["saved"], f"rank {rank}: bytes autograd saved"
