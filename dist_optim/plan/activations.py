@@ -36,12 +36,14 @@ forward then).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from fractions import Fraction
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -98,6 +100,10 @@ class Activations:
     #: ColossalAI's 1F1B loop keeps the input gradient a later stage last sent back alive until the
     #: next backward replaces it: one received-activation-sized tensor under every later micro-batch.
     held_grad: int = 0
+    #: The model's own collectives in one micro-batch's forward and backward (ColossalAI's TP
+    #: layers and loss: {kind: calls}, and the bytes this rank sends, bus-bandwidth convention).
+    collectives: dict[str, int] = field(default_factory=dict)
+    bytes_sent: float = 0.0
 
     @property
     def schedule_peak(self) -> int:
@@ -167,7 +173,7 @@ def simulate_activations(
     a later stage takes the hidden states it receives, every stage but the last sends its output
     and runs its backward from the gradient it receives (both allocated inside the measurement,
     as the schedule's receive buffers are); ``batch_size`` micro-batches go through per step."""
-    from .traffic import LiveBytes
+    from .traffic import LiveBytes, c10d_bytes
 
     t0 = time.perf_counter()
     if workload.grad_checkpoint:
@@ -189,6 +195,15 @@ def simulate_activations(
                 breakdown[producer] = breakdown.get(producer, 0) + storage.nbytes()
         return t
 
+    calls: collections.Counter[str] = collections.Counter()
+    sent = Fraction(0)
+
+    def record(name: str, args: tuple[Any, ...], group_size: int) -> None:
+        nonlocal sent
+        kind, nbytes = c10d_bytes(name, args, group_size)
+        calls[kind] += 1
+        sent += nbytes
+
     rows = workload.batch_size if stages is None else 1
     ids = torch.zeros((rows, workload.seq_len), dtype=torch.long, device="meta")
     first = stages is None or stages.is_first_stage()
@@ -196,7 +211,7 @@ def simulate_activations(
     dtype = next(model.parameters()).dtype
     width = int(getattr(getattr(model, "config", None), "hidden_size", 0))
     try:
-        with meta_autocast(), meta_collectives(), attention_as(workload.attn, device), warnings.catch_warnings():
+        with meta_autocast(), meta_collectives(record), attention_as(workload.attn, device), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with LiveBytes(answer_meta_items=True) as live:
                 inputs: dict[str, Any] = {"input_ids": ids, "labels": ids}
@@ -230,8 +245,9 @@ def simulate_activations(
         if not first and workload.batch_size > 1:
             held_grad = rows * workload.seq_len * width * dtype.itemsize
     return Activations(
-        sum(saved.values()), kept, live.peak, time.perf_counter() - t0, live.meta_items, stage, in_flight, held_grad
-    )
+        sum(saved.values()), kept, live.peak, time.perf_counter() - t0, live.meta_items, stage, in_flight, held_grad,
+        dict(calls), float(sent),
+    )  # fmt: skip
 
 
 def _drop_grad(param: torch.Tensor) -> None:

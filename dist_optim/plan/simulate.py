@@ -168,6 +168,7 @@ class SimWorld:
         self.tp_group: Any = None
         self.dp_group: Any = None
         self.stage_manager: Any = None
+        self.sp_group: Any = None
 
     def tp_ranks(self, rank: int) -> tuple[int, ...]:
         base = (rank // self.layout.tp) * self.layout.tp
@@ -196,6 +197,9 @@ class SimWorld:
         dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.layout.world)
         self.tp_group = dist.new_group(list(self.tp_ranks(self.rank)))
         self.dp_group = dist.new_group(list(self.dp_ranks(self.rank)))
+        # The plugin's sequence-parallel group without sequence parallelism: this rank alone (a
+        # ShardConfig without one would reduce the loss over the whole world).
+        self.sp_group = dist.new_group([self.rank])
         self.stage_manager = None
         if self.layout.pp > 1:
             from colossalai.cluster import ProcessGroupMesh
@@ -312,6 +316,7 @@ def sharded_meta_model(
         sharded, _ = ShardFormer(
             ShardConfig(
                 tensor_parallel_process_group=world.tp_group,
+                sequence_parallel_process_group=world.sp_group,
                 pipeline_stage_manager=world.stage_manager,
                 enable_tensor_parallelism=layout.tp > 1,
                 gradient_checkpoint_config=ckpt,

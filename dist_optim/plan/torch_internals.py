@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -101,17 +101,32 @@ C10D_OPS = (
 )  # fmt: skip
 
 
+def _is_group(obj: Any) -> bool:
+    return bool(obj._type().qualified_name().endswith("c10d.ProcessGroup"))
+
+
 @contextlib.contextmanager
-def meta_collectives() -> Iterator[None]:
+def meta_collectives(record: Callable[[str, tuple[Any, ...], int], None] | None = None) -> Iterator[None]:
     """``torch.distributed`` collectives on meta tensors: the ``c10d`` operators have CPU and CUDA
     kernels only, which hand the call to the process group's backend. Inside the block their meta
     kernel is the CPU one, so a ``fake``-backend group (which moves no data) completes them: model
-    code that calls ``torch.distributed`` itself (ColossalAI's TP layers) runs on a meta model."""
+    code that calls ``torch.distributed`` itself (ColossalAI's TP layers) runs on a meta model.
+    ``record(name, args, group_size)`` sees each call: the operator's name, its arguments as the
+    schema orders them (:func:`dist_optim.plan.traffic.c10d_bytes` reads them) and the size of its
+    group (the operator receives the group boxed as a TorchScript object)."""
     lib = torch.library.Library("c10d", "IMPL")
     cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
     def on_cpu(op: Any) -> Any:
-        return lambda *args, **kwargs: op.redispatch(cpu, *args, **kwargs)
+        name = op.__name__.split(".")[0]
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            if record is not None:
+                boxed = next(a for a in args if isinstance(a, torch.ScriptObject) and _is_group(a))
+                record(name, args, torch.distributed.ProcessGroup.unbox(boxed).size())
+            return op.redispatch(cpu, *args, **kwargs)
+
+        return kernel
 
     try:
         for name in C10D_OPS:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Traffic", "StepTraffic", "LiveBytes", "traffic_of", "Peers"]
+__all__ = ["Traffic", "StepTraffic", "LiveBytes", "traffic_of", "Peers", "c10d_bytes"]
 
 #: Answers ``all_gather_object`` in a simulation: (this rank's object, the group) -> every member's.
 Peers = Callable[[Any, Any], list[Any]]
@@ -129,6 +129,34 @@ class Traffic:
     def barrier(self, group: Any = None, **kw: Any) -> Any:
         self._record("barrier", Fraction(0))
         return None if self.simulate else dist.barrier(group=group, **kw)
+
+
+def _tensors_bytes(x: Any) -> int:
+    return sum(_nbytes(t) for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor))
+
+
+#: ``c10d`` operator -> (collective kind, index of the tensor argument measured, share of it sent
+#: per rank as a function of the group size g), in the bus-bandwidth convention of :class:`Traffic`.
+C10D_KINDS: dict[str, tuple[str, int, Callable[[int], Fraction]]] = {
+    "allreduce_": ("all_reduce", 0, lambda g: Fraction(2 * (g - 1), g)),
+    "allreduce_coalesced_": ("all_reduce", 0, lambda g: Fraction(2 * (g - 1), g)),
+    "allgather_": ("all_gather", 0, lambda g: Fraction(g - 1, g)),
+    "_allgather_base_": ("all_gather", 0, lambda g: Fraction(g - 1, g)),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, lambda g: Fraction(g - 1, g)),
+    "reduce_scatter_": ("reduce_scatter", 1, lambda g: Fraction(g - 1, g)),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, lambda g: Fraction(g - 1, g)),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, lambda g: Fraction(g - 1, g)),
+    "alltoall_": ("all_to_all", 1, lambda g: Fraction(g - 1, g)),
+    "alltoall_base_": ("all_to_all", 1, lambda g: Fraction(g - 1, g)),
+    "broadcast_": ("broadcast", 0, lambda g: Fraction(1)),
+}
+
+
+def c10d_bytes(name: str, args: tuple[Any, ...], g: int) -> tuple[str, Fraction]:
+    """The kind of a ``c10d`` operator call on a group of ``g`` ranks and the bytes this rank sends
+    in it (all-to-all: the even split; a one-rank group sends nothing)."""
+    kind, index, share = C10D_KINDS.get(name, (name.strip("_"), 0, lambda g: Fraction(1)))
+    return kind, (share(g) * _tensors_bytes(args[index]) if g > 1 else Fraction(0))
 
 
 @contextmanager

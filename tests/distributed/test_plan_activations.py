@@ -29,6 +29,7 @@ from dist_optim.plan import Layout, make_plan
 from dist_optim.plan.activations import Workload, activations_of_rank
 from tests.helpers import malloc
 from tests.helpers.allocated import AllocatedBytes
+from tests.helpers.collectives import Collectives, counting_collectives
 
 pytestmark = pytest.mark.skipif(not malloc.available(), reason="needs glibc's mallinfo2 to measure the allocator")
 
@@ -63,6 +64,27 @@ def _config(attn: str, model: str = "llama") -> Any:
     )  # fmt: skip
     config._attn_implementation = attn
     return config
+
+
+#: The planner's kind of each torch.distributed collective (tests/helpers/collectives.py names them as
+#: torch does).
+PLANNED_KIND = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+def _kinds(seen: Collectives) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, calls in seen.counts.items():
+        out[PLANNED_KIND.get(name, name)] = out.get(PLANNED_KIND.get(name, name), 0) + calls
+    return out
 
 
 def _one_hidden_state(case: Case, rows: int) -> int:
@@ -118,7 +140,7 @@ def _measured(case: Case) -> dict[str, int]:
                 saved[storage.data_ptr()] = storage.nbytes()
             return t
 
-        with malloc.PeakMalloc() as heap, AllocatedBytes() as tensors:
+        with malloc.PeakMalloc() as heap, AllocatedBytes() as tensors, counting_collectives() as seen:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = model(input_ids=ids, labels=ids).loss
             gc.collect()  # as the planner: garbage cycles of the forward freed at a fixed point
@@ -127,7 +149,7 @@ def _measured(case: Case) -> dict[str, int]:
             del loss
         passes.append(
             {"saved": sum(saved.values()), "kept": kept, "peak": tensors.peak, "malloc_peak": heap.peak}
-            | {"end": tensors.live}
+            | {"end": tensors.live, "collectives": _kinds(seen), "bytes_sent": float(seen.bytes_sent)}
         )
     for h in hooks:
         h.remove()
@@ -150,6 +172,9 @@ def test_activations_equal_the_run(case_id: str, pool2: Any) -> None:
         assert plan.saved == run["saved"], f"rank {rank}: bytes autograd saved"
         assert plan.kept == run["kept"], f"rank {rank}: bytes alive after the forward"
         assert whole.ranks[rank].ddp_buckets == run["ddp_buckets"], f"rank {rank}: DDP's gradient buckets"
+        assert (plan.collectives, plan.bytes_sent) == (run["collectives"], run["bytes_sent"]), (
+            f"rank {rank}: the model's collectives and bytes sent in a forward and backward"
+        )
         assert abs(plan.peak - run["peak"]) <= _one_hidden_state(case, case.batch), f"rank {rank}: tensor peak"
         assert abs(plan.peak - run["malloc_peak"]) <= 0.10 * run["malloc_peak"], (
             f"rank {rank}: planned peak {plan.peak} vs the allocator's {run['malloc_peak']}: more than 10% apart"
