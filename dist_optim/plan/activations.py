@@ -42,8 +42,8 @@ import gc
 import time
 import warnings
 from collections.abc import Iterator
-from fractions import Fraction
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
