@@ -6,7 +6,7 @@ optimizer with its defaults, on the simulated CUDA path.
     python bench/plan_table.py                                  # every row
     python bench/plan_table.py --configs 2 3 --skip shampoo     # the 70B rows without Shampoo
 
-One row per plan, as ``python -m dist_optim.plan --sweep`` prints them (state GB per rank of the
+One row per plan, as ``python -m dist_optim.plan --compare-optimizers`` prints them (state GB per rank of the
 busiest rank vs the ideal, the peak transient, GB sent per step, steady and at a refresh), with
 the model, the GB left on a GPU of ``--gpu-gib`` (default 80 GiB = 85.9 GB) before activations
 (what ``python -m dist_optim.plan ... --gpu-memory 80GiB`` prints) and the seconds the plan took

@@ -128,6 +128,7 @@ class Plan:
     #: a stage are alike: TP splits evenly, data-parallel ranks run the same shapes).
     stage_activations: dict[int, Activations] | None = None
     margin: float = ALLOCATOR_MARGIN
+    hidden_size: int = 0
 
     @property
     def activations(self) -> Activations | None:
@@ -156,6 +157,28 @@ class Plan:
     @property
     def refresh(self) -> dict[str, Any]:
         return max(self.busiest.steps, key=lambda s: (s["bytes_sent"], s["collectives"]))
+
+    @property
+    def step_traffic(self) -> dict[str, float]:
+        """Bytes the busiest rank sends in one training step (steady optimizer step), by source:
+        ``optimizer`` and ``model`` (the forward and backward's own collectives, per micro-batch
+        times the micro-batches of a step) simulated; ``gradients`` (the plugin's gradient
+        reduction: a ring all-reduce of the working gradients over the data-parallel group, or
+        ZeRO's reduce-scatter and parameter all-gather, which send the same) and ``pipeline`` (each
+        micro-batch's hidden states to the next stage and their gradient back) derived."""
+        layout, b = self.layout, self.busiest
+        g = layout.world if layout.plugin in ("zero", "ddp") else layout.dp
+        out = {"optimizer": float(self.steady["bytes_sent"]), "gradients": 2 * (g - 1) / g * b.working_params}
+        a, w = self.activations, self.workload
+        if a is not None and w is not None:
+            micro = w.batch_size if layout.pp > 1 else 1
+            out["model"] = a.bytes_sent * micro
+            if layout.pp > 1:
+                hidden = w.seq_len * int(self.hidden_size) * layout.working_dtype.itemsize
+                sends = (a.stage < layout.pp - 1) + (a.stage > 0)
+                out["pipeline"] = float(micro * sends * hidden)
+        out["total"] = sum(out.values())
+        return out
 
     @property
     def state_vs_ideal(self) -> float:
@@ -191,6 +214,7 @@ class Plan:
             out["activations"] = asdict(cast(Activations, self.activations))
             out["stage_activations"] = {s: asdict(a) for s, a in self.stage_activations.items()}
         out["total"] = self.total
+        out["step_traffic"] = self.step_traffic
         if self.usable is not None:
             out["gpu_memory"] = self.gpu_memory
             out["allocator_margin"] = self.margin
@@ -313,7 +337,7 @@ def make_plan(
         TRANSIENT_OPTIONS[optimizer], note, time.perf_counter() - t0, gpu_memory,
         meta_items=sum(r.meta_items for r in results.values())
         + sum(a.meta_items for a in (activations or {}).values()),
-        workload=workload, stage_activations=activations, margin=margin,
+        workload=workload, stage_activations=activations, margin=margin, hidden_size=int(config.hidden_size),
     )  # fmt: skip
 
 
@@ -386,6 +410,12 @@ def format_plan(plan: Plan) -> str:
         f"steady step: {plan.steady['collectives']} collectives, {_gb(plan.steady['bytes_sent'])} sent; "
         f"refresh step: {plan.refresh['collectives']} collectives, {_gb(plan.refresh['bytes_sent'])} sent "
         f"({plan.refresh_note})"
+    )
+    t = plan.step_traffic
+    lines.append(
+        "sent per training step: "
+        + ", ".join(f"{k} {_gb(v)}" for k, v in t.items() if k != "total")
+        + f"; total {_gb(t['total'])} (optimizer and model simulated; gradients and pipeline derived)"
     )
     if plan.gpu_memory is not None and plan.usable is not None:
         room = plan.usable - plan.total

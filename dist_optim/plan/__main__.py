@@ -22,6 +22,7 @@ from . import (
     stage_activations,
 )
 from .activations import ATTENTION, Workload
+from .sweep import format_layout_sweep, sweep
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="the device type simulated: cuda (default) or cpu")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument(
-        "--sweep", action="store_true", help="every optimizer x the sweep layouts for --dp x --tp ranks, as a table"
+        "--sweep",
+        action="store_true",
+        help="every tp x pp x dp x ZeRO x checkpointing layout of the --tp x --pp x --dp GPUs for --optimizer, "
+        "ranked by bytes sent per step among those that fit --gpu-memory",
+    )
+    ap.add_argument(
+        "--compare-optimizers",
+        action="store_true",
+        help="every optimizer x a few fixed layouts of the --tp x --dp GPUs, as a table (state, transient, traffic)",
     )
     return ap.parse_args(argv)
 
@@ -96,6 +105,23 @@ def run(argv: list[str] | None = None) -> str:
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if not a.json else None
     work = None if a.no_activations else Workload(a.seq_len, a.batch_size, a.grad_checkpoint, a.attn)
     if a.sweep:
+        if gpu is None or work is None:
+            raise PlanError(
+                "--sweep ranks the layouts that fit: give --gpu-memory (e.g. 80GiB), without --no-activations"
+            )
+        plans = sweep(
+            a.model, a.tp * a.pp * a.dp, a.optimizer, args, work, gpu, a.precision, a.steps, a.device,
+            a.memory_margin, log,
+        )  # fmt: skip
+        if a.json:
+            return json.dumps([p.to_json() for p in plans], indent=1)
+        note = (
+            f"{a.model}, {a.tp * a.pp * a.dp} GPUs of {gpu / 1e9:.1f} GB ({a.memory_margin:.0%} margin), "
+            f"optimizer {a.optimizer}, {work.describe()} (with stages: micro-batches of one sequence); each "
+            "layout simulated on rank 0, the busiest owner and each stage's first rank"
+        )
+        return note + "\n\n" + format_layout_sweep(plans)
+    if a.compare_optimizers:
         world = a.tp * a.dp * a.pp
         config = load_config(a.model)
         plans = []

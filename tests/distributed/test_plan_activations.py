@@ -294,3 +294,38 @@ def test_pipeline_activations_match_the_run(case_id: str, request: pytest.Fixtur
         assert abs(plan.schedule_peak - run["malloc_peak"]) <= 0.10 * run["malloc_peak"], (
             f"rank {rank}: planned peak {plan.schedule_peak} vs the allocator's {run['malloc_peak']}: over 10% apart"
         )
+
+
+def test_sweep_ranks_the_layouts_that_fit_by_bytes_sent(capsys: pytest.CaptureFixture[str]) -> None:
+    """--sweep over 4 ranks of the GQA Llama (2 key/value heads, 2 layers, 2 micro-batches): every
+    layout ColossalAI accepts and only those, twice (checkpointing off and on); each sweep plan is
+    the plan make_plan makes for its layout on its own; with a GPU that fits some of them, those
+    come first, each part by bytes sent per step."""
+    import dataclasses
+
+    from dist_optim.plan.__main__ import main
+    from dist_optim.plan.sweep import rank_plans, sweep
+
+    config = _config("sdpa")
+    work = Workload(64, 2, False, "sdpa")
+    plans = sweep(config, 4, "adamw", {}, work, gpu_memory=10**12, precision="fp32", steps=2, device="cpu")
+    seen = {(p.layout.tp, p.layout.pp, p.layout.dp, p.layout.zero, bool(p.workload and p.workload.grad_checkpoint))
+            for p in plans}  # fmt: skip
+    layouts = {(1, 1, 4, z) for z in (0, 1, 2)} | {(1, 2, 2, z) for z in (0, 1)} | {(2, 1, 2, z) for z in (0, 1, 2)}
+    layouts |= {(2, 2, 1, 0)}  # tp=4 does not divide the 2 key/value heads; pp=4 exceeds the 2 layers
+    assert seen == {(*lay, ckpt) for lay in layouts for ckpt in (False, True)}
+    one = next(
+        p for p in plans if (p.layout.tp, p.layout.pp, p.layout.zero) == (2, 1, 1) and not p.workload.grad_checkpoint
+    )
+    alone = make_plan(config, one.layout, "adamw", steps=2, all_ranks_up_to=1, device="cpu", workload=work)
+    assert (one.total, one.step_traffic) == (alone.total, alone.step_traffic)
+    totals = sorted(p.total for p in plans)
+    gpu = int(totals[len(totals) // 2] / 0.9)
+    ranked = rank_plans([dataclasses.replace(p, gpu_memory=gpu) for p in plans])
+    fits = [p.total <= (p.usable or 0) for p in ranked]
+    assert any(fits) and not all(fits) and fits == sorted(fits, reverse=True)
+    for part in (ranked[: fits.count(True)], ranked[fits.count(True) :]):
+        sent = [p.step_traffic["total"] for p in part]
+        assert sent == sorted(sent)
+    with pytest.raises(SystemExit, match="--sweep ranks the layouts that fit: give --gpu-memory"):
+        main(["--model", "llama-7b", "--sweep"])

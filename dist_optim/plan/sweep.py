@@ -1,0 +1,113 @@
+"""``python -m dist_optim.plan --sweep``: every layout of a world of N GPUs for one model, optimizer and
+micro-batch (tp x pp x dp x ZeRO x activation checkpointing on HybridParallelPlugin), each planned as
+:func:`dist_optim.plan.make_plan` plans it, ranked by the bytes a rank sends per training step among
+the layouts that fit the GPU's memory.
+
+A sweep runs many plans, so it shares what layouts have in common: the optimizer is simulated once
+per (tp, pp, dp, ZeRO) and the activations once per (tp, pp, checkpointing), and each plan simulates
+rank 0, the busiest owner and the first rank of every stage (not every rank of a small world).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import GB, Plan, PlanError, make_plan, rank_total, stage_activations
+from .activations import ALLOCATOR_MARGIN, Activations, Workload
+from .models import check_model_layout, load_config
+from .simulate import Layout
+
+__all__ = ["candidate_layouts", "sweep", "rank_plans", "with_activations", "format_layout_sweep"]
+
+#: Sizes tried for tensor and pipeline parallelism (within one 8-GPU node for TP, as usual).
+TP_SIZES = (1, 2, 4, 8)
+PP_SIZES = (1, 2, 4, 8)
+
+
+def candidate_layouts(config: Any, world: int, precision: str, batch_size: int) -> list[Layout]:
+    """The HybridParallelPlugin layouts of ``world`` ranks the model and ColossalAI accept: TP
+    dividing the heads, no more stages than layers nor than the micro-batches of a step, ZeRO 0-2
+    (0-1 with stages) where there is data parallelism to shard over."""
+    out = []
+    for tp in TP_SIZES:
+        for pp in PP_SIZES:
+            if world % (tp * pp) or pp > batch_size and pp > 1:
+                continue
+            try:
+                check_model_layout(config, tp, pp)
+            except PlanError:
+                continue
+            dp = world // (tp * pp)
+            zeros = (0,) if dp == 1 else ((0, 1) if pp > 1 else (0, 1, 2))
+            out += [Layout("hybrid", tp=tp, pp=pp, dp=dp, zero=z, precision=precision) for z in zeros]
+    return out
+
+
+def with_activations(plan: Plan, workload: Workload, acts: dict[int, Activations]) -> Plan:
+    """``plan`` (simulated without activations) with ``acts`` by stage: its busiest rank re-chosen
+    by peak, activations included."""
+    top = max(plan.ranks, key=lambda r: (rank_total(r, acts[plan.layout.stage_of(r.rank)]), -r.rank))
+    return dataclasses.replace(plan, busiest=top, workload=workload, stage_activations=acts)
+
+
+def sweep(
+    model: Any,
+    world: int,
+    optimizer: str,
+    args: dict[str, Any],
+    workload: Workload,
+    gpu_memory: int,
+    precision: str = "bf16",
+    steps: int = 3,
+    device: str = "cuda",
+    margin: float = ALLOCATOR_MARGIN,
+    log: Callable[[str], None] | None = None,
+) -> list[Plan]:
+    """Every candidate layout with and without checkpointing, planned; sorted with the layouts that
+    fit first, by bytes sent per training step, then by peak memory."""
+    config = load_config(model)
+    say = log or (lambda _: None)
+    plans = []
+    acts: dict[tuple[int, int, bool], dict[int, Activations]] = {}
+    for layout in candidate_layouts(config, world, precision, workload.batch_size):
+        say(f"planning {layout.describe()}")
+        base = make_plan(
+            config, layout, optimizer, args, steps, all_ranks_up_to=1, gpu_memory=gpu_memory, device=device,
+            margin=margin,
+        )  # fmt: skip
+        base = dataclasses.replace(base, model=model if isinstance(model, str) else "config")
+        for ckpt in (False, True):
+            work = dataclasses.replace(workload, grad_checkpoint=ckpt)
+            key = (layout.tp, layout.pp, ckpt)
+            if key not in acts:
+                acts[key] = stage_activations(config, layout, work, device, say)
+            plans.append(with_activations(base, work, acts[key]))
+    return rank_plans(plans)
+
+
+def rank_plans(plans: Sequence[Plan]) -> list[Plan]:
+    """The layouts that fit first (peak within the GPU's memory less the margin), each part by
+    bytes sent per training step, then by peak."""
+    return sorted(plans, key=lambda p: (p.total > (p.usable or 0), p.step_traffic["total"], p.total))
+
+
+def format_layout_sweep(plans: Sequence[Plan]) -> str:
+    """One row per layout: fits, peak memory, GB left, bytes sent per step by source."""
+    head = (
+        "| rank | layout | checkpointing | fits | peak GB/rank | GB left | activations GB | optimizer state GB | "
+        "GB sent/step | model | gradients | pipeline | optimizer |"
+    )
+    rows = [head, "|" + "---|" * 13]
+    for i, p in enumerate(plans, 1):
+        t, a, w = p.step_traffic, p.activations, p.workload
+        left = (p.usable or 0) - p.total
+        rows.append(
+            f"| {i} | {p.layout.describe()} | {'yes' if w is not None and w.grad_checkpoint else 'no'} | "
+            f"{'yes' if left >= 0 else 'no'} | {p.total / GB:.2f} | {left / GB:.2f} | "
+            f"{(a.schedule_peak if a else 0) / GB:.2f} | {p.busiest.optimizer_state / GB:.2f} | "
+            f"{t['total'] / GB:.2f} | {t.get('model', 0) / GB:.2f} | {t['gradients'] / GB:.2f} | "
+            f"{t.get('pipeline', 0) / GB:.2f} | {t['optimizer'] / GB:.2f} |"
+        )
+    return "\n".join(rows)
