@@ -44,6 +44,9 @@ __all__ = [
     "NOT_SIMULATED",
     "SWEEP_LAYOUTS",
     "Workload",
+    "stage_activations",
+    "rank_total",
+    "load_config",
     "Activations",
     "ALLOCATOR_MARGIN",
 ]
