@@ -166,12 +166,16 @@ class Plan:
         """Bytes the busiest rank sends in one training step (steady optimizer step), by source:
         ``optimizer`` and ``model`` (the forward and backward's own collectives, per micro-batch
         times the micro-batches of a step) simulated; ``gradients`` (the plugin's gradient
-        reduction: a ring all-reduce of the working gradients over the data-parallel group, or
-        ZeRO's reduce-scatter and parameter all-gather, which send the same) and ``pipeline`` (each
-        micro-batch's hidden states to the next stage and their gradient back) derived."""
+        reduction over the data-parallel group of g ranks, in working-precision bytes W: DDP's
+        all-reduce ``2 (g-1)/g W``; ColossalAI's ZeRO-1 all-reduces the gradients and all-gathers
+        the updated parameters, ``3 (g-1)/g W``; ZeRO-2 reduce-scatters them instead,
+        ``2 (g-1)/g W``; checked against real runs but for the one-scalar overflow flag ZeRO also
+        all-reduces) and ``pipeline`` (each micro-batch's hidden states to the next stage and their
+        gradient back) derived."""
         layout, b = self.layout, self.busiest
         g = layout.world if layout.plugin in ("zero", "ddp") else layout.dp
-        out = {"optimizer": float(self.steady["bytes_sent"]), "gradients": 2 * (g - 1) / g * b.working_params}
+        ring = {0: 2, 1: 3, 2: 2}[layout.zero] * (g - 1) / g
+        out = {"optimizer": float(self.steady["bytes_sent"]), "gradients": ring * b.working_params}
         a, w = self.activations, self.workload
         if a is not None and w is not None:
             micro = w.batch_size if layout.pp > 1 else 1

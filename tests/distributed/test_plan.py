@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_optim.plan import Layout, PlanError, make_plan, parse_bytes
+from dist_optim.plan import Layout, PlanError, Workload, make_plan, parse_bytes
 from dist_optim.plan.simulate import OPTIMIZERS, SimWorld, build_optimizer, build_pieces
 from dist_optim.plan.traffic import LiveBytes
 from dist_optim.testing import tiny_llama
@@ -249,6 +249,51 @@ def _in_group_order(pieces: list[Any], name: str) -> list[Any]:
     opt = build_optimizer(name, tiny_llama(), {p.name: p.master for p in pieces}, ARGS.get(name))
     by_master = {id(p.master): p for p in pieces}
     return [by_master[id(m)] for g in opt.param_groups for m in g["params"]]
+
+
+def _measured_training_step(plugin_name: str, plugin_kwargs: dict[str, Any]) -> list[float]:
+    """Bytes this rank sends in each of two training steps (forward, backward, torch's AdamW
+    stepped through the plugin's wrapper), every torch.distributed collective counted."""
+    from colossalai.booster import Booster
+
+    from dist_optim import plugins
+    from dist_optim.plugins.cpu import install, quiet_colossal
+    from tests.helpers.booster import dp_coords
+
+    install()
+    with quiet_colossal():
+        model = tiny_llama()
+        plugin = getattr(plugins, plugin_name)(**plugin_kwargs)
+        booster = Booster(plugin=plugin)
+        model, wrapper, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    dp_size, dp_rank = dp_coords(plugin)
+    sent = []
+    for s in range(2):
+        x = rank_batch(s, dp_size, dp_rank)
+        with counting_collectives() as seen:
+            booster.backward(model(input_ids=x, labels=x).loss, wrapper)
+            wrapper.step()
+            wrapper.zero_grad()
+        sent.append(float(seen.bytes_sent))
+    return sent
+
+
+@pytest.mark.parametrize("layout_id", ["tp2-dp2-zero1", "zero2-x4"])
+def test_step_traffic_equals_the_run(layout_id: str, tiny_config: Any, pool4: Any) -> None:
+    """A training step's bytes sent per rank, as the plan adds them up (the model's collectives,
+    simulated; the ZeRO gradient reduction and parameter all-gather, derived), against every
+    collective of a real step counted at torch.distributed (AdamW, which sends nothing itself):
+    equal but for the overflow flag ZeRO all-reduces (one scalar, at most 8 bytes sent)."""
+    from tests.helpers.booster import GLOBAL_BATCH, SEQ
+
+    plugin_name, kwargs, _, layout = LAYOUTS[layout_id]
+    runs = pool4.run(_measured_training_step, plugin_name, kwargs)
+    work = Workload(SEQ, GLOBAL_BATCH // layout.dp if layout.plugin == "hybrid" else GLOBAL_BATCH // layout.world)
+    plan = make_plan(tiny_config, layout, "adamw", steps=2, device="cpu", workload=work)
+    planned = plan.step_traffic["total"]
+    for rank, sent in enumerate(runs):
+        for step, measured in enumerate(sent):
+            assert 0 <= measured - planned <= 8, f"rank {rank} step {step}: run sent {measured}, plan {planned}"
 
 
 def test_bad_input_names_the_option_and_the_fix() -> None:
