@@ -139,20 +139,10 @@ def _dry_run_qwen2(tmp_path: Path) -> dict[str, Any]:
     import json
 
     from recipes import train_llama
+    from tests.unit.test_plan_models import TINY
 
     (tmp_path / "config.json").write_text(
-        json.dumps(
-            dict(
-                model_type="qwen2",
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=300,
-                tie_word_embeddings=True,
-            )  # fmt: skip
-        )
+        json.dumps({**TINY, "model_type": "qwen2", "vocab_size": 300, "tie_word_embeddings": True})
     )
     args = train_llama.parse_args(["--model", str(tmp_path), "--tp", "2", "--world-size", "2", "--dry-run"])
     return train_llama.dry_run(args)
