@@ -55,8 +55,9 @@ GB = 1e9
 
 #: What the planner does not run, printed with every plan.
 NOT_SIMULATED = (
-    "ColossalAI's own collectives (gradient all-reduce / reduce-scatter, ZeRO's parameter all-gather, "
-    "TP activations): not counted",
+    "ColossalAI's own collectives: those of the forward and backward (TP layers, the loss) simulated with the "
+    "activations; the gradient reduction, ZeRO's parameter all-gather and the pipeline's sends derived "
+    "(Plan.step_traffic)",
     "activations: one micro-batch's forward and backward of the sharded meta model (dist_optim.plan.activations); "
     "memory a kernel frees before returning (workspaces) and the allocator's fragmentation are not counted: "
     "the verdict keeps a margin for them",
