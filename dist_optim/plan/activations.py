@@ -47,11 +47,20 @@ from fractions import Fraction
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .models import PlanError
 from .torch_internals import meta_autocast, meta_collectives
 
-__all__ = ["ATTENTION", "ALLOCATOR_MARGIN", "Workload", "Activations", "simulate_activations", "attention_as"]
+__all__ = [
+    "ATTENTION",
+    "ALLOCATOR_MARGIN",
+    "Workload",
+    "Activations",
+    "simulate_activations",
+    "attention_as",
+    "BalancedRouting",
+]
 
 #: ``--attn`` values, as the recipe's.
 ATTENTION = ("sdpa", "flash", "eager")
@@ -213,7 +222,9 @@ def simulate_activations(
     try:
         with meta_autocast(), meta_collectives(record), attention_as(workload.attn, device), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with LiveBytes(answer_meta_items=True) as live:
+            experts = int(getattr(getattr(model, "config", None), "num_local_experts", 0) or 0)
+            routing = BalancedRouting(experts) if experts else contextlib.nullcontext()
+            with LiveBytes(answer_meta_items=True) as live, routing:
                 inputs: dict[str, Any] = {"input_ids": ids, "labels": ids}
                 if not first:
                     received = torch.empty((rows, workload.seq_len, width), dtype=dtype, device="meta")
@@ -248,6 +259,24 @@ def simulate_activations(
         sum(saved.values()), kept, live.peak, time.perf_counter() - t0, live.meta_items, stage, in_flight, held_grad,
         dict(calls), float(sent),
     )  # fmt: skip
+
+
+class BalancedRouting(TorchDispatchMode):
+    """Mixture-of-experts routing on meta tensors. transformers' Mixtral block finds each expert's
+    tokens with ``torch.where(expert_mask[e])``, whose size depends on the router's values, which a
+    meta tensor has none of: here every expert receives an equal share, ``numel / experts`` of the
+    mask's entries (``tokens x top_k / experts`` tokens), the balance the router's auxiliary loss
+    aims at. A real step with unbalanced routing holds more on its busiest expert."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.nonzero.default and args[0].is_meta:
+            mask = args[0]
+            return torch.empty((mask.numel() // self.experts, mask.dim()), dtype=torch.long, device="meta")
+        return func(*args, **(kwargs or {}))
 
 
 def _drop_grad(param: torch.Tensor) -> None:

@@ -329,3 +329,49 @@ def test_sweep_ranks_the_layouts_that_fit_by_bytes_sent(capsys: pytest.CaptureFi
         assert sent == sorted(sent)
     with pytest.raises(SystemExit, match="--sweep ranks the layouts that fit: give --gpu-memory"):
         main(["--model", "llama-7b", "--sweep"])
+
+
+def test_mixtral_activations_equal_a_run_whatever_the_routing() -> None:
+    """A Mixtral (4 experts, top-2) on one CPU process: the planner routes tokens evenly
+    (BalancedRouting: a meta tensor has no router values), the run routes them as its router does;
+    the bytes autograd saves and the bytes the forward leaves alive are equal all the same, since the
+    experts' activations add up over the tokens x top_k routed, however they are spread."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+        tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    hooks = [p.register_post_accumulate_grad_hook(_drop) for p in model.parameters()]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ids = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(1))
+    counts: list[list[int]] = []  # tokens per expert in layer 0 (Python ints: nothing kept alive)
+
+    def count(module: Any, inputs: Any, logits: torch.Tensor) -> None:
+        counts.append(torch.topk(logits.detach(), 2, dim=-1).indices.flatten().bincount(minlength=4).tolist())
+
+    model.model.layers[0].block_sparse_moe.gate.register_forward_hook(count)
+    for _ in range(2):
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with AllocatedBytes() as tensors:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(input_ids=ids, labels=ids).loss
+            gc.collect()
+            kept = tensors.live
+            loss.backward()
+            del loss
+    for h in hooks:
+        h.remove()
+    plan = activations_of_rank(config, Layout("hybrid", precision="fp32"), Workload(128, 2, False, "sdpa"), 0, "cpu")
+    routed = counts[-1]
+    assert len(set(routed)) > 1, f"the run's router happened to balance the experts exactly: {routed}"
+    assert (plan.saved, plan.kept) == (sum(saved.values()), kept), f"tokens per expert in the run: {routed}"
