@@ -693,9 +693,9 @@ def dry_run_plan(args: argparse.Namespace, config: Any, dp: int) -> dict[str, An
         log(f"dry run: planned as {name!r}, the optimizer the booster swaps {args.optimizer} for, with its defaults")
         options = {}
     try:
-        layout = Layout(args.plugin, tp=args.tp, pp=args.pp, zero=args.zero, dp=dp, precision=args.precision)
-        if args.sp > 1:
-            raise PlanError("--sp: sequence parallelism is not simulated")
+        layout = Layout(
+            args.plugin, tp=args.tp, pp=args.pp, zero=args.zero, dp=dp, precision=args.precision, sp=args.sp
+        )
         # The micro-batch these flags run; the attention the job gets on GPUs without flash-attn
         # unless --attn says otherwise (a dry run plans the GPU job wherever it runs).
         work = Workload(args.seq_len, args.batch_size, args.grad_checkpoint > 0, args.attn or "sdpa")

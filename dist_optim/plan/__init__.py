@@ -67,7 +67,7 @@ NOT_SIMULATED = (
     "large as the local parameters where the plugin wraps the model in DDP)",
     "values that depend on tensor contents (.item() of a meta tensor): answered 0 / True; iterations run to "
     "their limit, NaN checks find none",
-    "expert parallelism (--ep) and sequence parallelism (the recipe's --sp): not simulated (--ep refused); "
+    "expert parallelism (--ep): refused, not simulated; sequence parallelism: the recipe's all_to_all mode only; "
     "pipeline stages: the 1F1B schedule only",
 )
 
@@ -174,7 +174,7 @@ class Plan:
         all-reduces) and ``pipeline`` (each micro-batch's hidden states to the next stage and their
         gradient back) derived."""
         layout, b = self.layout, self.busiest
-        g = layout.world if layout.plugin in ("zero", "ddp") else layout.dp
+        g = layout.world if layout.plugin in ("zero", "ddp") else layout.data_ranks
         ring = {0: 2, 1: 3, 2: 2}[layout.zero] * (g - 1) / g
         out = {"optimizer": float(self.steady["bytes_sent"]), "gradients": ring * b.working_params}
         a, w = self.activations, self.workload
@@ -305,7 +305,7 @@ def make_plan(
     if steps < 2:
         raise PlanError(f"--steps {steps}: at least 2 (the first step also creates the state)")
     config = load_config(model)
-    check_model_layout(config, layout.tp, layout.pp, ep=layout.ep)
+    check_model_layout(config, layout.tp, layout.pp, sp=layout.sp, sp_mode="all_to_all", ep=layout.ep)
     if not 0 <= margin < 1:
         raise PlanError(f"--memory-margin {margin}: a share of the GPU's memory in [0, 1), e.g. 0.1")
     args = dict(optimizer_args or {})

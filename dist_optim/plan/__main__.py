@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--zero", type=int, default=0)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--sp", type=int, default=1, help="sequence-parallel size, all_to_all mode (the recipe's --sp)")
     ap.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
     ap.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
     ap.add_argument("--optimizer-args", default="{}", help="constructor options as JSON, e.g. '{\"lr\": 0.01}'")
@@ -149,7 +150,7 @@ def run(argv: list[str] | None = None) -> str:
         if a.json:
             return json.dumps([p.to_json() for p in plans], indent=1)
         return format_sweep(plans)
-    layout = Layout(a.plugin, tp=a.tp, pp=a.pp, zero=a.zero, dp=a.dp, ep=a.ep, precision=a.precision)
+    layout = Layout(a.plugin, tp=a.tp, pp=a.pp, zero=a.zero, dp=a.dp, ep=a.ep, precision=a.precision, sp=a.sp)
     plan = make_plan(
         a.model, layout, a.optimizer, args, a.steps, gpu_memory=gpu, log=log, device=a.device, workload=work,
         margin=a.memory_margin,

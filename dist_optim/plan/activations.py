@@ -29,9 +29,10 @@ does. ``flash`` is flash-attn's ``flash_attention_2`` (CUDA only): the same kern
 heads as they are (flash-attn takes grouped heads). ``eager`` is transformers' own attention.
 
 Not modelled: memory inside a kernel that it frees before returning (cuBLAS / flash workspaces),
-the caching allocator's fragmentation (the verdict's margin, :data:`ALLOCATOR_MARGIN`), and
-sequence parallelism (refused by :func:`simulate_activations`: ColossalAI replaces the attention
-forward then).
+the caching allocator's fragmentation (the verdict's margin, :data:`ALLOCATOR_MARGIN`).
+Sequence parallelism runs as the recipe sets it up (the all_to_all mode, an all-ones attention mask
+passed as the recipe passes it): ColossalAI's own attention forward and all-to-alls run on the meta
+model like the rest.
 """
 
 from __future__ import annotations
@@ -171,6 +172,7 @@ def simulate_activations(
     device: str = "cuda",
     breakdown: dict[str, int] | None = None,
     stages: Any = None,
+    mask: bool = False,
 ) -> Activations:
     """One forward (with the loss, labels = inputs, as the recipe trains) and one backward of
     ``model`` (a meta model, already sharded and in its working precision) on ``workload``.
@@ -181,7 +183,8 @@ def simulate_activations(
     micro-batch of one sequence (the recipe's ``microbatch_size=1``) as the 1F1B schedule calls it:
     a later stage takes the hidden states it receives, every stage but the last sends its output
     and runs its backward from the gradient it receives (both allocated inside the measurement,
-    as the schedule's receive buffers are); ``batch_size`` micro-batches go through per step."""
+    as the schedule's receive buffers are); ``batch_size`` micro-batches go through per step.
+    ``mask``: pass an all-ones attention mask, as the recipe does under sequence parallelism."""
     from .traffic import LiveBytes, c10d_bytes
 
     t0 = time.perf_counter()
@@ -215,6 +218,7 @@ def simulate_activations(
 
     rows = workload.batch_size if stages is None else 1
     ids = torch.zeros((rows, workload.seq_len), dtype=torch.long, device="meta")
+    masks = {"attention_mask": torch.ones_like(ids)} if mask else {}  # inputs, made before the step
     first = stages is None or stages.is_first_stage()
     last = stages is None or stages.is_last_stage()
     dtype = next(model.parameters()).dtype
@@ -225,7 +229,7 @@ def simulate_activations(
             experts = int(getattr(getattr(model, "config", None), "num_local_experts", 0) or 0)
             routing = BalancedRouting(experts) if experts else contextlib.nullcontext()
             with LiveBytes(answer_meta_items=True) as live, routing:
-                inputs: dict[str, Any] = {"input_ids": ids, "labels": ids}
+                inputs: dict[str, Any] = {"input_ids": ids, "labels": ids, **masks}
                 if not first:
                     received = torch.empty((rows, workload.seq_len, width), dtype=dtype, device="meta")
                     inputs["hidden_states"] = received.requires_grad_()
@@ -297,9 +301,10 @@ def activations_of_rank(
     breakdown: dict[str, int] | None = None,
 ) -> Activations:
     """:func:`simulate_activations` on rank ``rank`` of ``layout`` (a
-    :class:`~dist_optim.plan.simulate.Layout`): its ShardFormer-split meta model in the working
+    :class:`~dist_optim.plan.world.Layout`): its ShardFormer-split meta model in the working
     precision, over ``fake`` process groups of the job's world size."""
-    from .simulate import SimWorld, as_device, sharded_meta_model
+    from .simulate import as_device, sharded_meta_model
+    from .world import SimWorld
 
     if layout.pp > 1 and workload.batch_size < layout.pp:
         raise PlanError(
@@ -310,4 +315,4 @@ def activations_of_rank(
     with SimWorld(layout, rank) as world, as_device(device), attention_as(workload.attn, device) as impl:
         model = sharded_meta_model(config, layout, world, attn_implementation=impl, checkpoint_ratio=ratio)
         model.to(layout.working_dtype)
-        return simulate_activations(model, workload, device, breakdown, world.stage_manager)
+        return simulate_activations(model, workload, device, breakdown, world.stage_manager, mask=layout.sp > 1)

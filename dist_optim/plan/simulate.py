@@ -32,6 +32,7 @@ from .models import MODELS, PlanError, load_config, vocab_multiple
 from .torch_internals import DEVICES, check_torch, meta_generators
 from .torch_internals import as_device as _device_kernels
 from .traffic import LiveBytes, StepTraffic, Traffic, traffic_of
+from .world import Layout, SimWorld, install_cpu_shims, meta_device_mesh
 
 __all__ = [
     "Layout",
@@ -51,217 +52,6 @@ __all__ = [
     "DEVICES",
     "as_device",
 ]
-
-PLUGINS = ("hybrid", "zero", "ddp")
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A parallel layout as the plugins take it. Pipeline stages (``pp``) are HybridParallelPlugin's
-    one-forward-one-backward schedule; expert parallelism (``ep``) is checked against the model
-    (:func:`~dist_optim.plan.models.check_model_layout`), not simulated."""
-
-    plugin: str = "hybrid"
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    dp: int = 1
-    ep: int = 1
-    precision: str = "bf16"
-
-    def __post_init__(self) -> None:
-        if self.plugin not in PLUGINS:
-            raise PlanError(f"--plugin {self.plugin!r}: choose one of {', '.join(PLUGINS)}")
-        if self.precision not in PRECISIONS:
-            raise PlanError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
-        for name in ("tp", "pp", "dp", "ep"):
-            if getattr(self, name) < 1:
-                raise PlanError(f"--{name} {getattr(self, name)}: must be at least 1")
-        if self.zero not in (0, 1, 2):
-            raise PlanError(
-                f"--zero {self.zero}: ZeRO stage 0, 1 or 2 (stage 3 is Gemini, which refuses our optimizers)"
-            )
-        if self.pp > 1 and self.plugin != "hybrid":
-            raise PlanError(f"--pp {self.pp} needs --plugin hybrid (the {self.plugin} plugin has no pipeline stages)")
-        if self.pp > 1 and self.zero > 1:
-            raise PlanError(
-                f"--zero {self.zero} with --pp {self.pp}: HybridParallelPlugin takes ZeRO 0 or 1 with pipeline stages"
-            )
-        if self.plugin != "hybrid" and self.tp > 1:
-            raise PlanError(
-                f"--tp {self.tp} needs --plugin hybrid (the {self.plugin} plugin has no tensor parallelism)"
-            )
-        if self.plugin == "zero" and self.zero == 0:
-            raise PlanError("--plugin zero needs --zero 1 or 2 (LowLevelZeroPlugin always shards)")
-        if self.plugin == "ddp" and (self.zero or self.precision != "fp32"):
-            raise PlanError(
-                "--plugin ddp runs --zero 0 --precision fp32 (TorchDDPPlugin has no ZeRO or mixed precision)"
-            )
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def uses_torch_ddp(self) -> bool:
-        """Whether the plugin wraps the model in torch's DistributedDataParallel, whose reducer keeps
-        gradient buckets as large as the model's local parameters beside ``.grad`` (the plugins'
-        default ``gradient_as_bucket_view=False``): TorchDDPPlugin always; HybridParallelPlugin by
-        ColossalAI 0.5.0's rule (``HybridParallelPlugin.boost``: dp > 1 without ZeRO, or dp == 1,
-        both without pipeline stages); LowLevelZeroPlugin never."""
-        if self.plugin == "ddp":
-            return True
-        if self.plugin == "hybrid":
-            return self.pp == 1 and (self.dp == 1 or self.zero == 0)
-        return False
-
-    @property
-    def zero_size(self) -> int:
-        """Ranks one parameter's ZeRO chunks are spread over (0: no ZeRO)."""
-        return self.dp if self.zero else 0
-
-    @property
-    def working_dtype(self) -> torch.dtype:
-        return PRECISIONS[self.precision]
-
-    def describe(self) -> str:
-        zero = f" x ZeRO-{self.zero}" if self.zero else ""
-        pp = f" x pp={self.pp}" if self.pp > 1 else ""
-        return f"{self.plugin} tp={self.tp}{pp} x dp={self.dp}{zero} ({self.world} ranks, {self.precision})"
-
-    def stage_of(self, rank: int) -> int:
-        """``rank``'s pipeline stage in HybridParallelPlugin's mesh (dp, pp, tp)."""
-        return (rank // self.tp) % self.pp
-
-    def stage_ranks(self, stage: int) -> list[int]:
-        return [r for r in range(self.world) if self.stage_of(r) == stage]
-
-    @property
-    def stage_size(self) -> int:
-        """Ranks of one pipeline stage (tp x dp)."""
-        return self.tp * self.dp
-
-
-# ---- the simulated world ------------------------------------------------------------------
-def _install_cpu_shims() -> None:
-    """ColossalAI's CPU accelerator lacks calls ShardFormer makes (random state with a device
-    argument, ...); :mod:`dist_optim.plugins.cpu` fills them, so ShardFormer runs without a GPU."""
-    from dist_optim.plugins.cpu import install
-
-    install()
-
-
-class SimWorld:
-    """``rank`` of a job of ``layout.world`` ranks on the ``fake`` backend (collectives are
-    no-ops; groups, ranks and sizes are real), with its TP, data-parallel and pipeline groups laid
-    out as HybridParallelPlugin's ProcessGroupMesh(dp, pp, tp) (its default ``dp_outside=True``):
-    TP innermost, data parallelism outermost (rank ``(d * pp + s) * tp + t``). With pipeline stages
-    it also holds ColossalAI's own mesh and PipelineStageManager over those groups, for
-    ShardFormer's stage split."""
-
-    def __init__(self, layout: Layout, rank: int) -> None:
-        if not 0 <= rank < layout.world:
-            raise PlanError(f"rank {rank} is outside a world of {layout.world}")
-        self.layout = layout
-        self.rank = rank
-        self.tp_group: Any = None
-        self.dp_group: Any = None
-        self.stage_manager: Any = None
-        self.sp_group: Any = None
-
-    def tp_ranks(self, rank: int) -> tuple[int, ...]:
-        base = (rank // self.layout.tp) * self.layout.tp
-        return tuple(range(base, base + self.layout.tp))
-
-    def stage(self, rank: int) -> int:
-        return self.layout.stage_of(rank)
-
-    def dp_ranks(self, rank: int) -> tuple[int, ...]:
-        tp, pp = self.layout.tp, self.layout.pp
-        return tuple((d * pp + self.stage(rank)) * tp + rank % tp for d in range(self.layout.dp))
-
-    def pp_ranks(self, rank: int) -> tuple[int, ...]:
-        tp, pp = self.layout.tp, self.layout.pp
-        return tuple((self.zero_rank(rank) * pp + s) * tp + rank % tp for s in range(pp))
-
-    def zero_rank(self, rank: int) -> int:
-        """``rank``'s index in its ZeRO group (its data-parallel group)."""
-        return rank // (self.layout.tp * self.layout.pp)
-
-    def __enter__(self) -> SimWorld:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        if dist.is_initialized():
-            raise PlanError("the planner needs its own process: a process group is already initialised here")
-        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.layout.world)
-        self.tp_group = dist.new_group(list(self.tp_ranks(self.rank)))
-        self.dp_group = dist.new_group(list(self.dp_ranks(self.rank)))
-        # The plugin's sequence-parallel group without sequence parallelism: this rank alone (a
-        # ShardConfig without one would reduce the loss over the whole world).
-        self.sp_group = dist.new_group([self.rank])
-        self.stage_manager = None
-        if self.layout.pp > 1:
-            from colossalai.cluster import ProcessGroupMesh
-            from colossalai.pipeline.stage_manager import PipelineStageManager
-
-            mesh = ProcessGroupMesh(self.layout.dp, self.layout.pp, self.layout.tp)
-            self.stage_manager = PipelineStageManager(mesh, pipeline_axis=1)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        dist.destroy_process_group()
-
-    def peers(self, obj: Any, group: Any) -> list[Any]:
-        """What every member of ``group`` sends in an ``all_gather_object`` of ``obj``: this rank's
-        object with its TP and ZeRO ranks and its groups replaced by the member's. The objects
-        dist_optim exchanges are holdings (``owners.holding``) and group keys (``comm.grid_groups``);
-        anything else is a gap of the simulation and raises."""
-        members = dist.get_process_group_ranks(group) if group is not None else range(self.layout.world)
-        return [self._as(obj, m) for m in members]
-
-    def _as(self, obj: Any, member: int) -> Any:
-        if _is_holding(obj):
-            shape, tp_rank, zero_rank = obj
-            return (
-                shape,
-                None if tp_rank is None else member % self.layout.tp,
-                None if zero_rank is None else self._zero_rank_of(member),
-            )
-        if isinstance(obj, tuple) and obj and all(isinstance(i, int) for i in obj):
-            for ranks_of in (self.tp_ranks, self.dp_ranks, self.pp_ranks, lambda r: tuple(range(self.layout.world))):
-                if obj == ranks_of(self.rank):
-                    return ranks_of(member)
-        elif isinstance(obj, (list, tuple)):
-            return type(obj)(self._as(x, member) for x in obj)
-        raise PlanError(f"the simulation cannot tell what other ranks send for {obj!r} (all_gather_object)")
-
-    def _zero_rank_of(self, member: int) -> int:
-        return member if self.layout.plugin == "zero" else self.zero_rank(member)
-
-
-def _is_holding(obj: Any) -> bool:
-    return (
-        isinstance(obj, tuple)
-        and len(obj) == 3
-        and isinstance(obj[0], tuple)
-        and all(isinstance(i, int) for i in obj[0])
-        and all(x is None or isinstance(x, int) for x in obj[1:])
-    )
-
-
-@contextlib.contextmanager
-def _meta_device_mesh() -> Iterator[None]:
-    """ColossalAI's DeviceMesh maps a group's backend to a device; teach it that the ``fake``
-    backend's tensors live on the meta device, for the duration of the sharding."""
-    from colossalai.device.device_mesh import DeviceMesh
-
-    table = DeviceMesh._DIST_BACKEND
-    table["meta"] = "fake"
-    try:
-        yield
-    finally:
-        table.pop("meta", None)
 
 
 # ---- what the optimizer is handed ------------------------------------------------------------
@@ -301,15 +91,15 @@ def sharded_meta_model(
     share of a stage's layers ColossalAI's pipeline forward checkpoints (the recipe's
     PipelineGradientCheckpointConfig)."""
     model = _meta_model(config, attn_implementation)
-    if world is None or (layout.tp == 1 and layout.pp == 1):
+    if world is None or (layout.tp == 1 and layout.pp == 1 and layout.sp == 1):
         return model
-    _install_cpu_shims()
+    install_cpu_shims()
     from colossalai.shardformer import PipelineGradientCheckpointConfig, ShardConfig, ShardFormer
 
     ckpt = None
     if checkpoint_ratio and layout.pp > 1:
         ckpt = PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=checkpoint_ratio)
-    with _meta_device_mesh(), warnings.catch_warnings():
+    with meta_device_mesh(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # The plugin's own ShardConfig for this layout (HybridParallelPlugin: TP and stages, no
         # fused kernels on CPU; the vocabulary padding the recipe sets, models.vocab_multiple).
@@ -317,6 +107,8 @@ def sharded_meta_model(
             ShardConfig(
                 tensor_parallel_process_group=world.tp_group,
                 sequence_parallel_process_group=world.sp_group,
+                enable_sequence_parallelism=layout.sp > 1,
+                sequence_parallelism_mode="all_to_all" if layout.sp > 1 else None,
                 pipeline_stage_manager=world.stage_manager,
                 enable_tensor_parallelism=layout.tp > 1,
                 gradient_checkpoint_config=ckpt,
@@ -332,7 +124,7 @@ def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[t
     model = _meta_model(config)
     sharded = model
     tp_dims: dict[str, int | None] = {}
-    if world is not None and (layout.tp > 1 or layout.pp > 1):
+    if world is not None and (layout.tp > 1 or layout.pp > 1 or layout.sp > 1):
         from dist_optim.plugins.colossal import tp_dim_of
 
         # ShardFormer replaces modules in place: shard a second meta model, keep the first whole.
@@ -353,13 +145,13 @@ def _piece(name: str, param: torch.Tensor, tp_dim: int | None, layout: Layout, w
     tp = None
     if tp_dim is not None:
         full[tp_dim] *= layout.tp
-        tp = TPSplit(tp_dim, layout.tp, world.rank % layout.tp, world.tp_group)
+        tp = TPSplit(tp_dim, layout.tp, layout.coordinates(world.rank)[2], world.tp_group)
     zero = None
     numel = param.numel()
     if layout.zero:
         # LowLevelZeroPlugin shards over the whole world (its wrapper's param_to_pg is WORLD)
         group = world.dp_group if layout.plugin == "hybrid" else dist.group.WORLD
-        size = layout.dp if layout.plugin == "hybrid" else layout.world
+        size = layout.data_ranks if layout.plugin == "hybrid" else layout.world
         padding = (-numel) % size  # LowLevelZero: flatten, pad to a multiple of the ZeRO group size
         zero = ZeroShard(size, world._zero_rank_of(world.rank), padding, group)
         master = torch.empty((numel + padding) // size, device="meta")

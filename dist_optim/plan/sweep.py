@@ -17,7 +17,7 @@ from typing import Any
 from . import GB, Plan, PlanError, make_plan, rank_total, stage_activations
 from .activations import ALLOCATOR_MARGIN, Activations, Workload
 from .models import check_model_layout, load_config
-from .simulate import Layout
+from .world import Layout
 
 __all__ = ["candidate_layouts", "sweep", "rank_plans", "with_activations", "format_layout_sweep"]
 
@@ -40,7 +40,7 @@ def candidate_layouts(config: Any, world: int, precision: str, batch_size: int) 
             except PlanError:
                 continue
             dp = world // (tp * pp)
-            zeros = (0,) if dp == 1 else ((0, 1) if pp > 1 else (0, 1, 2))
+            zeros = (0,) if dp == 1 or precision == "fp32" else ((0, 1) if pp > 1 else (0, 1, 2))
             out += [Layout("hybrid", tp=tp, pp=pp, dp=dp, zero=z, precision=precision) for z in zeros]
     return out
 

@@ -38,6 +38,21 @@ LAYOUTS = {
         4,
         Layout("hybrid", pp=2, zero=1, dp=2, precision="bf16"),
     ),
+    "sp2-dp2-zero1": (
+        "HybridParallelPlugin",
+        dict(
+            tp_size=1,
+            pp_size=1,
+            zero_stage=1,
+            precision="bf16",
+            overlap_communication=False,
+            sp_size=2,
+            enable_sequence_parallelism=True,
+            sequence_parallelism_mode="all_to_all",
+        ),  # fmt: skip
+        4,
+        Layout("hybrid", sp=2, zero=1, dp=2, precision="bf16"),
+    ),
     "zero2-x4": (
         "LowLevelZeroPlugin",
         dict(stage=2, precision="bf16", overlap_communication=False),
@@ -121,7 +136,8 @@ def _measured_run(name: str, plugin_name: str, plugin_kwargs: dict[str, Any]) ->
                 batch = iter([{"input_ids": x, "labels": x}])
                 booster.execute_pipeline(batch, model, lambda out, _: out.loss, wrapper, return_loss=True)
             else:
-                booster.backward(model(input_ids=x, labels=x).loss, wrapper)
+                mask = {"attention_mask": torch.ones_like(x)} if plugin_kwargs.get("sp_size", 1) > 1 else {}
+                booster.backward(model(input_ids=x, labels=x, **mask).loss, wrapper)
             wrapper.step()
             wrapper.zero_grad()
         params = [p for g in inner.param_groups for p in g["params"]]
@@ -303,6 +319,10 @@ def test_bad_input_names_the_option_and_the_fix() -> None:
         Layout("zero", pp=2, zero=1, dp=2)
     with pytest.raises(PlanError, match="^--zero 2 with --pp 2: HybridParallelPlugin takes ZeRO 0 or 1"):
         Layout("hybrid", pp=2, zero=2, dp=2)
+    with pytest.raises(PlanError, match="^--sp 2 needs --plugin hybrid without --pp"):
+        Layout("hybrid", pp=2, sp=2)
+    with pytest.raises(PlanError, match="^--zero 1 with --precision fp32: HybridParallelPlugin's ZeRO takes bf16"):
+        Layout("hybrid", zero=1, dp=2, precision="fp32")
     with pytest.raises(PlanError, match="--optimizer 'adam': choose one of"):
         make_plan("llama-7b", Layout(), "adam")
     with pytest.raises(PlanError, match="--model 'nope'"):
@@ -346,6 +366,8 @@ def test_train_llama_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str])
     assert "activations of rank 0: 4 x 64 tokens per micro-batch, attention sdpa;" in out
     main(["--model", "tiny", "--tp", "2", "--world-size", "2", "--optimizer", "lamb", "--dry-run", "--grad-checkpoint"])
     assert "4 x 64 tokens per micro-batch, attention sdpa, checkpointed layers" in capsys.readouterr().out
+    main(["--model", "tiny", "--sp", "2", "--zero", "1", "--world-size", "4", "--optimizer", "lamb", "--dry-run"])
+    assert "hybrid tp=1 x sp=2 x dp=2 x ZeRO-1 (4 ranks, bf16), optimizer lamb" in capsys.readouterr().out
 
 
 def test_an_unchecked_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,260 @@
+"""The simulated job: a parallel layout as the plugins take it (:class:`Layout`) and one rank of it
+on the ``fake`` backend (:class:`SimWorld`), laid out as HybridParallelPlugin lays out its ranks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .models import PlanError
+
+__all__ = ["PLUGINS", "PRECISIONS", "Layout", "SimWorld", "install_cpu_shims", "meta_device_mesh"]
+
+PLUGINS = ("hybrid", "zero", "ddp")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout as the plugins take it. Pipeline stages (``pp``) are HybridParallelPlugin's
+    one-forward-one-backward schedule; expert parallelism (``ep``) is checked against the model
+    (:func:`~dist_optim.plan.models.check_model_layout`), not simulated."""
+
+    plugin: str = "hybrid"
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    dp: int = 1
+    ep: int = 1
+    precision: str = "bf16"
+    sp: int = 1  # sequence parallelism, the recipe's all_to_all mode (ZeRO and gradients over dp x sp)
+
+    def __post_init__(self) -> None:
+        if self.plugin not in PLUGINS:
+            raise PlanError(f"--plugin {self.plugin!r}: choose one of {', '.join(PLUGINS)}")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        for name in ("tp", "pp", "dp", "ep", "sp"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"--{name} {getattr(self, name)}: must be at least 1")
+        if self.zero not in (0, 1, 2):
+            raise PlanError(
+                f"--zero {self.zero}: ZeRO stage 0, 1 or 2 (stage 3 is Gemini, which refuses our optimizers)"
+            )
+        if self.pp > 1 and self.plugin != "hybrid":
+            raise PlanError(f"--pp {self.pp} needs --plugin hybrid (the {self.plugin} plugin has no pipeline stages)")
+        if self.sp > 1 and (self.plugin != "hybrid" or self.pp > 1):
+            raise PlanError(
+                f"--sp {self.sp} needs --plugin hybrid without --pp (the recipe's all_to_all sequence parallelism)"
+            )
+        if self.plugin == "hybrid" and self.zero and self.precision == "fp32":
+            raise PlanError(
+                f"--zero {self.zero} with --precision fp32: HybridParallelPlugin's ZeRO takes bf16 or fp16, "
+                "or plan --zero 0"
+            )
+        if self.pp > 1 and self.zero > 1:
+            raise PlanError(
+                f"--zero {self.zero} with --pp {self.pp}: HybridParallelPlugin takes ZeRO 0 or 1 with pipeline stages"
+            )
+        if self.plugin != "hybrid" and self.tp > 1:
+            raise PlanError(
+                f"--tp {self.tp} needs --plugin hybrid (the {self.plugin} plugin has no tensor parallelism)"
+            )
+        if self.plugin == "zero" and self.zero == 0:
+            raise PlanError("--plugin zero needs --zero 1 or 2 (LowLevelZeroPlugin always shards)")
+        if self.plugin == "ddp" and (self.zero or self.precision != "fp32"):
+            raise PlanError(
+                "--plugin ddp runs --zero 0 --precision fp32 (TorchDDPPlugin has no ZeRO or mixed precision)"
+            )
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.sp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that reduce each gradient and share ZeRO's partitions: dp, times sp with sequence
+        parallelism (HybridParallelPlugin's ``mixed_dp_group``)."""
+        return self.dp * self.sp
+
+    def coordinates(self, rank: int) -> tuple[int, int, int, int]:
+        """``rank``'s (dp, pp, tp, sp) coordinates in HybridParallelPlugin's ProcessGroupMesh(dp, pp,
+        tp, sp) (its default ``dp_outside``; the sp axis innermost in the all_to_all mode)."""
+        q, rest = rank % self.sp, rank // self.sp
+        t, rest = rest % self.tp, rest // self.tp
+        return rest // self.pp, rest % self.pp, t, q
+
+    def rank_of(self, d: int, s: int, t: int, q: int) -> int:
+        return ((d * self.pp + s) * self.tp + t) * self.sp + q
+
+    @property
+    def uses_torch_ddp(self) -> bool:
+        """Whether the plugin wraps the model in torch's DistributedDataParallel, whose reducer keeps
+        gradient buckets as large as the model's local parameters beside ``.grad`` (the plugins'
+        default ``gradient_as_bucket_view=False``): TorchDDPPlugin always; HybridParallelPlugin by
+        ColossalAI 0.5.0's rule (``HybridParallelPlugin.boost``: dp > 1 without ZeRO, or dp == 1,
+        both without pipeline stages); LowLevelZeroPlugin never."""
+        if self.plugin == "ddp":
+            return True
+        if self.plugin == "hybrid":
+            return self.pp == 1 and (self.data_ranks == 1 or self.zero == 0)
+        return False
+
+    @property
+    def zero_size(self) -> int:
+        """Ranks one parameter's ZeRO chunks are spread over (0: no ZeRO)."""
+        return self.data_ranks if self.zero else 0
+
+    @property
+    def working_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    def describe(self) -> str:
+        zero = f" x ZeRO-{self.zero}" if self.zero else ""
+        pp = f" x pp={self.pp}" if self.pp > 1 else ""
+        sp = f" x sp={self.sp}" if self.sp > 1 else ""
+        return f"{self.plugin} tp={self.tp}{pp}{sp} x dp={self.dp}{zero} ({self.world} ranks, {self.precision})"
+
+    def stage_of(self, rank: int) -> int:
+        """``rank``'s pipeline stage in HybridParallelPlugin's mesh."""
+        return self.coordinates(rank)[1]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [r for r in range(self.world) if self.stage_of(r) == stage]
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (tp x dp x sp)."""
+        return self.tp * self.dp * self.sp
+
+
+# ---- the simulated world ------------------------------------------------------------------
+def install_cpu_shims() -> None:
+    """ColossalAI's CPU accelerator lacks calls ShardFormer makes (random state with a device
+    argument, ...); :mod:`dist_optim.plugins.cpu` fills them, so ShardFormer runs without a GPU."""
+    from dist_optim.plugins.cpu import install
+
+    install()
+
+
+class SimWorld:
+    """``rank`` of a job of ``layout.world`` ranks on the ``fake`` backend (collectives are
+    no-ops; groups, ranks and sizes are real), with its TP, data-parallel and pipeline groups laid
+    out as HybridParallelPlugin's ProcessGroupMesh(dp, pp, tp) (its default ``dp_outside=True``):
+    TP innermost, data parallelism outermost (rank ``(d * pp + s) * tp + t``). With pipeline stages
+    it also holds ColossalAI's own mesh and PipelineStageManager over those groups, for
+    ShardFormer's stage split."""
+
+    def __init__(self, layout: Layout, rank: int) -> None:
+        if not 0 <= rank < layout.world:
+            raise PlanError(f"rank {rank} is outside a world of {layout.world}")
+        self.layout = layout
+        self.rank = rank
+        self.tp_group: Any = None
+        self.dp_group: Any = None
+        self.stage_manager: Any = None
+        self.sp_group: Any = None
+
+    def tp_ranks(self, rank: int) -> tuple[int, ...]:
+        d, s, _, q = self.layout.coordinates(rank)
+        return tuple(self.layout.rank_of(d, s, t, q) for t in range(self.layout.tp))
+
+    def stage(self, rank: int) -> int:
+        return self.layout.stage_of(rank)
+
+    def dp_ranks(self, rank: int) -> tuple[int, ...]:
+        """The data-parallel group (with sequence parallelism, the plugin's dp x sp group), sorted."""
+        _, s, t, _ = self.layout.coordinates(rank)
+        lay = self.layout
+        return tuple(sorted(lay.rank_of(d, s, t, q) for d in range(lay.dp) for q in range(lay.sp)))
+
+    def pp_ranks(self, rank: int) -> tuple[int, ...]:
+        d, _, t, q = self.layout.coordinates(rank)
+        return tuple(self.layout.rank_of(d, s, t, q) for s in range(self.layout.pp))
+
+    def sp_ranks(self, rank: int) -> tuple[int, ...]:
+        d, s, t, _ = self.layout.coordinates(rank)
+        return tuple(self.layout.rank_of(d, s, t, q) for q in range(self.layout.sp))
+
+    def zero_rank(self, rank: int) -> int:
+        """``rank``'s index in its ZeRO group (its data-parallel group)."""
+        return self.dp_ranks(rank).index(rank)
+
+    def __enter__(self) -> SimWorld:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            raise PlanError("the planner needs its own process: a process group is already initialised here")
+        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.layout.world)
+        self.tp_group = dist.new_group(list(self.tp_ranks(self.rank)))
+        self.dp_group = dist.new_group(list(self.dp_ranks(self.rank)))
+        # The plugin's sequence-parallel group; without sequence parallelism this rank alone (a
+        # ShardConfig without one would reduce the loss over the whole world).
+        self.sp_group = dist.new_group(list(self.sp_ranks(self.rank)))
+        self.stage_manager = None
+        if self.layout.pp > 1:
+            from colossalai.cluster import ProcessGroupMesh
+            from colossalai.pipeline.stage_manager import PipelineStageManager
+
+            mesh = ProcessGroupMesh(self.layout.dp, self.layout.pp, self.layout.tp, self.layout.sp)
+            self.stage_manager = PipelineStageManager(mesh, pipeline_axis=1)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.destroy_process_group()
+
+    def peers(self, obj: Any, group: Any) -> list[Any]:
+        """What every member of ``group`` sends in an ``all_gather_object`` of ``obj``: this rank's
+        object with its TP and ZeRO ranks and its groups replaced by the member's. The objects
+        dist_optim exchanges are holdings (``owners.holding``) and group keys (``comm.grid_groups``);
+        anything else is a gap of the simulation and raises."""
+        members = dist.get_process_group_ranks(group) if group is not None else range(self.layout.world)
+        return [self._as(obj, m) for m in members]
+
+    def _as(self, obj: Any, member: int) -> Any:
+        if _is_holding(obj):
+            shape, tp_rank, zero_rank = obj
+            return (
+                shape,
+                None if tp_rank is None else self.layout.coordinates(member)[2],
+                None if zero_rank is None else self._zero_rank_of(member),
+            )
+        if isinstance(obj, tuple) and obj and all(isinstance(i, int) for i in obj):
+            for ranks_of in (self.tp_ranks, self.dp_ranks, self.pp_ranks, lambda r: tuple(range(self.layout.world))):
+                if obj == ranks_of(self.rank):
+                    return ranks_of(member)
+        elif isinstance(obj, (list, tuple)):
+            return type(obj)(self._as(x, member) for x in obj)
+        raise PlanError(f"the simulation cannot tell what other ranks send for {obj!r} (all_gather_object)")
+
+    def _zero_rank_of(self, member: int) -> int:
+        return member if self.layout.plugin == "zero" else self.zero_rank(member)
+
+
+def _is_holding(obj: Any) -> bool:
+    return (
+        isinstance(obj, tuple)
+        and len(obj) == 3
+        and isinstance(obj[0], tuple)
+        and all(isinstance(i, int) for i in obj[0])
+        and all(x is None or isinstance(x, int) for x in obj[1:])
+    )
+
+
+@contextlib.contextmanager
+def meta_device_mesh() -> Iterator[None]:
+    """ColossalAI's DeviceMesh maps a group's backend to a device; teach it that the ``fake``
+    backend's tensors live on the meta device, for the duration of the sharding."""
+    from colossalai.device.device_mesh import DeviceMesh
+
+    table = DeviceMesh._DIST_BACKEND
+    table["meta"] = "fake"
+    try:
+        yield
+    finally:
+        table.pop("meta", None)
