@@ -1,5 +1,6 @@
 """The planner against real runs: a tiny Llama boosted by dist_optim.plugins on gloo processes,
-every optimizer, tp=2 x dp=2 x ZeRO-1, LowLevelZero ZeRO-2 x 4 and DDP x 2. For every rank and
+every optimizer, tp=2 x dp=2 x ZeRO-1, pp=2 x dp=2 x ZeRO-1, sp=2 x dp=2 x ZeRO-1 (all_to_all),
+LowLevelZero ZeRO-2 x 4 and DDP x 2. For every rank and
 every step, the optimizer state bytes, the collectives (by kind) and the bytes sent that the
 planner simulates on meta tensors equal what the run measures; the peak transient bytes of a
 step are within 10%; the tensors and layouts the planner hands the optimizer are the ones the
