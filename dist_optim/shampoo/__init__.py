@@ -24,6 +24,17 @@ Per parameter, with ``t`` its 1-based step (steps without a gradient do not coun
    ``exponent_override``; see :func:`dist_optim.matrix_functions.matrix_inverse_root`. A root that is not
    finite or whose iteration error exceeds ``inverse_failure_threshold`` is discarded: the previous
    root is kept (identity before the first) and ``block<i>.failures`` counts it.
+   ``root_inverse="warm"`` (Meta's ``EighEigendecompositionConfig(tolerance)`` and
+   ``QREigendecompositionConfig`` in one, with a recomputation where Meta's QR has none): the block
+   keeps ``Q_k``, the eigenvectors of its last refresh (identity before the first), and refreshes
+   from them by :func:`dist_optim.matrix_functions.warm_eigh` on ``A + epsilon I``:
+   ``B = Q^T (A + epsilon I) Q``; if ``||B - diag(B)||_F <= refresh_tolerance ||B||_F`` the
+   eigenvectors are kept and ``R = Q diag(B)^(-alpha) Q^T`` (three products instead of an
+   ``eigh``); else up to ``refresh_iterations`` QR-algorithm steps on ``B`` (columns first sorted
+   by decreasing ``diag(B)``) until the criterion holds; else ``eigh`` as ``root_inverse="eigh"``
+   (the same root bit for bit). Accuracy: the root taken is exact for a matrix within
+   ``refresh_tolerance`` of ``A + epsilon I`` in relative Frobenius norm; docs/benchmarks.md gives
+   the roots' measured error against float64 ``eigh`` and the refresh's cost.
 5. Direction: before ``start`` ``P = D``; then ``P = Mhat x_0 R_0 x_1 R_1 ...`` scaled per block to
    ``||D||``: ``P <- P ||D|| / (||P|| + 1e-16)`` (no rescaling without grafting).
 6. ``P <- P + weight_decay W`` (decoupled); momentum ``B <- momentum B + P`` and ``P = B`` (or
@@ -41,6 +52,10 @@ until the first refresh. At the steps of (4), with ``A = L / (1 - b2^n)``, the b
   one power step ``Q' R = qr(A Q)`` from the current basis whose columns are first sorted by
   decreasing ``diag(Q^T A Q)``, ``S`` below permuted with them
   (:func:`dist_optim.matrix_functions.qr_power_step`).
+* ``eigenbasis="warm"``: the eigenvectors at the first refresh, then
+  :func:`dist_optim.matrix_functions.warm_eigh` from the current basis as for ``root_inverse="warm"``
+  (on ``A``, without ``epsilon``): kept within ``refresh_tolerance``, else QR-algorithm steps
+  (``S`` permuted with the columns they sort), else the eigenvectors as ``"eigh"`` makes them.
 
 Otherwise ``S`` is kept as it is across a refresh, not rotated into the new basis (as in Meta's
 and Vyas et al.'s code). Then ``Gr = G x_k Q_k^T`` (the refreshed basis), ``S <- b2 S + (1 - b2) Gr^2``,

@@ -64,10 +64,16 @@ class DistributedShampoo(DistOptimizer):
             the tiny Llama of ``bench/convergence.py``); use Adam grafting
             (``AdamGraftingConfig(beta2=0.999, epsilon=1e-8)``, Meta's README setting, as the
             recipe does) or a larger ``epsilon`` (docs/convergence.md).
-        root_inverse: ``"eigh"``, ``"coupled_newton"`` or ``"higher_order"``.
+        root_inverse: ``"eigh"``, ``"coupled_newton"``, ``"higher_order"`` or ``"warm"`` (the
+            eigendecomposition warm-started from the block's previous eigenvectors, kept as state
+            ``basis<k>``: one more matrix per factor; see the package docstring).
         eigenvalue_correction: SOAP.
-        eigenbasis: SOAP basis refresh: ``"eigh"``, ``"qr"`` (Meta's ``DefaultSOAPConfig``) or
-            ``"qr-eigh-start"`` (Vyas et al.'s); see the package docstring.
+        eigenbasis: SOAP basis refresh: ``"eigh"``, ``"qr"`` (Meta's ``DefaultSOAPConfig``),
+            ``"qr-eigh-start"`` (Vyas et al.'s) or ``"warm"``; see the package docstring.
+        refresh_tolerance: ``"warm"`` keeps the previous eigenvectors while
+            ``||B - diag(B)||_F <= refresh_tolerance ||B||_F`` with ``B = Q^T A Q`` (in [0, 1]; 0:
+            always recompute).
+        refresh_iterations: ``"warm"``'s QR-algorithm steps before it falls back to ``eigh``.
         merge_small_dims: merge small consecutive dims before blocking.
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
@@ -127,6 +133,8 @@ class DistributedShampoo(DistOptimizer):
         higher_order_degree: int = 3,
         max_gather_bytes: int | None = None,
         *,
+        refresh_tolerance: float = 0.01,
+        refresh_iterations: int = 1,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:

@@ -26,6 +26,9 @@ __all__ = [
     "GRAFTING_TYPES",
     "SQUARED_GRAFTING_TYPES",
     "EIGENBASES",
+    "ROOT_INVERSES",
+    "WARM",
+    "uses_warm_refresh",
     "COMM_DTYPES",
     "check_int",
     "check_positive",
@@ -108,7 +111,12 @@ for _cls in GRAFTING_TYPES:
     _cls.__module__ = "dist_optim.shampoo"
 #: The grafting methods that keep a second moment ``V`` per block (state ``graft_sq``).
 SQUARED_GRAFTING_TYPES = (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
-EIGENBASES = ("eigh", "qr", "qr-eigh-start")
+#: The refresh of ``root_inverse`` / ``eigenbasis`` warm-started from the block's previous
+#: eigenvectors (:func:`dist_optim.matrix_functions.warm_eigh`, options ``refresh_tolerance`` and
+#: ``refresh_iterations``); the block keeps its eigenvectors (state ``basis<k>``).
+WARM = "warm"
+EIGENBASES = ("eigh", "qr", "qr-eigh-start", WARM)
+ROOT_INVERSES = (*matrix_functions.ROOT_METHODS, WARM)
 COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -138,6 +146,8 @@ GROUP_OPTIONS = (
     "skip_preconditioning_dim_size_gt",
     "inverse_failure_threshold",
     "higher_order_degree",
+    "refresh_tolerance",
+    "refresh_iterations",
 )
 _FLAGS = (
     "use_nesterov",
@@ -159,6 +169,11 @@ def group_defaults(**options: Any) -> dict[str, Any]:
     for name in _FLAGS:
         out[name] = bool(out[name])
     return out
+
+
+def uses_warm_refresh(group: dict[str, Any]) -> bool:
+    """Whether the group's refresh is :data:`WARM` (Shampoo's ``root_inverse``, SOAP's ``eigenbasis``)."""
+    return (group["eigenbasis"] if group["eigenvalue_correction"] else group["root_inverse"]) == WARM
 
 
 def start_step(group: dict[str, Any]) -> int:
@@ -207,6 +222,8 @@ def _check_integers(group: dict[str, Any]) -> None:
     check_int("precondition_frequency", group["precondition_frequency"], 1)
     check_int("statistics_compute_steps", group["statistics_compute_steps"], 1)
     check_int("higher_order_degree", group["higher_order_degree"], 3)
+    check_int("refresh_iterations", group["refresh_iterations"], 0)
+    check_range("refresh_tolerance", group["refresh_tolerance"], 0.0, 1.0, closed_high=True)
     start, pf = group["start_preconditioning_step"], group["precondition_frequency"]
     check_int("start_preconditioning_step", start, 0)
     if start not in (0, 1) and start < pf:
@@ -217,8 +234,8 @@ def _check_integers(group: dict[str, Any]) -> None:
 
 
 def _check_methods(group: dict[str, Any]) -> None:
-    if group["root_inverse"] not in matrix_functions.ROOT_METHODS:
-        raise ValueError(f"root_inverse must be one of {matrix_functions.ROOT_METHODS}, got {group['root_inverse']!r}")
+    if group["root_inverse"] not in ROOT_INVERSES:
+        raise ValueError(f"root_inverse must be one of {ROOT_INVERSES}, got {group['root_inverse']!r}")
     if group["eigenbasis"] not in EIGENBASES:
         raise ValueError(f"eigenbasis must be one of {EIGENBASES}, got {group['eigenbasis']!r}")
     graft = group["grafting_config"]
@@ -234,7 +251,7 @@ def _check_roots(group: dict[str, Any]) -> None:
     if isinstance(override, bool) or not isinstance(override, (int, float)) or not 0 <= override < math.inf:
         raise ValueError(f"exponent_override must be a finite number >= 0 (0: 2 * order), got {override!r}")
     check_positive("exponent_multiplier", group["exponent_multiplier"])
-    if group["root_inverse"] != "eigh" and not group["eigenvalue_correction"]:
+    if group["root_inverse"] not in ("eigh", WARM) and not group["eigenvalue_correction"]:
         if group["exponent_multiplier"] != 1.0 or float(override) != int(override):
             raise ValueError(
                 f"root_inverse={group['root_inverse']!r} needs exponent_multiplier=1 and an integer "

@@ -3,8 +3,8 @@
 The preconditioners read and update a :class:`BlockState`. ``optimizer.state[p]`` (what torch's
 ``state_dict``, ZeRO's sharded state and the checkpoints serialise) holds the same tensors under
 flat keys ``"block<i>.<name>"`` in the order of :func:`block_spec`: ``exp_avg`` (SOAP without
-grafting: ``exp_avg_eigen``), ``graft_sq``, ``factor<k>``, ``root<k>`` (Shampoo) or ``basis<k>``
-(SOAP), ``failures``, ``exp_avg_sq`` (SOAP).
+grafting: ``exp_avg_eigen``), ``graft_sq``, ``factor<k>``, ``root<k>`` (Shampoo), ``basis<k>``
+(SOAP, and Shampoo with ``root_inverse="warm"``), ``failures``, ``exp_avg_sq`` (SOAP).
 :meth:`BlockState.flat` writes that form and :meth:`BlockState.of` views it (the same tensors,
 updated in place); nothing else spells a key.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .blocking import Block
-from .options import SQUARED_GRAFTING_TYPES
+from .options import SQUARED_GRAFTING_TYPES, uses_warm_refresh
 
 __all__ = [
     "BlockState",
@@ -56,7 +56,10 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
         spec.append(("graft_sq", block.shape, dtype))
     if block.precondition:
         spec += [(f"factor{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
-        spec += [(f"{'basis' if soap else 'root'}{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
+        if not soap:
+            spec += [(f"root{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
+        if soap or uses_warm_refresh(group):  # SOAP's bases; the eigenvectors a warm root refresh starts from
+            spec += [(f"basis{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
         spec.append(("failures", (), torch.float32))
     if soap:
         spec.append(("exp_avg_sq", block.shape, pdt))
@@ -153,7 +156,7 @@ class BlockState:
     graft_sq: torch.Tensor | None = None  # V of AdaGrad / RMSprop / Adam grafting
     factors: list[torch.Tensor] = dataclasses.field(default_factory=list)  # L_k (large ones: one triangle kept)
     roots: list[torch.Tensor] = dataclasses.field(default_factory=list)  # R_k (Shampoo)
-    bases: list[torch.Tensor] = dataclasses.field(default_factory=list)  # Q_k (SOAP)
+    bases: list[torch.Tensor] = dataclasses.field(default_factory=list)  # Q_k (SOAP; a warm Shampoo refresh's)
     failures: torch.Tensor | None = None  # discarded roots / basis refreshes
     exp_avg_sq: torch.Tensor | None = None  # S, SOAP's second moment in the eigenbasis
 

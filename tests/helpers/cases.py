@@ -159,6 +159,36 @@ PARITY_CASES += [
             use_decoupled_weight_decay=False,
         ),
     ),
+    # The warm-started refresh: a tolerance some refreshes meet and some do not, QR steps, the kept
+    # eigenvectors in the state (Shampoo's basis<k>), S permuted with the sorted columns (SOAP).
+    Case(
+        "shampoo-warm",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-6,
+            max_preconditioner_dim=3,
+            precondition_frequency=2,
+            root_inverse="warm",
+            refresh_tolerance=0.05,
+            refresh_iterations=2,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+        ),
+    ),
+    Case(
+        "soap-warm",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-8,
+            max_preconditioner_dim=4,
+            precondition_frequency=2,
+            eigenvalue_correction=True,
+            eigenbasis="warm",
+            refresh_tolerance=0.05,
+            refresh_iterations=2,
+        ),
+    ),
     Case(
         "shampoo-newton-sgd-merge",
         dist_optim.DistributedShampoo,

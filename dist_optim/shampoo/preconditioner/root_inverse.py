@@ -9,6 +9,7 @@ import torch
 
 from ... import matrix_functions
 from ..blocking import apply_each_dim
+from ..options import WARM
 from ..state import BlockState, Scratch
 from .grafting import Moments, scale_direction
 
@@ -18,26 +19,47 @@ __all__ = ["refresh_roots", "direction"]
 def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any]) -> None:
     """``R_k = (scale L_k + epsilon I)^(-exponent_multiplier / r)``; a root that is not finite or
     whose iteration error exceeds ``inverse_failure_threshold`` keeps the previous one and counts
-    in ``failures``."""
+    in ``failures``. ``root_inverse="warm"``: from :func:`~dist_optim.matrix_functions.warm_eigh`
+    of the damped factor started from the block's previous eigenvectors ``Q_k`` (kept with the root)."""
     failures = bs.failures
     assert failures is not None
     root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
-    for factor, r_k in zip(bs.factors, bs.roots):
+    warm = group["root_inverse"] == WARM
+    for k, (factor, r_k) in enumerate(zip(bs.factors, bs.roots)):
         try:
-            x, err, ok = matrix_functions.matrix_inverse_root(
-                factor * scale,
-                root,
-                group["epsilon"],
-                group["root_inverse"],
-                exponent_multiplier=mult,
-                order=group["higher_order_degree"],
-                overwrite=True,  # a fresh product of a factor mirrored by the caller
-            )
-            ok = ok & (err <= group["inverse_failure_threshold"])
+            if warm:
+                x, q, ok = _warm_root(factor * scale, bs.bases[k], mult / root, group)
+                torch.where(ok, q.to(r_k.dtype), bs.bases[k], out=bs.bases[k])
+            else:
+                x, err, ok = matrix_functions.matrix_inverse_root(
+                    factor * scale,
+                    root,
+                    group["epsilon"],
+                    group["root_inverse"],
+                    exponent_multiplier=mult,
+                    order=group["higher_order_degree"],
+                    overwrite=True,  # a fresh product of a factor mirrored by the caller
+                )
+                ok = ok & (err <= group["inverse_failure_threshold"])
         except torch.linalg.LinAlgError:
             x, ok = r_k, torch.zeros((), dtype=torch.bool)
         torch.where(ok, x.to(r_k.dtype), r_k, out=r_k)
         failures.add_((~ok).to(failures.dtype))
+
+
+def _warm_root(
+    a: torch.Tensor, basis: torch.Tensor, alpha: float, group: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(A + epsilon I)^-alpha`` from the warm-started eigendecomposition of the damped ``a`` (a
+    fresh tensor, overwritten), its eigenvectors and whether both are finite. Recomputed by
+    ``eigh``, the root is bit for bit ``root_inverse="eigh"``'s."""
+    epsilon = group["epsilon"]
+    a.diagonal().add_(epsilon)
+    eig = matrix_functions.warm_eigh(
+        a, basis, tolerance=group["refresh_tolerance"], max_iterations=group["refresh_iterations"]
+    )
+    x = matrix_functions.inverse_root_from_eigen(eig.eigenvalues, eig.eigenvectors, epsilon, alpha)
+    return x, eig.eigenvectors, torch.isfinite(x).all() & torch.isfinite(eig.eigenvectors).all()
 
 
 def direction(

@@ -9,6 +9,7 @@ import torch
 
 from ... import matrix_functions
 from ..blocking import apply_each_dim
+from ..options import WARM
 from ..state import BlockState, Scratch
 from .grafting import Moments, scale_direction
 
@@ -17,8 +18,9 @@ __all__ = ["refresh_bases", "direction"]
 
 def refresh_bases(bs: BlockState, scale: float, group: dict[str, Any], first: bool) -> None:
     """``Q_k`` from ``A = scale L_k`` by ``eigenbasis`` (``first``: the refresh at the start step,
-    which ``"qr-eigh-start"`` makes by ``eigh``); a refresh that is not finite keeps the previous
-    basis and counts in ``failures``. ``"qr-eigh-start"`` permutes ``S`` with its columns. A first
+    which ``"qr-eigh-start"`` and ``"warm"`` make by ``eigh``); a refresh that is not finite keeps
+    the previous basis and counts in ``failures``. ``"qr-eigh-start"`` and ``"warm"`` permute ``S``
+    with the columns they reorder. A first
     moment kept in the eigenbasis is rotated into the new one, ``Mr <- Mr x_k (Q_k'^T Q_k)``, so
     that it stays ``M x_k Q_k'^T``: the parameter-basis moment, exactly in exact arithmetic."""
     failures, s = bs.failures, bs.exp_avg_sq
@@ -33,6 +35,8 @@ def refresh_bases(bs: BlockState, scale: float, group: dict[str, Any], first: bo
                 q_new, ok = matrix_functions.qr_algorithm_step(a, q, group["epsilon"])
             elif mode == "eigh" or first:
                 q_new, ok = matrix_functions.eigenbasis(a)
+            elif mode == WARM:
+                q_new, perm, ok = _warm_basis(a, q, group)
             else:  # "qr-eigh-start" after its first refresh
                 q_new, perm, ok = matrix_functions.qr_power_step(a, q)
         except torch.linalg.LinAlgError:
@@ -45,6 +49,27 @@ def refresh_bases(bs: BlockState, scale: float, group: dict[str, Any], first: bo
     if m is not None and any(not torch.equal(old, q) for old, q in zip(previous, bs.bases)):
         back = apply_each_dim(m.to(s.dtype), previous, transpose=True)
         m.copy_(apply_each_dim(back, bs.bases, transpose=False))
+
+
+def _warm_basis(
+    a: torch.Tensor, basis: torch.Tensor, group: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``eigenbasis="warm"`` after the first refresh: :func:`~dist_optim.matrix_functions.warm_eigh`
+    from the current basis; a recomputed basis in :func:`~dist_optim.matrix_functions.eigenbasis`'s
+    convention (decreasing eigenvalues, canonical signs), as ``"eigh"`` makes it. Returns the basis,
+    the permutation of the current basis's columns (for ``S``; None: none) and whether it is finite."""
+    # Symmetrised as eigenbasis() does: a recomputation is then "eigh"'s basis bit for bit (small
+    # factors are full products, not always exactly symmetric).
+    eig = matrix_functions.warm_eigh(
+        matrix_functions.symmetric_part(a),
+        basis,
+        tolerance=group["refresh_tolerance"],
+        max_iterations=group["refresh_iterations"],
+    )
+    q = eig.eigenvectors
+    if eig.recomputed:
+        q = matrix_functions.canonical_signs(q.flip(-1))
+    return q, eig.perm, torch.isfinite(q).all()
 
 
 def direction(

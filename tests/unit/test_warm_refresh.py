@@ -1,0 +1,235 @@
+"""The warm-started refresh (``root_inverse="warm"`` / ``eigenbasis="warm"``,
+:func:`dist_optim.matrix_functions.warm_eigh`): the criterion and the roots checked with this
+file's own float64 formulas, the recomputation against ``eigh`` bit for bit, skipped ``eigh`` calls
+counted at ``torch.linalg``, resuming, and bad options. The distributed runs equal the single-device
+one in the parity grid (``shampoo-warm``, ``soap-warm`` in tests/helpers/cases.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dist_optim
+from dist_optim import matrix_functions
+
+SHAPES = {"w": (12, 7), "v": (9,), "t": (3, 4, 5)}
+
+
+def _psd(d: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(d, 2 * d, generator=gen, dtype=torch.float64)
+    return g @ g.T / d
+
+
+def _ratio(b: torch.Tensor) -> float:
+    """||B - diag(B)||_F / ||B||_F, written out."""
+    off = b - torch.diag(torch.diagonal(b))
+    return float(off.square().sum().sqrt() / b.square().sum().sqrt())
+
+
+def _perturbed(a: torch.Tensor, size: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    e = torch.randn(a.shape, generator=gen, dtype=a.dtype)
+    return a + size * (e @ e.T) / a.shape[0]
+
+
+def test_previous_eigenvectors_kept_within_the_tolerance() -> None:
+    a = _psd(40, 0)
+    _, q = torch.linalg.eigh(a)
+    a2 = _perturbed(a, 0.02, 1)
+    measured = _ratio(q.T @ a2 @ q)
+    assert 0 < measured < 0.5
+    kept = matrix_functions.warm_eigh(a2, q, tolerance=measured * 1.01, max_iterations=3)
+    assert kept.iterations == 0 and not kept.recomputed and kept.perm is None
+    assert torch.equal(kept.eigenvectors, q)
+    torch.testing.assert_close(kept.eigenvalues, torch.diagonal(q.T @ a2 @ q), rtol=1e-13, atol=0)
+
+
+def test_qr_steps_meet_the_tolerance_they_report() -> None:
+    a = _psd(40, 2)
+    _, q = torch.linalg.eigh(a)
+    a2 = _perturbed(a, 0.05, 3)
+    start = _ratio(q.T @ a2 @ q)
+    tol = start / 3
+    res = matrix_functions.warm_eigh(a2, q, tolerance=tol, max_iterations=50)
+    assert not res.recomputed and 1 <= res.iterations <= 50
+    v = res.eigenvectors
+    torch.testing.assert_close(v.T @ v, torch.eye(40, dtype=torch.float64), rtol=0, atol=1e-12)
+    b = v.T @ a2 @ v
+    assert _ratio(b) <= tol * (1 + 1e-9)
+    torch.testing.assert_close(res.eigenvalues, torch.diagonal(b), rtol=1e-10, atol=1e-12)
+    # The columns were sorted by decreasing diag(Q^T A Q) before the steps (eigh's q is increasing).
+    assert res.perm is not None
+    assert torch.equal(res.perm, torch.argsort(torch.diagonal(q.T @ a2 @ q), descending=True, stable=True))
+
+
+def test_unmet_tolerance_recomputes_by_eigh_bit_for_bit() -> None:
+    a = _psd(30, 4)
+    basis = torch.linalg.qr(torch.randn(30, 30, generator=torch.Generator().manual_seed(5), dtype=torch.float64))[0]
+    for steps in (0, 2):
+        res = matrix_functions.warm_eigh(a, basis, tolerance=1e-12, max_iterations=steps)
+        lam, vec = torch.linalg.eigh(a)
+        assert res.recomputed and res.iterations == steps and res.perm is None
+        assert torch.equal(res.eigenvalues, lam) and torch.equal(res.eigenvectors, vec)
+
+
+def _grads(steps: int, drift: float, none_at: int | None = 2) -> list[dict[str, torch.Tensor | None]]:
+    """A persistent gradient plus fresh noise of relative size ``drift`` each step (the factors'
+    eigenvectors move a little between refreshes); "w" has none at step ``none_at``."""
+    gen = torch.Generator().manual_seed(11)
+    base = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
+    return [
+        {
+            k: None if (k == "w" and t == none_at) else b + drift * torch.randn(b.shape, generator=gen, dtype=b.dtype)
+            for k, b in base.items()
+        }
+        for t in range(steps)
+    ]
+
+
+def _run(kwargs: dict, grads: list, *, resume_at: int | None = None, dtype: torch.dtype = torch.float64):
+    gen = torch.Generator().manual_seed(3)
+    params = {k: torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for k, s in SHAPES.items()}
+    opt = dist_optim.DistributedShampoo(list(params.values()), **kwargs)
+    for t, g in enumerate(grads):
+        if resume_at is not None and t == resume_at:
+            saved = copy.deepcopy(opt.state_dict())
+            opt = dist_optim.DistributedShampoo(list(params.values()), **kwargs)
+            opt.load_state_dict(saved)
+        for k, p in params.items():
+            p.grad = g[k]
+        opt.step()
+    return params, opt
+
+
+SHAMPOO = dict(
+    lr=1e-2,
+    epsilon=1e-6,
+    max_preconditioner_dim=6,
+    precondition_frequency=2,
+    grafting_config=dist_optim.AdamGraftingConfig(),
+    preconditioner_dtype=torch.float64,
+)
+SOAP = dict(
+    lr=1e-2,
+    epsilon=1e-8,
+    max_preconditioner_dim=6,
+    precondition_frequency=2,
+    eigenvalue_correction=True,
+    preconditioner_dtype=torch.float64,
+)
+
+
+@pytest.mark.parametrize("kind", ["shampoo", "soap"])
+def test_zero_tolerance_without_steps_is_eigh_bit_for_bit(kind: str) -> None:
+    """Every refresh recomputes: the trajectory and the state are ``"eigh"``'s exactly."""
+    grads = _grads(8, 0.3)
+    if kind == "shampoo":
+        ref_kwargs, warm_kwargs = dict(SHAMPOO), dict(SHAMPOO, root_inverse="warm")
+    else:
+        ref_kwargs, warm_kwargs = dict(SOAP, eigenbasis="eigh"), dict(SOAP, eigenbasis="warm")
+    ref, ref_opt = _run(ref_kwargs, grads)
+    warm, warm_opt = _run(dict(warm_kwargs, refresh_tolerance=0.0, refresh_iterations=0), grads)
+    for k in SHAPES:
+        assert torch.equal(ref[k], warm[k]), k
+        for name, value in ref_opt.state[ref[k]].items():
+            assert torch.equal(value, warm_opt.state[warm[k]][name]), (k, name)
+
+
+def _damped_factors(state: dict[str, torch.Tensor], group: dict, steps: int) -> list[tuple[str, torch.Tensor, int]]:
+    """(root key, A + epsilon I, order of the block) of every factor in a parameter's state, by the
+    package docstring's formula (bias correction 1 / (1 - b2^n), n factor updates)."""
+    scale = 1.0 / (1 - group["betas"][1] ** steps)
+    out = []
+    for key, value in state.items():
+        if ".factor" in key:
+            block = key.split(".")[0] + ".factor"
+            order = sum(1 for k in state if k.startswith(block))
+            damped = value * scale + group["epsilon"] * torch.eye(value.shape[0], dtype=value.dtype)
+            out.append((key.replace("factor", "root"), damped, order))
+    return out
+
+
+@pytest.mark.parametrize("iterations", [0, 2])
+def test_every_root_is_the_exact_root_of_a_matrix_within_the_tolerance(iterations: int) -> None:
+    """Right after a refresh, per factor (this file's formulas, float64): the root is
+    ``Q diag(B)^(-1/r) Q^T`` for the kept eigenvectors ``Q``, ``B = Q^T (A + eps I) Q``, and
+    ``||B - diag B||_F <= tol ||B||_F`` (a recomputed ``Q`` diagonalises ``A + eps I`` to
+    round-off). With QR steps some factor's eigenvectors are off by more than round-off."""
+    tol = 0.005
+    grads = _grads(8, 0.2, none_at=None)  # refreshes at steps 2, 4, 6 and 8, the last step
+    kwargs = dict(SHAMPOO, root_inverse="warm", refresh_tolerance=tol, refresh_iterations=iterations)
+    params, opt = _run(kwargs, grads)
+    ratios = []
+    for p in params.values():
+        state = opt.state[p]
+        for key, damped, order in _damped_factors(state, opt.param_groups[0], 8):
+            root, q = state[key], state[key.replace("root", "basis")]
+            b = q.T @ damped @ q
+            ratios.append(_ratio(b))
+            assert ratios[-1] <= tol, key
+            from_basis = (q * torch.diagonal(b).pow(-1.0 / (2.0 * order))) @ q.T
+            torch.testing.assert_close(root, from_basis, rtol=0, atol=1e-12 * float(root.abs().max()))
+    if iterations:  # QR steps left a factor within the criterion, not round-off (measured: 0.003)
+        assert max(ratios) > tol / 10
+
+
+def test_eigh_is_skipped_when_the_eigenvectors_have_not_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted at torch.linalg.eigh, per step: ``"eigh"`` calls it at every refresh; ``"warm"``
+    only at the first (from the identity) of factors the identity does not diagonalise, the
+    factors then moving too little to need another."""
+    calls: list[int] = []
+    real = torch.linalg.eigh
+
+    def counting(*args, **kwargs):
+        calls[-1] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", counting)
+    grads = _grads(12, 1e-3, none_at=None)
+    gen = torch.Generator().manual_seed(3)
+    for root_inverse, expect_later in (("eigh", True), ("warm", False)):
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in SHAPES.values()]
+        opt = dist_optim.DistributedShampoo(params, **dict(SHAMPOO, root_inverse=root_inverse))
+        calls.clear()
+        for g in grads:
+            for p, k in zip(params, SHAPES):
+                p.grad = g[k]
+            calls.append(0)
+            opt.step()
+        later = calls[3::2]  # refreshes at steps 4, 6, ..., 12
+        if expect_later:
+            assert calls[1] > 0 and all(n == calls[1] for n in later)
+        else:
+            assert calls[1] > 0 and all(n == 0 for n in later), calls
+
+
+@pytest.mark.parametrize("kind", ["shampoo", "soap"])
+def test_resume_from_state_dict_is_exact(kind: str) -> None:
+    kwargs = (
+        dict(SHAMPOO, root_inverse="warm") if kind == "shampoo" else dict(SOAP, eigenbasis="warm", refresh_iterations=3)
+    )
+    grads = _grads(9, 0.05)
+    straight, _ = _run(kwargs, grads)
+    resumed, _ = _run(kwargs, grads, resume_at=5)
+    for k in SHAPES:
+        assert torch.equal(straight[k], resumed[k]), k
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        (dict(root_inverse="warm", refresh_tolerance=1.5), "refresh_tolerance"),
+        (dict(root_inverse="warm", refresh_tolerance=-0.1), "refresh_tolerance"),
+        (dict(root_inverse="warm", refresh_tolerance=float("nan")), "refresh_tolerance"),
+        (dict(root_inverse="warm", refresh_iterations=-1), "refresh_iterations"),
+        (dict(root_inverse="warm", refresh_iterations=1.5), "refresh_iterations"),
+        (dict(root_inverse="warmer"), "root_inverse"),
+        (dict(eigenvalue_correction=True, eigenbasis="warmer"), "eigenbasis"),
+    ],
+)
+def test_bad_options_are_refused_by_name(kwargs: dict, option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        dist_optim.DistributedShampoo([torch.nn.Parameter(torch.zeros(3, 3))], **kwargs)
