@@ -60,7 +60,7 @@ if ROOT not in sys.path:
 
 import dist_optim  # noqa: E402  (ours)
 from bench.bench_step import fixed_params, llama_like  # noqa: E402
-from dist_optim import structured  # noqa: E402
+from dist_optim import matrix_functions, structured  # noqa: E402
 from dist_optim.shampoo import apply_each_dim, kept_triangle, plan_blocks  # noqa: E402
 
 try:  # from its modules: the package's __init__.py exports nothing at b91f46b
@@ -113,21 +113,85 @@ class SameProducts:
                 apply_each_dim(g, roots, transpose=False, out=out, tmp=tmp)
 
 
-def _pf10_run(pf10: dict[str, Any], steps: int, times: dict[str, list[float]], finite: dict[str, bool | str]) -> None:
+def _pf10_run(
+    pf10: dict[str, Any], steps: int, drift: float, times: dict[str, list[float]], finite: dict[str, bool | str]
+) -> None:
     """Steps of the pf=10 optimizers in turn, timed into ``times``; the refresh steps (10, 20, ...:
-    root refreshes timed in turn, without state setup) also under their own rows."""
+    root refreshes timed in turn, without state setup) also under their own rows. With ``drift``,
+    before each round every optimizer's gradients are set to ``g0 + drift * z_t`` with ``g0`` the
+    fixed gradients and ``z_t`` fresh noise of the same scale, the same for all (outside the timing):
+    the factors' eigenvectors then move between refreshes, as in training."""
     for k in pf10:
         times[k] = []
+    gen = torch.Generator().manual_seed(5)
+    first = next(iter(pf10.values()))
+    base = [p.grad.clone() for g in first.param_groups for p in g["params"]]
     for _ in range(steps):
+        if drift:
+            grads = [b + drift * b.std() * torch.randn(b.shape, generator=gen) for b in base]
+            for opt in pf10.values():
+                for p, g in zip((p for group in opt.param_groups for p in group["params"]), grads):
+                    p.grad.copy_(g)
         for name, opt in pf10.items():
             t0 = time.perf_counter()
             opt.step()
             times[name].append(time.perf_counter() - t0)
     finite.update({k: _finite(o) for k, o in pf10.items()})
-    for who in ("Meta", "ours"):
-        refreshes = times[f"{who}, pf=10 run"][9::10]
+    for name in pf10:
+        who = name.removesuffix(", pf=10 run")
+        refreshes = times[name][9::10]
         if refreshes:
             times[f"{who}, root refresh in the pf=10 run"] = refreshes
+
+
+class WarmTally:
+    """What every :func:`dist_optim.matrix_functions.warm_eigh` call of the run did (the bench's
+    own count, around the function the refresh calls)."""
+
+    def __init__(self) -> None:
+        self.kept = self.refined = self.recomputed = 0
+        self._real = matrix_functions.warm_eigh
+
+    def __enter__(self) -> WarmTally:
+        def counted(*args: Any, **kwargs: Any) -> matrix_functions.WarmEigh:
+            res = self._real(*args, **kwargs)
+            if res.recomputed:
+                self.recomputed += 1
+            elif res.iterations:
+                self.refined += 1
+            else:
+                self.kept += 1
+            return res
+
+        matrix_functions.warm_eigh = counted  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        matrix_functions.warm_eigh = self._real  # type: ignore[assignment]
+
+
+def root_errors(opt: dist_optim.DistributedShampoo, steps: int) -> list[float]:
+    """Per factor, ``||R - R64||_F / ||R64||_F`` with ``R64`` the root of the same factor by
+    float64 ``eigh`` (the package docstring's formula), for an optimizer whose last step refreshed
+    its roots."""
+    group = opt.param_groups[0]
+    b2, eps = group["betas"][1], group["epsilon"]
+    scale = 1.0 / (1 - b2**steps)
+    out = []
+    for state in opt.state_dict()["state"].values():  # state_dict() mirrors the kept triangles
+        for key, factor in state.items():
+            if ".factor" not in key:
+                continue
+            block = key.split(".")[0] + ".factor"
+            order = sum(1 for k in state if k.startswith(block))
+            a = factor.double() * scale
+            a.diagonal().add_(eps)
+            lam, vec = torch.linalg.eigh(a)
+            lam = lam + (eps - lam.min()).clamp(min=0)
+            exact = (vec * lam.pow(-1.0 / (2 * order))) @ vec.T
+            root = state[key.replace("factor", "root")].double()
+            out.append(float(torch.linalg.matrix_norm(root - exact) / torch.linalg.matrix_norm(exact)))
+    return out
 
 
 def _print_table(
@@ -156,7 +220,7 @@ def _print_table(
     for name in times:
         r_med = r_mean = r_floor = ""
         kind, _, mode = name.partition(", ")
-        if kind in ("ours", "products only"):
+        if kind in ("ours", "ours warm", "products only"):
             other = f"Meta, {mode}"
             r_med = f"{med[name] / med[other]:.2f}x"
             r_mean = f"{mean[name] / mean[other]:.2f}x"
@@ -173,6 +237,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--pf10-steps", type=int, default=30)
+    ap.add_argument(
+        "--drift",
+        type=float,
+        default=0.0,
+        help="pf=10 run: fresh gradient noise each step, this times the fixed gradients' scale (0: fixed)",
+    )
+    ap.add_argument("--refresh-tolerance", type=float, default=0.01, help="the warm row's refresh_tolerance")
     args = ap.parse_args()
 
     shapes = llama_like()
@@ -229,11 +300,29 @@ def main() -> None:
     del runs
     gc.collect()
 
-    # ---- pf=10 run: fresh optimizers, default start, Meta and ours round-robin ----
-    _pf10_run({"Meta, pf=10 run": metas(-1, 10), "ours, pf=10 run": ours(None, 10)}, args.pf10_steps, times, finite)
+    # ---- pf=10 run: fresh optimizers, default start, Meta and ours (eigh, warm) round-robin ----
+    pf10 = {"Meta, pf=10 run": metas(-1, 10), "ours, pf=10 run": ours(None, 10)}
+    warm_kwargs = dict(root_inverse="warm", refresh_tolerance=args.refresh_tolerance)
+    pf10["ours warm, pf=10 run"] = shampoo(
+        dist_optim.DistributedShampoo, dist_optim.AdamGraftingConfig, None, 10, **warm_kwargs
+    )
+    with WarmTally() as tally:
+        _pf10_run(pf10, args.pf10_steps, args.drift, times, finite)
     gc.collect()
 
     _print_table(times, finite, shapes, args.repeats, args.pf10_steps, warm_meta, warm_ours)
+    print(
+        f"\nwarm refreshes (tolerance {args.refresh_tolerance}, gradient drift {args.drift}): "
+        f"{tally.kept} factors kept their eigenvectors, {tally.refined} took QR steps, "
+        f"{tally.recomputed} were recomputed by eigh"
+    )
+    if args.pf10_steps % 10 == 0:  # the last step refreshed every root
+        for name in ("ours, pf=10 run", "ours warm, pf=10 run"):
+            errs = sorted(root_errors(pf10[name], args.pf10_steps))
+            print(
+                f"{name}: roots against float64 eigh of the same factors, relative Frobenius error: "
+                f"median {statistics.median(errs):.2e}, max {errs[-1]:.2e} ({len(errs)} factors)"
+            )
 
 
 if __name__ == "__main__":

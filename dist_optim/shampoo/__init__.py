@@ -26,8 +26,8 @@ Per parameter, with ``t`` its 1-based step (steps without a gradient do not coun
    root is kept (identity before the first) and ``block<i>.failures`` counts it.
    ``root_inverse="warm"`` (Meta's ``EighEigendecompositionConfig(tolerance)`` and
    ``QREigendecompositionConfig`` in one, with a recomputation where Meta's QR has none): the block
-   keeps ``Q_k``, the eigenvectors of its last refresh (identity before the first), and refreshes
-   from them by :func:`dist_optim.matrix_functions.warm_eigh` on ``A + epsilon I``:
+   keeps ``Q_k``, the eigenvectors of its last refresh (made by ``eigh`` at the first), and
+   refreshes from them by :func:`dist_optim.matrix_functions.warm_eigh` on ``A + epsilon I``:
    ``B = Q^T (A + epsilon I) Q``; if ``||B - diag(B)||_F <= refresh_tolerance ||B||_F`` the
    eigenvectors are kept and ``R = Q diag(B)^(-alpha) Q^T`` (three products instead of an
    ``eigh``); else up to ``refresh_iterations`` QR-algorithm steps on ``B`` (columns first sorted

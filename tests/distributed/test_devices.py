@@ -183,6 +183,42 @@ CASES = [
         ref_kwargs=_F64_SHAMPOO,
         measured_u=1272.2,
     ),
+    # The warm-started refreshes (root_inverse / eigenbasis "warm"): eigh at the first refresh,
+    # then the previous eigenvectors kept or refined by QR steps, or recomputed, at step 6; fp32 and
+    # float64 take the same of those branches for every factor here (checked with a counter).
+    DeviceCase(
+        "shampoo-warm",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-4,
+            max_preconditioner_dim=4,
+            start_preconditioning_step=4,
+            precondition_frequency=2,
+            root_inverse="warm",
+            refresh_tolerance=0.05,
+            refresh_iterations=2,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+        ),
+        ref_kwargs=_F64_SHAMPOO,
+        measured_u=55.8,
+    ),
+    DeviceCase(
+        "soap-warm",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-8,
+            max_preconditioner_dim=4,
+            precondition_frequency=3,
+            eigenvalue_correction=True,
+            eigenbasis="warm",
+            refresh_tolerance=0.05,
+            refresh_iterations=2,
+        ),
+        ref_kwargs=_F64_SHAMPOO,
+        measured_u=36.2,
+    ),
     DeviceCase(
         "kron",
         dist_optim.DistributedKron,

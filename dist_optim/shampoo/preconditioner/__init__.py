@@ -63,7 +63,7 @@ def block_direction(
         if scale is not None and is_soap:
             soap.refresh_bases(bs, scale, group, first=(t == start))
         elif scale is not None:
-            root_inverse.refresh_roots(bs, block.order, scale, group)
+            root_inverse.refresh_roots(bs, block.order, scale, group, first=(t == start))
     if is_soap:
         return soap.direction(bs, moments, g, group, t, out, scratch)
     assert moments is not None

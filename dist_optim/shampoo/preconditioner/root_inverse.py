@@ -16,11 +16,14 @@ from .grafting import Moments, scale_direction
 __all__ = ["refresh_roots", "direction"]
 
 
-def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any]) -> None:
+def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any], first: bool = False) -> None:
     """``R_k = (scale L_k + epsilon I)^(-exponent_multiplier / r)``; a root that is not finite or
     whose iteration error exceeds ``inverse_failure_threshold`` keeps the previous one and counts
     in ``failures``. ``root_inverse="warm"``: from :func:`~dist_optim.matrix_functions.warm_eigh`
-    of the damped factor started from the block's previous eigenvectors ``Q_k`` (kept with the root)."""
+    of the damped factor started from the block's previous eigenvectors ``Q_k`` (kept with the
+    root), except at the ``first`` refresh, which has none (``Q_k = I``) and goes to ``eigh`` at
+    once: testing the identity and taking QR steps from it would only add to the ``eigh`` that
+    nearly always follows."""
     failures = bs.failures
     assert failures is not None
     root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
@@ -28,7 +31,7 @@ def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any
     for k, (factor, r_k) in enumerate(zip(bs.factors, bs.roots)):
         try:
             if warm:
-                x, q, ok = _warm_root(factor * scale, bs.bases[k], mult / root, group)
+                x, q, ok = _warm_root(factor * scale, bs.bases[k], mult / root, group, first)
                 torch.where(ok, q.to(r_k.dtype), bs.bases[k], out=bs.bases[k])
             else:
                 x, err, ok = matrix_functions.matrix_inverse_root(
@@ -48,16 +51,20 @@ def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any
 
 
 def _warm_root(
-    a: torch.Tensor, basis: torch.Tensor, alpha: float, group: dict[str, Any]
+    a: torch.Tensor, basis: torch.Tensor, alpha: float, group: dict[str, Any], first: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(A + epsilon I)^-alpha`` from the warm-started eigendecomposition of the damped ``a`` (a
     fresh tensor, overwritten), its eigenvectors and whether both are finite. Recomputed by
     ``eigh``, the root is bit for bit ``root_inverse="eigh"``'s."""
     epsilon = group["epsilon"]
     a.diagonal().add_(epsilon)
-    eig = matrix_functions.warm_eigh(
-        a, basis, tolerance=group["refresh_tolerance"], max_iterations=group["refresh_iterations"]
-    )
+    if first:
+        lam, q = torch.linalg.eigh(a)
+        eig = matrix_functions.WarmEigh(lam, q, None, 0, True)
+    else:
+        eig = matrix_functions.warm_eigh(
+            a, basis, tolerance=group["refresh_tolerance"], max_iterations=group["refresh_iterations"]
+        )
     x = matrix_functions.inverse_root_from_eigen(eig.eigenvalues, eig.eigenvectors, epsilon, alpha)
     return x, eig.eigenvectors, torch.isfinite(x).all() & torch.isfinite(eig.eigenvectors).all()
 
