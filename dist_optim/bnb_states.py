@@ -13,6 +13,9 @@ what is specific to that format, none of GaLore's math:
   slice, a ZeRO chunk), so that codes and absmax do not depend on the layout;
 * the state entries (:func:`new_moments_8bit`, :func:`read_moments_8bit`,
   :func:`write_moments_8bit`: ``exp_avg``, ``exp_avg_sq`` and their ``*_absmax``, under a prefix);
+  for one 8-bit entry of any optimizer (Muon's momentum), :func:`new_8bit`, :func:`read_8bit` and
+  :func:`write_8bit_many`, which max-reduces the absmax of tensors held in pieces itself (one
+  :class:`~dist_optim.comm.MaxBucket` for all the entries it is given);
 * paged (CUDA unified) memory (:class:`Buffers`, :func:`paged_on_device`);
 * bitsandbytes' quantisation arguments as ColossalAI passes them (:func:`quant_args`).
 
@@ -24,10 +27,11 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from . import comm
 from .layout import ParamLayout
 
 __all__ = [
@@ -41,6 +45,10 @@ __all__ = [
     "new_moments_8bit",
     "read_moments_8bit",
     "write_moments_8bit",
+    "new_8bit",
+    "read_8bit",
+    "write_8bit_many",
+    "Requant",
     "Buffers",
     "paged_on_device",
     "paging_supported",
@@ -68,6 +76,8 @@ def qmap(signed: bool, device: torch.device) -> torch.Tensor:
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """fp32 values of a whole tensor's codes (blocks of its own flattened elements)."""
+    if codes.is_meta:  # the planner's simulation (dist_optim.plan): no values, the same allocation
+        return torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     import bitsandbytes.functional as bnbf
 
     return bnbf.dequantize_blockwise(codes, absmax=absmax, code=qmap(signed, codes.device), blocksize=BLOCKSIZE).view(
@@ -77,6 +87,10 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch
 
 def quantize_into(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
     """Codes of a whole tensor's ``values`` into ``codes``, its block absmax into ``absmax``."""
+    if values.is_meta:  # the planner's simulation: bitsandbytes' output buffers, no values
+        torch.empty(values.numel(), dtype=torch.uint8, device=values.device)
+        torch.empty(absmax.shape, dtype=torch.float32, device=values.device)
+        return
     import bitsandbytes.functional as bnbf
 
     out, qstate = bnbf.quantize_blockwise(
@@ -190,6 +204,43 @@ def write_moments_8bit(
     for i, ((key, signed), value) in enumerate(zip(MOMENTS, values)):
         reduced = None if absmax is None else absmax[i]
         blocks.quantize_into(value, reduced, state[prefix + key], state[f"{prefix}{key}_absmax"], signed=signed)
+
+
+# ---- one 8-bit entry (any optimizer's moment) ---------------------------------------------------
+def new_8bit(state: dict[str, Any], key: str, shape: torch.Size, full_numel: int, device: torch.device) -> None:
+    """A zero 8-bit entry ``key`` (uint8 codes of ``shape``, this rank's piece) with ``key_absmax``,
+    the absmax of every block of the full tensor of ``full_numel`` elements (replicated)."""
+    state[key] = torch.zeros(shape, dtype=torch.uint8, device=device)
+    state[f"{key}_absmax"] = torch.zeros(-(-full_numel // BLOCKSIZE), dtype=torch.float32, device=device)
+
+
+def read_8bit(state: dict[str, Any], key: str, blocks: FullBlocks, signed: bool) -> torch.Tensor:
+    """The fp32 values of the 8-bit entry ``key`` (a new tensor, this rank's piece)."""
+    return blocks.dequantize(state[key], state[f"{key}_absmax"], signed)
+
+
+class Requant(NamedTuple):
+    """New fp32 ``values`` to store as the 8-bit entry ``key`` of ``state`` (see :func:`write_8bit_many`)."""
+
+    state: dict[str, Any]
+    key: str
+    blocks: FullBlocks
+    values: torch.Tensor
+    signed: bool
+
+
+def write_8bit_many(entries: list[Requant]) -> None:
+    """Quantise every entry's values into its state (codes and block absmax). Blocks are those of
+    the full tensor (:class:`FullBlocks`): for a tensor held in pieces each block's absmax is the
+    maximum over the ranks that hold a piece of it, reduced for all the entries at once (one
+    all-reduce per process group), so that every code equals the single-device one."""
+    maxes = comm.MaxBucket()
+    reduced = [
+        None if e.blocks.whole else maxes.add(e.blocks.amax(e.values), e.blocks.layout.sum_groups) for e in entries
+    ]
+    maxes.flush()
+    for e, absmax in zip(entries, reduced):
+        e.blocks.quantize_into(e.values, absmax, e.state[e.key], e.state[f"{e.key}_absmax"], e.signed)
 
 
 # ---- paged memory ------------------------------------------------------------------------------

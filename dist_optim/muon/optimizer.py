@@ -30,6 +30,7 @@ from ..owners import (
     share_results,
     to_owners,
 )
+from .momentum import momentum_directions
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
 
@@ -122,6 +123,15 @@ class DistributedMuon(DistOptimizer):
             KellerJordan).
         adamw_betas: AdamW's ``(beta1, beta2)`` in ``use_muon=False`` groups.
         adamw_eps: AdamW's epsilon (>= 0).
+        optim_bits: 32, or 8 for the Muon groups' momentum kept as bitsandbytes' block-wise
+            8-bit codes (Dettmers et al. 2022: blocks of 256 values of the full flattened tensor,
+            one fp32 absmax each, the signed dynamic map), as its 8-bit optimizers keep a first
+            moment: each step dequantises the momentum, updates it in fp32, makes ``C`` from the
+            fp32 value and stores it quantised again. A tensor held in pieces has the same blocks,
+            their absmax max-reduced over the holders (one all-reduce per bucket), so the codes
+            equal the single-device ones. The auxiliary AdamW's moments stay 32-bit.
+        min_8bit_size: with ``optim_bits=8``, momenta of matrices with fewer elements (full
+            tensor) stay 32-bit (bitsandbytes' default 4096).
         bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): the matrices are
             orthogonalized in buckets of consecutive parameters of at most this many bytes of full
             ``C`` (a larger matrix is a bucket of its own), each bucket's ``C`` made, moved to the
@@ -159,10 +169,18 @@ class DistributedMuon(DistOptimizer):
         eps_form: str = "max",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-10,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
         check_communication_dtype(communication_dtype)
+        if isinstance(optim_bits, bool) or optim_bits not in (8, 32):
+            raise ValueError(f"optim_bits must be 32 or 8 (8-bit block-wise momentum), got {optim_bits!r}")
+        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+            raise ValueError(f"min_8bit_size must be an integer >= 0, got {min_8bit_size!r}")
+        self.optim_bits = optim_bits
+        self.min_8bit_size = min_8bit_size
         self.communication_dtype = communication_dtype
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         defaults = dict(
@@ -332,7 +350,8 @@ class DistributedMuon(DistOptimizer):
         once would hold a second copy of the momenta), its routed pieces sent to the owners (in
         flight)."""
         tasks = self._ensure_routes() if self.is_bound else self._ensure_tasks()
-        matrices = [(group, p, _momentum_direction(self.state, p, g, group)) for group, p, g in bucket]
+        cs = momentum_directions(self.state, [(group, p, g, self.layout(p)) for group, p, g in bucket], self.eight_bit)
+        matrices = [(group, p, c) for (group, p, _), c in zip(bucket, cs)]
         routed = [(group, p, c) for group, p, c in matrices if tasks[p].route is not None]
         plain = [(group, p, c) for group, p, c in matrices if tasks[p].route is None]
         moved = [Moved(tasks[p], [c], c.dtype) for _, p, c in routed]
@@ -390,6 +409,15 @@ class DistributedMuon(DistOptimizer):
             assert m.out is not None
             _apply(p, m.out.view_as(p), self.layout(p), group)
 
+    def eight_bit(self, layout: ParamLayout) -> bool:
+        """Whether a Muon matrix of this layout keeps its momentum in 8 bits (``optim_bits``,
+        ``min_8bit_size`` of its full tensor)."""
+        return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
+
+    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
+        """8-bit momentum codes and their fp32 absmax keep their saved dtype on load."""
+        return key.startswith("momentum_buffer") and (value.dtype == torch.uint8 or key.endswith("_absmax"))
+
     @staticmethod
     def _orthogonalize(c: torch.Tensor, group: dict[str, Any], overwrite: bool = False) -> torch.Tensor:
         """X of ``c``: a whole parameter's C, or with ``stacked`` a slice of one or all its
@@ -439,21 +467,6 @@ class DistributedMuon(DistOptimizer):
     def work_group_rank(self, param: torch.Tensor) -> int:
         """This rank's rank in ``param``'s work group (0 when it has one rank)."""
         return self._ensure_tasks()[param].work.rank
-
-
-def _momentum_direction(states: Any, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-    """Update the momentum of ``p``'s local elements and return its local part of ``C``
-    (element-wise: the same bits on a TP slice or ZeRO chunk as on the full tensor)."""
-    state = states[p]
-    if "momentum_buffer" not in state:
-        state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-    buf = state["momentum_buffer"]
-    mu = group["momentum"]
-    if group["momentum_ema"]:
-        buf.lerp_(g, 1.0 - mu)
-        return g.lerp(buf, mu) if group["nesterov"] else buf
-    buf.mul_(mu).add_(g)
-    return g.add(buf, alpha=mu) if group["nesterov"] else buf
 
 
 def _apply(p: torch.Tensor, update: torch.Tensor, layout: ParamLayout, group: dict[str, Any]) -> None:
