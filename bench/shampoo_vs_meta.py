@@ -60,7 +60,8 @@ if ROOT not in sys.path:
 
 import dist_optim  # noqa: E402  (ours)
 from bench.bench_step import fixed_params, llama_like  # noqa: E402
-from dist_optim import matrix_functions, structured  # noqa: E402
+from bench.warm_refresh import WarmTally  # noqa: E402
+from dist_optim import structured  # noqa: E402
 from dist_optim.shampoo import apply_each_dim, kept_triangle, plan_blocks  # noqa: E402
 
 try:  # from its modules: the package's __init__.py exports nothing at b91f46b
@@ -113,6 +114,13 @@ class SameProducts:
                 apply_each_dim(g, roots, transpose=False, out=out, tmp=tmp)
 
 
+def _clock() -> float:
+    """``time.perf_counter()`` after the GPU's queued work (if any) has finished."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _pf10_run(
     pf10: dict[str, Any], steps: int, drift: float, times: dict[str, list[float]], finite: dict[str, bool | str]
 ) -> None:
@@ -128,46 +136,20 @@ def _pf10_run(
     base = [p.grad.clone() for g in first.param_groups for p in g["params"]]
     for _ in range(steps):
         if drift:
-            grads = [b + drift * b.std() * torch.randn(b.shape, generator=gen) for b in base]
+            grads = [b + drift * b.std() * torch.randn(b.shape, generator=gen).to(b.device) for b in base]
             for opt in pf10.values():
                 for p, g in zip((p for group in opt.param_groups for p in group["params"]), grads):
                     p.grad.copy_(g)
         for name, opt in pf10.items():
-            t0 = time.perf_counter()
+            t0 = _clock()
             opt.step()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(_clock() - t0)
     finite.update({k: _finite(o) for k, o in pf10.items()})
     for name in pf10:
         who = name.removesuffix(", pf=10 run")
         refreshes = times[name][9::10]
         if refreshes:
             times[f"{who}, root refresh in the pf=10 run"] = refreshes
-
-
-class WarmTally:
-    """What every :func:`dist_optim.matrix_functions.warm_eigh` call of the run did (the bench's
-    own count, around the function the refresh calls)."""
-
-    def __init__(self) -> None:
-        self.kept = self.refined = self.recomputed = 0
-        self._real = matrix_functions.warm_eigh
-
-    def __enter__(self) -> WarmTally:
-        def counted(*args: Any, **kwargs: Any) -> matrix_functions.WarmEigh:
-            res = self._real(*args, **kwargs)
-            if res.recomputed:
-                self.recomputed += 1
-            elif res.iterations:
-                self.refined += 1
-            else:
-                self.kept += 1
-            return res
-
-        matrix_functions.warm_eigh = counted  # type: ignore[assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        matrix_functions.warm_eigh = self._real  # type: ignore[assignment]
 
 
 def root_errors(opt: dist_optim.DistributedShampoo, steps: int) -> list[float]:
@@ -243,11 +225,20 @@ def main() -> None:
         default=0.0,
         help="pf=10 run: fresh gradient noise each step, this times the fixed gradients' scale (0: fixed)",
     )
+    ap.add_argument("--device", default="cpu", help="where the parameters live (cuda: GPU timings, synchronised)")
     ap.add_argument("--refresh-tolerance", type=float, default=0.01, help="the warm row's refresh_tolerance")
     args = ap.parse_args()
 
     shapes = llama_like()
-    params = fixed_params(shapes)
+    on_cpu = fixed_params(shapes)
+
+    def params() -> list[torch.nn.Parameter]:
+        out = []
+        for p in on_cpu():
+            q = torch.nn.Parameter(p.detach().to(args.device))
+            q.grad = p.grad.to(args.device)
+            out.append(q)
+        return out
 
     def shampoo(cls: Any, grafting: Any, start: int | None, freq: int, **extra: Any) -> torch.optim.Optimizer:
         return cls(
@@ -273,29 +264,30 @@ def main() -> None:
     runs: dict[str, Any] = {"torch AdamW (foreach)": torch.optim.AdamW(params(), foreach=True)}
     runs["Meta, before start"] = metas(10_000, 10_000)
     pre = metas(1, 1)
-    t0 = time.perf_counter()
+    t0 = _clock()
     pre.step()  # step == start: the first root refresh
-    warm_meta = time.perf_counter() - t0
+    warm_meta = _clock() - t0
     for group in pre.param_groups:
         group["precondition_frequency"] = 10**9  # no further refresh; read by step() each call
     runs["Meta, preconditioned"] = pre
     runs["ours, before start"] = ours(10_000, 10_000)
     pre = ours(1, 10_000)
-    t0 = time.perf_counter()
+    t0 = _clock()
     pre.step()  # the first root refresh
-    warm_ours = time.perf_counter() - t0
+    warm_ours = _clock() - t0
     runs["ours, preconditioned"] = pre
     del pre
-    runs["products only, before start"] = SameProducts(shapes, 1024, False, 0.999)
-    runs["products only, preconditioned"] = SameProducts(shapes, 1024, True, 0.999)
+    if args.device == "cpu":  # the products-only floor is a CPU measurement
+        runs["products only, before start"] = SameProducts(shapes, 1024, False, 0.999)
+        runs["products only, preconditioned"] = SameProducts(shapes, 1024, True, 0.999)
 
     times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(args.repeats + 1):
         for name, opt in runs.items():  # round-robin, as bench_step.py / shampoo_vs_commit.py
-            t0 = time.perf_counter()
+            t0 = _clock()
             opt.step()
             if i:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(_clock() - t0)
     finite = {k: _finite(o) for k, o in runs.items()}
     del runs
     gc.collect()

@@ -133,14 +133,16 @@ def gram_update_(
     exact mirror after every update took 0.78x), which is most of Shampoo's step before its
     first root.
 
-    At or below ``min_size`` the whole matrix is updated, rounded exactly as
+    At or below ``min_size``, and on a GPU (where a panel's launch costs more than the multiply-adds
+    it saves: Shampoo's step before its first root took 3.0x Meta's on an H100 with panels, see
+    docs/benchmarks.md), the whole matrix is updated, rounded exactly as
     ``c * beta + (rows @ rows.T) * alpha``: early Shampoo factors of small blocks are nearly
     singular (rank-one sums plus a tiny epsilon) and SOAP's eigenbasis of their null space is
     decided by the last bits of the factor, so small blocks keep the plain formula's bits."""
     min_size = MIN_SIZE if min_size is None else min_size
     panel = PANEL if panel is None else panel
     n = c.shape[0]
-    if n <= min_size:
+    if n <= min_size or c.is_cuda:
         return _scaled_add_(c, rows @ rows.T, beta, alpha)
     for i in range(0, _panels_end(c, panel), panel):
         j = min(n, i + panel)
@@ -150,12 +152,13 @@ def gram_update_(
 
 def symmetrize_(c: torch.Tensor, min_size: int | None = None, panel: int | None = None) -> torch.Tensor:
     """Mirror the lower triangle of ``c`` onto its strict upper triangle, in place, after
-    :func:`gram_update_` (a no-op at or below ``min_size``, where that updates both triangles).
+    :func:`gram_update_` (a no-op at or below ``min_size`` and on a GPU, where that updates both
+    triangles).
     Copies go panel by panel, so that no transposed temporary of ``c``'s size is made."""
     min_size = MIN_SIZE if min_size is None else min_size
     panel = PANEL if panel is None else panel
     n = c.shape[0]
-    if n <= min_size:
+    if n <= min_size or c.is_cuda:
         return c
     for i in range(0, _panels_end(c, panel), panel):
         j = min(n, i + panel)

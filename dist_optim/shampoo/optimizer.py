@@ -73,7 +73,10 @@ class DistributedShampoo(DistOptimizer):
         refresh_tolerance: ``"warm"`` keeps the previous eigenvectors while
             ``||B - diag(B)||_F <= refresh_tolerance ||B||_F`` with ``B = Q^T A Q`` (in [0, 1]; 0:
             always recompute).
-        refresh_iterations: ``"warm"``'s QR-algorithm steps before it falls back to ``eigh``.
+        refresh_iterations: ``"warm"``'s QR-algorithm steps before it falls back to ``eigh``
+            (default 0: keep or recompute, Meta's ``EighEigendecompositionConfig(tolerance)``; on
+            the bench set a QR step met the tolerance for no factor that needed one, and cost more
+            than the ``eigh`` it could not spare: docs/benchmarks.md).
         merge_small_dims: merge small consecutive dims before blocking.
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
@@ -134,7 +137,7 @@ class DistributedShampoo(DistOptimizer):
         max_gather_bytes: int | None = None,
         *,
         refresh_tolerance: float = 0.01,
-        refresh_iterations: int = 1,
+        refresh_iterations: int = 0,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
