@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from .structured import symmetric_product
+
 __all__ = [
     "ROOT_METHODS",
     "matrix_inverse_root",
@@ -152,7 +154,14 @@ def inverse_root_from_eigen(lam: torch.Tensor, q: torch.Tensor, epsilon: float, 
     definite than ``epsilon`` is undone by shifting every eigenvalue up (:func:`matrix_inverse_root`'s
     ``eigh`` method and :func:`warm_eigh`'s callers share this)."""
     lam = lam + (epsilon - lam.min()).clamp(min=0)
-    return (q * lam.pow(-alpha)) @ q.T
+    return _symmetric_mm(q * lam.pow(-alpha), q.T)
+
+
+def _symmetric_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for a product known to be symmetric: on the CPU each off-diagonal block once
+    (:func:`dist_optim.structured.symmetric_product`, 0.6-0.7x of the multiply-adds of a 1024-side
+    ``mm``); on a GPU one ``mm`` (fewer launches)."""
+    return symmetric_product(a, b) if a.device.type == "cpu" else a @ b
 
 
 def canonical_signs(q: torch.Tensor) -> torch.Tensor:
@@ -265,7 +274,7 @@ def warm_eigh(matrix: torch.Tensor, basis: torch.Tensor, *, tolerance: float, ma
     recomputes unless ``B`` is exactly diagonal. One host read per test of the criterion
     (refreshes only).
     """
-    b = basis.T @ matrix @ basis
+    b = _symmetric_mm(basis.T, matrix @ basis)
     if bool(off_diagonal_ratio(b) <= tolerance):
         return WarmEigh(torch.diagonal(b).clone(), basis, None, 0, False)
     perm = None
