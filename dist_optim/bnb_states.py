@@ -158,6 +158,14 @@ class FullBlocks:
             return
         assert absmax is not None, "a tensor held in pieces needs its reduced absmax"
         absmax_out.copy_(absmax)
+        if values.is_meta:
+            # The planner's simulation: which blocks a piece touches is data (the flat indices),
+            # so the 256-slot buffers are allocated for twice the piece's own blocks (every block
+            # it touches at least half held: TP rows and ZeRO chunks of a Llama's matrices).
+            rows = min(self.n + 1, 2 * -(-values.numel() // BLOCKSIZE))
+            torch.empty(rows, BLOCKSIZE, dtype=torch.float32, device=values.device)
+            torch.empty(rows, BLOCKSIZE, dtype=torch.uint8, device=values.device)
+            return
         # Local elements come in increasing full index (row-major slices, contiguous chunks).
         blocks, row = torch.unique_consecutive(self.ids, return_inverse=True)
         full_absmax = torch.cat([absmax, absmax.new_zeros(1)])
