@@ -147,4 +147,9 @@ _add(
     "muon",
     lambda p: _dist("DistributedMuon")(muon_groups(p), lr=2e-3, weight_decay=0.01, ns_gram_space=True),
 )
+_add(
+    "dist_optim Muon (optim_bits=8)",
+    "muon",
+    lambda p: _dist("DistributedMuon")(muon_groups(p), lr=2e-3, weight_decay=0.01, optim_bits=8),
+)
 _add("plain Muon (bench/plain_muon.py)", "muon", _plain_muon)
