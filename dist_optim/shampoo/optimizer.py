@@ -64,19 +64,15 @@ class DistributedShampoo(DistOptimizer):
             the tiny Llama of ``bench/convergence.py``); use Adam grafting
             (``AdamGraftingConfig(beta2=0.999, epsilon=1e-8)``, Meta's README setting, as the
             recipe does) or a larger ``epsilon`` (docs/convergence.md).
-        root_inverse: ``"eigh"``, ``"coupled_newton"``, ``"higher_order"`` or ``"warm"`` (the
-            eigendecomposition warm-started from the block's previous eigenvectors, kept as state
-            ``basis<k>``: one more matrix per factor; see the package docstring).
+        root_inverse: ``"eigh"``, ``"coupled_newton"``, ``"higher_order"`` or ``"warm"`` (from the
+            previous eigenvectors, kept as ``basis<k>``: see the package docstring).
         eigenvalue_correction: SOAP.
         eigenbasis: SOAP basis refresh: ``"eigh"``, ``"qr"`` (Meta's ``DefaultSOAPConfig``),
             ``"qr-eigh-start"`` (Vyas et al.'s) or ``"warm"``; see the package docstring.
-        refresh_tolerance: ``"warm"`` keeps the previous eigenvectors while
-            ``||B - diag(B)||_F <= refresh_tolerance ||B||_F`` with ``B = Q^T A Q`` (in [0, 1]; 0:
-            always recompute).
-        refresh_iterations: ``"warm"``'s QR-algorithm steps before it falls back to ``eigh``
-            (default 0: keep or recompute, Meta's ``EighEigendecompositionConfig(tolerance)``; on
-            the bench set a QR step met the tolerance for no factor that needed one, and cost more
-            than the ``eigh`` it could not spare: docs/benchmarks.md).
+        refresh_tolerance: ``"warm"`` keeps the eigenvectors ``Q`` while ``||B - diag(B)||_F <=
+            refresh_tolerance ||B||_F``, ``B = Q^T A Q`` (in [0, 1]; 0: always recompute).
+        refresh_iterations: ``"warm"``'s QR-algorithm steps before ``eigh`` (default 0: keep or
+            recompute; why: docs/benchmarks.md).
         merge_small_dims: merge small consecutive dims before blocking.
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
