@@ -53,9 +53,6 @@ def symmetric_part(a: torch.Tensor) -> torch.Tensor:
     return (a + a.T) * 0.5
 
 
-_sym = symmetric_part
-
-
 def matrix_inverse_root(
     matrix: torch.Tensor,
     root: float,
@@ -92,7 +89,7 @@ def matrix_inverse_root(
     if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"matrix_inverse_root: expected a square matrix, got shape {tuple(matrix.shape)}")
     n = matrix.shape[0]
-    a = matrix if overwrite else _sym(matrix)
+    a = matrix if overwrite else symmetric_part(matrix)
     if method == "eigh":
         alpha = exponent_multiplier / root
         a.diagonal().add_(epsilon)  # a is a fresh tensor or the caller's to overwrite
@@ -136,7 +133,7 @@ def matrix_inverse_root(
         for c in reversed(coeffs[:-1]):  # Horner: t = c_0 I + e (c_1 I + e (c_2 I + ...))
             t = c * eye + e @ t
         x = x @ t
-        m = _sym(torch.linalg.matrix_power(t, p) @ m)
+        m = symmetric_part(torch.linalg.matrix_power(t, p) @ m)
         error = (m - eye).abs().max()
         if not bool(torch.isfinite(error)):
             break
@@ -144,7 +141,7 @@ def matrix_inverse_root(
             best_x, best_err, stale = x, error, 0
         else:
             stale += 1
-    x = _sym(best_x)
+    x = symmetric_part(best_x)
     return x, best_err, torch.isfinite(x).all() & torch.isfinite(best_err)
 
 
@@ -178,7 +175,7 @@ def canonical_signs(q: torch.Tensor) -> torch.Tensor:
 def eigenbasis(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenvectors of a symmetric matrix, columns in decreasing eigenvalue order and canonical
     signs, and whether the result is finite."""
-    _, q = torch.linalg.eigh(_sym(matrix))
+    _, q = torch.linalg.eigh(symmetric_part(matrix))
     q = canonical_signs(q.flip(-1))
     return q, torch.isfinite(q).all()
 
@@ -215,7 +212,7 @@ def qr_power_step(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tens
     permutation applied to the columns, ok)``; callers permute whatever they store in the
     rotated coordinates with the same permutation.
     """
-    a = _sym(matrix)
+    a = symmetric_part(matrix)
     # A Q serves both the quotients and the power step (its columns permuted): one product where
     # a three-operand einsum and a second product took 1.4x the QR's time on 1376 x 1376 factors.
     aq = a @ basis

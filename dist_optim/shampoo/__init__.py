@@ -29,8 +29,8 @@ Per parameter, with ``t`` its 1-based step (steps without a gradient do not coun
    keeps ``Q_k``, the eigenvectors of its last refresh (made by ``eigh`` at the first), and
    refreshes from them by :func:`dist_optim.matrix_functions.warm_eigh` on ``A + epsilon I``:
    ``B = Q^T (A + epsilon I) Q``; if ``||B - diag(B)||_F <= refresh_tolerance ||B||_F`` the
-   eigenvectors are kept and ``R = Q diag(B)^(-alpha) Q^T`` (three products instead of an
-   ``eigh``); else up to ``refresh_iterations`` QR-algorithm steps on ``B`` (columns first sorted
+   eigenvectors are kept and ``R = Q diag(B)^(-alpha) Q^T`` (a product and two symmetric ones
+   instead of an ``eigh``); else up to ``refresh_iterations`` QR-algorithm steps on ``B`` (columns first sorted
    by decreasing ``diag(B)``) until the criterion holds; else ``eigh`` as ``root_inverse="eigh"``
    (the same root bit for bit). Accuracy: the root taken is exact for a matrix within
    ``refresh_tolerance`` of ``A + epsilon I`` in relative Frobenius norm; docs/benchmarks.md gives
