@@ -58,12 +58,9 @@ class DistributedShampoo(DistOptimizer):
         use_nesterov: Nesterov momentum.
         use_bias_correction: bias-correct the first moment and the factors.
         use_decoupled_weight_decay: AdamW-style decay.
-        grafting_config: one of the ``*GraftingConfig`` classes, or None. Known to diverge: no
-            grafting at the default ``epsilon`` 1e-12 on a small language model (the first inverse
-            roots of near-singular factors blow the update up: NaN within 30 steps at lr 3e-3 on
-            the tiny Llama of ``bench/convergence.py``); use Adam grafting
-            (``AdamGraftingConfig(beta2=0.999, epsilon=1e-8)``, Meta's README setting, as the
-            recipe does) or a larger ``epsilon`` (docs/convergence.md).
+        grafting_config: one of the ``*GraftingConfig`` classes, or None (known to diverge at the
+            default ``epsilon`` on a small language model: use ``AdamGraftingConfig(beta2=0.999,
+            epsilon=1e-8)`` as the recipe does, or a larger ``epsilon``; docs/convergence.md).
         root_inverse: ``"eigh"``, ``"coupled_newton"``, ``"higher_order"`` or ``"warm"`` (from the
             previous eigenvectors, kept as ``basis<k>``: see the package docstring).
         eigenvalue_correction: SOAP.
@@ -73,6 +70,8 @@ class DistributedShampoo(DistOptimizer):
             refresh_tolerance ||B||_F``, ``B = Q^T A Q`` (in [0, 1]; 0: always recompute).
         refresh_iterations: ``"warm"``'s QR-algorithm steps before ``eigh`` (default 0: keep or
             recompute; why: docs/benchmarks.md).
+        use_symmetric_packing: keep factors and roots as packed triangles (about half their
+            memory; bit for bit the same steps; :mod:`.state`). Meta's option of the same name.
         merge_small_dims: merge small consecutive dims before blocking.
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
@@ -134,6 +133,7 @@ class DistributedShampoo(DistOptimizer):
         *,
         refresh_tolerance: float = 0.01,
         refresh_iterations: int = 0,
+        use_symmetric_packing: bool = False,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
@@ -363,11 +363,12 @@ class DistributedShampoo(DistOptimizer):
                 yield p, block, BlockState.of(state, block_prefix(i), block.order)
 
     def _symmetrize_factors(self) -> None:
-        """Mirror every large factor's kept triangle (the only one its updates keep current,
+        """Mirror every whole factor's kept triangle (the only one its updates keep current,
         see :func:`structured.gram_update_`) so that exported state is symmetric."""
         for _, block, bs in self._block_states():
             for k, factor in enumerate(bs.factors):
-                structured.symmetrize_(kept_triangle(factor, block.order, k))
+                if factor.dim() == 2:  # not packed
+                    structured.mirror_lower_(kept_triangle(factor, block.order, k))
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, with every factor matrix made symmetric first."""

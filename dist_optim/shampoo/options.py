@@ -148,6 +148,7 @@ GROUP_OPTIONS = (
     "higher_order_degree",
     "refresh_tolerance",
     "refresh_iterations",
+    "use_symmetric_packing",
 )
 _FLAGS = (
     "use_nesterov",
@@ -203,6 +204,8 @@ def validate_options(group: dict[str, Any]) -> None:
     if skip is not None:
         check_int("skip_preconditioning_dim_size_gt", skip, 1)
     check_positive("inverse_failure_threshold", group["inverse_failure_threshold"])
+    if not isinstance(group["use_symmetric_packing"], bool):
+        raise ValueError(f"use_symmetric_packing must be True or False, got {group['use_symmetric_packing']!r}")
 
 
 def _check_step_options(group: dict[str, Any]) -> None:

@@ -7,6 +7,14 @@ grafting: ``exp_avg_eigen``), ``graft_sq``, ``factor<k>``, ``root<k>`` (Shampoo)
 (SOAP, and Shampoo with ``root_inverse="warm"``), ``failures``, ``exp_avg_sq`` (SOAP).
 :meth:`BlockState.flat` writes that form and :meth:`BlockState.of` views it (the same tensors,
 updated in place); nothing else spells a key.
+
+With ``use_symmetric_packing`` the symmetric matrices (factors, roots) are kept as packed lower
+triangles, ``d (d + 1) / 2`` elements (:func:`dist_optim.structured.pack_lower`): a factor's
+kept triangle (:func:`~dist_optim.shampoo.blocking.kept_triangle`), a root's lower one. The math
+never sees that form: :func:`unpacked` gives a block's matrices whole, in reused scratch memory,
+and :func:`store_packed` packs back what a step changed. Every stored symmetric matrix, packed or
+not, is the mirror of that triangle (factors mirrored at each refresh, roots when computed), so
+packing loses nothing: the packed run equals the unpacked one bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from typing import Any
 
 import torch
 
-from .blocking import Block
+from .. import structured
+from .blocking import Block, kept_triangle
 from .options import SQUARED_GRAFTING_TYPES, uses_warm_refresh
 
 __all__ = [
@@ -33,6 +42,8 @@ __all__ = [
     "checked_block_entries",
     "initial_state",
     "Scratch",
+    "unpacked",
+    "store_packed",
 ]
 
 #: Names (before their dim index) of the preconditioner matrices: :meth:`DistributedShampoo.state_bytes`.
@@ -49,15 +60,20 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
     its flat form; the same on every rank. ``dtype``: the moments' (the gradient's)."""
     pdt = group["preconditioner_dtype"]
     soap = group["eigenvalue_correction"]
+    packed = group["use_symmetric_packing"]
+
+    def sym(d: int) -> tuple[int, ...]:
+        return (structured.packed_size(d),) if packed else (d, d)
+
     spec: list[tuple[str, tuple, torch.dtype]] = []
     if group["betas"][0] > 0:
         spec.append(("exp_avg_eigen" if keeps_moment_in_eigenbasis(group) else "exp_avg", block.shape, dtype))
     if isinstance(group["grafting_config"], SQUARED_GRAFTING_TYPES):
         spec.append(("graft_sq", block.shape, dtype))
     if block.precondition:
-        spec += [(f"factor{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
+        spec += [(f"factor{k}", sym(d), pdt) for k, d in enumerate(block.shape)]
         if not soap:
-            spec += [(f"root{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
+            spec += [(f"root{k}", sym(d), pdt) for k, d in enumerate(block.shape)]
         if soap or uses_warm_refresh(group):  # SOAP's bases; the eigenvectors a warm root refresh starts from
             spec += [(f"basis{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
         spec.append(("failures", (), torch.float32))
@@ -140,7 +156,8 @@ def checked_block_entries(
             raise ValueError(
                 f"load_full_state: state {key!r} of a parameter of full shape {full_shape} should be a "
                 f"tensor of shape {tuple(shape)}, got {got!r}; was it saved with other blocking options "
-                "(max_preconditioner_dim, merge_small_dims, eigenvalue_correction, grafting), or, for SOAP without "
+                "(max_preconditioner_dim, merge_small_dims, eigenvalue_correction, grafting, use_symmetric_packing), "
+                "or, for SOAP without "
                 "grafting, by an earlier dist_optim that kept the first moment in the parameter's basis ('exp_avg')?"
             )
         out[key] = value.to(param.device)
@@ -186,7 +203,8 @@ class BlockState:
         values: dict[str, torch.Tensor] = {}
         for name, shape, dt in block_spec(block, group, dtype):
             if name.startswith(("root", "basis")):
-                values[name] = torch.eye(shape[0], dtype=dt, device=device)
+                eye = torch.eye(block.shape[int(name.lstrip("rotbasi"))], dtype=dt, device=device)
+                values[name] = eye if len(shape) == 2 else structured.pack_lower(eye)
             else:
                 values[name] = torch.zeros(shape, dtype=dt, device=device)
         return cls.of(values, "", block.order)
@@ -239,3 +257,26 @@ class Scratch:
         if buf is None or buf.numel() < n:
             buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n].view(shape)
+
+
+def unpacked(bs: BlockState, block: Block, scratch: Scratch, roots: bool) -> BlockState:
+    """``bs`` with its packed factors (and, with ``roots``, its packed roots) as whole symmetric
+    matrices in ``scratch`` (slots ``factor<k>``, ``root<k>``: reused by the next block); the other
+    entries are ``bs``'s own tensors. Roots are needed only where the step reads them (a
+    preconditioned direction, or a refresh that may keep the previous root)."""
+
+    def whole(m: torch.Tensor, name: str, k: int) -> torch.Tensor:
+        d = block.shape[k]
+        buf = scratch.get((d, d), m.dtype, m.device, f"{name}{k}")
+        return structured.unpack_symmetric(m, d, out=buf)
+
+    factors = [whole(m, "factor", k) for k, m in enumerate(bs.factors)]
+    full_roots = [whole(m, "root", k) for k, m in enumerate(bs.roots)] if roots else bs.roots
+    return dataclasses.replace(bs, factors=factors, roots=full_roots)
+
+
+def store_packed(stored: list[torch.Tensor], whole: list[torch.Tensor], order: int, factors: bool) -> None:
+    """Pack the whole matrices ``whole`` back into the packed ``stored`` ones: a factor's kept
+    triangle (``factors``), else the lower one."""
+    for k, (packed, m) in enumerate(zip(stored, whole)):
+        structured.pack_lower(kept_triangle(m, order, k) if factors else m, out=packed)

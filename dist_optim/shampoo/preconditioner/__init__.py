@@ -15,7 +15,7 @@ import torch
 
 from ..blocking import Block
 from ..options import start_step
-from ..state import BlockState, Scratch, keeps_moment_in_eigenbasis
+from ..state import BlockState, Scratch, keeps_moment_in_eigenbasis, store_packed, unpacked
 from . import root_inverse, soap
 from .factors import update_factors
 from .grafting import update_moments, updates_in_kernel
@@ -59,11 +59,19 @@ def block_direction(
     if not (is_soap and keeps_moment_in_eigenbasis(group)):
         moments = update_moments(bs, g, group, t, step, out, not is_soap, apply_to)
     if block.precondition:
+        stored = bs
+        if group["use_symmetric_packing"]:  # the math on whole matrices (scratch), packed back below
+            bs = unpacked(stored, block, scratch, roots=not is_soap and t >= start)
         scale = update_factors(bs, block, g, group, t, start)
         if scale is not None and is_soap:
             soap.refresh_bases(bs, scale, group, first=(t == start))
         elif scale is not None:
             root_inverse.refresh_roots(bs, block.order, scale, group, first=(t == start))
+        if bs is not stored:
+            if t % group["statistics_compute_steps"] == 0:
+                store_packed(stored.factors, bs.factors, block.order, factors=True)
+            if scale is not None and not is_soap:
+                store_packed(stored.roots, bs.roots, block.order, factors=False)
     if is_soap:
         return soap.direction(bs, moments, g, group, t, out, scratch)
     assert moments is not None

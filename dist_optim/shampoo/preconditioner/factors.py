@@ -20,7 +20,9 @@ def update_factors(
     """``L_k <- b2 L_k + (1 - b2) G_(k) G_(k)^T`` every ``statistics_compute_steps`` steps (one
     triangle of large factors, :func:`~dist_optim.shampoo.blocking.kept_triangle`). On a refresh
     step (``t == start``, then every ``precondition_frequency`` steps, once the factors have an
-    update) the factors are mirrored whole and the scale of their bias correction ``1 / (1 - b2^n)``
+    update) every factor's kept triangle is mirrored onto the other (at every size: a factor
+    updated whole, small or on a GPU, may round its two triangles apart; the mirror is the form a
+    packed factor holds, :mod:`dist_optim.shampoo.state`) and the scale of their bias correction ``1 / (1 - b2^n)``
     is returned (``n`` factor updates so far); None on other steps."""
     b2 = group["betas"][1]
     order = block.order
@@ -33,6 +35,6 @@ def update_factors(
     n = t // scs  # factor updates so far
     if not (n > 0 and (t == start or (t > start and t % group["precondition_frequency"] == 0))):
         return None
-    for k, factor in enumerate(bs.factors):  # gram_update_ keeps one triangle of large factors
-        structured.symmetrize_(kept_triangle(factor, order, k))
+    for k, factor in enumerate(bs.factors):
+        structured.mirror_lower_(kept_triangle(factor, order, k))
     return 1.0 / (1 - b2**n) if (group["use_bias_correction"] and b2 < 1) else 1.0

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ... import matrix_functions
+from ... import matrix_functions, structured
 from ..blocking import apply_each_dim
 from ..options import WARM
 from ..state import BlockState, Scratch
@@ -19,7 +19,9 @@ __all__ = ["refresh_roots", "direction"]
 def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any], first: bool = False) -> None:
     """``R_k = (scale L_k + epsilon I)^(-exponent_multiplier / r)``; a root that is not finite or
     whose iteration error exceeds ``inverse_failure_threshold`` keeps the previous one and counts
-    in ``failures``. ``root_inverse="warm"``: from :func:`~dist_optim.matrix_functions.warm_eigh`
+    in ``failures``. A root is stored as the mirror of its lower triangle (the products that make
+    it round its two triangles apart by an ulp or so), the form a packed root holds
+    (:mod:`dist_optim.shampoo.state`). ``root_inverse="warm"``: from :func:`~dist_optim.matrix_functions.warm_eigh`
     of the damped factor started from the block's previous eigenvectors ``Q_k`` (kept with the
     root), except at the ``first`` refresh, which has none (``Q_k = I``) and goes to ``eigh`` at
     once: testing the identity and taking QR steps from it would only add to the ``eigh`` that
@@ -46,6 +48,8 @@ def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any
                 ok = ok & (err <= group["inverse_failure_threshold"])
         except torch.linalg.LinAlgError:
             x, ok = r_k, torch.zeros((), dtype=torch.bool)
+        if x is not r_k:
+            structured.mirror_lower_(x)
         torch.where(ok, x.to(r_k.dtype), r_k, out=r_k)
         failures.add_((~ok).to(failures.dtype))
 
