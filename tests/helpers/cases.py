@@ -189,6 +189,24 @@ PARITY_CASES += [
             refresh_iterations=2,
         ),
     ),
+    # Factors and roots (SOAP: factors) as packed triangles, gathered and resharded in that form.
+    Case(
+        "shampoo-packed",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-6,
+            max_preconditioner_dim=3,
+            precondition_frequency=2,
+            use_symmetric_packing=True,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+        ),
+    ),
+    Case(
+        "soap-packed",
+        dist_optim.DistributedShampoo,
+        dict(lr=1e-2, epsilon=1e-8, max_preconditioner_dim=4, eigenvalue_correction=True, use_symmetric_packing=True),
+    ),
     Case(
         "shampoo-newton-sgd-merge",
         dist_optim.DistributedShampoo,
