@@ -15,7 +15,8 @@ what is specific to that format, none of GaLore's math:
   :func:`write_moments_8bit`: ``exp_avg``, ``exp_avg_sq`` and their ``*_absmax``, under a prefix);
   for one 8-bit entry of any optimizer (Muon's momentum), :func:`new_8bit`, :func:`read_8bit` and
   :func:`write_8bit_many`, which max-reduces the absmax of tensors held in pieces itself (one
-  :class:`~dist_optim.comm.MaxBucket` for all the entries it is given);
+  :class:`~dist_optim.comm.MaxBucket` for all the entries it is given); :func:`start_8bit` and
+  :func:`to_32bit` for a state that was saved with the other ``optim_bits``;
 * paged (CUDA unified) memory (:class:`Buffers`, :func:`paged_on_device`);
 * bitsandbytes' quantisation arguments as ColossalAI passes them (:func:`quant_args`).
 
@@ -49,6 +50,9 @@ __all__ = [
     "read_8bit",
     "write_8bit_many",
     "Requant",
+    "start_8bit",
+    "to_32bit",
+    "check_8bit_options",
     "Buffers",
     "paged_on_device",
     "paging_supported",
@@ -249,6 +253,38 @@ def write_8bit_many(entries: list[Requant]) -> None:
     maxes.flush()
     for e, absmax in zip(entries, reduced):
         e.blocks.quantize_into(e.values, absmax, e.state[e.key], e.state[f"{e.key}_absmax"], e.signed)
+
+
+def start_8bit(
+    state: dict[str, Any], key: str, blocks: FullBlocks, signed: bool, shape: torch.Size, device: torch.device
+) -> torch.Tensor:
+    """The fp32 values of the 8-bit entry ``key`` (this rank's piece, of ``shape``), creating the
+    entry where it is not 8-bit yet: absent (zeros, as bitsandbytes starts a moment) or a 32-bit
+    tensor (a state saved with ``optim_bits=32`` or converted from another optimizer), whose
+    values are returned to be stored quantised by :func:`write_8bit_many`."""
+    value = state.get(key)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+        return read_8bit(state, key, blocks, signed)
+    new_8bit(state, key, shape, blocks.layout.full_numel, device)
+    if not isinstance(value, torch.Tensor):
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    return value.to(device=device, dtype=torch.float32, copy=True).reshape(shape)
+
+
+def to_32bit(state: dict[str, Any], key: str, blocks: FullBlocks, signed: bool, dtype: torch.dtype) -> None:
+    """Replace the 8-bit entry ``key`` (codes and absmax) by its values in ``dtype``: a state saved
+    with ``optim_bits=8`` loaded by an optimizer built with 32."""
+    state[key] = read_8bit(state, key, blocks, signed).to(dtype)
+    del state[f"{key}_absmax"]
+
+
+def check_8bit_options(optim_bits: Any, min_8bit_size: Any, what: str) -> None:
+    """One-line ValueError naming the value for ``optim_bits`` other than 32 or 8 (bools too) or a
+    ``min_8bit_size`` that is not an integer >= 0; ``what`` names what 8 bits quantises."""
+    if isinstance(optim_bits, bool) or optim_bits not in (8, 32):
+        raise ValueError(f"optim_bits must be 32 or 8 ({what}), got {optim_bits!r}")
+    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+        raise ValueError(f"min_8bit_size must be an integer >= 0, got {min_8bit_size!r}")
 
 
 # ---- paged memory ------------------------------------------------------------------------------
