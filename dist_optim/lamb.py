@@ -31,6 +31,20 @@ Every parameter's arithmetic is the same whatever the bucketing, and so are the 
 bit, where a reduction's sum does not depend on its buffer's length (the tests: groups of 2 ranks);
 a backend that sums more ranks in an order set by the position in the buffer may differ in the
 last bit of a norm.
+
+8-bit moments (``optim_bits=8``, bitsandbytes' option; Dettmers et al., 2022, "8-bit Optimizers
+via Block-wise Quantization", arXiv:2110.02861): ``m`` and ``v`` of a parameter of at least
+``min_8bit_size`` elements (full tensor) are kept as bitsandbytes' block-wise codes
+(:mod:`dist_optim.bnb_states`: blocks of 256 values of the *full* flattened tensor, one fp32 absmax
+each; the signed dynamic map for ``m``, the unsigned one for ``v``), 2.03 bytes per element for
+the pair instead of 8. As bitsandbytes' 8-bit kernels do, a step dequantises them, updates them and
+computes ``u`` in fp32, then stores them quantised again; the trust ratio's norms are those of the
+fp32 ``u`` and of ``w``, over the full tensor as above. A tensor held in pieces quantises with the
+blocks of the full tensor, each block's absmax max-reduced over the ranks holding a piece of it
+(one all-reduce per bucket and process group, :func:`dist_optim.bnb_states.write_8bit_many`), so
+its codes are the single-device ones. What stays fp32: the step counter, the absmax, and the
+moments of smaller tensors (biases, norms: a few elements, where an absmax per 256 would save
+little and quantising hurts most), as in bitsandbytes.
 """
 
 from __future__ import annotations
@@ -42,9 +56,11 @@ from typing import Any
 
 import torch
 
+from . import bnb_states as bnb
 from .base import DistOptimizer, check_adam_options, check_range
 from .budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from .comm import SumBucket
+from .layout import ParamLayout
 from .registry import Conversion, PlanEntry, register, register_plan
 
 __all__ = ["DistributedLamb"]
@@ -64,8 +80,13 @@ class DistributedLamb(DistOptimizer):
         clamp_value: if set, ``||w||`` is clamped to ``[0, clamp_value]`` before the ratio.
         foreach: multi-tensor (foreach) kernels; ``None`` (default) uses them on accelerators and a
             per-tensor loop on the CPU, as torch's optimizers do. The result is the same.
+        optim_bits: 32, or 8 for ``exp_avg``/``exp_avg_sq`` kept as bitsandbytes' block-wise 8-bit
+            codes (module docstring), the update computed in fp32 from their dequantised values.
+        min_8bit_size: with ``optim_bits=8``, moments of tensors with fewer elements (full tensor)
+            stay 32-bit (bitsandbytes' default 4096).
         bucket_bytes: the step's budget of local update buffers per bucket of parameters
-            (:mod:`dist_optim.budget`; default 256 MiB), or None for one bucket per step.
+            (:mod:`dist_optim.budget`; default 256 MiB), or None for one bucket per step. An 8-bit
+            parameter counts its update and the fp32 moments it holds until they are re-quantised.
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
@@ -84,9 +105,14 @@ class DistributedLamb(DistOptimizer):
         clamp_value: float | None = None,
         foreach: bool | None = None,
         *,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
+        bnb.check_8bit_options(optim_bits, min_8bit_size, "8-bit block-wise exp_avg and exp_avg_sq")
+        self.optim_bits = optim_bits
+        self.min_8bit_size = min_8bit_size
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         defaults = dict(
             lr=lr,
@@ -112,7 +138,8 @@ class DistributedLamb(DistOptimizer):
         if not self._gradients_ok():
             return loss
         work = [(group, p, g) for group in self.param_groups for p, g in zip(*self._grads(group))]
-        sizes = [p.numel() * p.element_size() for _, p, _ in work]
+        # An 8-bit parameter also holds its two fp32 moments until the bucket's re-quantisation.
+        sizes = [p.numel() * (p.element_size() + 8 * self.eight_bit(self.layout(p))) for _, p, _ in work]
         for start, stop in buckets(sizes, self.bucket_bytes):
             self._step_bucket(work[start:stop])
         return loss
@@ -123,10 +150,17 @@ class DistributedLamb(DistOptimizer):
         per process group), then each group finishes with the reduced norms. The updates are freed
         on return."""
         bucket = SumBucket()
+        requant: list[bnb.Requant] = []
         pending = []
         for _, run in itertools.groupby(work, key=lambda w: id(w[0])):  # each group's consecutive params
             part = list(run)
-            pending.append(self._queue_group(part[0][0], [w[1] for w in part], [w[2] for w in part], bucket))
+            group, params, grads = part[0][0], [w[1] for w in part], [w[2] for w in part]
+            pending.append(self._queue_group(group, params, grads, bucket, requant))
+        if requant:
+            # The fp32 moments of the bucket's 8-bit parameters go back to codes, one max-reduction
+            # of the absmax per process group for all of them.
+            bnb.write_8bit_many(requant)
+            requant.clear()  # the fp32 moments are not needed for the norms' all-reduce: free them
         bucket.flush()
         for group, params, updates, steps, sq, parts in pending:
             for index, reduced in parts:
@@ -141,22 +175,39 @@ class DistributedLamb(DistOptimizer):
                     p.add_(u, alpha=c)
 
     def _queue_group(
-        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], bucket: SumBucket
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        bucket: SumBucket,
+        requant: list[bnb.Requant],
     ) -> tuple[Any, ...]:
         """Moments and updates of ``params`` (of ``group``, with gradients ``grads``); the local
-        sums of squares of the parameters held in pieces queued in ``bucket``."""
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        sums of squares of the parameters held in pieces queued in ``bucket``; the 8-bit moments'
+        new fp32 values appended to ``requant``."""
+        eight = [self._start_state(p) for p in params]
         states = [self.state[p] for p in params]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
         use_foreach = group["foreach"] if group["foreach"] is not None else params[0].device.type != "cpu"
         compute = _updates_foreach if use_foreach else _updates_per_tensor
-        updates, sq = compute(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], group)
+        plain = [i for i, e in enumerate(eight) if not e]
+        moments = [(states[i]["exp_avg"], states[i]["exp_avg_sq"]) for i in plain]
+        if len(plain) == len(params):
+            updates, sq = compute(params, grads, [m for m, _ in moments], [v for _, v in moments], group)
+        else:
+            sq = torch.empty((2, len(params)), dtype=torch.float32, device=params[0].device)
+            slots: list[torch.Tensor | None] = [None] * len(params)
+            if plain:
+                ps, gs = [params[i] for i in plain], [grads[i] for i in plain]
+                done, plain_sq = compute(ps, gs, [m for m, _ in moments], [v for _, v in moments], group)
+                sq[:, plain] = plain_sq.to(sq.device)
+                for i, u in zip(plain, done):
+                    slots[i] = u
+            for i in (i for i, e in enumerate(eight) if e):
+                blocks = bnb.FullBlocks(self.layout(params[i]), params[i].device)
+                slots[i], sq[:, i] = _update_8bit(params[i], grads[i], states[i], blocks, group, requant)
+            updates = [u for u in slots if u is not None]
         by_groups: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
         group_objs: dict[tuple[int, ...], tuple[Any, ...]] = {}
         for i, p in enumerate(params):
@@ -170,6 +221,61 @@ class DistributedLamb(DistOptimizer):
             index = torch.tensor(idx, device=sq.device)
             parts.append((index, bucket.add(sq.index_select(1, index), group_objs[key])))
         return group, params, updates, steps, sq, parts
+
+    def _start_state(self, p: torch.Tensor) -> bool:
+        """Start ``p``'s state at its first step; whether its moments are 8-bit (they are created
+        by :func:`_update_8bit`). A state saved with the other ``optim_bits`` is carried over: 32-bit
+        moments are quantised at the next step, 8-bit ones dequantised here."""
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        layout = self.layout(p)
+        if self.eight_bit(layout):
+            return True
+        for key, signed in bnb.MOMENTS:
+            value = state.get(key)
+            if value is None:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif value.dtype == torch.uint8:
+                bnb.to_32bit(state, key, bnb.FullBlocks(layout, p.device), signed, p.dtype)
+        return False
+
+    def eight_bit(self, layout: ParamLayout) -> bool:
+        """Whether a parameter of this layout keeps its moments in 8 bits (``optim_bits``,
+        ``min_8bit_size`` of its full tensor)."""
+        return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
+
+    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
+        """8-bit moment codes and their fp32 absmax keep their saved dtype on load (32-bit moments
+        take the parameter's, as torch's loader casts them)."""
+        return key.startswith("exp_avg") and (value.dtype == torch.uint8 or key.endswith("_absmax"))
+
+
+def _update_8bit(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, Any],
+    blocks: bnb.FullBlocks,
+    group: dict[str, Any],
+    requant: list[bnb.Requant],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LAMB's update of one parameter with 8-bit moments, and its local norms ([2]: param, update):
+    the moments dequantised and updated in fp32 (float64 for float64 parameters), ``u`` computed
+    from them, and their new values queued in ``requant`` (as bitsandbytes' 8-bit kernels do, the
+    update uses the fp32 moments, not their re-quantised values)."""
+    beta1, beta2 = group["betas"]
+    acc = torch.promote_types(p.dtype, torch.float32)
+    m, v = (bnb.start_8bit(state, key, blocks, signed, p.shape, p.device).to(acc) for key, signed in bnb.MOMENTS)
+    g = g.to(acc)
+    m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    u = v.sqrt().add_(group["eps"])
+    torch.div(m, u, out=u)
+    if group["weight_decay"] != 0:
+        u.add_(p, alpha=group["weight_decay"])
+    norms = torch.stack([torch.linalg.vector_norm(p, dtype=acc), torch.linalg.vector_norm(u)]).float()
+    requant += [bnb.Requant(state, key, blocks, value, signed) for (key, signed), value in zip(bnb.MOMENTS, (m, v))]
+    return u.to(p.dtype), norms.square_()
 
 
 def _trust_scale(group: dict[str, Any], sq: torch.Tensor, steps: list[torch.Tensor]) -> torch.Tensor:

@@ -128,6 +128,9 @@ PARITY_CASES: list[Case] = [
     Case("lamb", dist_optim.DistributedLamb, dict(lr=1e-2, weight_decay=1e-2)),
     Case("lamb-nobc-clamp", dist_optim.DistributedLamb, dict(lr=2e-2, bias_correction=False, clamp_value=0.8)),
     Case("lamb-foreach", dist_optim.DistributedLamb, dict(lr=1e-2, weight_decay=1e-2, foreach=True)),
+    # 8-bit moments on every tensor of the grid (min_8bit_size=0): blocks of the full tensor cut by
+    # TP slices and ZeRO chunks, their absmax max-reduced over the holders; codes compared as state.
+    Case("lamb-8bit", dist_optim.DistributedLamb, dict(lr=1e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=0)),
 ]
 
 # DistributedShampoo: blocks of 3 cut every test param of the grid into several blocks.
