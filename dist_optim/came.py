@@ -31,6 +31,22 @@ Distributed: every statistic is that of the full tensor. A step flushes three
 confidence statistics (at most one all-reduce per process group each), plus the NaN/Inf check's
 flag (one all-reduce over the job and one host read, unless ``nonfinite="ignore"``; see
 :class:`~dist_optim.base.DistOptimizer`).
+
+8-bit first moment (``optim_bits=8``, bitsandbytes' option name; Dettmers et al., 2022, "8-bit
+Optimizers via Block-wise Quantization", arXiv:2110.02861): ``m`` of a parameter of at least
+``min_8bit_size`` elements (full tensor) is kept as bitsandbytes' block-wise codes
+(:mod:`dist_optim.bnb_states`: blocks of 256 values of the *full* flattened tensor, one fp32 absmax
+each, the signed dynamic map), 1.016 bytes per element instead of 4, under the same key
+``exp_avg`` (its absmax under ``exp_avg_absmax``). As bitsandbytes' 8-bit kernels do, a step
+dequantises it and updates it in fp32; the instability ``U - m`` and the step use that fp32 value,
+which is stored quantised again (one max-reduction of the absmax per process group for all
+parameters, so the codes of a tensor held in pieces are the single-device ones). Every
+parameter's fp32 value is alive at the end of phase 3, where that one re-quantisation needs them,
+and is kept for phase 4 (no higher peak): the memory saved is the state's, between steps. What
+stays fp32: the factored second-moment and confidence statistics (rows plus columns of each
+matrix, already a small fraction of its elements, and partitioned over the ranks that share it),
+vectors' ``variance`` (the second moment of biases and norms, a few elements), the absmax and the
+step counter.
 """
 
 from __future__ import annotations
@@ -40,6 +56,7 @@ from typing import Any
 
 import torch
 
+from . import bnb_states as bnb
 from .base import check_range
 from .comm import SumBucket
 from .factored import (
@@ -59,6 +76,7 @@ from .factored import (
     queue_factored_sums,
     queue_sumsq,
 )
+from .layout import ParamLayout
 from .registry import Conversion, PlanEntry, register, register_plan
 
 __all__ = ["DistributedCAME"]
@@ -74,6 +92,10 @@ class DistributedCAME(FactoredOptimizer):
         clip_threshold: update clipping threshold on RMS(U), > 0.
         betas: ``(b1, b2, b3)``: first moment, second moment, confidence, each in [0, 1).
         weight_decay: decoupled weight decay, applied as ``W <- W - lr weight_decay W``.
+        optim_bits: 32, or 8 for the first moment ``exp_avg`` kept as bitsandbytes' block-wise
+            8-bit codes (module docstring); the factored statistics stay fp32.
+        min_8bit_size: with ``optim_bits=8``, first moments of tensors with fewer elements (full
+            tensor) stay 32-bit (bitsandbytes' default 4096).
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
@@ -89,8 +111,13 @@ class DistributedCAME(FactoredOptimizer):
         betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
         weight_decay: float = 0.0,
         *,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
         nonfinite: str = "raise",
     ) -> None:
+        bnb.check_8bit_options(optim_bits, min_8bit_size, "8-bit block-wise exp_avg")
+        self.optim_bits = optim_bits
+        self.min_8bit_size = min_8bit_size
         defaults = dict(
             lr=lr,
             eps=tuple(eps) if isinstance(eps, (tuple, list)) else eps,
@@ -120,13 +147,33 @@ class DistributedCAME(FactoredOptimizer):
 
     def _init_state(self, item: Item) -> None:
         state = item.state
-        state["exp_avg"] = torch.zeros_like(item.param, dtype=math_dtype(item.param))
+        if not self.eight_bit(item.layout):  # 8 bits: created by _first_moment
+            state["exp_avg"] = torch.zeros_like(item.param, dtype=math_dtype(item.param))
         init_second_moment(state, item.param, item.fac, self._vector_part(item.param))
         if item.fac is not None:
             init_statistics(state, item.param, item.fac, ("res_row_var", "res_col_var"))
 
     def _second_moment_decay(self, item: Item) -> tuple[float, float]:
         return item.group["betas"][1], item.group["eps"][0]
+
+    def eight_bit(self, layout: ParamLayout) -> bool:
+        """Whether a parameter of this layout keeps its first moment in 8 bits (``optim_bits``,
+        ``min_8bit_size`` of its full tensor)."""
+        return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
+
+    def _first_moment(self, item: Item, dtype: torch.dtype, requant: list[bnb.Requant]) -> torch.Tensor:
+        """``exp_avg`` to update in place: the state's 32-bit tensor, or an 8-bit one's values in
+        ``dtype`` (queued in ``requant`` to be stored quantised). A state saved with the other
+        ``optim_bits`` is carried over (quantised, or dequantised into the state)."""
+        state, p = item.state, item.param
+        if self.eight_bit(item.layout):
+            blocks = bnb.FullBlocks(item.layout, p.device)
+            m = bnb.start_8bit(state, "exp_avg", blocks, True, p.shape, p.device).to(dtype)
+            requant.append(bnb.Requant(state, "exp_avg", blocks, m, True))
+            return m
+        if _is_8bit(state):
+            bnb.to_32bit(state, "exp_avg", bnb.FullBlocks(item.layout, p.device), True, math_dtype(p))
+        return state["exp_avg"]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -150,6 +197,8 @@ class DistributedCAME(FactoredOptimizer):
 
         # Phase 3: first moment of the clipped U, and the confidence statistics of U - m, one flush.
         confidence = SumBucket()
+        requant: list[bnb.Requant] = []
+        moments = []
         for item in items:
             group = item.group
             beta1 = group["betas"][0]
@@ -157,7 +206,8 @@ class DistributedCAME(FactoredOptimizer):
             update = preconditioned(item, EPS_ADD, group["eps"][0], self._workspace(item.grad), clip)
             # The full second-moment statistics are not needed again this step: free them.
             item.full.clear()
-            exp_avg = item.state["exp_avg"]
+            exp_avg = self._first_moment(item, update.dtype, requant)
+            moments.append(exp_avg)
             ema_(exp_avg, update, beta1)
             if item.fac is not None:
                 # Instability of the update w.r.t. its running mean: the statistic CAME factors.
@@ -165,12 +215,13 @@ class DistributedCAME(FactoredOptimizer):
                 keys = ("res_row_var", "res_col_var")
                 queue_factored_sums(confidence, item, instability, keys, group["betas"][2], group["eps"][1])
 
+        if requant:
+            bnb.write_8bit_many(requant)
         confidence.flush()
 
-        # Phase 4: the step, m preconditioned by the confidence statistics.
-        for item in items:
-            group, state = item.group, item.state
-            exp_avg = state["exp_avg"]
+        # Phase 4: the step, m (an 8-bit one's fp32 value) preconditioned by the confidence statistics.
+        for item, exp_avg in zip(items, moments):
+            group = item.group
             p = item.param
             w = low_precision_copy(p)
             lr = group["lr"]
@@ -188,6 +239,11 @@ class DistributedCAME(FactoredOptimizer):
             if w is not p:
                 p.copy_(w)
         return loss
+
+
+def _is_8bit(state: Mapping[str, Any]) -> bool:
+    value = state.get("exp_avg")
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8
 
 
 # ---- conversions from the CAME classes users have -----------------------------------------------

@@ -250,6 +250,8 @@ PARITY_CASES += [
         dist_optim.DistributedCAME,
         dict(lr=2e-2, betas=(0.8, 0.9, 0.95), clip_threshold=0.5, eps=(1e-20, 1e-12)),
     ),
+    # 8-bit first moment on every tensor (min_8bit_size=0); the factored statistics stay fp32.
+    Case("came-8bit", dist_optim.DistributedCAME, dict(lr=1e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=0)),
 ]
 
 # DistributedGaLore: GaLore options on the 2-D params (tests/helpers/parity.py MATRIX_GROUP), the 3-D

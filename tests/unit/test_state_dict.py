@@ -100,7 +100,9 @@ def test_other_groups_and_bad_options_are_refused() -> None:
         other.load_state_dict(saved)
 
 
-@pytest.mark.parametrize("case_id", ["adafactor-lr-beta1-wd-clip", "came", "kron", "galore-left-8bit", "lamb-8bit"])
+@pytest.mark.parametrize(
+    "case_id", ["adafactor-lr-beta1-wd-clip", "came", "kron", "galore-left-8bit", "lamb-8bit", "came-8bit"]
+)
 def test_state_kept_wider_than_bf16_params_keeps_its_dtype(case_id: str) -> None:
     """Statistics an optimizer keeps in fp32 for bf16 parameters (factored statistics, Kron's factors,
     8-bit codes and their absmax) come back in their saved dtype, not cast to bf16 by torch's loader."""
