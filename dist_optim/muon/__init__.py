@@ -32,7 +32,8 @@ conversions (:func:`dist_optim.convert`):
 
 Parameter groups with ``use_muon=False`` get AdamW (decoupled weight decay, bias-corrected,
 ``adamw_betas``, ``adamw_eps``, the group's own ``lr`` and ``weight_decay``; torch's fused kernel
-where it applies), as KellerJordan's ``MuonWithAuxAdam``. :func:`muon_param_groups` builds the
+where it applies; with ``optim_bits=8`` 8-bit moments as bitsandbytes' AdamW8bit, :mod:`.adamw`), as
+KellerJordan's ``MuonWithAuxAdam``. :func:`muon_param_groups` builds the
 usual split from a model. A parameter with fewer than 2 dims in a Muon group is a ``ValueError``
 (raised when the optimizer is bound or first steps: under ZeRO the optimizer's parameters are flat
 chunks, so only their layouts tell their shapes).

@@ -23,21 +23,22 @@ def momentum_directions(
     local gradient, layout). An 8-bit momentum is dequantised, updated and ``C`` made from it in
     fp32 (as bitsandbytes' 8-bit kernels use the fp32 moment before storing it), then stored
     quantised again, all of the bucket's at once (:func:`dist_optim.bnb_states.write_8bit_many`:
-    blocks of the full tensor, one max-reduction of the absmax per process group)."""
+    blocks of the full tensor, one max-reduction of the absmax per process group). A momentum saved
+    with the other ``optim_bits`` is carried over (quantised, or dequantised into the state)."""
     out = []
     requant: list[bnb.Requant] = []
     for group, p, g, layout in bucket:
         state = states[p]
         if eight_bit(layout):
-            if "momentum_buffer" not in state:
-                bnb.new_8bit(state, "momentum_buffer", g.shape, layout.full_numel, g.device)
             blocks = bnb.FullBlocks(layout, g.device)
-            buf = bnb.read_8bit(state, "momentum_buffer", blocks, signed=True)
+            buf = bnb.start_8bit(state, "momentum_buffer", blocks, True, g.shape, g.device)
             out.append(momentum_direction(buf, g.float(), group).to(g.dtype))
             requant.append(bnb.Requant(state, "momentum_buffer", blocks, buf, True))
             continue
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+        elif state["momentum_buffer"].dtype == torch.uint8:
+            bnb.to_32bit(state, "momentum_buffer", bnb.FullBlocks(layout, g.device), True, g.dtype)
         out.append(momentum_direction(state["momentum_buffer"], g, group))
     if requant:
         bnb.write_8bit_many(requant)

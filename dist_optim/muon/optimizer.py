@@ -8,13 +8,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.optim.adamw import adamw as _torch_adamw
 
+from .. import bnb_states as bnb
 from ..base import DistOptimizer, check_range
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..comm import gather_full
 from ..dtypes import check_communication_dtype
-from ..fused_adam import fused_applies
 from ..layout import ParamLayout
 from ..newton_schulz import Coefficients, newton_schulz, newton_schulz_flops
 from ..owners import (
@@ -30,6 +29,7 @@ from ..owners import (
     share_results,
     to_owners,
 )
+from .adamw import adamw_step
 from .momentum import momentum_directions
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
@@ -123,15 +123,14 @@ class DistributedMuon(DistOptimizer):
             KellerJordan).
         adamw_betas: AdamW's ``(beta1, beta2)`` in ``use_muon=False`` groups.
         adamw_eps: AdamW's epsilon (>= 0).
-        optim_bits: 32, or 8 for the Muon groups' momentum kept as bitsandbytes' block-wise
-            8-bit codes (Dettmers et al. 2022: blocks of 256 values of the full flattened tensor,
-            one fp32 absmax each, the signed dynamic map), as its 8-bit optimizers keep a first
-            moment: each step dequantises the momentum, updates it in fp32, makes ``C`` from the
-            fp32 value and stores it quantised again. A tensor held in pieces has the same blocks,
-            their absmax max-reduced over the holders (one all-reduce per bucket), so the codes
-            equal the single-device ones. The auxiliary AdamW's moments stay 32-bit.
-        min_8bit_size: with ``optim_bits=8``, momenta of matrices with fewer elements (full
-            tensor) stay 32-bit (bitsandbytes' default 4096).
+        optim_bits: 32, or 8 for bitsandbytes' block-wise 8-bit codes (Dettmers et al. 2022,
+            arXiv:2110.02861: blocks of 256 values of the full flattened tensor, one fp32 absmax
+            each) of the Muon groups' momentum (signed map; :mod:`.momentum`) and of the auxiliary
+            AdamW's ``exp_avg`` (signed) and ``exp_avg_sq`` (unsigned; :mod:`.adamw`), as
+            bitsandbytes' AdamW8bit: dequantised, updated and used in fp32, stored quantised again.
+            The codes equal the single-device ones under any layout (docs/optimizers.md).
+        min_8bit_size: with ``optim_bits=8``, tensors with fewer elements (full tensor) keep
+            32-bit states (bitsandbytes' default 4096).
         bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): the matrices are
             orthogonalized in buckets of consecutive parameters of at most this many bytes of full
             ``C`` (a larger matrix is a bucket of its own), each bucket's ``C`` made, moved to the
@@ -175,10 +174,7 @@ class DistributedMuon(DistOptimizer):
         nonfinite: str = "raise",
     ) -> None:
         check_communication_dtype(communication_dtype)
-        if isinstance(optim_bits, bool) or optim_bits not in (8, 32):
-            raise ValueError(f"optim_bits must be 32 or 8 (8-bit block-wise momentum), got {optim_bits!r}")
-        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-            raise ValueError(f"min_8bit_size must be an integer >= 0, got {min_8bit_size!r}")
+        bnb.check_8bit_options(optim_bits, min_8bit_size, "8-bit block-wise momentum and AdamW moments")
         self.optim_bits = optim_bits
         self.min_8bit_size = min_8bit_size
         self.communication_dtype = communication_dtype
@@ -338,7 +334,8 @@ class DistributedMuon(DistOptimizer):
             if group["use_muon"]:
                 matrices += [(group, p, g) for p, g in zip(params, grads)]
             else:
-                self._adamw(group, params, grads)
+                layouts = [self.layout(p) for p in params]
+                adamw_step(self.state, group, params, grads, layouts, self.eight_bit, self.bucket_bytes)
         sizes = [self.layout(p).full_numel * g.element_size() for _, p, g in matrices]
         ranges = buckets(sizes, self.bucket_bytes if self.is_bound else None)
         # The next bucket's C travels to its owners while this one's owners iterate.
@@ -410,13 +407,14 @@ class DistributedMuon(DistOptimizer):
             _apply(p, m.out.view_as(p), self.layout(p), group)
 
     def eight_bit(self, layout: ParamLayout) -> bool:
-        """Whether a Muon matrix of this layout keeps its momentum in 8 bits (``optim_bits``,
-        ``min_8bit_size`` of its full tensor)."""
+        """Whether a parameter of this layout keeps its momentum (Muon) or moments (AdamW) in 8 bits
+        (``optim_bits``, ``min_8bit_size`` of its full tensor)."""
         return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
-        """8-bit momentum codes and their fp32 absmax keep their saved dtype on load."""
-        return key.startswith("momentum_buffer") and (value.dtype == torch.uint8 or key.endswith("_absmax"))
+        """8-bit codes (momentum, AdamW moments) and their fp32 absmax keep their saved dtype on load."""
+        eight = value.dtype == torch.uint8 or key.endswith("_absmax")
+        return key.startswith(("momentum_buffer", "exp_avg")) and eight
 
     @staticmethod
     def _orthogonalize(c: torch.Tensor, group: dict[str, Any], overwrite: bool = False) -> torch.Tensor:
@@ -428,36 +426,6 @@ class DistributedMuon(DistOptimizer):
         if not _is_stacked(shape, group):
             return newton_schulz(c.reshape(shape[0], -1), *options, overwrite=overwrite).reshape(shape)
         return torch.stack([newton_schulz(s.reshape(shape[1], -1), *options) for s in c]).reshape(shape)
-
-    # ---- the auxiliary AdamW ------------------------------------------------------------------
-    def _adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        states = [self.state[p] for p in params]
-        tensors = [t for p, g, st in zip(params, grads, states) for t in (p, g, st["exp_avg"], st["exp_avg_sq"])]
-        beta1, beta2 = group["adamw_betas"]
-        _torch_adamw(
-            params,
-            grads,
-            [st["exp_avg"] for st in states],
-            [st["exp_avg_sq"] for st in states],
-            [],
-            [st["step"] for st in states],
-            foreach=False,
-            # None lets torch choose its per-tensor path where the kernel does not apply.
-            fused=True if fused_applies(*tensors) else None,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["adamw_eps"],
-            maximize=False,
-        )
 
     # ---- owners -------------------------------------------------------------------------------
     def owners_of(self, param: torch.Tensor) -> list[int]:

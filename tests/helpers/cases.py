@@ -352,8 +352,9 @@ PRODUCTION_CASES: list[Case] = [
 _AUX = dict(use_muon=False, weight_decay=0.0)
 PARITY_CASES += [
     Case("muon", dist_optim.DistributedMuon, dict(lr=2e-2, weight_decay=1e-2, _vector_group=_AUX)),
-    # 8-bit momentum on every matrix of the grid (min_8bit_size=0): blocks of the full tensor cut by
-    # TP slices and ZeRO chunks, their absmax max-reduced over the holders; codes compared as state.
+    # 8-bit momentum on every matrix of the grid and 8-bit AdamW moments on the vectors
+    # (min_8bit_size=0): blocks of the full tensor cut by TP slices and ZeRO chunks, their absmax
+    # max-reduced over the holders; codes compared as state.
     Case(
         "muon-8bit",
         dist_optim.DistributedMuon,
