@@ -132,6 +132,8 @@ what and how tensors move):
   (:class:`~.randomness.KronRandomness`, its part of ``extra_state``);
 * :mod:`.structure`: merged shapes, diagonal or triangular factors, the cost model;
 * :mod:`.state`: what ``optimizer.state`` holds per parameter and its keys;
+* :mod:`.momentum`: the momentum's update on the holders, in ``mu_dtype`` or 8-bit
+  (``optim_bits=8``: bitsandbytes' block-wise codes, Dettmers et al. 2022, arXiv:2110.02861);
 * :mod:`.preconditioner`: factor initialisation, the fit with probes, balancing, preconditioning
   and clipping, on whole local tensors, no communication;
 * :mod:`.blocks`: the block plan of a large tensor's owner work and the probe's chunks;

@@ -13,10 +13,13 @@ from typing import Any
 
 import torch
 
+from .. import bnb_states as bnb
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..layout import ParamLayout
 from ..owners import Owner, Sending, Task, WorkGroups, pipelined, route_tasks, share_results
 from .blocks import discard_probe, draw_probe
+from .momentum import momentum_bytes, update_momenta
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
 from .preconditioner import owner_direction
 from .randomness import KronRandomness
@@ -52,7 +55,7 @@ class DistributedKron(DistOptimizer):
             (docs/convergence.md: a lower held-out loss at the best rates). Default 1.0,
             kron_torch's (its conversions keep it).
         merge_dims: precondition tensors of > 2 dims as matrices.
-        mu_dtype: dtype of the momentum (default: the parameter's).
+        mu_dtype: dtype of the momentum (default: the parameter's); not of an 8-bit one.
         precond_dtype: dtype of the factors (default fp32).
         clip_update_rms: clip the RMS of the preconditioned direction at 1.1.
         seed: seed of the generators (probe vectors and balancing). Every rank must use the same.
@@ -66,6 +69,15 @@ class DistributedKron(DistOptimizer):
             ``param_names`` (set by the dist_optim plugins at boost) or else its position in
             ``param_groups``: the same probes whatever subset of the model an optimizer holds, so
             a pipeline stage reproduces the single-device run, and only owners draw.
+        optim_bits: 32, or 8 for the momentum kept as bitsandbytes' block-wise 8-bit codes
+            (Dettmers et al. 2022, arXiv:2110.02861; :mod:`dist_optim.kron.momentum`: blocks of 256
+            values of the full flattened tensor, one fp32 absmax each, the signed map), dequantised
+            and updated in fp32 each step, the debiasing, fit and direction computed from that fp32
+            value, stored quantised again before it travels to the owner. The factors stay in
+            ``precond_dtype``: they are small next to the momentum (at most ``max_size_triangular``
+            squared per dim) and the fit's normalised steps compound their rounding.
+        min_8bit_size: with ``optim_bits=8``, momenta of tensors with fewer elements (full tensor)
+            stay in ``mu_dtype`` (bitsandbytes' default 4096).
         bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): when bound, the
             parameters go to their owners and back in buckets of consecutive parameters of at
             most this many bytes of full momenta (a larger parameter is a bucket of its own), each
@@ -107,10 +119,15 @@ class DistributedKron(DistOptimizer):
         communication_dtype: torch.dtype | None = None,
         probe_rng: str = "sequential",
         *,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
         check_optimizer_options(seed, communication_dtype, probe_rng)
+        bnb.check_8bit_options(optim_bits, min_8bit_size, "8-bit block-wise momentum")
+        self.optim_bits = optim_bits
+        self.min_8bit_size = min_8bit_size
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         if preconditioner_update_probability is None:
             preconditioner_update_probability = precond_update_prob_schedule()
@@ -244,36 +261,44 @@ class DistributedKron(DistOptimizer):
             return loss
         do_update, balance = self._random.decide(self.param_groups[0]["preconditioner_update_probability"])
 
-        work: list[Item] = []
+        todo: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
+        sizes: list[int] = []
         for group in self.param_groups:
             params, grads = self._grads(group)
-            b1 = group["b1"]
+            inputs = 1 if group["momentum_into_precond_update"] else 2
             for p, g in zip(params, grads):
-                state = self.state[p]
+                state, layout = self.state[p], self.layout(p)
+                eight = self.eight_bit(layout)
                 if not state:
-                    init_param_state(state, p, group["mu_dtype"])
+                    init_param_state(state, p, group["mu_dtype"], eight)
                 state["step"] += 1
-                m = state["momentum_buffer"]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                work.append(Item(group, p, m, g, self.layout(p), self._tasks.get(p)))
-        if not work:
+                todo.append((group, p, g))
+                sizes.append(layout.full_numel * momentum_bytes(state, p, group, eight) * inputs)
+        if not todo:
             return loss
         if self.is_bound:
             self._ensure_routes()
 
-        sizes = [item.layout.full_numel * item.m.element_size() * len(item.fit_inputs()) for item in work]
         ranges = buckets(sizes, self.bucket_bytes if self.is_bound else None)
         # The next bucket's momenta travel while this one's owners compute.
         pipelined(
             ranges,
-            lambda r: self._send_bucket(work[r[0] : r[1]]),
+            lambda r: self._send_bucket(todo[r[0] : r[1]]),
             lambda sent: self._finish_bucket(*sent, do_update, balance),
         )
         return loss
 
-    def _send_bucket(self, work: list[Item]) -> tuple[list[Item], Sending]:
-        """A bucket's inputs to the owners: gathered whole where no route exists, routed pieces in
-        flight."""
+    def _send_bucket(self, todo: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> tuple[list[Item], Sending]:
+        """A bucket's momenta updated (element-wise, here: an 8-bit one's fp32 value exists for
+        its bucket only) and its inputs to the owners: gathered whole where no route exists, routed
+        pieces in flight."""
+        layouts = [self.layout(p) for _, p, _ in todo]
+        momenta = update_momenta(self.state, [(*t, layout) for t, layout in zip(todo, layouts)], self.eight_bit)
+        work = [
+            # An 8-bit parameter's fp32 momentum is already stored as codes: the owner may work in it.
+            Item(group, p, m, g, layout, self._tasks.get(p), scratch=self.eight_bit(layout))
+            for (group, p, g), m, layout in zip(todo, momenta, layouts)
+        ]
         gather_inputs([item for item in work if not item.routed], self.communication_dtype)
         return work, send_inputs(
             [item for item in work if item.routed], self.communication_dtype, False, self.bucket_bytes
@@ -307,8 +332,9 @@ class DistributedKron(DistOptimizer):
         if self._mine(p):
             assert item.full_m is not None and item.full_g is not None
             probes = draw_probe(self._probe_generator(p), plan, dtype, item.m.device) if draws else None
-            # An assembled momentum is the owner's scratch; a whole local one is the state's buffer.
-            scratch = not item.layout.is_local
+            # An assembled momentum is the owner's scratch; a whole local one is the state's buffer
+            # (unless it is 8-bit: then a dequantised copy).
+            scratch = item.scratch or not item.layout.is_local
             u = owner_direction(self.state[p], group, plan, item.full_m, item.full_g, probes, balance, scratch)
         elif draws:  # the numbers, chunk by chunk, dropped: the sequential generator stays in step
             discard_probe(self._probe_generator(p), plan, dtype, item.m.device)
@@ -353,9 +379,14 @@ class DistributedKron(DistOptimizer):
             out[i].update((factor_key(k), t) for k, t in enumerate(tensors))
         return out
 
+    def eight_bit(self, layout: ParamLayout) -> bool:
+        """Whether a parameter of this layout keeps its momentum in 8 bits (``optim_bits``,
+        ``min_8bit_size`` of its full tensor)."""
+        return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
+
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
-        """The factors (``precond_dtype``) and the momentum (``mu_dtype``) keep their saved dtype on
-        load; torch's loader would cast them to the parameter's."""
+        """The factors (``precond_dtype``), the momentum (``mu_dtype`` or 8-bit codes) and its
+        absmax keep their saved dtype on load; torch's loader would cast them to the parameter's."""
         return keeps_saved_dtype(key)
 
     def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:

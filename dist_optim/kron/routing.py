@@ -43,6 +43,8 @@ class Item:
     g: torch.Tensor
     layout: ParamLayout
     task: Task | None = None
+    #: ``m`` is a copy the owner may overwrite (an 8-bit momentum's fp32 value), not the state's.
+    scratch: bool = False
     moved: Moved | None = None
     full_m: torch.Tensor | None = None
     full_g: torch.Tensor | None = None

@@ -3,7 +3,10 @@ and the checkpoints serialise), and the one place that spells its keys.
 
 * ``step``: a CPU float tensor (torch's convention; kron_torch: the same), on every rank;
 * ``momentum_buffer``: the parameter's shape and local form (its TP slice / ZeRO chunk;
-  kron_torch: the merged shape), dtype ``mu_dtype`` or the parameter's;
+  kron_torch: the merged shape), dtype ``mu_dtype`` or the parameter's; with ``optim_bits=8``
+  (tensors of at least ``min_8bit_size`` elements) uint8 codes of that shape plus
+  ``momentum_buffer_absmax``, the fp32 absmax of every block of the full tensor, replicated
+  (:mod:`dist_optim.kron.momentum`);
 * ``Q_0, Q_1, ...``: the factors of :class:`~dist_optim.kron.structure.FactorPlan`, full, in
   ``precond_dtype``, on the parameter's owner only (kron_torch: a list ``Q`` plus einsum strings).
 """
@@ -18,6 +21,7 @@ import torch
 from .structure import FactorPlan
 
 __all__ = [
+    "MOMENTUM",
     "init_param_state",
     "factor_key",
     "is_factor_key",
@@ -29,10 +33,18 @@ __all__ = [
 ]
 
 
-def init_param_state(state: dict[str, Any], p: torch.Tensor, mu_dtype: torch.dtype | None) -> None:
-    """A parameter's state at its first step with a gradient: step 0 and a zero momentum."""
+#: The momentum's key (its 8-bit absmax: ``MOMENTUM + "_absmax"``).
+MOMENTUM = "momentum_buffer"
+
+
+def init_param_state(
+    state: dict[str, Any], p: torch.Tensor, mu_dtype: torch.dtype | None, eight_bit: bool = False
+) -> None:
+    """A parameter's state at its first step with a gradient: step 0 and a zero momentum (an 8-bit
+    one is made by :func:`dist_optim.bnb_states.start_8bit` at its first update)."""
     state["step"] = torch.zeros((), dtype=torch.float32)
-    state["momentum_buffer"] = torch.zeros_like(p, dtype=mu_dtype or p.dtype, memory_format=torch.preserve_format)
+    if not eight_bit:
+        state[MOMENTUM] = torch.zeros_like(p, dtype=mu_dtype or p.dtype, memory_format=torch.preserve_format)
 
 
 def factor_key(k: int) -> str:
@@ -65,6 +77,6 @@ def without_factors(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def keeps_saved_dtype(key: str) -> bool:
-    """The factors (``precond_dtype``) and the momentum (``mu_dtype``) keep their saved dtype on
-    load; torch's loader would cast them to the parameter's."""
-    return is_factor_key(key) or key == "momentum_buffer"
+    """The factors (``precond_dtype``), the momentum (``mu_dtype``, or 8-bit codes) and its 8-bit
+    fp32 absmax keep their saved dtype on load; torch's loader would cast them to the parameter's."""
+    return is_factor_key(key) or key.startswith(MOMENTUM)

@@ -1,5 +1,6 @@
 """bitsandbytes' block-wise 8-bit format written out by formula, for the tests of the optimizers'
-``optim_bits=8`` (tests/unit/test_lamb_8bit.py, tests/unit/test_came_8bit.py): blocks of 256 values
+``optim_bits=8`` (tests/unit/test_lamb_8bit.py, tests/unit/test_came_8bit.py,
+tests/unit/test_kron_8bit.py, tests/unit/test_muon_adamw_8bit.py): blocks of 256 values
 of the flattened tensor, one absmax per block, the nearest entry of bitsandbytes' dynamic map
 (signed for first moments, unsigned for second moments). Only the maps come from bitsandbytes; the
 blocks, the nearest-code search and the dequantisation are this file's, not the code under test.
@@ -80,9 +81,9 @@ def reshard_worker(
     cls: type, kwargs: dict[str, Any], first: tuple[int, int, int], then: tuple[int, int, int]
 ) -> list[str]:
     """Steps 0-2 of the parity grid's run on layout ``first`` (tp, dp, ZeRO), its
-    :meth:`full_state` and parameters loaded into an optimizer on layout ``then``, steps 3-5 there;
-    the full parameters and state against the single-device run of the six steps (codes equal).
-    Collective; returns this rank's failures."""
+    :meth:`full_state`, :meth:`extra_state` and parameters loaded into an optimizer on layout
+    ``then``, steps 3-5 there; the full parameters and state against the single-device run of the
+    six steps (codes equal). Collective; returns this rank's failures."""
     half = parity.STEPS // 2
     opt, masters, _, local_grad = parity.build(cls, kwargs, *first, "fp32")
     for step in range(half):
@@ -95,6 +96,8 @@ def reshard_worker(
         for p, full in zip(masters2, fulls):
             p.copy_(opt2.layout(p).take_local(full).view_as(p))
     opt2.load_full_state(states)
+    # The optimizer-level state (Kron's generators and update counters; the skipped-step counter).
+    opt2.load_extra_state(opt.extra_state())
     for step in range(half, parity.STEPS):
         parity.set_grads(masters2, step, local_grad2)
         opt2.step()

@@ -309,6 +309,10 @@ PARITY_CASES += [
             seed=7,
         ),
     ),
+    # 8-bit momentum on every tensor of the grid (min_8bit_size=0): updated on the holders, blocks of
+    # the full tensor cut by TP slices and ZeRO chunks, their absmax max-reduced over the holders;
+    # codes compared as state, the factors stay fp32.
+    Case("kron-8bit", dist_optim.DistributedKron, dict(lr=1e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=0)),
 ]
 
 # Production-size factors under distribution (tests/helpers/parity.py PRODUCTION_SPECS: dims 300-576, above
