@@ -252,6 +252,16 @@ CASES = [
         ref_kwargs=_F64_KRON,
         measured_u=121.2,
     ),
+    # 8-bit momentum of every tensor (min_8bit_size=16): the parameters and the factors, fitted to
+    # the momentum, are judged by quantisation; no fp32 state is left but the step counter.
+    DeviceCase(
+        "kron-8bit",
+        dist_optim.DistributedKron,
+        dict(lr=3e-3, weight_decay=1e-2, preconditioner_update_probability=1.0, optim_bits=8, min_8bit_size=16),
+        ref_kwargs=_F64_KRON,
+        moved_by_8bit=("Q_0", "Q_1", "Q_2"),
+        measured_u=1.0,
+    ),
     # Muon: Newton-Schulz in the parameters' dtype (fp32 here, float64 in the reference), the
     # vector in the auxiliary AdamW group (torch's fused kernel where it applies).
     DeviceCase(
@@ -260,6 +270,15 @@ CASES = [
         dict(lr=2e-2, weight_decay=1e-2),
         vectors=dict(use_muon=False),
         measured_u=185.7,
+    ),
+    # 8-bit Muon momentum and 8-bit AdamW moments of the vector "b" (min_8bit_size=16): every
+    # state is 8-bit but the step counters, the parameters judged by quantisation.
+    DeviceCase(
+        "muon-8bit",
+        dist_optim.DistributedMuon,
+        dict(lr=2e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=16),
+        vectors=dict(use_muon=False),
+        measured_u=1.0,
     ),
 ]
 

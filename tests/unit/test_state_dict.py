@@ -101,7 +101,17 @@ def test_other_groups_and_bad_options_are_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    "case_id", ["adafactor-lr-beta1-wd-clip", "came", "kron", "galore-left-8bit", "lamb-8bit", "came-8bit"]
+    "case_id",
+    [
+        "adafactor-lr-beta1-wd-clip",
+        "came",
+        "kron",
+        "galore-left-8bit",
+        "lamb-8bit",
+        "came-8bit",
+        "kron-8bit",
+        "muon-8bit",
+    ],
 )
 def test_state_kept_wider_than_bf16_params_keeps_its_dtype(case_id: str) -> None:
     """Statistics an optimizer keeps in fp32 for bf16 parameters (factored statistics, Kron's factors,
