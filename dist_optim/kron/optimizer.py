@@ -74,8 +74,9 @@ class DistributedKron(DistOptimizer):
             values of the full flattened tensor, one fp32 absmax each, the signed map), dequantised
             and updated in fp32 each step, the debiasing, fit and direction computed from that fp32
             value, stored quantised again before it travels to the owner. The factors stay in
-            ``precond_dtype``: they are small next to the momentum (at most ``max_size_triangular``
-            squared per dim) and the fit's normalised steps compound their rounding.
+            ``precond_dtype``: bitsandbytes' format is made for moments (averages that forget an
+            error), whereas each fit step multiplies a factor by ``I - step``, so a quantisation
+            error would be carried into every later fit (an 8-bit form of them is another item).
         min_8bit_size: with ``optim_bits=8``, momenta of tensors with fewer elements (full tensor)
             stay in ``mu_dtype`` (bitsandbytes' default 4096).
         bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): when bound, the
