@@ -18,14 +18,14 @@ import torch
 from .. import structured
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
-from ..comm import SumBucket, gather_full
+from ..comm import gather_full
 from ..layout import ParamLayout
 from ..owners import Moved, Owner, Sending, WorkGroups, pipelined, route_tasks, share_results
 from ..placement import Route
 from .blocking import Block, kept_triangle
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
 from .preconditioner import block_direction
-from .routing import Plan, Routed, finish_routed, plan_owners, send_routed
+from .routing import Plan, Routed, finish_routed, plan_owners, send_routed, total_failures
 from .state import (
     BlockState,
     Scratch,
@@ -72,6 +72,8 @@ class DistributedShampoo(DistOptimizer):
             recompute; why: docs/benchmarks.md).
         use_symmetric_packing: keep factors and roots as packed triangles (about half their
             memory; bit for bit the same steps; :mod:`.state`). Meta's option of the same name.
+        optim_bits, min_8bit_size: 8: blocks of at least ``min_8bit_size`` elements keep their
+            moments and grafting state as bitsandbytes' block-wise 8-bit codes (:mod:`.state`).
         merge_small_dims: merge small consecutive dims before blocking.
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
@@ -134,6 +136,8 @@ class DistributedShampoo(DistOptimizer):
         refresh_tolerance: float = 0.01,
         refresh_iterations: int = 0,
         use_symmetric_packing: bool = False,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
@@ -396,9 +400,10 @@ class DistributedShampoo(DistOptimizer):
         return out
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
-        """Block state kept in ``preconditioner_dtype`` (e.g. float64 factors of fp32 params) and
-        the failure counters keep their saved dtype on load (:func:`state.keeps_saved_dtype`)."""
-        return keeps_saved_dtype(key)
+        """Block state kept in ``preconditioner_dtype`` (e.g. float64 factors of fp32 params), the
+        failure counters and 8-bit codes and their absmax keep their saved dtype on load
+        (:func:`state.keeps_saved_dtype`)."""
+        return keeps_saved_dtype(key) or value.dtype == torch.uint8
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The base's loader; block owners are planned again at the next step."""
@@ -428,19 +433,8 @@ class DistributedShampoo(DistOptimizer):
     def root_failures(self) -> int:
         """Failed root inverses / basis refreshes so far, over all blocks (collective when bound)."""
         self._ensure_plans()
-        zero = torch.zeros((), dtype=torch.float64)
-        # By process group and size: ALONE's None is no group, a work group's None the whole job.
-        totals = {(id(plan.work.group), plan.work.size): (plan.work, zero.clone()) for plan in self._plans.values()}
-        for p, _, bs in self._block_states():
-            if bs.failures is not None:
-                work = self._plans[p].work
-                totals[(id(work.group), work.size)][1].add_(bs.failures.double())
-        bucket = SumBucket()
-        for work, total in totals.values():
-            if work.size > 1:
-                bucket.add(total, [work.group])
-        bucket.flush()
-        return int(sum(float(total) for _, total in totals.values()))
+        failures = [(self._plans[p], bs.failures) for p, _, bs in self._block_states() if bs.failures is not None]
+        return total_failures(list(self._plans.values()), failures)
 
 
 @dataclass

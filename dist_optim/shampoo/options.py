@@ -15,6 +15,7 @@ import torch
 
 from .. import matrix_functions
 from ..base import check_range
+from ..bnb_states import check_8bit_options
 from ..dtypes import check_communication_dtype
 
 __all__ = [
@@ -149,6 +150,8 @@ GROUP_OPTIONS = (
     "refresh_tolerance",
     "refresh_iterations",
     "use_symmetric_packing",
+    "optim_bits",
+    "min_8bit_size",
 )
 _FLAGS = (
     "use_nesterov",
@@ -204,6 +207,7 @@ def validate_options(group: dict[str, Any]) -> None:
     if skip is not None:
         check_int("skip_preconditioning_dim_size_gt", skip, 1)
     check_positive("inverse_failure_threshold", group["inverse_failure_threshold"])
+    check_8bit_options(group["optim_bits"], group["min_8bit_size"], "8-bit block-wise moments and grafting state")
     if not isinstance(group["use_symmetric_packing"], bool):
         raise ValueError(f"use_symmetric_packing must be True or False, got {group['use_symmetric_packing']!r}")
 

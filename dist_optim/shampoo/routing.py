@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
+from ..comm import SumBucket
 from ..layout import ParamLayout
 from ..owners import Moved, Owner, Sending, Task, WorkGroup, from_owners, plan_tasks, to_owners
 from ..placement import Route
 from .blocking import Block, plan_blocks
 
-__all__ = ["Plan", "Routed", "plan_owners", "send_routed", "finish_routed"]
+__all__ = ["Plan", "Routed", "plan_owners", "send_routed", "finish_routed", "total_failures"]
 
 
 @dataclass
@@ -127,3 +128,19 @@ def finish_routed(
     from_owners(moved, share_dtype, bucket_bytes)
     for r, m in zip(routed, moved):
         r.update = m.out
+
+
+def total_failures(plans: Sequence[Plan], failures: Sequence[tuple[Plan, torch.Tensor]]) -> int:
+    """The sum of the failure counters this rank holds (``failures``: each with its parameter's
+    plan) over every work group of ``plans``: one all-reduce per group (collective when bound)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    # By process group and size: ALONE's None is no group, a work group's None the whole job.
+    totals = {(id(plan.work.group), plan.work.size): (plan.work, zero.clone()) for plan in plans}
+    for plan, count in failures:
+        totals[(id(plan.work.group), plan.work.size)][1].add_(count.double())
+    bucket = SumBucket()
+    for work, total in totals.values():
+        if work.size > 1:
+            bucket.add(total, [work.group])
+    bucket.flush()
+    return int(sum(float(total) for _, total in totals.values()))

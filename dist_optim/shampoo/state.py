@@ -15,6 +15,11 @@ never sees that form: :func:`unpacked` gives a block's matrices whole, in reused
 and :func:`store_packed` packs back what a step changed. Every stored symmetric matrix, packed or
 not, is the mirror of that triangle (factors mirrored at each refresh, roots when computed), so
 packing loses nothing: the packed run equals the unpacked one bit for bit.
+
+With ``optim_bits=8`` a block of at least ``min_8bit_size`` elements keeps its moments
+(:data:`EIGHT_BIT_MOMENTS`) as bitsandbytes' block-wise 8-bit codes, each with
+``<name>_absmax`` (one fp32 absmax per 256 consecutive elements of the block, flattened): the
+math runs on their fp32 values (:func:`dequantized`), stored again by :func:`store_8bit`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .. import structured
+from .. import bnb_states, structured
 from .blocking import Block, kept_triangle
 from .options import SQUARED_GRAFTING_TYPES, uses_warm_refresh
 
@@ -44,7 +49,15 @@ __all__ = [
     "Scratch",
     "unpacked",
     "store_packed",
+    "EIGHT_BIT_MOMENTS",
+    "keeps_8bit",
+    "dequantized",
+    "store_8bit",
 ]
+
+#: The moments that ``optim_bits=8`` keeps as 8-bit codes, and whether bitsandbytes' signed map
+#: quantises each (first moments: signed; second moments: unsigned).
+EIGHT_BIT_MOMENTS = {"exp_avg": True, "exp_avg_eigen": True, "graft_sq": False, "exp_avg_sq": False}
 
 #: Names (before their dim index) of the preconditioner matrices: :meth:`DistributedShampoo.state_bytes`.
 _MATRICES = ("factor", "root", "basis")
@@ -65,11 +78,19 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
     def sym(d: int) -> tuple[int, ...]:
         return (structured.packed_size(d),) if packed else (d, d)
 
+    eight = keeps_8bit(block, group)
+
+    def moment(name: str, dt: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
+        if not eight:
+            return [(name, block.shape, dt)]
+        blocks = -(-math.prod(block.shape) // bnb_states.BLOCKSIZE)
+        return [(name, block.shape, torch.uint8), (f"{name}_absmax", (blocks,), torch.float32)]
+
     spec: list[tuple[str, tuple, torch.dtype]] = []
     if group["betas"][0] > 0:
-        spec.append(("exp_avg_eigen" if keeps_moment_in_eigenbasis(group) else "exp_avg", block.shape, dtype))
+        spec += moment("exp_avg_eigen" if keeps_moment_in_eigenbasis(group) else "exp_avg", dtype)
     if isinstance(group["grafting_config"], SQUARED_GRAFTING_TYPES):
-        spec.append(("graft_sq", block.shape, dtype))
+        spec += moment("graft_sq", dtype)
     if block.precondition:
         spec += [(f"factor{k}", sym(d), pdt) for k, d in enumerate(block.shape)]
         if not soap:
@@ -78,8 +99,15 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
             spec += [(f"basis{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
         spec.append(("failures", (), torch.float32))
     if soap:
-        spec.append(("exp_avg_sq", block.shape, pdt))
+        spec += moment("exp_avg_sq", pdt)
     return spec
+
+
+def keeps_8bit(block: Block, group: dict[str, Any]) -> bool:
+    """Whether ``block`` keeps its moments in 8 bits (``optim_bits=8`` and at least
+    ``min_8bit_size`` elements: bitsandbytes decides per tensor, we per block, the unit a block's
+    owner holds whole on every layout)."""
+    return group["optim_bits"] == 8 and math.prod(block.shape) >= group["min_8bit_size"]
 
 
 def keeps_moment_in_eigenbasis(group: dict[str, Any]) -> bool:
@@ -94,7 +122,7 @@ def keeps_saved_dtype(key: str) -> bool:
     ``preconditioner_dtype``, SOAP's second moment, failure counters) rather than cast to its
     parameter's dtype as torch's loader does: the one rule read from the serialised form."""
     name = key.rsplit(".", 1)[-1]
-    return name.startswith(_MATRICES) or name in ("exp_avg_sq", "failures")
+    return name.startswith(_MATRICES) or name in ("exp_avg_sq", "failures") or name.endswith("_absmax")
 
 
 def initial_state(
@@ -176,6 +204,7 @@ class BlockState:
     bases: list[torch.Tensor] = dataclasses.field(default_factory=list)  # Q_k (SOAP; a warm Shampoo refresh's)
     failures: torch.Tensor | None = None  # discarded roots / basis refreshes
     exp_avg_sq: torch.Tensor | None = None  # S, SOAP's second moment in the eigenbasis
+    absmax: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # of the 8-bit moments, by name
 
     @classmethod
     def of(cls, flat: Mapping[str, Any], prefix: str, order: int) -> BlockState:
@@ -195,6 +224,7 @@ class BlockState:
             bases=mats("basis"),
             failures=get(prefix + "failures"),
             exp_avg_sq=get(prefix + "exp_avg_sq"),
+            absmax={n: flat[f"{prefix}{n}_absmax"] for n in EIGHT_BIT_MOMENTS if f"{prefix}{n}_absmax" in flat},
         )
 
     @classmethod
@@ -212,16 +242,20 @@ class BlockState:
     def flat(self, prefix: str) -> dict[str, torch.Tensor]:
         """The flat form, keys in :func:`block_spec` order."""
         out: dict[str, torch.Tensor] = {}
-        for name in ("exp_avg", "exp_avg_eigen", "graft_sq"):
+
+        def put(name: str) -> None:
             value = getattr(self, name)
             if value is not None:
                 out[prefix + name] = value
+            if name in self.absmax:
+                out[f"{prefix}{name}_absmax"] = self.absmax[name]
+
+        for name in ("exp_avg", "exp_avg_eigen", "graft_sq"):
+            put(name)
         for name, mats in (("factor", self.factors), ("root", self.roots), ("basis", self.bases)):
             out.update((f"{prefix}{name}{k}", m) for k, m in enumerate(mats))
         for name in ("failures", "exp_avg_sq"):
-            value = getattr(self, name)
-            if value is not None:
-                out[prefix + name] = value
+            put(name)
         return out
 
     @property
@@ -280,3 +314,27 @@ def store_packed(stored: list[torch.Tensor], whole: list[torch.Tensor], order: i
     triangle (``factors``), else the lower one."""
     for k, (packed, m) in enumerate(zip(stored, whole)):
         structured.pack_lower(kept_triangle(m, order, k) if factors else m, out=packed)
+
+
+def dequantized(bs: BlockState, pdt: torch.dtype) -> BlockState:
+    """``bs`` with its 8-bit moments as fp32 tensors (SOAP's second moment in ``pdt``, the
+    preconditioner dtype it is kept in at 32 bits), new tensors the step may update in place; the
+    other entries are ``bs``'s own. bitsandbytes' 8-bit optimizers too update the fp32 values and
+    store them quantised again."""
+    values: dict[str, torch.Tensor] = {}
+    for name, absmax in bs.absmax.items():
+        codes = getattr(bs, name)
+        value = bnb_states.dequantize(codes.reshape(-1), absmax, EIGHT_BIT_MOMENTS[name]).view(codes.shape)
+        values[name] = value.to(pdt) if name == "exp_avg_sq" else value
+    out = dataclasses.replace(bs, absmax={})
+    for name, value in values.items():
+        setattr(out, name, value)
+    return out
+
+
+def store_8bit(stored: BlockState, values: BlockState) -> None:
+    """Quantise the moments of ``values`` (from :func:`dequantized`) into the codes and absmax of
+    ``stored``."""
+    for name, absmax in stored.absmax.items():
+        codes = getattr(stored, name)
+        bnb_states.quantize_into(getattr(values, name).reshape(-1), codes.view(-1), absmax, EIGHT_BIT_MOMENTS[name])

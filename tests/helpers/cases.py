@@ -210,6 +210,29 @@ PARITY_CASES += [
         dist_optim.DistributedShampoo,
         dict(lr=1e-2, epsilon=1e-8, max_preconditioner_dim=4, eigenvalue_correction=True, use_symmetric_packing=True),
     ),
+    # 8-bit moments and grafting state of every block (min_8bit_size=0): quantised on the owner,
+    # blocks of the Shampoo block's own elements; codes and absmax gathered as state.
+    Case(
+        "shampoo-8bit",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-6,
+            max_preconditioner_dim=3,
+            precondition_frequency=2,
+            momentum=0.5,
+            optim_bits=8,
+            min_8bit_size=0,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+        ),
+    ),
+    Case(
+        "soap-8bit",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2, epsilon=1e-8, max_preconditioner_dim=4, eigenvalue_correction=True, optim_bits=8, min_8bit_size=0
+        ),
+    ),
     Case(
         "shampoo-newton-sgd-merge",
         dist_optim.DistributedShampoo,

@@ -15,7 +15,7 @@ import torch
 
 from ..blocking import Block
 from ..options import start_step
-from ..state import BlockState, Scratch, keeps_moment_in_eigenbasis, store_packed, unpacked
+from ..state import BlockState, Scratch, dequantized, keeps_moment_in_eigenbasis, store_8bit, store_packed, unpacked
 from . import root_inverse, soap
 from .factors import update_factors
 from .grafting import update_moments, updates_in_kernel
@@ -44,7 +44,30 @@ def block_direction(
     step's direction is the grafting direction alone (before ``start_preconditioning_step``, or a
     block without preconditioner) and it is Adam's, whose fused kernel can also make the update
     ``W <- W - lr (D + weight_decay W)`` in the same pass, the update is made there and None is
-    returned (the caller then has nothing left to apply)."""
+    returned (the caller then has nothing left to apply).
+
+    8-bit moments (``optim_bits=8``) are read as fp32 values for the step and stored quantised
+    again after it (:func:`~dist_optim.shampoo.state.dequantized`)."""
+    if bs.absmax:
+        values = dequantized(bs, group["preconditioner_dtype"])
+        direction = _direction(values, block, g, group, t, step, scratch, out, apply_to)
+        store_8bit(bs, values)
+        return direction
+    return _direction(bs, block, g, group, t, step, scratch, out, apply_to)
+
+
+def _direction(
+    bs: BlockState,
+    block: Block,
+    g: torch.Tensor,
+    group: dict[str, Any],
+    t: int,
+    step: torch.Tensor,
+    scratch: Scratch,
+    out: torch.Tensor | None,
+    apply_to: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """:func:`block_direction` on 32-bit moments."""
     if not g.is_contiguous():  # a block of a parameter split along a later dim
         g = scratch.get(g.shape, g.dtype, g.device, "grad").copy_(g)
     if out is None:
