@@ -23,6 +23,7 @@ from ..layout import ParamLayout
 from ..owners import Moved, Owner, Sending, WorkGroups, pipelined, route_tasks, share_results
 from ..placement import Route
 from .blocking import Block, kept_triangle
+from .momentum import Momenta, keeps_8bit_momentum
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
 from .preconditioner import block_direction
 from .routing import Plan, Routed, finish_routed, plan_owners, send_routed, total_failures
@@ -154,6 +155,7 @@ class DistributedShampoo(DistOptimizer):
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         self._plans: dict[torch.Tensor, Plan] = {}
         self._work = WorkGroups()  # the ranks that split each parameter's blocks (see _on_bind)
+        self._momenta = Momenta({})  # the momentum buffers of the bucket being updated (_finish)
         self._scratch = Scratch()  # one block's direction, reused across blocks applied as soon as computed
         # Whether the routes of the parameters held in pieces are planned (see _ensure_routes).
         self._routed = False
@@ -271,6 +273,8 @@ class DistributedShampoo(DistOptimizer):
 
     def _finish(self, bucket: _Bucket) -> None:
         """The second half: directions (owners), their sharing and the parameter updates."""
+        params = [(g, p) for g, p, *_ in bucket.held] + [(r.group, r.p) for r in bucket.routed]
+        self._momenta = Momenta.read(self.state, params, self.layout)
         shares: list[tuple[Owner, list[torch.Tensor]]] = []
         pending: list[tuple[dict[str, Any], torch.Tensor, list[torch.Tensor]]] = []
         for group, p, g_full, t in bucket.held:
@@ -283,7 +287,7 @@ class DistributedShampoo(DistOptimizer):
             finish_routed(routed, bucket.moved, self._block_direction, self.communication_dtype, self.bucket_bytes)
             for r in routed:
                 update = r.update.to(r.p.dtype).view_as(r.p)  # type: ignore[union-attr]
-                apply_update(r.p.detach(), update, self.state[r.p].get("momentum_buffer"), r.group)
+                apply_update(r.p.detach(), update, self._momenta.buffer(r.p), r.group)
         share_results(shares, self.communication_dtype)
         # Every rank applies its part of the full update. The directions are this step's own
         # tensors, so they are updated in place; a parameter held whole takes them block by block,
@@ -297,7 +301,8 @@ class DistributedShampoo(DistOptimizer):
                 continue
             full = join_blocks(plan.view_shape, plan.blocks, directions).reshape(plan.full_shape)
             update = self.layout(p).take_local(full, copy=False).to(p.dtype).view_as(p)
-            apply_update(p.detach(), update, self.state[p].get("momentum_buffer"), group)
+            apply_update(p.detach(), update, self._momenta.buffer(p), group)
+        self._momenta.store()
 
     def _held_directions(
         self,
@@ -349,15 +354,14 @@ class DistributedShampoo(DistOptimizer):
         return block_direction(bs, block, g, group, t, state["step"], self._scratch, out, apply_to)
 
     def _whole_views(self, p: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        return whole_views(p, self.layout(p).is_local, self.state[p].get("momentum_buffer"), plan.view_shape)
+        return whole_views(p, self.layout(p).is_local, self._momenta.buffer(p), plan.view_shape)
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype) -> None:
         """``step``, ``momentum_buffer`` and the state of the blocks this rank owns, in flat form."""
-        plan = self._plans[p]
+        plan, eight = self._plans[p], keeps_8bit_momentum(group, self.layout(p))
         owned = [plan.owner(i).mine for i in range(len(plan.blocks))]
-        self.state[p].update(initial_state(p, group, dtype, plan.blocks, owned))
+        self.state[p].update(initial_state(p, group, dtype, plan.blocks, owned, eight))
 
-    # ---- state: export, import, memory, failures ---------------------------------------------
     def _block_states(self) -> Iterable[tuple[torch.Tensor, Block, BlockState]]:
         """Every parameter's blocks that this rank holds state of, with their typed state."""
         self._ensure_plans()
@@ -391,7 +395,8 @@ class DistributedShampoo(DistOptimizer):
             if not state:
                 continue
             plan = self._plans[p]
-            dtype = state["momentum_buffer"].dtype if "momentum_buffer" in state else p.dtype
+            buf = state.get("momentum_buffer")
+            dtype = buf.dtype if buf is not None and buf.dtype != torch.uint8 else p.dtype
             for b, block in enumerate(plan.blocks):
                 tensors = full_block_entries(state, b, block, group, dtype, plan.owner(b).mine, p.device)
                 entry.update(tensors)

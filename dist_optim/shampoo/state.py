@@ -126,12 +126,18 @@ def keeps_saved_dtype(key: str) -> bool:
 
 
 def initial_state(
-    p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype, blocks: list[Block], owned: list[bool]
+    p: torch.Tensor,
+    group: dict[str, Any],
+    dtype: torch.dtype,
+    blocks: list[Block],
+    owned: list[bool],
+    momentum_8bit: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """A parameter's first state, in flat form: ``step``, ``momentum_buffer`` (with momentum) and
-    the state of the blocks this rank owns (``owned``), the moments in ``dtype``."""
+    """A parameter's first state, in flat form: ``step``, ``momentum_buffer`` (with momentum; an
+    8-bit one, ``momentum_8bit``, is made by :class:`~dist_optim.shampoo.momentum.Momenta` at the
+    first update) and the state of the blocks this rank owns (``owned``), the moments in ``dtype``."""
     out = {"step": torch.zeros((), dtype=torch.float32)}
-    if group["momentum"] > 0:
+    if group["momentum"] > 0 and not momentum_8bit:
         out["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     for i, (block, mine) in enumerate(zip(blocks, owned)):
         if mine:
