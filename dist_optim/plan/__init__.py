@@ -201,7 +201,11 @@ class Plan:
             "layout": asdict(self.layout),
             "world": self.layout.world,
             "optimizer": self.optimizer,
-            "optimizer_args": self.optimizer_args,
+            # configuration objects (Shampoo's grafting_config) by their repr: JSON has no such values
+            "optimizer_args": {
+                k: v if isinstance(v, (bool, int, float, str, list, dict, type(None))) else repr(v)
+                for k, v in self.optimizer_args.items()
+            },
             "busiest": asdict(self.busiest),
             "simulated_ranks": [r.rank for r in self.ranks],
             "mean": {k: self.mean(k) for k in ("optimizer_state", "peak_transient", "fp32_masters", "gradients")},

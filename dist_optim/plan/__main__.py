@@ -42,7 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sp", type=int, default=1, help="sequence-parallel size, all_to_all mode (the recipe's --sp)")
     ap.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
     ap.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
-    ap.add_argument("--optimizer-args", default="{}", help="constructor options as JSON, e.g. '{\"lr\": 0.01}'")
+    ap.add_argument(
+        "--optimizer-args",
+        default="{}",
+        help="constructor options as JSON, e.g. '{\"lr\": 0.01}'; a configuration object as "
+        '\'{"grafting_config": {"AdamGraftingConfig": {"beta2": 0.999}}}\'',
+    )
     ap.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB: says whether the plan fits")
     ap.add_argument(
         "--memory-margin",
@@ -86,7 +91,30 @@ def _optimizer_args(text: str) -> dict:
         raise PlanError(f"--optimizer-args {text!r}: not JSON ({exc}); e.g. '{{\"lr\": 0.01}}'") from exc
     if not isinstance(value, dict):
         raise PlanError(f"--optimizer-args {text!r}: a JSON object of keyword arguments, e.g. '{{\"lr\": 0.01}}'")
-    return value
+    return {key: _config_object(key, v) for key, v in value.items()}
+
+
+def _config_object(key: str, value: object) -> object:
+    """A configuration object spelled in JSON as ``{"<class>": {<its arguments>}}`` for a
+    ``*Config`` class of dist_optim (Shampoo's ``grafting_config``, e.g.
+    ``{"AdamGraftingConfig": {"beta2": 0.999, "epsilon": 1e-8}}``); any other value as it is."""
+    if not (isinstance(value, dict) and len(value) == 1):
+        return value
+    ((name, kwargs),) = value.items()
+    if not name.endswith("Config"):
+        return value
+    import dist_optim
+
+    cls = getattr(dist_optim, name, None)
+    if not isinstance(cls, type) or not isinstance(kwargs, dict):
+        raise PlanError(
+            f"--optimizer-args {key}={value!r}: {name!r} is not a dist_optim configuration class with its "
+            'arguments, e.g. {"AdamGraftingConfig": {"beta2": 0.999, "epsilon": 1e-8}}'
+        )
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"--optimizer-args {key}={value!r}: {exc}") from exc
 
 
 def _fits_heads(config: object, tp: int) -> bool:

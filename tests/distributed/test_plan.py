@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import dist_optim
 from dist_optim.plan import Layout, PlanError, Workload, make_plan, parse_bytes
 from dist_optim.plan.simulate import OPTIMIZERS, SimWorld, build_optimizer, build_pieces
 from dist_optim.plan.traffic import LiveBytes
@@ -343,6 +344,20 @@ def test_cli_reports_fit_and_gaps(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert "does NOT fit" in out and "not simulated:" in out
     with pytest.raises(SystemExit, match="--optimizer-args"):
         main(["--model", str(path), "--optimizer-args", "[1]"])
+
+
+def test_cli_builds_configuration_objects() -> None:
+    """Shampoo's grafting_config spelled in JSON as {"<class>": {<arguments>}}; other values as they
+    are; an unknown class or bad arguments refused in one line naming the option."""
+    from dist_optim.plan.__main__ import _optimizer_args
+
+    args = _optimizer_args('{"grafting_config": {"AdamGraftingConfig": {"beta2": 0.99, "epsilon": 1e-8}}, "lr": 0.1}')
+    assert args == {"grafting_config": dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8), "lr": 0.1}
+    assert _optimizer_args('{"betas": {"a": 1}}') == {"betas": {"a": 1}}
+    with pytest.raises(PlanError, match="grafting_config.*NopeConfig"):
+        _optimizer_args('{"grafting_config": {"NopeConfig": {}}}')
+    with pytest.raises(PlanError, match="grafting_config"):
+        _optimizer_args('{"grafting_config": {"AdamGraftingConfig": {"beta3": 1}}}')
 
 
 def test_live_bytes_counts_temporaries_not_inputs() -> None:
