@@ -75,7 +75,7 @@ _add("colossalai CAME", "came", lambda p: _cls("colossalai.nn.optimizer.CAME")(p
 # Preconditioned from the first step (start=1), so the median is a preconditioned step between
 # refreshes and "amortised" adds one root refresh (the first step's) per precondition_frequency
 # steps; "before start" is a step before start_preconditioning_step (statistics and grafting only).
-def _shampoo(pf: int, start: int) -> Callable[[list[torch.Tensor]], Any]:
+def _shampoo(pf: int, start: int, packed: bool = False) -> Callable[[list[torch.Tensor]], Any]:
     return lambda p: _dist("DistributedShampoo")(
         p,
         lr=1e-3,
@@ -83,11 +83,16 @@ def _shampoo(pf: int, start: int) -> Callable[[list[torch.Tensor]], Any]:
         precondition_frequency=pf,
         start_preconditioning_step=start,
         grafting_config=_dist("AdamGraftingConfig")(beta2=0.999, epsilon=1e-8),
+        use_symmetric_packing=packed,
     )
 
 
 for _pf in (1, 10, 100):
     _add(f"dist_optim Shampoo pf={_pf}", "shampoo", _shampoo(_pf, 1), refresh_every=_pf)
+# Factors and roots as packed triangles (issue 29): the same steps bit for bit, the cost of
+# unpacking each block's matrices into scratch and packing the changed ones back.
+for _pf in (1, 10):
+    _add(f"dist_optim Shampoo pf={_pf} (packed)", "shampoo", _shampoo(_pf, 1, True), refresh_every=_pf)
 _add("dist_optim Shampoo before start", "shampoo", _shampoo(10_000, 10_000))
 _add("dist_optim Kron", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0))
 _add("kron_torch Kron", "kron", lambda p: _cls("kron_torch.Kron")(p, lr=3e-4), "kron_torch")
