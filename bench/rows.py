@@ -52,6 +52,7 @@ def _dist(name: str) -> Any:
 
 _add("torch AdamW (foreach)", "baseline", lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
 _add("dist_optim Lamb", "lamb", lambda p: _dist("DistributedLamb")(p, lr=1e-3))
+_add("dist_optim Lamb (optim_bits=8)", "lamb", lambda p: _dist("DistributedLamb")(p, lr=1e-3, optim_bits=8))
 _add("torch_optimizer Lamb", "lamb", lambda p: _cls("torch_optimizer.Lamb")(p, lr=1e-3), "torch_optimizer")
 _add("colossalai Lamb", "lamb", lambda p: _cls("colossalai.nn.optimizer.Lamb")(p, lr=1e-3), "colossalai")
 # Adafactor: fixed lr, no relative step, so every implementation does the same work.
@@ -68,6 +69,7 @@ _add(
 )
 _add("torch Adafactor", "adafactor", lambda p: torch.optim.Adafactor(p, lr=1e-3))
 _add("dist_optim CAME", "came", lambda p: _dist("DistributedCAME")(p, lr=2e-4))
+_add("dist_optim CAME (optim_bits=8)", "came", lambda p: _dist("DistributedCAME")(p, lr=2e-4, optim_bits=8))
 _add("came_pytorch CAME", "came", lambda p: _cls("came_pytorch.CAME")(p, lr=2e-4), "came_pytorch")
 _add("colossalai CAME", "came", lambda p: _cls("colossalai.nn.optimizer.CAME")(p, lr=2e-4), "colossalai")
 
@@ -75,7 +77,7 @@ _add("colossalai CAME", "came", lambda p: _cls("colossalai.nn.optimizer.CAME")(p
 # Preconditioned from the first step (start=1), so the median is a preconditioned step between
 # refreshes and "amortised" adds one root refresh (the first step's) per precondition_frequency
 # steps; "before start" is a step before start_preconditioning_step (statistics and grafting only).
-def _shampoo(pf: int, start: int, packed: bool = False) -> Callable[[list[torch.Tensor]], Any]:
+def _shampoo(pf: int, start: int, packed: bool = False, bits: int = 32) -> Callable[[list[torch.Tensor]], Any]:
     return lambda p: _dist("DistributedShampoo")(
         p,
         lr=1e-3,
@@ -84,17 +86,20 @@ def _shampoo(pf: int, start: int, packed: bool = False) -> Callable[[list[torch.
         start_preconditioning_step=start,
         grafting_config=_dist("AdamGraftingConfig")(beta2=0.999, epsilon=1e-8),
         use_symmetric_packing=packed,
+        optim_bits=bits,
     )
 
 
 for _pf in (1, 10, 100):
     _add(f"dist_optim Shampoo pf={_pf}", "shampoo", _shampoo(_pf, 1), refresh_every=_pf)
 # Factors and roots as packed triangles (issue 29): the same steps bit for bit, the cost of
-# unpacking each block's matrices into scratch and packing the changed ones back.
-for _pf in (1, 10):
-    _add(f"dist_optim Shampoo pf={_pf} (packed)", "shampoo", _shampoo(_pf, 1, True), refresh_every=_pf)
+# unpacking each block's matrices into scratch and packing the changed ones back; then with the
+# moments and grafting state in 8 bits too.
+_add("dist_optim Shampoo pf=10 (packed)", "shampoo", _shampoo(10, 1, True), refresh_every=10)
+_add("dist_optim Shampoo pf=10 (packed, optim_bits=8)", "shampoo", _shampoo(10, 1, True, 8), refresh_every=10)
 _add("dist_optim Shampoo before start", "shampoo", _shampoo(10_000, 10_000))
 _add("dist_optim Kron", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0))
+_add("dist_optim Kron (optim_bits=8)", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0, optim_bits=8))
 _add("kron_torch Kron", "kron", lambda p: _cls("kron_torch.Kron")(p, lr=3e-4), "kron_torch")
 
 
