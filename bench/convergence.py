@@ -70,6 +70,9 @@ RANGES: dict[str, tuple[float, float]] = {
     "Muon": (3e-3, 3e-2),
 }
 ALIASES = {label.lower(): label for label in OPTIMIZERS}
+#: label -> a function (model, lr) -> optimizer, for the labels that the recipe's build_optimizer
+#: cannot build (bench/convergence_references.py: galore_torch's GaLoreAdamW on our GaLore groups).
+BUILDERS: dict[str, Any] = {}
 
 
 def rates(label: str, count: int) -> list[float]:
@@ -94,7 +97,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
 
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
     name, extra = OPTIMIZERS[job["label"]]
-    opt = train_llama.build_optimizer(name, model, job["lr"], extra)
+    builder = BUILDERS.get(job["label"])
+    opt = builder(model, job["lr"]) if builder else train_llama.build_optimizer(name, model, job["lr"], extra)
     steps = job["steps"]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, train_llama.lr_lambda(max(1, steps // 10), steps))
     train = tokens.byte_tokens([corpus.TRAIN])
