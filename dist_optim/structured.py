@@ -33,6 +33,8 @@ __all__ = [
     "packed_size",
     "pack_lower",
     "unpack_symmetric",
+    "pack_upper",
+    "unpack_upper_triangular",
 ]
 
 #: Below this size a block is multiplied with one ``mm`` (read at call time, so tests can lower it).
@@ -179,7 +181,7 @@ def mirror_lower_(c: torch.Tensor, panel: int | None = None) -> torch.Tensor:
     return c
 
 
-# ---- packed symmetric storage ------------------------------------------------------------------
+# ---- packed symmetric and triangular storage ------------------------------------------------------
 def packed_size(n: int) -> int:
     """Elements of the packed lower triangle of an ``n x n`` matrix (diagonal included)."""
     return n * (n + 1) // 2
@@ -234,6 +236,29 @@ def unpack_symmetric(packed: torch.Tensor, n: int, out: torch.Tensor | None = No
     if out is None:
         return torch.index_select(packed, 0, index).view(n, n)
     torch.index_select(packed, 0, index, out=out.view(-1))
+    return out
+
+
+def pack_upper(m: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The upper triangle of the contiguous square ``m`` (diagonal included) as one 1-D tensor of
+    :func:`packed_size` elements (into ``out`` when given): the lower triangle of its transpose
+    row by row (:func:`pack_lower` of the transposed view), i.e. ``m``'s upper triangle column by
+    column (LAPACK's ``'U'`` packed storage: ``m[i, j]``, ``i <= j``, at ``j (j + 1) / 2 + i``).
+    ``m``'s strict lower triangle is not read. Exact copies of the values."""
+    if not m.is_contiguous():
+        raise ValueError(f"pack_upper: a contiguous matrix is needed, got strides {m.stride()}")
+    return pack_lower(m.T, out=out)
+
+
+def unpack_upper_triangular(packed: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The upper-triangular ``n x n`` matrix whose upper triangle :func:`pack_upper` packed into
+    ``packed`` (into ``out``, a contiguous ``n x n`` tensor, when given): the triangle exact
+    copies of the packed values, the strict lower triangle exactly ``+0``."""
+    if out is None:
+        out = torch.empty(n, n, dtype=packed.dtype, device=packed.device)
+    flat = out.view(-1)
+    flat.zero_()
+    flat.index_copy_(0, _index("pack", n, True, packed.device), packed)
     return out
 
 

@@ -63,7 +63,8 @@ Deviations from ``kron_torch.kron.Kron``:
   ``random.Random(seed)``, kron_torch always ``random.Random(42)``: identical for the default seed.
 * The step count passed to a custom schedule is a Python int (kron_torch: a float32 tensor).
 * ``momentum_buffer`` is kept in the parameter's shape (kron_torch: the merged shape); the
-  factors are state keys ``Q_0, Q_1, ...`` (kron_torch: a list ``Q`` plus einsum strings);
+  factors are state keys ``Q_0, Q_1, ...`` (kron_torch: a list ``Q`` plus einsum strings; with
+  ``use_symmetric_packing`` the triangular ones as packed upper triangles, :mod:`.state`);
   ``step`` is a CPU float tensor (torch's convention).
 * kron_torch mutates ``p.grad`` in place (adds the probe noise) with
   ``momentum_into_precond_update=False``; we do not touch gradients. kron_torch prints buffer

@@ -25,7 +25,10 @@ about 1.8 GB. Whole-tensor work on it held about eight full-size temporaries (7.
 square 8192 x 8192 matrix (both factors triangular, 0.27 GB) is worked on whole: its
 statistics are as large as the tensor, and its peak is five tensors of its size besides the
 received momentum (debiased in place): ``A``, ``B``, ``T1 - T2``, ``T1 + T2`` and one
-temporary of the spectral bound (1.3 GB).
+temporary of the spectral bound (1.3 GB). With ``use_symmetric_packing`` the owner also holds its
+triangular factors unpacked whole (reused scratch, :class:`~dist_optim.kron.state.FactorScratch`:
+0.27 GB for the 8192 side): that is the irreducible working set, since a factor acts whole within
+every block, and it is no larger than the factor's statistics ``T1``, ``T2`` the fit holds anyway.
 
 Deviations: the two sums over blocks are added in another order than over the whole tensor (fp32
 rounding, ~1e-7 relative); a single device takes the same path (the choice depends only on the

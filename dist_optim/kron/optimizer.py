@@ -25,7 +25,17 @@ from .preconditioner import owner_direction
 from .randomness import KronRandomness
 from .routing import Item, gather_inputs, hold_direction, plan_owners, send_directions, send_inputs
 from .schedule import precond_update_prob_schedule
-from .state import factor_key, factors, init_param_state, keeps_saved_dtype, without_factors
+from .state import (
+    FactorScratch,
+    check_factor_shapes,
+    factor_key,
+    factors,
+    init_param_state,
+    keeps_saved_dtype,
+    packs_factors,
+    stored_shapes,
+    without_factors,
+)
 from .structure import FactorPlan, make_plan, precond_cost
 
 __all__ = ["DistributedKron"]
@@ -79,6 +89,14 @@ class DistributedKron(DistOptimizer):
             error would be carried into every later fit (an 8-bit form of them is another item).
         min_8bit_size: with ``optim_bits=8``, momenta of tensors with fewer elements (full tensor)
             stay in ``mu_dtype`` (bitsandbytes' default 4096).
+        use_symmetric_packing: keep the upper-triangular factors as packed triangles, ``n (n + 1)
+            / 2`` elements instead of ``n^2`` (about half the factors' memory). For Kron the packed
+            matrices are triangular, not symmetric (the name is Shampoo's option, Meta's and ours):
+            the upper triangle, unpacked for the owner's step into reused scratch with its lower
+            triangle exactly zero (as the unpacked factors keep it), the same math, packed back;
+            the steps equal the unpacked ones bit for bit (:mod:`dist_optim.kron.state`). The
+            scratch holds one parameter's whole triangular factors at a time: the irreducible
+            working set, since each factor acts whole on every block of a large tensor.
         bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): when bound, the
             parameters go to their owners and back in buckets of consecutive parameters of at
             most this many bytes of full momenta (a larger parameter is a bucket of its own), each
@@ -122,6 +140,7 @@ class DistributedKron(DistOptimizer):
         *,
         optim_bits: int = 32,
         min_8bit_size: int = 4096,
+        use_symmetric_packing: bool = False,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
@@ -147,10 +166,12 @@ class DistributedKron(DistOptimizer):
             mu_dtype=mu_dtype,
             precond_dtype=precond_dtype,
             clip_update_rms=clip_update_rms,
+            use_symmetric_packing=use_symmetric_packing,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
         self.communication_dtype = communication_dtype
         self._random = KronRandomness(seed, probe_rng)
+        self._scratch = FactorScratch()
         self._plans: dict[torch.Tensor, FactorPlan] = {}
         #: Each parameter's owner task (none until bound: this rank computes everything).
         self._tasks: dict[torch.Tensor, Task] = {}
@@ -336,7 +357,8 @@ class DistributedKron(DistOptimizer):
             # An assembled momentum is the owner's scratch; a whole local one is the state's buffer
             # (unless it is 8-bit: then a dequantised copy).
             scratch = item.scratch or not item.layout.is_local
-            u = owner_direction(self.state[p], group, plan, item.full_m, item.full_g, probes, balance, scratch)
+            state = self.state[p]
+            u = owner_direction(state, group, plan, item.full_m, item.full_g, probes, balance, scratch, self._scratch)
         elif draws:  # the numbers, chunk by chunk, dropped: the sequential generator stays in step
             discard_probe(self._probe_generator(p), plan, dtype, item.m.device)
         hold_direction(item, u, plan.shape)
@@ -372,7 +394,8 @@ class DistributedKron(DistOptimizer):
             if self._mine(p):
                 tensors = [q.clone() for q in factors(state, plan)]
             else:
-                tensors = [torch.empty(s, dtype=precond_dtype(group), device=p.device) for s in plan.factor_shapes()]
+                shapes = stored_shapes(plan, packs_factors(group))
+                tensors = [torch.empty(s, dtype=precond_dtype(group), device=p.device) for s in shapes]
             entries.append((p, tensors))
             where.append(i)
         share_results([(owner, tensors) for p, tensors in entries if (owner := self._owner(p)) is not None])
@@ -391,7 +414,10 @@ class DistributedKron(DistOptimizer):
         return keeps_saved_dtype(key)
 
     def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
-        """For ``load_full_state``: only the owner keeps a parameter's factors."""
+        """For ``load_full_state``: only the owner keeps a parameter's factors (of the stored shapes
+        of its group's options, checked on every rank)."""
+        group = self._group_of(param)
+        check_factor_shapes(state, self._plan(param, group), packs_factors(group), self.layout(param).full_shape)
         return state if self._mine(param) else without_factors(state)
 
     def extra_state(self) -> dict[str, Any]:

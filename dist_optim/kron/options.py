@@ -48,6 +48,7 @@ def group_defaults(
     mu_dtype: torch.dtype | None,
     precond_dtype: torch.dtype | None,
     clip_update_rms: bool,
+    use_symmetric_packing: bool,
 ) -> dict[str, Any]:
     """The param-group defaults in the order saved param groups list them (flags as bools)."""
     return dict(
@@ -65,6 +66,7 @@ def group_defaults(
         mu_dtype=mu_dtype,
         precond_dtype=precond_dtype,
         clip_update_rms=bool(clip_update_rms),
+        use_symmetric_packing=use_symmetric_packing,  # checked, not converted: a non-bool is refused
     )
 
 
@@ -97,6 +99,8 @@ def validate_options(group: dict[str, Any]) -> None:
     if group["memory_save_mode"] not in MEMORY_SAVE_MODES:
         raise ValueError(f"memory_save_mode must be one of {MEMORY_SAVE_MODES}, got {group['memory_save_mode']!r}")
     check_probability(group["preconditioner_update_probability"])
+    if not isinstance(group["use_symmetric_packing"], bool):
+        raise ValueError(f"use_symmetric_packing must be True or False, got {group['use_symmetric_packing']!r}")
     for name in ("mu_dtype", "precond_dtype"):
         value = group[name]
         if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):

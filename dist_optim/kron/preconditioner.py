@@ -19,8 +19,7 @@ import torch
 from ..structured import gram, gram_update_, matmul_triangular, symmetrize_, upper_times_upper
 from .blocks import Blocks, block_plan, factor_block
 from .options import precond_dtype
-from .state import factors as stored_factors
-from .state import has_factors, store_factors
+from .state import FactorScratch, has_factors, packs_factors, store_factors, store_whole, whole_factors
 from .structure import FactorPlan
 
 __all__ = [
@@ -214,6 +213,7 @@ def owner_direction(
     probes: Iterator[torch.Tensor] | None,
     do_balance: bool,
     overwrite: bool = False,
+    scratch: FactorScratch | None = None,
 ) -> torch.Tensor:
     """On the owner, from the whole momentum (and gradient): debias, (balance,) update the
     factors when probes are given, precondition, clip. Makes the factors at the first call.
@@ -221,8 +221,10 @@ def owner_direction(
     ``probes`` is :func:`~dist_optim.kron.blocks.draw_probe`'s. A large tensor with a diagonal
     factor is worked on in blocks along that factor's dim (:func:`~dist_optim.kron.blocks.block_plan`,
     :mod:`dist_optim.kron.blocks`); ``overwrite``: ``full_m`` is the caller's scratch buffer,
-    which that path turns into the direction."""
+    which that path turns into the direction. With ``use_symmetric_packing`` the triangular factors
+    are unpacked whole into ``scratch`` for the step and packed back when it changed them."""
     dtype = precond_dtype(group)
+    packed = packs_factors(group)
     if not has_factors(state):
         scale = group["precond_init_scale"]
         if scale is None:
@@ -230,8 +232,27 @@ def owner_direction(
             # momentum: momentum_into_precond_update routes no gradient).
             b1 = group["b1"]
             scale = gradient_scale(full_m.double() / (1 - b1 ** int(state["step"])) if b1 > 0 else full_m)
-        store_factors(state, initial_factors(plan, scale, dtype, full_m.device))
-    factors = stored_factors(state, plan)
+        store_factors(state, initial_factors(plan, scale, dtype, full_m.device), plan, packed)
+    factors = whole_factors(state, plan, packed, scratch)
+    u = _direction(state, group, plan, factors, full_m, full_g, probes, do_balance, overwrite)
+    if packed and (probes is not None or (do_balance and len(plan.shape) > 1)):
+        store_whole(state, plan, factors)
+    return u
+
+
+def _direction(
+    state: dict[str, Any],
+    group: dict[str, Any],
+    plan: FactorPlan,
+    factors: list[torch.Tensor],
+    full_m: torch.Tensor,
+    full_g: torch.Tensor,
+    probes: Iterator[torch.Tensor] | None,
+    do_balance: bool,
+    overwrite: bool,
+) -> torch.Tensor:
+    """:func:`owner_direction`'s math on the whole ``factors`` (updated in place)."""
+    dtype = precond_dtype(group)
     if do_balance and len(plan.shape) > 1:
         balance(factors)
     blocks = block_plan(plan, dtype)

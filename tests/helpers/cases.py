@@ -336,6 +336,13 @@ PARITY_CASES += [
     # the full tensor cut by TP slices and ZeRO chunks, their absmax max-reduced over the holders;
     # codes compared as state, the factors stay fp32.
     Case("kron-8bit", dist_optim.DistributedKron, dict(lr=1e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=0)),
+    # Triangular factors as packed upper triangles on their owners (smart_one_diag: diagonal ones too),
+    # gathered and resharded in that form.
+    Case(
+        "kron-packed",
+        dist_optim.DistributedKron,
+        dict(lr=1e-2, weight_decay=1e-2, memory_save_mode="smart_one_diag", use_symmetric_packing=True),
+    ),
 ]
 
 # Production-size factors under distribution (tests/helpers/parity.py PRODUCTION_SPECS: dims 300-576, above
