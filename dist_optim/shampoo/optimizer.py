@@ -31,6 +31,7 @@ from .state import (
     BlockState,
     Scratch,
     block_prefix,
+    check_loaded_forms,
     checked_block_entries,
     full_block_entries,
     initial_state,
@@ -411,7 +412,8 @@ class DistributedShampoo(DistOptimizer):
         return keeps_saved_dtype(key) or value.dtype == torch.uint8
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The base's loader; block owners are planned again at the next step."""
+        """The base's loader, after :func:`.state.check_loaded_forms`; block owners are planned again."""
+        check_loaded_forms(state_dict, self.param_groups)
         super().load_state_dict(state_dict)
         self._plans = {}
 

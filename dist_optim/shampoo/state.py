@@ -53,6 +53,7 @@ __all__ = [
     "keeps_8bit",
     "dequantized",
     "store_8bit",
+    "check_loaded_forms",
 ]
 
 #: The moments that ``optim_bits=8`` keeps as 8-bit codes, and whether bitsandbytes' signed map
@@ -344,3 +345,41 @@ def store_8bit(stored: BlockState, values: BlockState) -> None:
     for name, absmax in stored.absmax.items():
         codes = getattr(stored, name)
         bnb_states.quantize_into(getattr(values, name).reshape(-1), codes.view(-1), absmax, EIGHT_BIT_MOMENTS[name])
+
+
+def check_loaded_forms(saved: Mapping[str, Any], groups: list[dict[str, Any]]) -> None:
+    """Refuse, before anything is loaded, a state dict whose matrices are not in the form its param
+    groups give (packed triangles or whole matrices: ``use_symmetric_packing``) or whose moments are
+    8-bit codes where they give 32 bits or the other way (``optim_bits``, ``min_8bit_size``). A
+    group saved before an option existed takes this optimizer's value (the base's loader), which
+    may not be the form its state was saved in."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("param_groups"), list):
+        return  # the base's loader names what is wrong
+    for built, group in zip(groups, saved["param_groups"]):
+        options = {**built, **group}
+        for pid in group.get("params", []):
+            for key, value in saved.get("state", {}).get(pid, {}).items():
+                if isinstance(value, torch.Tensor):
+                    _check_form(key, value, options)
+
+
+def _check_form(key: str, value: torch.Tensor, group: Mapping[str, Any]) -> None:
+    name = key.rsplit(".", 1)[-1]
+    packed = group["use_symmetric_packing"]
+    if key.startswith("block") and name.startswith(("factor", "root")) and (value.dim() == 1) != packed:
+        raise ValueError(
+            f"load_state_dict: state {key!r} is {'a packed triangle' if value.dim() == 1 else 'a whole matrix'} "
+            f"where the param group has use_symmetric_packing={packed}; build the optimizer with "
+            f"use_symmetric_packing={value.dim() == 1} to load it"
+        )
+    is_moment = key.startswith("block") and name in EIGHT_BIT_MOMENTS
+    if not (is_moment or name == "momentum_buffer"):
+        return
+    eight = group["optim_bits"] == 8 and (name == "momentum_buffer" or value.numel() >= group["min_8bit_size"])
+    codes = value.dtype == torch.uint8
+    if codes and not eight or (is_moment and eight and not codes):
+        raise ValueError(
+            f"load_state_dict: state {key!r} is {'8-bit codes' if codes else 'in ' + str(value.dtype)} where "
+            f"the param group has optim_bits={group['optim_bits']}, min_8bit_size={group['min_8bit_size']}; "
+            "build the optimizer with the options it was saved with to load it"
+        )

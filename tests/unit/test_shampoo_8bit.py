@@ -203,3 +203,23 @@ def test_resume_from_state_dict_and_full_state_is_exact() -> None:
 def test_bad_options(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         dist_optim.DistributedShampoo([torch.nn.Parameter(torch.zeros(4, 4))], **kwargs)
+
+
+def test_a_state_dict_of_the_other_width_is_refused_before_loading() -> None:
+    """8-bit moments saved by a group that lacks ``optim_bits`` (an older state dict) loaded into a
+    32-bit optimizer, and 32-bit moments into an 8-bit one, are refused by name."""
+    kwargs = dict(KWARGS, grafting_config=ADAM, min_8bit_size=0)
+    runs = {}
+    for bits in (8, 32):
+        params = _params()
+        opt = dist_optim.DistributedShampoo(params, optim_bits=bits, **kwargs)
+        for p, g in zip(params, _grads(0)):
+            p.grad = g
+        opt.step()
+        runs[bits] = opt
+    for saved_bits, loading_bits in ((8, 32), (32, 8)):
+        saved = copy.deepcopy(runs[saved_bits].state_dict())
+        for group in saved["param_groups"]:
+            del group["optim_bits"]
+        with pytest.raises(ValueError, match=f"optim_bits={loading_bits}"):
+            runs[loading_bits].load_state_dict(saved)

@@ -166,3 +166,21 @@ def test_a_packed_checkpoint_into_an_unpacked_optimizer_is_refused_by_name() -> 
 def test_bad_option_is_refused(value: Any) -> None:
     with pytest.raises(ValueError, match="use_symmetric_packing"):
         dist_optim.DistributedShampoo([torch.nn.Parameter(torch.zeros(4, 4))], use_symmetric_packing=value)
+
+
+def test_a_state_dict_of_the_other_form_is_refused_before_loading() -> None:
+    """A state dict saved before the option existed (its groups lack it) takes the loading
+    optimizer's value: whole matrices into a packed optimizer are refused by name, and nothing
+    of the optimizer's own state changes."""
+    params, plain = _run(False, steps=2)
+    saved = copy.deepcopy(plain.state_dict())
+    for group in saved["param_groups"]:
+        del group["use_symmetric_packing"]
+    _, packed = _run(True, steps=2)
+    before = copy.deepcopy(packed.state_dict())
+    with pytest.raises(ValueError, match="use_symmetric_packing=True"):
+        packed.load_state_dict(saved)
+    after = packed.state_dict()
+    for pid, entries in before["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(value, after["state"][pid][key]) if isinstance(value, torch.Tensor) else True
