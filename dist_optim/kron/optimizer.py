@@ -28,6 +28,7 @@ from .schedule import precond_update_prob_schedule
 from .state import (
     FactorScratch,
     check_factor_shapes,
+    check_loaded_forms,
     factor_key,
     factors,
     init_param_state,
@@ -407,6 +408,11 @@ class DistributedKron(DistOptimizer):
         """Whether a parameter of this layout keeps its momentum in 8 bits (``optim_bits``,
         ``min_8bit_size`` of its full tensor)."""
         return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The base's loader, after :func:`.state.check_loaded_forms`."""
+        check_loaded_forms(state_dict, self.param_groups)
+        super().load_state_dict(state_dict)
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
         """The factors (``precond_dtype``), the momentum (``mu_dtype`` or 8-bit codes) and its

@@ -29,6 +29,7 @@ from .. import structured
 from .structure import FactorPlan
 
 __all__ = [
+    "check_loaded_forms",
     "MOMENTUM",
     "init_param_state",
     "factor_key",
@@ -173,3 +174,22 @@ def keeps_saved_dtype(key: str) -> bool:
     """The factors (``precond_dtype``), the momentum (``mu_dtype``, or 8-bit codes) and its 8-bit
     fp32 absmax keep their saved dtype on load; torch's loader would cast them to the parameter's."""
     return is_factor_key(key) or key.startswith(MOMENTUM)
+
+
+def check_loaded_forms(saved: Any, groups: list[dict[str, Any]]) -> None:
+    """Refuse, before anything is loaded, a state dict with whole (2-D) factors for a param group
+    with ``use_symmetric_packing``: a state dict saved before the option existed has none in its
+    groups and takes the loading optimizer's value (the base's loader), but its factors are whole.
+    (Packed factors always come with the option saved, so the other direction cannot arise.)"""
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
+        return  # the base's loader names what is wrong
+    for built, group in zip(groups, saved["param_groups"]):
+        if not {**built, **group}.get("use_symmetric_packing"):
+            continue
+        for pid in group.get("params", []):
+            for key, value in saved.get("state", {}).get(pid, {}).items():
+                if is_factor_key(key) and isinstance(value, torch.Tensor) and value.dim() == 2:
+                    raise ValueError(
+                        f"load_state_dict: factor {key!r} is a whole matrix where the param group has "
+                        "use_symmetric_packing=True; build the optimizer with use_symmetric_packing=False to load it"
+                    )

@@ -216,3 +216,20 @@ def test_a_checkpoint_of_the_other_form_is_refused_by_name(saved_packed: bool) -
 def test_bad_option_is_refused(value: Any) -> None:
     with pytest.raises(ValueError, match="use_symmetric_packing"):
         dist_optim.DistributedKron([torch.nn.Parameter(torch.zeros(4, 4))], use_symmetric_packing=value)
+
+
+def test_an_older_state_dict_with_whole_factors_is_refused_before_loading() -> None:
+    """A state dict saved before the option existed (its groups lack it) takes the loading
+    optimizer's value: its whole factors into a packed optimizer are refused by name, before
+    anything is loaded."""
+    params = _params()
+    plain = dist_optim.DistributedKron(params)
+    _train(plain, params, range(2))
+    saved = copy.deepcopy(plain.state_dict())
+    for group in saved["param_groups"]:
+        del group["use_symmetric_packing"]
+    packed = dist_optim.DistributedKron(params, use_symmetric_packing=True)
+    with pytest.raises(ValueError, match="use_symmetric_packing=True") as err:
+        packed.load_state_dict(saved)
+    assert "\n" not in str(err.value)
+    assert not packed.state
