@@ -100,6 +100,11 @@ _add("dist_optim Shampoo pf=10 (packed, optim_bits=8)", "shampoo", _shampoo(10, 
 _add("dist_optim Shampoo before start", "shampoo", _shampoo(10_000, 10_000))
 _add("dist_optim Kron", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0))
 _add("dist_optim Kron (optim_bits=8)", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0, optim_bits=8))
+_add(
+    "dist_optim Kron (packed, optim_bits=8)",
+    "kron",
+    lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0, optim_bits=8, use_symmetric_packing=True),
+)
 _add("kron_torch Kron", "kron", lambda p: _cls("kron_torch.Kron")(p, lr=3e-4), "kron_torch")
 
 
