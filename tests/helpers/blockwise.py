@@ -17,6 +17,26 @@ from dist_optim import comm
 from tests.helpers import parity
 
 BLOCK = 256
+#: The 8-bit tests' parameters: whole blocks (3840 = 15 x 256), a partial last block (561), a vector
+#: of 2 blocks (300) and one partial block (35).
+SHAPES = [(40, 96), (33, 17), (300,), (5, 7)]
+NONE_GRAD = (3, 1)  # at step 3, param 1 gets no gradient
+
+
+def params(seed: int = 0) -> list[torch.nn.Parameter]:
+    """Parameters of :data:`SHAPES`, drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def grads(step: int) -> list[torch.Tensor | None]:
+    """The gradients of ``step`` for :func:`params`, growing with the step (so the block absmax
+    changes), None for the parameter and step of :data:`NONE_GRAD`."""
+    gen = torch.Generator().manual_seed(100 + step)
+    out: list[torch.Tensor | None] = [torch.randn(s, generator=gen) * (step + 1) for s in SHAPES]
+    if step == NONE_GRAD[0]:
+        out[NONE_GRAD[1]] = None
+    return out
 
 
 def qmap(signed: bool) -> torch.Tensor:

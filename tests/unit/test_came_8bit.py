@@ -19,22 +19,12 @@ from tests.helpers.cases import PARITY_CASES
 pytest.importorskip("bitsandbytes")
 
 # Whole blocks (3840 = 15 x 256); a partial last block (561); a vector of 2 blocks; one partial block.
-SHAPES = [(40, 96), (33, 17), (300,), (5, 7)]
+SHAPES = blockwise.SHAPES
 KWARGS = dict(lr=1e-2, betas=(0.9, 0.99, 0.999), eps=(1e-30, 1e-16), clip_threshold=1.0, weight_decay=1e-2)
-NONE_GRAD = (3, 1)  # at step 3, param 1 gets no gradient
+NONE_GRAD = blockwise.NONE_GRAD
 
 
-def _params(seed: int = 0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-
-
-def _grads(step: int) -> list[torch.Tensor | None]:
-    gen = torch.Generator().manual_seed(100 + step)
-    grads: list[torch.Tensor | None] = [torch.randn(s, generator=gen) * (step + 1) for s in SHAPES]
-    if step == NONE_GRAD[0]:
-        grads[NONE_GRAD[1]] = None
-    return grads
+_params, _grads = blockwise.params, blockwise.grads
 
 
 def _previous(opt: dist_optim.DistributedCAME, p: torch.Tensor) -> dict[str, torch.Tensor]:

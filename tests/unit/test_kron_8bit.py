@@ -31,23 +31,13 @@ pytest.importorskip("bitsandbytes")
 
 # Whole blocks (3840 = 15 x 256) with two triangular factors; a partial last block (561); a vector
 # of 2 blocks (a diagonal factor); one partial block (35).
-SHAPES = [(40, 96), (33, 17), (300,), (5, 7)]
+SHAPES = blockwise.SHAPES
 KWARGS = dict(lr=1e-2, b1=0.9, weight_decay=1e-2, seed=3)
-NONE_GRAD = (3, 1)  # at step 3, param 1 gets no gradient
+NONE_GRAD = blockwise.NONE_GRAD
 STEPS = 6
 
 
-def _params(seed: int = 0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-
-
-def _grads(step: int) -> list[torch.Tensor | None]:
-    gen = torch.Generator().manual_seed(100 + step)
-    grads: list[torch.Tensor | None] = [torch.randn(s, generator=gen) * (step + 1) for s in SHAPES]
-    if step == NONE_GRAD[0]:
-        grads[NONE_GRAD[1]] = None
-    return grads
+_params, _grads = blockwise.params, blockwise.grads
 
 
 def _momentum(opt: dist_optim.DistributedKron, p: torch.Tensor) -> torch.Tensor:
