@@ -43,6 +43,7 @@ __all__ = [
     "warm_eigh",
     "WarmEigh",
     "inverse_root_from_eigen",
+    "inverse_root_spectrum",
 ]
 
 ROOT_METHODS = ("eigh", "coupled_newton", "higher_order")
@@ -150,8 +151,14 @@ def inverse_root_from_eigen(lam: torch.Tensor, q: torch.Tensor, epsilon: float, 
     ``lam' = lam + max(0, epsilon - min(lam))``: round-off that made the damped matrix less
     definite than ``epsilon`` is undone by shifting every eigenvalue up (:func:`matrix_inverse_root`'s
     ``eigh`` method and :func:`warm_eigh`'s callers share this)."""
+    return _symmetric_mm(q * inverse_root_spectrum(lam, epsilon, alpha), q.T)
+
+
+def inverse_root_spectrum(lam: torch.Tensor, epsilon: float, alpha: float) -> torch.Tensor:
+    """``lam'^-alpha``: the eigenvalues of :func:`inverse_root_from_eigen`'s result (``lam'`` the
+    shifted ``lam``), which quantised eigenvectors keep beside them (:mod:`dist_optim.lowbit`)."""
     lam = lam + (epsilon - lam.min()).clamp(min=0)
-    return _symmetric_mm(q * lam.pow(-alpha), q.T)
+    return lam.pow(-alpha)
 
 
 def _symmetric_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

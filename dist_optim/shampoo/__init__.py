@@ -124,6 +124,15 @@ Block state (factors, roots, bases, moments, grafting state) lives only on its o
 the preconditioners is divided across the group (:meth:`DistributedShampoo.state_bytes`);
 :meth:`DistributedShampoo.full_state` gathers it back.
 
+Compact states (issue 29; :mod:`.state`): ``use_symmetric_packing`` keeps the symmetric matrices
+as packed triangles (lossless); ``optim_bits=8`` the moments, grafting state and momentum as
+bitsandbytes' 8-bit codes; ``preconditioner_bits`` 8 or 4 keeps, instead of each root ``R_k``, the
+eigenvectors of its damped factor block-wise quantised with the root's eigenvalues in fp32 (SOAP:
+its bases quantised), dequantised and rectified by one Björck step at each use (Wang et al. 2024,
+"4-bit Shampoo"; the algorithm and its deviations: :mod:`.preconditioner.quantized`, the format:
+:mod:`dist_optim.lowbit`). The factors stay in ``preconditioner_dtype``. A block's owner quantises
+its whole matrices, so the distributed result stays the single-device one bit for bit.
+
 Cost (see docs/benchmarks.md): factors larger than ``structured.MIN_SIZE`` (256) are updated
 in one triangle only (:func:`blocking.kept_triangle`), ~0.56 of a full product's multiply-adds, and
 mirrored when a root is computed and by ``state_dict()`` / ``full_state()``, so

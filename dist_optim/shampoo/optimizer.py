@@ -15,14 +15,13 @@ from typing import Any
 
 import torch
 
-from .. import structured
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..comm import gather_full
 from ..layout import ParamLayout
 from ..owners import Moved, Owner, Sending, WorkGroups, pipelined, route_tasks, share_results
 from ..placement import Route
-from .blocking import Block, kept_triangle
+from .blocking import Block
 from .momentum import Momenta, keeps_8bit_momentum
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
 from .preconditioner import block_direction
@@ -36,6 +35,7 @@ from .state import (
     full_block_entries,
     initial_state,
     keeps_saved_dtype,
+    mirror_whole_factors,
     non_block_entries,
 )
 from .update import apply_block_update, apply_update, join_blocks, whole_views
@@ -76,6 +76,8 @@ class DistributedShampoo(DistOptimizer):
             memory; bit for bit the same steps; :mod:`.state`). Meta's option of the same name.
         optim_bits, min_8bit_size: 8: blocks of at least ``min_8bit_size`` elements keep their
             moments and grafting state as bitsandbytes' block-wise 8-bit codes (:mod:`.state`).
+        preconditioner_bits: 8 or 4: eigenvectors (roots: with fp32 eigenvalues; SOAP's bases)
+            block-wise quantised, rectified when used (Wang et al. 2024; :mod:`.state`).
         merge_small_dims: merge small consecutive dims before blocking.
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
@@ -140,6 +142,7 @@ class DistributedShampoo(DistOptimizer):
         use_symmetric_packing: bool = False,
         optim_bits: int = 32,
         min_8bit_size: int = 4096,
+        preconditioner_bits: int = 32,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
@@ -371,23 +374,15 @@ class DistributedShampoo(DistOptimizer):
             for i, block in enumerate(plan.blocks if plan is not None else []):
                 yield p, block, BlockState.of(state, block_prefix(i), block.order)
 
-    def _symmetrize_factors(self) -> None:
-        """Mirror every whole factor's kept triangle (the only one its updates keep current,
-        see :func:`structured.gram_update_`) so that exported state is symmetric."""
-        for _, block, bs in self._block_states():
-            for k, factor in enumerate(bs.factors):
-                if factor.dim() == 2:  # not packed
-                    structured.mirror_lower_(kept_triangle(factor, block.order, k))
-
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, with every factor matrix made symmetric first."""
-        self._symmetrize_factors()
+        mirror_whole_factors(self._block_states())
         return super().state_dict()
 
     def full_state(self) -> list[dict[str, Any]]:
         """Every parameter's state in full form (block state gathered from the owners), in
         ``param_groups`` order; the same on every rank. Collective when bound."""
-        self._symmetrize_factors()
+        mirror_whole_factors(self._block_states())
         out = super().full_state()
         shares: list[tuple[Owner, list[torch.Tensor]]] = []
         params = [(g, p) for g in self.param_groups for p in g["params"]]

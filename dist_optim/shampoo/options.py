@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import matrix_functions
+from .. import lowbit, matrix_functions
 from ..base import check_range
 from ..bnb_states import check_8bit_options
 from ..dtypes import check_communication_dtype
@@ -152,6 +152,7 @@ GROUP_OPTIONS = (
     "use_symmetric_packing",
     "optim_bits",
     "min_8bit_size",
+    "preconditioner_bits",
 )
 _FLAGS = (
     "use_nesterov",
@@ -210,6 +211,20 @@ def validate_options(group: dict[str, Any]) -> None:
     check_8bit_options(group["optim_bits"], group["min_8bit_size"], "8-bit block-wise moments and grafting state")
     if not isinstance(group["use_symmetric_packing"], bool):
         raise ValueError(f"use_symmetric_packing must be True or False, got {group['use_symmetric_packing']!r}")
+    _check_preconditioner_bits(group)
+
+
+def _check_preconditioner_bits(group: dict[str, Any]) -> None:
+    bits = group["preconditioner_bits"]
+    if isinstance(bits, bool) or bits not in lowbit.BITS:
+        raise ValueError(f"preconditioner_bits must be 32, 8 or 4, got {bits!r}")
+    method = group["root_inverse"]
+    if bits < 32 and not group["eigenvalue_correction"] and method not in ("eigh", WARM):
+        # The quantised form is the eigenvectors, which the iterative methods never compute.
+        raise ValueError(
+            f"preconditioner_bits={bits} keeps the roots' eigenvectors, which root_inverse={method!r} does not "
+            "compute; use root_inverse='eigh' or 'warm', or preconditioner_bits=32"
+        )
 
 
 def _check_step_options(group: dict[str, Any]) -> None:

@@ -20,19 +20,29 @@ With ``optim_bits=8`` a block of at least ``min_8bit_size`` elements keeps its m
 (:data:`EIGHT_BIT_MOMENTS`) as bitsandbytes' block-wise 8-bit codes, each with
 ``<name>_absmax`` (one fp32 absmax per 256 consecutive elements of the block, flattened): the
 math runs on their fp32 values (:func:`dequantized`), stored again by :func:`store_8bit`.
+
+With ``preconditioner_bits`` 8 or 4 the eigenvector matrices are kept block-wise quantised
+(:mod:`dist_optim.lowbit`): ``basis<k>`` holds the codes of ``Q_k`` (1-D uint8; SOAP's bases, and
+for Shampoo the eigenvectors of the damped factor, in place of ``root<k>``) and
+``basis<k>_absmax`` their block absmax, and Shampoo keeps ``spectrum<k>``, the root's eigenvalues
+``(lam + epsilon)^-alpha`` (length ``d``, ``preconditioner_dtype``): ``R_k = Q_k diag(s_k)
+Q_k^T``. :func:`decoded_bases` gives the matrices whole (dequantised, then rectified by one
+Björck step) in scratch, :func:`store_basis` quantises a refreshed one back. The factors stay in
+``preconditioner_dtype`` (packed with ``use_symmetric_packing``): each step adds a small
+increment to them, which a 4- or 8-bit code of the sum would mostly round away.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import bnb_states, structured
+from .. import bnb_states, lowbit, structured
 from .blocking import Block, kept_triangle
 from .options import SQUARED_GRAFTING_TYPES, uses_warm_refresh
 
@@ -54,6 +64,10 @@ __all__ = [
     "dequantized",
     "store_8bit",
     "check_loaded_forms",
+    "quantises_bases",
+    "decoded_bases",
+    "store_basis",
+    "mirror_whole_factors",
 ]
 
 #: The moments that ``optim_bits=8`` keeps as 8-bit codes, and whether bitsandbytes' signed map
@@ -61,7 +75,7 @@ __all__ = [
 EIGHT_BIT_MOMENTS = {"exp_avg": True, "exp_avg_eigen": True, "graft_sq": False, "exp_avg_sq": False}
 
 #: Names (before their dim index) of the preconditioner matrices: :meth:`DistributedShampoo.state_bytes`.
-_MATRICES = ("factor", "root", "basis")
+_MATRICES = ("factor", "root", "basis", "spectrum")
 
 
 def block_prefix(index: int) -> str:
@@ -92,11 +106,20 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
         spec += moment("exp_avg_eigen" if keeps_moment_in_eigenbasis(group) else "exp_avg", dtype)
     if isinstance(group["grafting_config"], SQUARED_GRAFTING_TYPES):
         spec += moment("graft_sq", dtype)
+    bits = group["preconditioner_bits"]
     if block.precondition:
         spec += [(f"factor{k}", sym(d), pdt) for k, d in enumerate(block.shape)]
-        if not soap:
+        if not soap and bits == 32:
             spec += [(f"root{k}", sym(d), pdt) for k, d in enumerate(block.shape)]
-        if soap or uses_warm_refresh(group):  # SOAP's bases; the eigenvectors a warm root refresh starts from
+        if bits < 32:  # quantised eigenvectors (Shampoo: of the roots, with their eigenvalues)
+            spec += [(f"basis{k}", (lowbit.codes_numel(d * d, bits),), torch.uint8) for k, d in enumerate(block.shape)]
+            spec += [
+                (f"basis{k}_absmax", (lowbit.absmax_numel(d * d, bits),), torch.float32)
+                for k, d in enumerate(block.shape)
+            ]
+            if not soap:
+                spec += [(f"spectrum{k}", (d,), pdt) for k, d in enumerate(block.shape)]
+        elif soap or uses_warm_refresh(group):  # SOAP's bases; the eigenvectors a warm root refresh starts from
             spec += [(f"basis{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
         spec.append(("failures", (), torch.float32))
     if soap:
@@ -109,6 +132,11 @@ def keeps_8bit(block: Block, group: dict[str, Any]) -> bool:
     ``min_8bit_size`` elements: bitsandbytes decides per tensor, we per block, the unit a block's
     owner holds whole on every layout)."""
     return group["optim_bits"] == 8 and math.prod(block.shape) >= group["min_8bit_size"]
+
+
+def quantises_bases(group: dict[str, Any]) -> bool:
+    """Whether the group keeps its eigenvector matrices quantised (``preconditioner_bits`` 8 or 4)."""
+    return group["preconditioner_bits"] < 32
 
 
 def keeps_moment_in_eigenbasis(group: dict[str, Any]) -> bool:
@@ -191,7 +219,8 @@ def checked_block_entries(
             raise ValueError(
                 f"load_full_state: state {key!r} of a parameter of full shape {full_shape} should be a "
                 f"tensor of shape {tuple(shape)}, got {got!r}; was it saved with other blocking options "
-                "(max_preconditioner_dim, merge_small_dims, eigenvalue_correction, grafting, use_symmetric_packing), "
+                "(max_preconditioner_dim, merge_small_dims, eigenvalue_correction, grafting, use_symmetric_packing, "
+                "preconditioner_bits), "
                 "or, for SOAP without "
                 "grafting, by an earlier dist_optim that kept the first moment in the parameter's basis ('exp_avg')?"
             )
@@ -209,6 +238,8 @@ class BlockState:
     factors: list[torch.Tensor] = dataclasses.field(default_factory=list)  # L_k (large ones: one triangle kept)
     roots: list[torch.Tensor] = dataclasses.field(default_factory=list)  # R_k (Shampoo)
     bases: list[torch.Tensor] = dataclasses.field(default_factory=list)  # Q_k (SOAP; a warm Shampoo refresh's)
+    basis_absmax: list[torch.Tensor] = dataclasses.field(default_factory=list)  # of quantised Q_k
+    spectra: list[torch.Tensor] = dataclasses.field(default_factory=list)  # s_k of R_k = Q_k diag(s_k) Q_k^T
     failures: torch.Tensor | None = None  # discarded roots / basis refreshes
     exp_avg_sq: torch.Tensor | None = None  # S, SOAP's second moment in the eigenbasis
     absmax: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # of the 8-bit moments, by name
@@ -218,9 +249,9 @@ class BlockState:
         """A view of the block state held in ``flat`` under keys ``prefix + name`` (the same tensors)."""
         get = flat.get
 
-        def mats(name: str) -> list[torch.Tensor]:
-            first = get(f"{prefix}{name}0")
-            return [] if first is None else [first] + [flat[f"{prefix}{name}{k}"] for k in range(1, order)]
+        def mats(name: str, suffix: str = "") -> list[torch.Tensor]:
+            first = get(f"{prefix}{name}0{suffix}")
+            return [] if first is None else [first] + [flat[f"{prefix}{name}{k}{suffix}"] for k in range(1, order)]
 
         return cls(
             exp_avg=get(prefix + "exp_avg"),
@@ -229,6 +260,8 @@ class BlockState:
             factors=mats("factor"),
             roots=mats("root"),
             bases=mats("basis"),
+            basis_absmax=mats("basis", "_absmax"),
+            spectra=mats("spectrum"),
             failures=get(prefix + "failures"),
             exp_avg_sq=get(prefix + "exp_avg_sq"),
             absmax={n: flat[f"{prefix}{n}_absmax"] for n in EIGHT_BIT_MOMENTS if f"{prefix}{n}_absmax" in flat},
@@ -236,10 +269,18 @@ class BlockState:
 
     @classmethod
     def create(cls, block: Block, group: dict[str, Any], dtype: torch.dtype, device: torch.device) -> BlockState:
-        """A block's initial state: zeros, identity roots and bases."""
+        """A block's initial state: zeros, identity roots and bases (quantised: their exact codes),
+        unit spectra."""
         values: dict[str, torch.Tensor] = {}
         for name, shape, dt in block_spec(block, group, dtype):
-            if name.startswith(("root", "basis")):
+            if name.startswith("basis") and name.endswith("_absmax"):
+                continue  # made with its codes
+            if dt == torch.uint8 and name.startswith("basis"):
+                eye = torch.eye(block.shape[int(name[5:])], device=device)
+                values[name], values[name + "_absmax"] = lowbit.quantize(eye, group["preconditioner_bits"])
+            elif name.startswith("spectrum"):
+                values[name] = torch.ones(shape, dtype=dt, device=device)
+            elif name.startswith(("root", "basis")):
                 eye = torch.eye(block.shape[int(name.lstrip("rotbasi"))], dtype=dt, device=device)
                 values[name] = eye if len(shape) == 2 else structured.pack_lower(eye)
             else:
@@ -259,16 +300,23 @@ class BlockState:
 
         for name in ("exp_avg", "exp_avg_eigen", "graft_sq"):
             put(name)
-        for name, mats in (("factor", self.factors), ("root", self.roots), ("basis", self.bases)):
-            out.update((f"{prefix}{name}{k}", m) for k, m in enumerate(mats))
+        for name, mats in (
+            ("factor", self.factors),
+            ("root", self.roots),
+            ("basis", self.bases),
+            ("basis", self.basis_absmax),
+            ("spectrum", self.spectra),
+        ):
+            tail = "_absmax" if mats is self.basis_absmax else ""
+            out.update((f"{prefix}{name}{k}{tail}", m) for k, m in enumerate(mats))
         for name in ("failures", "exp_avg_sq"):
             put(name)
         return out
 
     @property
     def matrices(self) -> list[torch.Tensor]:
-        """The preconditioner: factors, roots, bases."""
-        return self.factors + self.roots + self.bases
+        """The preconditioner: factors, roots, bases (quantised: codes, absmax), spectra."""
+        return self.factors + self.roots + self.bases + self.basis_absmax + self.spectra
 
     def moment_dtype(self, default: torch.dtype) -> torch.dtype:
         """The dtype of the moments (the gradient's when the state was made), ``default`` without any."""
@@ -347,9 +395,51 @@ def store_8bit(stored: BlockState, values: BlockState) -> None:
         bnb_states.quantize_into(getattr(values, name).reshape(-1), codes.view(-1), absmax, EIGHT_BIT_MOMENTS[name])
 
 
+def decoded_bases(
+    stored: BlockState, block: Block, scratch: Scratch, bits: int, pdt: torch.dtype
+) -> list[torch.Tensor]:
+    """The quantised eigenvector matrices of ``stored`` whole, in ``pdt``, in ``scratch`` (slots
+    ``basis<k>``, reused by the next block): dequantised, then rectified by one Björck step
+    (:func:`dist_optim.lowbit.rectify`; why: the measurements of :mod:`dist_optim.lowbit`)."""
+    out = []
+    for k, (codes, absmax) in enumerate(zip(stored.bases, stored.basis_absmax)):
+        d = block.shape[k]
+        raw = scratch.get((d, d), torch.float32, codes.device, "dequantized")
+        lowbit.dequantize(codes, absmax, bits, d * d, out=raw)
+        q = raw if pdt == torch.float32 else raw.to(pdt)
+        out.append(lowbit.rectify(q, out=scratch.get((d, d), pdt, codes.device, f"basis{k}")))
+    return out
+
+
+def store_basis(
+    stored: BlockState, k: int, q: torch.Tensor, ok: torch.Tensor, bits: int, whole: torch.Tensor | None = None
+) -> None:
+    """Quantise the refreshed eigenvectors ``q`` into ``stored``'s ``basis<k>`` codes and absmax
+    where ``ok`` (a 0-d bool tensor: else the stored ones stay), and, given ``whole`` (the scratch
+    matrix :func:`decoded_bases` made), decode the stored ones into it again: the step then uses
+    exactly what a later step reads back."""
+    codes, absmax = lowbit.quantize(q, bits)
+    torch.where(ok, codes, stored.bases[k], out=stored.bases[k])
+    torch.where(ok, absmax, stored.basis_absmax[k], out=stored.basis_absmax[k])
+    if whole is not None:
+        d = whole.shape[0]
+        raw = lowbit.dequantize(stored.bases[k], stored.basis_absmax[k], bits, d * d).view(d, d)
+        lowbit.rectify(raw.to(whole.dtype), out=whole)
+
+
+def mirror_whole_factors(block_states: Iterable[tuple[Any, Block, BlockState]]) -> None:
+    """Mirror every whole (not packed) factor's kept triangle, the only one its updates keep
+    current (:func:`dist_optim.structured.gram_update_`), so that exported state is symmetric."""
+    for _, block, bs in block_states:
+        for k, factor in enumerate(bs.factors):
+            if factor.dim() == 2:
+                structured.mirror_lower_(kept_triangle(factor, block.order, k))
+
+
 def check_loaded_forms(saved: Mapping[str, Any], groups: list[dict[str, Any]]) -> None:
     """Refuse, before anything is loaded, a state dict whose matrices are not in the form its param
-    groups give (packed triangles or whole matrices: ``use_symmetric_packing``) or whose moments are
+    groups give (packed triangles or whole matrices: ``use_symmetric_packing``; quantised
+    eigenvectors or fp roots and bases: ``preconditioner_bits``) or whose moments are
     8-bit codes where they give 32 bits or the other way (``optim_bits``, ``min_8bit_size``). A
     group saved before an option existed takes this optimizer's value (the base's loader), which
     may not be the form its state was saved in."""
@@ -372,6 +462,15 @@ def _check_form(key: str, value: torch.Tensor, group: Mapping[str, Any]) -> None
             f"where the param group has use_symmetric_packing={packed}; build the optimizer with "
             f"use_symmetric_packing={value.dim() == 1} to load it"
         )
+    bits = group["preconditioner_bits"]
+    if key.startswith("block") and name.startswith(("root", "basis")) and not name.endswith("_absmax"):
+        codes = value.dtype == torch.uint8
+        if codes != (bits < 32):
+            fix = "the preconditioner_bits it was saved with (8 or 4)" if codes else "preconditioner_bits=32"
+            raise ValueError(
+                f"load_state_dict: state {key!r} is {'quantised codes' if codes else 'in ' + str(value.dtype)} where "
+                f"the param group has preconditioner_bits={bits}; build the optimizer with {fix} to load it"
+            )
     is_moment = key.startswith("block") and name in EIGHT_BIT_MOMENTS
     if not (is_moment or name == "momentum_buffer"):
         return

@@ -15,8 +15,17 @@ import torch
 
 from ..blocking import Block
 from ..options import start_step
-from ..state import BlockState, Scratch, dequantized, keeps_moment_in_eigenbasis, store_8bit, store_packed, unpacked
-from . import root_inverse, soap
+from ..state import (
+    BlockState,
+    Scratch,
+    dequantized,
+    keeps_moment_in_eigenbasis,
+    quantises_bases,
+    store_8bit,
+    store_packed,
+    unpacked,
+)
+from . import quantized, root_inverse, soap
 from .factors import update_factors
 from .grafting import update_moments, updates_in_kernel
 
@@ -47,7 +56,8 @@ def block_direction(
     returned (the caller then has nothing left to apply).
 
     8-bit moments (``optim_bits=8``) are read as fp32 values for the step and stored quantised
-    again after it (:func:`~dist_optim.shampoo.state.dequantized`)."""
+    again after it (:func:`~dist_optim.shampoo.state.dequantized`); quantised eigenvectors
+    (``preconditioner_bits``) are refreshed and decoded by :func:`.quantized.refreshed`."""
     if bs.absmax:
         values = dequantized(bs, group["preconditioner_dtype"])
         direction = _direction(values, block, g, group, t, step, scratch, out, apply_to)
@@ -83,17 +93,20 @@ def _direction(
         moments = update_moments(bs, g, group, t, step, out, not is_soap, apply_to)
     if block.precondition:
         stored = bs
-        if group["use_symmetric_packing"]:  # the math on whole matrices (scratch), packed back below
+        packed = group["use_symmetric_packing"]
+        if packed:  # the math on whole matrices (scratch), packed back below
             bs = unpacked(stored, block, scratch, roots=not is_soap and t >= start)
         scale = update_factors(bs, block, g, group, t, start)
-        if scale is not None and is_soap:
+        if quantises_bases(group):  # the refresh, and the whole bases / roots the step uses
+            bs = quantized.refreshed(stored, bs, block, group, t, start, scale, scratch)
+        elif scale is not None and is_soap:
             soap.refresh_bases(bs, scale, group, first=(t == start))
         elif scale is not None:
             root_inverse.refresh_roots(bs, block.order, scale, group, first=(t == start))
-        if bs is not stored:
+        if packed:
             if t % group["statistics_compute_steps"] == 0:
                 store_packed(stored.factors, bs.factors, block.order, factors=True)
-            if scale is not None and not is_soap:
+            if scale is not None and stored.roots:
                 store_packed(stored.roots, bs.roots, block.order, factors=False)
     if is_soap:
         return soap.direction(bs, moments, g, group, t, out, scratch)

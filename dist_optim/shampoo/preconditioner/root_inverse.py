@@ -3,6 +3,7 @@ preconditioned direction (steps 4 and 5 of the package docstring)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from ..options import WARM
 from ..state import BlockState, Scratch
 from .grafting import Moments, scale_direction
 
-__all__ = ["refresh_roots", "direction"]
+__all__ = ["refresh_roots", "refresh_eigen", "direction"]
 
 
 def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any], first: bool = False) -> None:
@@ -51,6 +52,47 @@ def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any
         if x is not r_k:
             structured.mirror_lower_(x)
         torch.where(ok, x.to(r_k.dtype), r_k, out=r_k)
+        failures.add_((~ok).to(failures.dtype))
+
+
+def refresh_eigen(
+    bs: BlockState,
+    order: int,
+    scale: float,
+    group: dict[str, Any],
+    first: bool,
+    store: Callable[[int, torch.Tensor | None, torch.Tensor, torch.Tensor], None],
+) -> None:
+    """:func:`refresh_roots` for quantised eigenvectors (``preconditioner_bits`` 8 or 4): the
+    eigenpairs ``(lam, Q_k)`` of ``scale L_k + epsilon I`` by ``eigh``, or with
+    ``root_inverse="warm"`` after the ``first`` refresh by :func:`~dist_optim.matrix_functions.warm_eigh`
+    from the block's decoded eigenvectors ``bs.bases``, and the root's eigenvalues ``s_k = lam'^-alpha``
+    (:func:`~dist_optim.matrix_functions.inverse_root_spectrum`, the root ``eigh`` makes being
+    ``Q_k diag(s_k) Q_k^T``), handed to ``store(k, Q_k, s_k, ok)`` (``Q_k`` None: the warm refresh
+    kept the eigenvectors, whose codes then stay as they are); a refresh that is not finite
+    (``ok`` false) or fails keeps the previous pair and counts in ``failures``."""
+    failures = bs.failures
+    assert failures is not None
+    root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
+    epsilon = group["epsilon"]
+    warm = group["root_inverse"] == WARM and not first
+    for k, factor in enumerate(bs.factors):
+        a = factor * scale
+        a.diagonal().add_(epsilon)
+        try:
+            if warm:
+                eig = matrix_functions.warm_eigh(
+                    a, bs.bases[k], tolerance=group["refresh_tolerance"], max_iterations=group["refresh_iterations"]
+                )
+                lam, q = eig.eigenvalues, eig.eigenvectors
+            else:
+                lam, q = torch.linalg.eigh(a)
+        except torch.linalg.LinAlgError:
+            failures.add_(1)
+            continue
+        s = matrix_functions.inverse_root_spectrum(lam, epsilon, mult / root)
+        ok = torch.isfinite(s).all() & torch.isfinite(q).all()
+        store(k, None if warm and q is bs.bases[k] else q, s, ok)
         failures.add_((~ok).to(failures.dtype))
 
 

@@ -3,6 +3,7 @@ from them (the SOAP section of the package docstring)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,13 +17,24 @@ from .grafting import Moments, scale_direction
 __all__ = ["refresh_bases", "direction"]
 
 
-def refresh_bases(bs: BlockState, scale: float, group: dict[str, Any], first: bool) -> None:
+def refresh_bases(
+    bs: BlockState,
+    scale: float,
+    group: dict[str, Any],
+    first: bool,
+    store: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+) -> None:
     """``Q_k`` from ``A = scale L_k`` by ``eigenbasis`` (``first``: the refresh at the start step,
     which ``"qr-eigh-start"`` and ``"warm"`` make by ``eigh``); a refresh that is not finite keeps
     the previous basis and counts in ``failures``. ``"qr-eigh-start"`` and ``"warm"`` permute ``S``
     with the columns they reorder. A first
     moment kept in the eigenbasis is rotated into the new one, ``Mr <- Mr x_k (Q_k'^T Q_k)``, so
-    that it stays ``M x_k Q_k'^T``: the parameter-basis moment, exactly in exact arithmetic."""
+    that it stays ``M x_k Q_k'^T``: the parameter-basis moment, exactly in exact arithmetic.
+
+    ``store(k, new, ok)``, given for quantised bases (``preconditioner_bits``), keeps a new basis
+    where ``ok`` and sets ``bs.bases[k]`` to what is kept, decoded (the rotation of the first
+    moment then uses the bases the steps use); a basis kept as it is (``"warm"`` within its
+    tolerance) is not stored again, so that its codes do not drift by repeated quantisation."""
     failures, s = bs.failures, bs.exp_avg_sq
     assert failures is not None and s is not None
     mode = group["eigenbasis"]
@@ -41,7 +53,10 @@ def refresh_bases(bs: BlockState, scale: float, group: dict[str, Any], first: bo
                 q_new, perm, ok = matrix_functions.qr_power_step(a, q)
         except torch.linalg.LinAlgError:
             q_new, perm, ok = q, None, torch.zeros((), dtype=torch.bool)
-        q.copy_(torch.where(ok, q_new.to(q.dtype), q))
+        if store is None:
+            q.copy_(torch.where(ok, q_new.to(q.dtype), q))
+        elif q_new is not q:
+            store(k, q_new, ok)
         if perm is not None:
             s.copy_(torch.where(ok, s.index_select(k, perm), s))
         failures.add_((~ok).to(failures.dtype))
