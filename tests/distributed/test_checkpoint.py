@@ -138,12 +138,12 @@ def test_checkpoint_of_another_optimizer_is_refused(pool4, tmp_path) -> None:
 
 
 #: Shampoo with its compact states (issue 29): packed factors and roots, 8-bit moments, grafting state
-#: and momentum (every tensor of the tiny Llama at min_8bit_size=0). Not a row of the README's table.
+#: and momentum (every tensor of the tiny Llama at min_8bit_size=0); and with 4-bit eigenvectors in
+#: place of the roots (preconditioner_bits=4). Not rows of the README's table.
+_PACKED_8BIT = dict(OPTIMIZERS["shampoo"][1], use_symmetric_packing=True, optim_bits=8, min_8bit_size=0)
 COMPACT = {
-    "shampoo-packed-8bit": (
-        "dist_optim.DistributedShampoo",
-        dict(OPTIMIZERS["shampoo"][1], use_symmetric_packing=True, optim_bits=8, min_8bit_size=0),
-    )
+    "shampoo-packed-8bit": ("dist_optim.DistributedShampoo", _PACKED_8BIT),
+    "shampoo-packed-8bit-pb4": ("dist_optim.DistributedShampoo", dict(_PACKED_8BIT, preconditioner_bits=4)),
 }
 
 

@@ -233,6 +233,32 @@ PARITY_CASES += [
             lr=1e-2, epsilon=1e-8, max_preconditioner_dim=4, eigenvalue_correction=True, optim_bits=8, min_8bit_size=0
         ),
     ),
+    # Quantised eigenvectors (preconditioner_bits=4): codes, absmax and Shampoo's spectra made by
+    # the owner from its whole block, gathered as state; packed factors beside them in SOAP's case.
+    Case(
+        "shampoo-4bit",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-6,
+            max_preconditioner_dim=3,
+            precondition_frequency=2,
+            preconditioner_bits=4,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+        ),
+    ),
+    Case(
+        "soap-4bit",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-8,
+            max_preconditioner_dim=4,
+            eigenvalue_correction=True,
+            use_symmetric_packing=True,
+            preconditioner_bits=4,
+        ),
+    ),
     Case(
         "shampoo-newton-sgd-merge",
         dist_optim.DistributedShampoo,
