@@ -14,8 +14,9 @@ The format of a tensor of ``n`` elements, flattened row-major:
 * per element the code ``c = round(x / absmax * h) + h`` with ``h = 2^(bits-1) - 1`` (7 or 127;
   ``round`` half to even), ``0 <= c <= 2h``: a symmetric linear map with an exact zero, using
   ``2^bits - 1`` of the ``2^bits`` codes; the value of a code is ``(c - h) / h * absmax`` (both
-  steps rounded to fp32), so ``absmax`` itself and zero are exact (an identity matrix round-trips
-  exactly); a block with ``absmax = 0`` is zeros;
+  steps rounded to fp32, the first by the CPU's division), so ``absmax`` itself and zero are
+  exact (an identity matrix round-trips exactly); a block with ``absmax = 0`` is zeros. Codes,
+  absmax and values measured identical on the CPU and on an H200 (up to 2^20 elements);
 * at 8 bits one code a byte; at 4 bits two codes a byte, element ``2i`` in the low nibble and
   ``2i + 1`` in the high one (an odd ``n`` pads one zero code).
 
@@ -92,15 +93,29 @@ def dequantize(
 ) -> torch.Tensor:
     """The fp32 values of ``numel`` elements from their codes and block absmax, flattened (into
     ``out``, a contiguous fp32 tensor of ``numel`` elements of any shape, when given)."""
-    h, block = LEVELS[bits], BLOCK[bits]
+    block = BLOCK[bits]
     c = codes if bits == 8 else torch.stack((codes & 15, codes >> 4), dim=-1).view(-1)
     padded = torch.zeros(absmax.numel() * block, dtype=torch.float32, device=codes.device)
     values = padded[:numel]
-    values.copy_(c[:numel]).sub_(h).div_(h)  # exact integers c - h, then one rounding
+    torch.index_select(_code_values(bits, codes.device), 0, c[:numel].int(), out=values)
     padded.view(-1, block).mul_(absmax[:, None])
     if out is None:
         return values
     return out.view(-1).copy_(values)
+
+
+_VALUES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _code_values(bits: int, device: torch.device) -> torch.Tensor:
+    """``(c - h) / h`` for every code, rounded to fp32 once on the CPU: CUDA divides by a scalar as
+    a product with its reciprocal, which rounded 9% of the values an ulp apart from the CPU's
+    division (H200, torch 2.11); a table read is the same on every device."""
+    key = (bits, str(device))
+    if key not in _VALUES:
+        h = LEVELS[bits]
+        _VALUES[key] = ((torch.arange(2 * h + 1, dtype=torch.float32) - h) / h).to(device)
+    return _VALUES[key]
 
 
 def rectify(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
