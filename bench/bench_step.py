@@ -80,12 +80,12 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(count(state) for state in opt.state.values())
 
 
-def fixed_params(shapes: list[tuple[int, ...]]) -> Callable[[], list[torch.nn.Parameter]]:
+def fixed_params(shapes: list[tuple[int, ...]], device: str = "cpu") -> Callable[[], list[torch.nn.Parameter]]:
     """A maker of parameter sets of ``shapes`` (random * 0.02) with fixed gradients (random *
-    1e-3), the same values from seed 0 on every call: one copy per optimizer timed."""
+    1e-3), the same values from seed 0 on every call: one copy per optimizer timed, on ``device``."""
     gen = torch.Generator().manual_seed(0)
-    base = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    base = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * 1e-3).to(device) for s in shapes]
 
     def make() -> list[torch.nn.Parameter]:
         params = [torch.nn.Parameter(b.clone()) for b in base]
@@ -96,8 +96,12 @@ def fixed_params(shapes: list[tuple[int, ...]]) -> Callable[[], list[torch.nn.Pa
     return make
 
 
-def run_bench(shapes: list[tuple[int, ...]], selected: list[Any], warmup: int, repeats: int) -> list[dict[str, Any]]:
-    make_params = fixed_params(shapes)
+def run_bench(
+    shapes: list[tuple[int, ...]], selected: list[Any], warmup: int, repeats: int, device: str = "cpu"
+) -> list[dict[str, Any]]:
+    make_params = fixed_params(shapes, device)
+    # A CUDA step returns before its kernels finish: time from an idle device to an idle device.
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     runs = []
     for row in selected:
         params = make_params()
@@ -113,8 +117,10 @@ def run_bench(shapes: list[tuple[int, ...]], selected: list[Any], warmup: int, r
         for i in range(warmup + repeats):
             for k, (_row, opt, times) in enumerate(runs):
                 gc.collect()
+                sync()
                 t0 = time.perf_counter()
                 opt.step()
+                sync()
                 dt = time.perf_counter() - t0
                 if i == 0:
                     firsts[k] = dt
@@ -142,10 +148,10 @@ def run_bench(shapes: list[tuple[int, ...]], selected: list[Any], warmup: int, r
     return out
 
 
-def print_table(results: list[dict[str, Any]], shapes: list[tuple[int, ...]]) -> None:
+def print_table(results: list[dict[str, Any]], shapes: list[tuple[int, ...]], device: str = "cpu") -> None:
     n = sum(torch.Size(s).numel() for s in shapes)
-    threads = torch.get_num_threads()
-    print(f"\nStep time and optimizer state vs torch AdamW (foreach), {n / 1e6:.1f}M params, {threads} threads")
+    where = torch.cuda.get_device_name(device) if device.startswith("cuda") else f"{torch.get_num_threads()} threads"
+    print(f"\nStep time and optimizer state vs torch AdamW (foreach), {n / 1e6:.1f}M params, {where}")
     print(
         "| optimizer | group | median step (ms) | median / AdamW | mean / AdamW | amortised / AdamW "
         "| state bytes / AdamW |"
@@ -538,6 +544,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--small", action="store_true", help="a 4x smaller parameter set (quick check)")
+    ap.add_argument("--device", default="cpu", help="where the single-process rows run (cpu, cuda)")
     ap.add_argument(
         "--dist",
         nargs="*",
@@ -571,7 +578,7 @@ def main() -> None:
             print(f"  skipped {r.name}: {r.requires} not installed", file=sys.stderr)
             continue
         available.append(r)
-    print_table(run_bench(shapes, available, args.warmup, args.repeats), shapes)
+    print_table(run_bench(shapes, available, args.warmup, args.repeats, args.device), shapes, args.device)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def inverse_root_from_eigen(lam: torch.Tensor, q: torch.Tensor, epsilon: float, 
     ``lam' = lam + max(0, epsilon - min(lam))``: round-off that made the damped matrix less
     definite than ``epsilon`` is undone by shifting every eigenvalue up (:func:`matrix_inverse_root`'s
     ``eigh`` method and :func:`warm_eigh`'s callers share this)."""
-    return _symmetric_mm(q * inverse_root_spectrum(lam, epsilon, alpha), q.T)
+    return symmetric_product(q * inverse_root_spectrum(lam, epsilon, alpha), q.T)
 
 
 def inverse_root_spectrum(lam: torch.Tensor, epsilon: float, alpha: float) -> torch.Tensor:
@@ -159,13 +159,6 @@ def inverse_root_spectrum(lam: torch.Tensor, epsilon: float, alpha: float) -> to
     shifted ``lam``), which quantised eigenvectors keep beside them (:mod:`dist_optim.lowbit`)."""
     lam = lam + (epsilon - lam.min()).clamp(min=0)
     return lam.pow(-alpha)
-
-
-def _symmetric_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for a product known to be symmetric: on the CPU each off-diagonal block once
-    (:func:`dist_optim.structured.symmetric_product`, 0.6-0.7x of the multiply-adds of a 1024-side
-    ``mm``); on a GPU one ``mm`` (fewer launches)."""
-    return symmetric_product(a, b) if a.device.type == "cpu" else a @ b
 
 
 def canonical_signs(q: torch.Tensor) -> torch.Tensor:
@@ -278,7 +271,7 @@ def warm_eigh(matrix: torch.Tensor, basis: torch.Tensor, *, tolerance: float, ma
     recomputes unless ``B`` is exactly diagonal. One host read per test of the criterion
     (refreshes only).
     """
-    b = _symmetric_mm(basis.T, matrix @ basis)
+    b = symmetric_product(basis.T, matrix @ basis)
     if bool(off_diagonal_ratio(b) <= tolerance):
         return WarmEigh(torch.diagonal(b).clone(), basis, None, 0, False)
     perm = None

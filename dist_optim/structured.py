@@ -15,6 +15,12 @@ the 2-core CPU: upper x upper at n=4096 in 0.33x the time of ``mm``, general x t
 The results equal the plain products in exact arithmetic; in floating point the sums are grouped
 differently (relative differences of order 1e-7 in fp32). The triangular operands are assumed
 exactly triangular: entries on the other side of the diagonal are never read.
+
+All of this is for processors whose matrix products are bound by their multiply-adds (the CPU).
+On a GPU a launch costs more than the multiply-adds a block saves, so there every product here is
+one plain ``mm`` (:func:`blocked` decides, for this module and its callers): measured on an H200,
+Muon's step with blocked Newton-Schulz products issued 10x the ``mm`` launches of a plain Muon's
+and took 4.9x its time, host-bound (``bench/bench_step.py --device cuda``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "blocked",
     "matmul_triangular",
     "triangular_matmul",
     "upper_times_upper",
@@ -43,6 +50,13 @@ MIN_SIZE = 256
 PANEL = 128
 
 
+def blocked(t: torch.Tensor) -> bool:
+    """Whether products of ``t`` take this module's blocked forms (halving recursions, column
+    panels): everywhere but on a GPU, where one ``mm`` is faster (module docstring). Meta tensors
+    (the planner's) follow the CPU, the processor its runs are checked against."""
+    return t.device.type != "cuda"
+
+
 def matmul_triangular(
     f: torch.Tensor, t: torch.Tensor, upper: bool = True, min_size: int | None = None
 ) -> torch.Tensor:
@@ -50,7 +64,7 @@ def matmul_triangular(
     lower; only ``t``'s triangle is read."""
     min_size = MIN_SIZE if min_size is None else min_size
     n = t.shape[0]
-    if n <= min_size:
+    if n <= min_size or not blocked(t):
         return f @ (t.triu() if upper else t.tril())
     h = n // 2
     f1, f2 = f[:, :h], f[:, h:]
@@ -76,7 +90,7 @@ def upper_times_upper(a: torch.Tensor, b: torch.Tensor, min_size: int | None = N
     triangle exactly zero); only their upper triangles are read."""
     min_size = MIN_SIZE if min_size is None else min_size
     n = a.shape[0]
-    if n <= min_size:
+    if n <= min_size or not blocked(a):
         return a.triu() @ b.triu()
     h = n // 2
     out = torch.zeros(n, n, dtype=torch.result_type(a, b), device=a.device)
@@ -96,10 +110,11 @@ def symmetric_product(a: torch.Tensor, b: torch.Tensor, min_size: int | None = N
     recurse: 3/4 of the multiply-adds of ``mm`` at one halving, tending to 1/2. Off the diagonal
     blocks of size ``min_size`` or less (one ``mm`` each) the result is exactly symmetric: products
     that are symmetric only in exact arithmetic (commuting factors, rounded separately) take the
-    upper blocks' rounding."""
+    upper blocks' rounding. On a GPU (:func:`blocked`) one ``mm``, symmetric up to rounding (a
+    caller that stores the result as symmetric mirrors it, as at any size below ``min_size``)."""
     min_size = MIN_SIZE if min_size is None else min_size
     n = a.shape[0]
-    if n <= min_size:
+    if n <= min_size or not blocked(a):
         return a @ b
     h = n // 2
     out = torch.empty(n, n, dtype=torch.result_type(a, b), device=a.device)
@@ -148,7 +163,7 @@ def gram_update_(
     min_size = MIN_SIZE if min_size is None else min_size
     panel = PANEL if panel is None else panel
     n = c.shape[0]
-    if n <= min_size or c.is_cuda:
+    if n <= min_size or not blocked(c):
         return _scaled_add_(c, rows @ rows.T, beta, alpha)
     for i in range(0, _panels_end(c, panel), panel):
         j = min(n, i + panel)
@@ -161,7 +176,7 @@ def symmetrize_(c: torch.Tensor, min_size: int | None = None, panel: int | None 
     :func:`gram_update_` (a no-op at or below ``min_size`` and on a GPU, where that updates both
     triangles)."""
     min_size = MIN_SIZE if min_size is None else min_size
-    if c.shape[0] <= min_size or c.is_cuda:
+    if c.shape[0] <= min_size or not blocked(c):
         return c
     return mirror_lower_(c, panel)
 
