@@ -1,6 +1,7 @@
 """Everything dist_optim knows about ColossalAI's internals, in one module.
 
-* how a working param says it is TP-split (``dist_layout`` sharding spec);
+* how a working param says it is TP-split (``dist_layout`` sharding spec), or an expert split over
+  MoeHybridParallelPlugin's expert-parallel group;
 * how each optimizer wrapper maps the tensors the optimizer steps (fp32 masters, flat ZeRO
   shards) back to working params, and which process group really sharded each param;
 * how to make ColossalAI's own ``isinstance(optim, DistributedOptim)`` check accept our classes.
@@ -21,7 +22,7 @@ from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
 from dist_optim.base import DistOptimizer
 from dist_optim.layout import register_tp_reader
 
-__all__ = ["tp_dim_of", "bind_from_wrapper", "as_colossal_optimizer", "record_param_names"]
+__all__ = ["tp_dim_of", "is_expert", "bind_from_wrapper", "as_colossal_optimizer", "record_param_names"]
 
 
 def tp_dim_of(working: torch.Tensor) -> int | None:
@@ -39,6 +40,15 @@ def tp_dim_of(working: torch.Tensor) -> int | None:
 
 
 register_tp_reader(tp_dim_of)
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether ``param`` belongs to an expert that MoeHybridParallelPlugin split over its
+    expert-parallel group (ColossalAI marks them when ShardFormer builds its EP MoE blocks; their
+    ZeRO group is the MoE data-parallel group, not the data-parallel group)."""
+    from colossalai.tensor.moe_tensor.api import is_moe_tensor
+
+    return bool(is_moe_tensor(param))
 
 
 def _single_group(pg: Any) -> Any:

@@ -16,6 +16,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Any, cast
 
 from .activations import ALLOCATOR_MARGIN, Activations, Workload, activations_of_rank
@@ -67,8 +68,9 @@ NOT_SIMULATED = (
     "large as the local parameters where the plugin wraps the model in DDP)",
     "values that depend on tensor contents (.item() of a meta tensor): answered 0 / True; iterations run to "
     "their limit, NaN checks find none",
-    "expert parallelism (--ep): refused, not simulated; sequence parallelism: the recipe's all_to_all mode only; "
-    "pipeline stages: the 1F1B schedule only",
+    "mixture of experts: routing balanced (every expert tokens x top_k / experts; a real router's busiest expert "
+    "holds and receives more); expert parallelism (--ep) without --pp or --sp; sequence parallelism: the recipe's "
+    "all_to_all mode only; pipeline stages: the 1F1B schedule only",
 )
 
 #: The layouts of ``--sweep`` for a world of N ranks: (plugin, tp, zero, precision).
@@ -95,6 +97,9 @@ class RankPlan:
     steps: list[dict[str, Any]]  # per simulated step: collectives and bytes sent (also by kind), transient
     owner_load: float  # the optimizer's cost model: this rank's owned work
     ddp_buckets: int = 0  # derived: torch DDP's gradient buckets (Layout.uses_torch_ddp)
+    #: Working-precision bytes of the parameters, each times ``(g-1)/g`` for the ``g`` ranks that
+    #: reduce its gradient (its ZeRO group: the MoE data-parallel group for experts).
+    reduced_share: float = 0.0
 
     @property
     def total(self) -> int:
@@ -171,12 +176,12 @@ class Plan:
         all-reduce ``2 (g-1)/g W``; ColossalAI's ZeRO-1 all-reduces the gradients and all-gathers
         the updated parameters, ``3 (g-1)/g W``; ZeRO-2 reduce-scatters them instead,
         ``2 (g-1)/g W``; checked against real runs but for the one-scalar overflow flag ZeRO also
-        all-reduces) and ``pipeline`` (each micro-batch's hidden states to the next stage and their
-        gradient back) derived."""
+        all-reduces; under expert parallelism each expert's over its MoE data-parallel group) and
+        ``pipeline`` (each micro-batch's hidden states to the next stage and their gradient back)
+        derived."""
         layout, b = self.layout, self.busiest
-        g = layout.world if layout.plugin in ("zero", "ddp") else layout.data_ranks
-        ring = {0: 2, 1: 3, 2: 2}[layout.zero] * (g - 1) / g
-        out = {"optimizer": float(self.steady["bytes_sent"]), "gradients": ring * b.working_params}
+        ring = {0: 2, 1: 3, 2: 2}[layout.zero]
+        out = {"optimizer": float(self.steady["bytes_sent"]), "gradients": ring * b.reduced_share}
         a, w = self.activations, self.workload
         if a is not None and w is not None:
             micro = w.batch_size if layout.pp > 1 else 1
@@ -274,9 +279,13 @@ def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
     ]
     peak = max(steps, key=lambda s: s["transient"])
     load = result.owner_loads[result.rank] if result.rank < len(result.owner_loads) else 0.0
+    whole = layout.world if layout.plugin in ("zero", "ddp") else layout.data_ranks
+    groups = [p.layout.zero.size if p.layout.zero is not None else whole for p in result.pieces]
+    reduced = sum((Fraction(p.working.numel() * (g - 1), g) for p, g in zip(result.pieces, groups)), Fraction(0))
     return RankPlan(
         result.rank, working, master_bytes if separate else 0, grads, result.state_bytes, result.kept_bytes,
         peak["transient"], peak["step"], steps, load, working if layout.uses_torch_ddp else 0,
+        float(reduced * layout.working_dtype.itemsize),
     )  # fmt: skip
 
 

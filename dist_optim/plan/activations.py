@@ -51,7 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .models import PlanError
-from .torch_internals import meta_autocast, meta_collectives
+from .torch_internals import c10d_group_size, meta_autocast, meta_collectives
 
 __all__ = [
     "ATTENTION",
@@ -227,8 +227,9 @@ def simulate_activations(
         with meta_autocast(), meta_collectives(record), attention_as(workload.attn, device), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             experts = int(getattr(getattr(model, "config", None), "num_local_experts", 0) or 0)
-            routing = BalancedRouting(experts) if experts else contextlib.nullcontext()
-            with LiveBytes(answer_meta_items=True) as live, routing:
+            shadows: dict[int, torch.Tensor] = {}
+            routing = BalancedRouting(experts, shadows) if experts else contextlib.nullcontext()
+            with LiveBytes(answer_meta_items=True, shadows=shadows) as live, routing:
                 inputs: dict[str, Any] = {"input_ids": ids, "labels": ids, **masks}
                 if not first:
                     received = torch.empty((rows, workload.seq_len, width), dtype=dtype, device="meta")
@@ -266,21 +267,45 @@ def simulate_activations(
 
 
 class BalancedRouting(TorchDispatchMode):
-    """Mixture-of-experts routing on meta tensors. transformers' Mixtral block finds each expert's
-    tokens with ``torch.where(expert_mask[e])``, whose size depends on the router's values, which a
-    meta tensor has none of: here every expert receives an equal share, ``numel / experts`` of the
-    mask's entries (``tokens x top_k / experts`` tokens), the balance the router's auxiliary loss
-    aims at. A real step with unbalanced routing holds more on its busiest expert."""
+    """Mixture-of-experts routing on meta tensors, every expert receiving an equal share of the
+    routed tokens (``tokens x top_k / experts``), the balance the router's auxiliary loss aims at; a
+    real step with unbalanced routing holds more on its busiest expert. Token counts depend on the
+    router's values, which a meta tensor has none of:
 
-    def __init__(self, experts: int) -> None:
+    * transformers' Mixtral block finds each expert's tokens with ``torch.where(expert_mask[e])``:
+      its ``nonzero`` returns ``numel / experts`` of the mask's entries;
+    * ColossalAI's expert-parallel block (MoeHybridParallelPlugin) counts them with ``bincount``
+      and exchanges the counts (an ``all_to_all_single``, then ``tolist()`` for the token
+      all-to-all's split sizes): ``bincount`` returns equal counts, made with ``torch.full`` so that
+      :class:`~dist_optim.plan.traffic.LiveBytes` keeps their values in a CPU shadow (``shadows``,
+      the dict it was given); an all-to-all of a shadowed tensor receives what it sends (every rank
+      sends the same counts), and an all-reduce of one (the experts' activity flags, summed over
+      the MoE data-parallel group) is the value times the group's size."""
+
+    def __init__(self, experts: int, shadows: dict[int, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.experts = experts
+        self.shadows = {} if shadows is None else shadows
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         if func is torch.ops.aten.nonzero.default and args[0].is_meta:
             mask = args[0]
             return torch.empty((mask.numel() // self.experts, mask.dim()), dtype=torch.long, device="meta")
-        return func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.bincount.default and args[0].is_meta:
+            bins = max(int(kwargs.get("minlength", args[2] if len(args) > 2 else 0)), self.experts)
+            return torch.full((bins,), args[0].numel() // self.experts, dtype=torch.long, device="meta")
+        out = func(*args, **kwargs)
+        # In place on the shadows: a new CPU tensor made here would pass through LiveBytes (below this
+        # mode) and be counted as activations for as long as its meta tensor lives.
+        shadows = self.shadows
+        if func is torch.ops.c10d.alltoall_base_.default and id(args[0]) in shadows and id(args[1]) in shadows:
+            shadows[id(args[0])].copy_(shadows[id(args[1])])
+        elif func is torch.ops.c10d.allreduce_.default:
+            for t in args[0]:
+                if id(t) in shadows:
+                    shadows[id(t)].mul_(c10d_group_size(args))
+        return out
 
 
 def _drop_grad(param: torch.Tensor) -> None:

@@ -172,20 +172,23 @@ def check_model_layout(
     """Refuse, naming the value and what is accepted, a layout ColossalAI's policies (Llama,
     Mistral, Qwen2, Mixtral: the same head checks) would assert on: ``tp`` dividing the attention
     heads and the key/value heads (after ``sp`` divides them in the ``all_to_all`` mode), no more
-    pipeline stages than layers, and ``ep`` > 1, which neither the planner nor the recipe runs
-    (MoeHybridParallelPlugin's expert layout is not simulated; a dense model has no experts)."""
+    pipeline stages than layers, and ``ep`` dividing the experts of an MoE model (a dense model has
+    none to split). The layout's own conditions on ``ep`` are :class:`~dist_optim.plan.world.Layout`'s."""
     if ep != 1:
         kind = getattr(config, "model_type", "llama")
-        if kind in MOE_TYPES:
+        if kind not in MOE_TYPES:
             raise PlanError(
-                f"--ep {ep}: expert parallelism (MoeHybridParallelPlugin) is not simulated yet; plan the {kind} "
-                "model with --ep 1 (its experts replicated on every tensor-parallel rank, as HybridParallelPlugin "
-                "runs it)"
+                f"--ep {ep}: a {kind} model has no experts; --ep above 1 needs an MoE model "
+                f"({', '.join(MOE_TYPES)}); plan with --ep 1"
             )
-        raise PlanError(
-            f"--ep {ep}: a {kind} model has no experts; --ep above 1 needs an MoE model "
-            f"({', '.join(MOE_TYPES)}); plan with --ep 1"
-        )
+        experts = int(config.num_local_experts)
+        if experts % ep:
+            # ColossalAI's EP MoE block raises on rank 0 otherwise ("The number of experts must be
+            # divisible by the number of expert parallel groups").
+            raise PlanError(
+                f"--ep {ep}: must divide the model's {experts} experts; choose --ep among "
+                f"{', '.join(map(str, _divisors(experts)))}"
+            )
     heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     if sp_mode == "all_to_all" and sp > 1:

@@ -91,7 +91,7 @@ def sharded_meta_model(
     share of a stage's layers ColossalAI's pipeline forward checkpoints (the recipe's
     PipelineGradientCheckpointConfig)."""
     model = _meta_model(config, attn_implementation)
-    if world is None or (layout.tp == 1 and layout.pp == 1 and layout.sp == 1):
+    if world is None or (layout.tp == 1 and layout.pp == 1 and layout.sp == 1 and layout.ep == 1):
         return model
     install_cpu_shims()
     from colossalai.shardformer import PipelineGradientCheckpointConfig, ShardConfig, ShardFormer
@@ -113,6 +113,9 @@ def sharded_meta_model(
                 enable_tensor_parallelism=layout.tp > 1,
                 gradient_checkpoint_config=ckpt,
                 make_vocab_size_divisible_by=vocab_multiple(config),
+                # MoeHybridParallelPlugin's groups: its Mixtral policy then holds 1/ep of the experts
+                ep_group=world.ep_group,
+                moe_dp_group=world.moe_dp_group,
             )
         ).optimize(model)
     return cast(torch.nn.Module, sharded)
@@ -124,20 +127,27 @@ def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[t
     model = _meta_model(config)
     sharded = model
     tp_dims: dict[str, int | None] = {}
-    if world is not None and (layout.tp > 1 or layout.pp > 1 or layout.sp > 1):
-        from dist_optim.plugins.colossal import tp_dim_of
+    experts: set[str] = set()
+    if world is not None and (layout.tp > 1 or layout.pp > 1 or layout.sp > 1 or layout.ep > 1):
+        from dist_optim.plugins.colossal import is_expert, tp_dim_of
 
         # ShardFormer replaces modules in place: shard a second meta model, keep the first whole.
         sharded = sharded_meta_model(config, layout, world)
         if layout.tp > 1:
             tp_dims = {n: tp_dim_of(p) for n, p in sharded.named_parameters()}
+        if layout.ep > 1:
+            experts = {n for n, p in sharded.named_parameters() if is_expert(p)}
     pieces = []
     for name, working in sharded.named_parameters():
-        pieces.append(_piece(name, working, tp_dims.get(name), layout, world))
+        pieces.append(_piece(name, working, tp_dims.get(name), layout, world, name in experts))
     return model, pieces
 
 
-def _piece(name: str, param: torch.Tensor, tp_dim: int | None, layout: Layout, world: SimWorld | None) -> Piece:
+def _piece(
+    name: str, param: torch.Tensor, tp_dim: int | None, layout: Layout, world: SimWorld | None, expert: bool = False
+) -> Piece:
+    """``param`` as the plugin hands it to the optimizer: ZeRO-sharded over the data-parallel group,
+    an ``expert``'s over the MoE data-parallel group (MoeHybridParallelPlugin's ZeRO optimizer)."""
     working = torch.empty(param.shape, dtype=layout.working_dtype, device="meta")
     if world is None:
         return Piece(name, working, torch.empty(param.shape, device="meta"), ParamLayout(tuple(param.shape)))
@@ -152,8 +162,10 @@ def _piece(name: str, param: torch.Tensor, tp_dim: int | None, layout: Layout, w
         # LowLevelZeroPlugin shards over the whole world (its wrapper's param_to_pg is WORLD)
         group = world.dp_group if layout.plugin == "hybrid" else dist.group.WORLD
         size = layout.data_ranks if layout.plugin == "hybrid" else layout.world
+        if expert:
+            group, size = world.moe_dp_group, layout.moe_dp
         padding = (-numel) % size  # LowLevelZero: flatten, pad to a multiple of the ZeRO group size
-        zero = ZeroShard(size, world._zero_rank_of(world.rank), padding, group)
+        zero = ZeroShard(size, world._zero_rank_of(world.rank, expert), padding, group)
         master = torch.empty((numel + padding) // size, device="meta")
     else:
         master = torch.empty(param.shape, device="meta")

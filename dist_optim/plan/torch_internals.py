@@ -22,6 +22,7 @@ __all__ = [
     "meta_generators",
     "meta_autocast",
     "meta_collectives",
+    "c10d_group_size",
     "as_device",
 ]
 
@@ -105,6 +106,13 @@ def _is_group(obj: Any) -> bool:
     return bool(obj._type().qualified_name().endswith("c10d.ProcessGroup"))
 
 
+def c10d_group_size(args: tuple[Any, ...]) -> int:
+    """The size of the process group a ``c10d`` operator call runs on (its arguments as the schema
+    orders them: the group is passed boxed, as a TorchScript object)."""
+    boxed = next(a for a in args if isinstance(a, torch.ScriptObject) and _is_group(a))
+    return int(torch.distributed.ProcessGroup.unbox(boxed).size())
+
+
 @contextlib.contextmanager
 def meta_collectives(record: Callable[[str, tuple[Any, ...], int], None] | None = None) -> Iterator[None]:
     """``torch.distributed`` collectives on meta tensors: the ``c10d`` operators have CPU and CUDA
@@ -122,8 +130,7 @@ def meta_collectives(record: Callable[[str, tuple[Any, ...], int], None] | None 
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             if record is not None:
-                boxed = next(a for a in args if isinstance(a, torch.ScriptObject) and _is_group(a))
-                record(name, args, torch.distributed.ProcessGroup.unbox(boxed).size())
+                record(name, args, c10d_group_size(args))
             return op.redispatch(cpu, *args, **kwargs)
 
         return kernel

@@ -16,7 +16,8 @@ measured side and hide (they define the conventions below for themselves).
   tensors it also answers ``.item()``: scalars computed only from other scalars (step counters)
   are computed exactly on CPU beside the meta tensor; a value that depends on tensor contents
   cannot be known, and is answered 0 (a number: no NaN/Inf seen) or True (a condition: an
-  iteration goes on to its limit), which the planner's output names.
+  iteration goes on to its limit), which the planner's output names. A small meta tensor copied to
+  the CPU (``tolist()``) is answered from its shadow the same way.
 
 Bytes sent per rank follow NCCL's bus-bandwidth convention (ring algorithms), so figures compare
 with ``nccl-tests``: all-reduce ``2 (g-1)/g`` of the buffer, all-gather ``(g-1)/g`` of the output,
@@ -231,6 +232,11 @@ class LiveBytes(TorchDispatchMode):
                 return shadow.item()
             self.meta_items += 1
             return True if args[0].dtype == torch.bool else 0
+        if self.answer_meta_items and func is torch.ops.aten._to_copy.default and _meta_to_cpu(args, kwargs):
+            # ``tolist()`` of a small meta tensor (ColossalAI's expert split sizes): its CPU shadow
+            shadow = self._shadows.get(id(args[0]))
+            if shadow is not None:
+                return shadow.to(kwargs.get("dtype") or shadow.dtype, copy=True)
         out = func(*args, **kwargs)
         if self.answer_meta_items:
             self._shadow(func, args, kwargs, out)
@@ -277,6 +283,11 @@ class LiveBytes(TorchDispatchMode):
             if t.is_meta and id(t) not in self._shadows:
                 self._shadows[id(t)] = c
                 weakref.finalize(t, self._shadows.pop, id(t), None)
+
+
+def _meta_to_cpu(args: Any, kwargs: Any) -> bool:
+    device = kwargs.get("device")
+    return bool(args[0].is_meta) and device is not None and torch.device(device).type == "cpu"
 
 
 def _is_sparse(t: torch.Tensor) -> bool:

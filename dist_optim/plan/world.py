@@ -22,8 +22,10 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout as the plugins take it. Pipeline stages (``pp``) are HybridParallelPlugin's
-    one-forward-one-backward schedule; expert parallelism (``ep``) is checked against the model
-    (:func:`~dist_optim.plan.models.check_model_layout`), not simulated."""
+    one-forward-one-backward schedule. Expert parallelism (``ep`` > 1) is MoeHybridParallelPlugin's:
+    its ``dp`` data-parallel ranks are ``ep`` expert-parallel x ``dp / ep`` MoE data-parallel ranks
+    (:attr:`moe_dp`); the model must have experts for it
+    (:func:`~dist_optim.plan.models.check_model_layout`)."""
 
     plugin: str = "hybrid"
     tp: int = 1
@@ -71,6 +73,35 @@ class Layout:
             raise PlanError(
                 "--plugin ddp runs --zero 0 --precision fp32 (TorchDDPPlugin has no ZeRO or mixed precision)"
             )
+        if self.ep > 1:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        """MoeHybridParallelPlugin's own conditions on ``ep`` (ColossalAI 0.5.0), refused here in one
+        line before it would assert or fail on rank 0, and the combinations not simulated."""
+        ep = self.ep
+        if self.plugin != "hybrid":
+            raise PlanError(f"--ep {ep} needs --plugin hybrid (expert parallelism is MoeHybridParallelPlugin's)")
+        if self.dp % ep:
+            choices = ", ".join(str(d) for d in range(1, self.dp + 1) if self.dp % d == 0)
+            raise PlanError(
+                f"--ep {ep}: must divide the {self.dp} data-parallel ranks (MoeHybridParallelPlugin splits them into "
+                f"ep x MoE data-parallel ranks); choose --ep among {choices}, or a --dp that {ep} divides"
+            )
+        if self.zero != 1:
+            # ZeRO-0 with dp > 1 wraps the model in torch DDP, which ColossalAI refuses when the MoE
+            # data-parallel group is not the data-parallel group (always so with ep > 1); ZeRO-2 it
+            # silently runs as ZeRO-1 (its warning: ZeRO-2 hangs when some experts get no tokens).
+            raise PlanError(
+                f"--ep {ep} with --zero {self.zero}: MoeHybridParallelPlugin runs expert parallelism with ZeRO-1 "
+                "only (ZeRO-0 would wrap the model in torch DDP, which it refuses with experts split; ZeRO-2 it "
+                "turns into ZeRO-1); plan --zero 1"
+            )
+        if self.pp > 1 or self.sp > 1:
+            raise PlanError(
+                f"--ep {ep} with --{'pp' if self.pp > 1 else 'sp'} {max(self.pp, self.sp)}: expert parallelism is "
+                "simulated without pipeline stages or sequence parallelism; plan --ep with --tp and --dp"
+            )
 
     @property
     def world(self) -> int:
@@ -82,15 +113,28 @@ class Layout:
         parallelism (HybridParallelPlugin's ``mixed_dp_group``)."""
         return self.dp * self.sp
 
+    @property
+    def moe_dp(self) -> int:
+        """MoE data-parallel ranks: those holding the same experts, over which ZeRO shards them."""
+        return self.dp // self.ep
+
     def coordinates(self, rank: int) -> tuple[int, int, int, int]:
         """``rank``'s (dp, pp, tp, sp) coordinates in HybridParallelPlugin's ProcessGroupMesh(dp, pp,
-        tp, sp) (its default ``dp_outside``; the sp axis innermost in the all_to_all mode)."""
+        tp, sp) (its default ``dp_outside``; the sp axis innermost in the all_to_all mode). With
+        experts, MoeHybridParallelPlugin's mesh (moe_dp, pp, ep, tp, sp) (its ``moe_dp_outside``):
+        the data-parallel index is ``moe_dp_index x ep + ep_index``, the order of its dp group."""
         q, rest = rank % self.sp, rank // self.sp
         t, rest = rest % self.tp, rest // self.tp
-        return rest // self.pp, rest % self.pp, t, q
+        e, rest = rest % self.ep, rest // self.ep
+        return (rest // self.pp) * self.ep + e, rest % self.pp, t, q
 
     def rank_of(self, d: int, s: int, t: int, q: int) -> int:
-        return ((d * self.pp + s) * self.tp + t) * self.sp + q
+        m, e = divmod(d, self.ep)
+        return (((m * self.pp + s) * self.ep + e) * self.tp + t) * self.sp + q
+
+    def expert_index(self, rank: int) -> int:
+        """``rank``'s place in its expert-parallel group: which ``1/ep`` of the experts it holds."""
+        return self.coordinates(rank)[0] % self.ep
 
     @property
     def uses_torch_ddp(self) -> bool:
@@ -118,7 +162,8 @@ class Layout:
         zero = f" x ZeRO-{self.zero}" if self.zero else ""
         pp = f" x pp={self.pp}" if self.pp > 1 else ""
         sp = f" x sp={self.sp}" if self.sp > 1 else ""
-        return f"{self.plugin} tp={self.tp}{pp}{sp} x dp={self.dp}{zero} ({self.world} ranks, {self.precision})"
+        ep = f" (ep={self.ep} x moe_dp={self.moe_dp})" if self.ep > 1 else ""
+        return f"{self.plugin} tp={self.tp}{pp}{sp} x dp={self.dp}{ep}{zero} ({self.world} ranks, {self.precision})"
 
     def stage_of(self, rank: int) -> int:
         """``rank``'s pipeline stage in HybridParallelPlugin's mesh."""
@@ -159,6 +204,8 @@ class SimWorld:
         self.dp_group: Any = None
         self.stage_manager: Any = None
         self.sp_group: Any = None
+        self.ep_group: Any = None  # MoeHybridParallelPlugin's groups, with ep > 1
+        self.moe_dp_group: Any = None
 
     def tp_ranks(self, rank: int) -> tuple[int, ...]:
         d, s, _, q = self.layout.coordinates(rank)
@@ -181,6 +228,18 @@ class SimWorld:
         d, s, t, _ = self.layout.coordinates(rank)
         return tuple(self.layout.rank_of(d, s, t, q) for q in range(self.layout.sp))
 
+    def moe_dp_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks holding the same experts as ``rank`` (ZeRO's group for them), sorted."""
+        d, s, t, q = self.layout.coordinates(rank)
+        lay = self.layout
+        return tuple(lay.rank_of(m * lay.ep + d % lay.ep, s, t, q) for m in range(lay.moe_dp))
+
+    def ep_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks over which ``rank``'s data-parallel group's experts are split, sorted."""
+        d, s, t, q = self.layout.coordinates(rank)
+        lay = self.layout
+        return tuple(lay.rank_of(d - d % lay.ep + e, s, t, q) for e in range(lay.ep))
+
     def zero_rank(self, rank: int) -> int:
         """``rank``'s index in its ZeRO group (its data-parallel group)."""
         return self.dp_ranks(rank).index(rank)
@@ -196,6 +255,9 @@ class SimWorld:
         # The plugin's sequence-parallel group; without sequence parallelism this rank alone (a
         # ShardConfig without one would reduce the loss over the whole world).
         self.sp_group = dist.new_group(list(self.sp_ranks(self.rank)))
+        if self.layout.ep > 1:
+            self.ep_group = dist.new_group(list(self.ep_ranks(self.rank)))
+            self.moe_dp_group = dist.new_group(list(self.moe_dp_ranks(self.rank)))
         self.stage_manager = None
         if self.layout.pp > 1:
             from colossalai.cluster import ProcessGroupMesh
@@ -213,26 +275,34 @@ class SimWorld:
         object with its TP and ZeRO ranks and its groups replaced by the member's. The objects
         dist_optim exchanges are holdings (``owners.holding``) and group keys (``comm.grid_groups``);
         anything else is a gap of the simulation and raises."""
-        members = dist.get_process_group_ranks(group) if group is not None else range(self.layout.world)
-        return [self._as(obj, m) for m in members]
+        members = list(dist.get_process_group_ranks(group) if group is not None else range(self.layout.world))
+        # Holdings exchanged among ranks that hold the same experts (their ZeRO group or its TP grid)
+        # are of expert parameters, ZeRO-sharded over the MoE data-parallel group; any other group
+        # spans several expert sets and exchanges shared parameters.
+        experts = self.layout.ep > 1 and len({self.layout.expert_index(m) for m in members}) == 1
+        return [self._as(obj, m, experts) for m in members]
 
-    def _as(self, obj: Any, member: int) -> Any:
+    def _as(self, obj: Any, member: int, experts: bool = False) -> Any:
         if _is_holding(obj):
             shape, tp_rank, zero_rank = obj
             return (
                 shape,
                 None if tp_rank is None else self.layout.coordinates(member)[2],
-                None if zero_rank is None else self._zero_rank_of(member),
+                None if zero_rank is None else self._zero_rank_of(member, experts),
             )
         if isinstance(obj, tuple) and obj and all(isinstance(i, int) for i in obj):
-            for ranks_of in (self.tp_ranks, self.dp_ranks, self.pp_ranks, lambda r: tuple(range(self.layout.world))):
+            every = tuple(range(self.layout.world))
+            for ranks_of in (self.tp_ranks, self.dp_ranks, self.pp_ranks, self.moe_dp_ranks, lambda r: every):
                 if obj == ranks_of(self.rank):
                     return ranks_of(member)
         elif isinstance(obj, (list, tuple)):
-            return type(obj)(self._as(x, member) for x in obj)
+            return type(obj)(self._as(x, member, experts) for x in obj)
         raise PlanError(f"the simulation cannot tell what other ranks send for {obj!r} (all_gather_object)")
 
-    def _zero_rank_of(self, member: int) -> int:
+    def _zero_rank_of(self, member: int, expert: bool = False) -> int:
+        """``member``'s rank in the ZeRO group of a parameter (``expert``: of an expert's)."""
+        if expert:
+            return self.moe_dp_ranks(member).index(member)
         return member if self.layout.plugin == "zero" else self.zero_rank(member)
 
 

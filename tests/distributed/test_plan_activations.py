@@ -30,6 +30,7 @@ from dist_optim.plan import Layout, make_plan
 from dist_optim.plan.activations import Workload, activations_of_rank
 from tests.helpers import malloc
 from tests.helpers.allocated import AllocatedBytes
+from tests.helpers.booster import balance_router
 from tests.helpers.collectives import Collectives, counting_collectives
 
 pytestmark = pytest.mark.skipif(not malloc.available(), reason="needs glibc's mallinfo2 to measure the allocator")
@@ -45,10 +46,12 @@ class Case:
     model: str = "llama"
     tp: int = 2
     sp: int = 1  # the recipe's all_to_all sequence parallelism (ZeRO-1 over its dp x sp group)
+    ep: int = 1  # MoeHybridParallelPlugin's expert parallelism over ep data-parallel ranks (ZeRO-1)
 
     @property
     def layout(self) -> Layout:
-        return Layout("hybrid", tp=self.tp, sp=self.sp, zero=1 if self.sp > 1 else 0, precision=self.precision)
+        zero = 1 if self.sp > 1 or self.ep > 1 else 0
+        return Layout("hybrid", tp=self.tp, sp=self.sp, dp=self.ep, ep=self.ep, zero=zero, precision=self.precision)
 
 
 CASES = {
@@ -57,18 +60,22 @@ CASES = {
     "fp32-eager": Case("fp32", "eager", False, batch=1),
     "qwen2-tied-bf16-sdpa": Case("bf16", "sdpa", False, model="qwen2"),
     "sp2-zero1-bf16-sdpa": Case("bf16", "sdpa", False, tp=1, sp=2),
+    # 4 experts over ep=2 (MoeHybridParallelPlugin): the tokens' all-to-all to the experts and back
+    "mixtral-ep2-zero1-bf16-sdpa": Case("bf16", "sdpa", False, model="mixtral", tp=1, ep=2),
 }
 
 
 def _config(attn: str, model: str = "llama") -> Any:
-    """A Llama with grouped key/value heads, or a Qwen2 of the same sizes (q/k/v biases, the head tied
-    to the embedding)."""
+    """A Llama with grouped key/value heads, a Qwen2 of the same sizes (q/k/v biases, the head tied
+    to the embedding), or a Mixtral of the same sizes (4 experts, top-2)."""
     import transformers
 
-    kind = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[model]
+    kind = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mixtral": "MixtralConfig"}[model]
+    experts = dict(num_local_experts=4, num_experts_per_tok=2) if model == "mixtral" else {}
     config = getattr(transformers, kind)(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=model == "qwen2", use_cache=False,
+        **experts,
     )  # fmt: skip
     config._attn_implementation = attn
     return config
@@ -128,14 +135,30 @@ def _drop(param: torch.Tensor) -> None:
     param.grad = None
 
 
+def _plugin(case: Case, config: Any) -> Any:
+    """HybridParallelPlugin as the recipe configures it for ``case``, or MoeHybridParallelPlugin with
+    ``case.ep`` (ZeRO-1, which it needs with experts split)."""
+    from colossalai.booster.plugin import HybridParallelPlugin, MoeHybridParallelPlugin
+
+    from dist_optim.plan.models import vocab_multiple
+
+    common = dict(
+        tp_size=case.tp, pp_size=1, precision=case.precision, zero_stage=case.layout.zero,
+        make_vocab_size_divisible_by=vocab_multiple(config), overlap_communication=False,
+    )  # fmt: skip
+    if case.ep > 1:
+        return MoeHybridParallelPlugin(ep_size=case.ep, **common)
+    if case.sp > 1:
+        common.update(sp_size=case.sp, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
+    return HybridParallelPlugin(**common)
+
+
 def _measured(case: Case) -> dict[str, int]:
     """On each rank: the recipe's model (its checkpointing switch), boosted with tp=2; a warm-up
     micro-batch, then one measured: saved bytes, bytes alive after the forward, peaks."""
     from colossalai.booster import Booster
-    from colossalai.booster.plugin import HybridParallelPlugin
     from transformers import AutoModelForCausalLM
 
-    from dist_optim.plan.models import vocab_multiple
     from dist_optim.plugins.cpu import install, quiet_colossal
     from recipes.train_llama import enable_grad_checkpoint
 
@@ -146,13 +169,11 @@ def _measured(case: Case) -> dict[str, int]:
         config = _config(case.attn, case.model)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=case.attn)
         enable_grad_checkpoint(model, argparse.Namespace(grad_checkpoint=1.0 if case.grad_checkpoint else 0.0, pp=1))
-        plugin = HybridParallelPlugin(
-            tp_size=case.tp, pp_size=1, precision=case.precision, zero_stage=case.layout.zero,
-            make_vocab_size_divisible_by=vocab_multiple(config), overlap_communication=False,
-            **(dict(sp_size=case.sp, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
-               if case.sp > 1 else {}),
-        )  # fmt: skip
+        # Kept until the end: a plugin's __del__ destroys its process groups, which the EP blocks use.
+        plugin = _plugin(case, config)
         model, *_ = Booster(plugin=plugin).boost(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    if case.ep > 1:
+        balance_router(model, case.batch * case.seq)
     model.train()
     params = list(model.parameters())
     hooks = [p.register_post_accumulate_grad_hook(_drop) for p in params]
@@ -186,6 +207,7 @@ def _measured(case: Case) -> dict[str, int]:
         )
     for h in hooks:
         h.remove()
+    del plugin
     # what the second pass allocated and kept after its backward: the reducer's new buckets
     return {**passes[2], "ddp_buckets": passes[1]["end"] - passes[2]["end"]}
 

@@ -46,6 +46,24 @@ def make_optimizer(path: str, model: torch.nn.Module, kwargs: dict[str, Any]) ->
     return getattr(importlib.import_module(module), name)(model.parameters(), **kwargs)
 
 
+def balance_router(model: Any, tokens: int, experts: int = 4) -> None:
+    """Make a boosted Mixtral route as the planner does (every expert ``tokens x top_2 / experts``
+    tokens): each layer's router logits get 100 added at experts ``i mod 4`` and ``i + 1 mod 4`` of
+    token ``i``, which then are its top 2 (the tiny routers' own logits are below 1); the gradient
+    still flows through the logits. The offsets are made once, in the working precision, before
+    anything is measured."""
+    layers = model.unwrap().model.layers
+    rows = torch.arange(tokens)
+    offsets = torch.zeros(tokens, experts, dtype=layers[0].block_sparse_moe.gate.weight.dtype)
+    offsets[rows, rows % experts] = offsets[rows, (rows + 1) % experts] = 100.0
+
+    def route(module: Any, inputs: Any, logits: torch.Tensor) -> torch.Tensor:
+        return logits + offsets
+
+    for layer in layers:
+        layer.block_sparse_moe.gate.register_forward_hook(route)
+
+
 def global_batch(step: int) -> torch.Tensor:
     """The same batch at a step whatever the layout, so runs at different dp sizes compare."""
     gen = torch.Generator().manual_seed(1000 + step)

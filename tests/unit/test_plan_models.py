@@ -205,19 +205,64 @@ def test_a_tied_qwen2_is_planned_with_the_parameters_the_optimizer_gets(tmp_path
     )
 
 
-def test_ep_is_refused_by_model() -> None:
-    """--ep: a dense model has no experts; a Mixtral's expert layout (MoeHybridParallelPlugin) is not
-    simulated yet. Either way one line naming the value and --ep 1."""
+def test_bad_ep_is_refused_in_one_line(tmp_path: Path) -> None:
+    """--ep: a dense model has no experts; ep must divide the MoE model's experts and the
+    data-parallel ranks (MoeHybridParallelPlugin splits them into ep x MoE dp); the plugin runs it
+    with ZeRO-1 only; not simulated with --pp or --sp. Each one line naming the value and what is
+    accepted, from the planner's functions and from its command line."""
     from transformers import MixtralConfig
 
+    from dist_optim.plan.__main__ import main
+
     with pytest.raises(PlanError, match=r"^--ep 2: a llama model has no experts; .*\(mixtral\); plan with --ep 1$"):
-        make_plan("llama-7b", Layout("hybrid", ep=2), "adamw")
+        make_plan("llama-7b", Layout("hybrid", dp=2, ep=2, zero=1), "adamw")
     mixtral = MixtralConfig(**{k: v for k, v in TINY.items() if k != "model_type"}, num_local_experts=4)
-    with pytest.raises(
-        PlanError, match=r"^--ep 4: expert parallelism \(MoeHybridParallelPlugin\) is not simulated yet; plan"
+    with pytest.raises(PlanError, match=r"^--ep 3: must divide the model's 4 experts; choose --ep among 1, 2, 4$"):
+        check_model_layout(mixtral, ep=3)
+    check_model_layout(mixtral, tp=2, ep=4)
+    for kwargs, message in (
+        (dict(dp=4, ep=3, zero=1), r"^--ep 3: must divide the 4 data-parallel ranks .* choose --ep among 1, 2, 4, "),
+        (dict(dp=2, ep=2), r"^--ep 2 with --zero 0: MoeHybridParallelPlugin runs expert parallelism with ZeRO-1 only"),
+        (dict(dp=2, ep=2, zero=2), r"^--ep 2 with --zero 2: .*plan --zero 1$"),
+        (dict(dp=2, ep=2, zero=1, pp=2), r"^--ep 2 with --pp 2: expert parallelism is simulated without pipeline"),
+        (dict(plugin="zero", dp=2, ep=2, zero=1), r"^--ep 2 needs --plugin hybrid"),
     ):
-        make_plan(mixtral, Layout("hybrid", ep=4), "adamw")
-    check_model_layout(mixtral, tp=2, ep=1)
+        with pytest.raises(PlanError, match=message):
+            Layout(**kwargs)  # type: ignore[arg-type]
+    path = tmp_path / "config.json"
+    mixtral.to_json_file(path)
+    with pytest.raises(SystemExit) as info:
+        main(["--model", str(path), "--dp", "4", "--ep", "8", "--zero", "1"])
+    assert str(info.value).startswith("dist_optim.plan: --ep 8: must divide the 4 data-parallel ranks")
+    with pytest.raises(SystemExit, match=r"^dist_optim.plan: --ep 8: must divide the model's 4 experts; .*1, 2, 4$"):
+        main(["--model", str(path), "--dp", "8", "--ep", "8", "--zero", "1"])
+
+
+def test_ep_groups_are_moe_hybrid_parallel_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation's expert-parallel, MoE data-parallel and data-parallel groups of every rank of
+    tp=2 x dp=4 (ep=2) are those ColossalAI's MoeHybridParallelPlugin makes for that rank (its own
+    mesh, built on the fake backend for each rank in turn)."""
+    import torch.distributed as dist
+    from colossalai.booster.plugin import MoeHybridParallelPlugin
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dist_optim.plan.world import SimWorld
+
+    layout = Layout("hybrid", tp=2, dp=4, ep=2, zero=1)
+    for rank in range(layout.world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
+        try:
+            plugin = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=2, zero_stage=1, precision="bf16")
+            theirs = [
+                tuple(dist.get_process_group_ranks(g))
+                for g in (plugin.tp_group, plugin.ep_group, plugin.moe_dp_group, plugin.dp_group)
+            ]
+            del plugin
+        finally:
+            dist.destroy_process_group()
+        world = SimWorld(layout, rank)
+        ours = [world.tp_ranks(rank), world.ep_ranks(rank), world.moe_dp_ranks(rank), world.dp_ranks(rank)]
+        assert ours == theirs, f"rank {rank}: (tp, ep, moe dp, dp) groups"
 
 
 def test_the_command_line_says_a_bad_type_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
