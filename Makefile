@@ -31,7 +31,7 @@ lint: setup
 # runs/junit.xml: the outcomes the README's support table is built from (python -m tests.helpers.support
 # --junit runs/junit.xml); the run itself fails if the README's copy differs (tests/conftest.py).
 test: setup lint
-	$(PY) -m pytest -q --junitxml=runs/junit.xml
+	$(PY) -m pytest -q --durations=30 --junitxml=runs/junit.xml
 
 # The GPU smoke suite (tests/distributed/test_devices.py, marked gpu): every optimizer's device branches against
 # the float64 CPU result, and a 1-rank NCCL booster run; skipped with a reason without CUDA.
