@@ -2,16 +2,20 @@
 states against itself in full precision, on the tiny Llama and the books of ``bench/convergence.py``
 (its ``run_one``: the same model, data, schedule and held-out loss).
 
-    .venv/bin/python bench/compact_quality.py                  # 7 optimizers x 2 forms x 2 seeds, ~15 min
+    .venv/bin/python bench/compact_quality.py                  # 11 rows, 2 seeds each
     .venv/bin/python bench/compact_quality.py --only shampoo --seeds 1 --steps 60
+    .venv/bin/python bench/compact_quality.py --only "shampoo 4-bit" "soap 4-bit" --plot docs/compact_quality_bits.png
 
 Each optimizer runs at its best rate of docs/convergence.md with its recipe settings, once as it is
 and once with :data:`COMPACT`'s options (bitsandbytes' ``optim_bits=8`` for its moment-like states,
 at the default ``min_8bit_size`` of 4096 elements: the tiny Llama's matrices, not its norms; Shampoo
 and SOAP also with ``use_symmetric_packing``, which changes nothing bit for bit), the same seeds for
-both. Printed: a markdown table of the final held-out loss of each seed, their mean, and the
-compact form's mean relative to the full-precision one's; plotted (``--plot``, default
-``docs/compact_quality.png``): both forms' mean held-out curves, one panel per optimizer.
+both. The rows named ``<optimizer> <n>-bit`` are the same optimizer with its eigenvectors
+quantised too (``preconditioner_bits``), against the same full-precision runs (``--plot`` another
+file when running only some rows: the default one holds all). Printed: a markdown table of the
+final held-out loss of each seed, their mean, and the compact form's mean relative to the
+full-precision one's; plotted (``--plot``, default ``docs/compact_quality.png``): both forms' mean
+held-out curves, one panel per row.
 """
 
 from __future__ import annotations
@@ -29,12 +33,17 @@ if ROOT not in sys.path:
 
 from bench import convergence  # noqa: E402
 
-#: convergence label -> (its best rate in docs/convergence.md, the options of its compact form).
+#: row -> (its best rate in docs/convergence.md, the options of its compact form); the row's
+#: optimizer is the convergence label before its first space.
 COMPACT: dict[str, tuple[float, dict[str, Any]]] = {
     "LAMB": (0.1, dict(optim_bits=8)),
     "CAME": (0.00022, dict(optim_bits=8)),
     "Shampoo": (0.0046, dict(optim_bits=8, use_symmetric_packing=True)),
     "SOAP": (0.014, dict(optim_bits=8, use_symmetric_packing=True)),
+    "Shampoo 8-bit": (0.0046, dict(optim_bits=8, use_symmetric_packing=True, preconditioner_bits=8)),
+    "Shampoo 4-bit": (0.0046, dict(optim_bits=8, use_symmetric_packing=True, preconditioner_bits=4)),
+    "SOAP 8-bit": (0.014, dict(optim_bits=8, use_symmetric_packing=True, preconditioner_bits=8)),
+    "SOAP 4-bit": (0.014, dict(optim_bits=8, use_symmetric_packing=True, preconditioner_bits=4)),
     "Kron": (0.003, dict(optim_bits=8)),
     "GaLore": (0.03, dict(optim_bits=8)),
     "Muon": (0.014, dict(optim_bits=8)),
@@ -66,13 +75,16 @@ def main() -> None:
     jobs = []
     for label in labels:
         lr, options = COMPACT[label]
-        name, extra = convergence.OPTIMIZERS[label]
+        base = label.split(" ")[0]
+        name, extra = convergence.OPTIMIZERS[base]
         # Registered before the workers fork, so that run_one finds the compact label.
         convergence.OPTIMIZERS[f"{label} (compact)"] = (name, {**extra, **options})
-        for form in (label, f"{label} (compact)"):
+        for form in (base, f"{label} (compact)"):
             for seed in range(args.seeds):
                 job = dict(label=form, lr=lr, seed=seed, steps=args.steps, batch_size=16, seq_len=128)
-                jobs.append(dict(job, eval_every=args.eval_every, eval_sequences=64))
+                job = dict(job, eval_every=args.eval_every, eval_sequences=64)
+                if job not in jobs:  # a full-precision run shared by its optimizer's rows
+                    jobs.append(job)
     with ProcessPoolExecutor(args.workers) as pool:
         results = list(pool.map(convergence.run_one, jobs))
     print(
@@ -83,7 +95,7 @@ def main() -> None:
     for label in labels:
         means = []
         cells = []
-        for form in (label, f"{label} (compact)"):
+        for form in (label.split(" ")[0], f"{label} (compact)"):
             runs = [r for r in results if r["label"] == form]
             finals = [r["curve"][-1][2] for r in runs]
             means.append(statistics.mean(finals))

@@ -77,7 +77,9 @@ _add("colossalai CAME", "came", lambda p: _cls("colossalai.nn.optimizer.CAME")(p
 # Preconditioned from the first step (start=1), so the median is a preconditioned step between
 # refreshes and "amortised" adds one root refresh (the first step's) per precondition_frequency
 # steps; "before start" is a step before start_preconditioning_step (statistics and grafting only).
-def _shampoo(pf: int, start: int, packed: bool = False, bits: int = 32) -> Callable[[list[torch.Tensor]], Any]:
+def _shampoo(
+    pf: int, start: int, packed: bool = False, bits: int = 32, pbits: int = 32
+) -> Callable[[list[torch.Tensor]], Any]:
     return lambda p: _dist("DistributedShampoo")(
         p,
         lr=1e-3,
@@ -87,6 +89,7 @@ def _shampoo(pf: int, start: int, packed: bool = False, bits: int = 32) -> Calla
         grafting_config=_dist("AdamGraftingConfig")(beta2=0.999, epsilon=1e-8),
         use_symmetric_packing=packed,
         optim_bits=bits,
+        preconditioner_bits=pbits,
     )
 
 
@@ -97,6 +100,14 @@ for _pf in (1, 10, 100):
 # moments and grafting state in 8 bits too.
 _add("dist_optim Shampoo pf=10 (packed)", "shampoo", _shampoo(10, 1, True), refresh_every=10)
 _add("dist_optim Shampoo pf=10 (packed, optim_bits=8)", "shampoo", _shampoo(10, 1, True, 8), refresh_every=10)
+# And the roots as 4-bit eigenvectors with fp32 eigenvalues (issue 29 item 3): every preconditioned
+# step dequantises them, takes one Björck step and makes the roots again (three products per factor).
+_add(
+    "dist_optim Shampoo pf=10 (packed, optim_bits=8, preconditioner_bits=4)",
+    "shampoo",
+    _shampoo(10, 1, True, 8, 4),
+    refresh_every=10,
+)
 _add("dist_optim Shampoo before start", "shampoo", _shampoo(10_000, 10_000))
 _add("dist_optim Kron", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0))
 _add("dist_optim Kron (optim_bits=8)", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0, optim_bits=8))
