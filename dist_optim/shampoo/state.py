@@ -339,7 +339,9 @@ class Scratch:
         """A contiguous tensor of ``shape`` over the memory of ``slot``: ``"out"`` (a block's
         direction), ``"grad"`` (a contiguous copy of a strided block gradient), ``"left"`` (``R_0^T M``
         before it is multiplied by ``R_1``), SOAP's ``"rot"`` (a rotated block) and ``"den"`` (its
-        denominator)."""
+        denominator); with packing ``"factor<k>"`` and ``"root<k>"`` (whole matrices); with
+        quantised eigenvectors ``"dequantized"``, ``"basis<k>"``, ``"scaled"`` (``Q diag(s)``) and
+        ``"root<k>"``."""
         n = math.prod(shape)
         key = (slot, dtype, device)
         buf = self._buffers.get(key)
