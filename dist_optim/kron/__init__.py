@@ -132,7 +132,10 @@ what and how tensors move):
 * :mod:`.randomness`: the probe generators, the balancing draw and the update-decision counters
   (:class:`~.randomness.KronRandomness`, its part of ``extra_state``);
 * :mod:`.structure`: merged shapes, diagonal or triangular factors, the cost model;
-* :mod:`.state`: what ``optimizer.state`` holds per parameter and its keys;
+* :mod:`.state`: what ``optimizer.state`` holds per parameter and its keys, and the stored forms
+  of the factors (``use_symmetric_packing``: packed triangles; ``preconditioner_bits=8``:
+  block-wise codes, :mod:`dist_optim.lowbit`, as Wang et al. 2024, arXiv:2405.18144, keep
+  Shampoo's preconditioners; a deviation from kron_torch, which keeps them in ``precond_dtype``);
 * :mod:`.momentum`: the momentum's update on the holders, in ``mu_dtype`` or 8-bit
   (``optim_bits=8``: bitsandbytes' block-wise codes, Dettmers et al. 2022, arXiv:2110.02861);
 * :mod:`.preconditioner`: factor initialisation, the fit with probes, balancing, preconditioning

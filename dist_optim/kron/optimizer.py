@@ -29,12 +29,10 @@ from .state import (
     FactorScratch,
     check_factor_shapes,
     check_loaded_forms,
-    factor_key,
-    factors,
+    factor_form,
     init_param_state,
     keeps_saved_dtype,
-    packs_factors,
-    stored_shapes,
+    stored_specs,
     without_factors,
 )
 from .structure import FactorPlan, make_plan, precond_cost
@@ -84,10 +82,7 @@ class DistributedKron(DistOptimizer):
             (Dettmers et al. 2022, arXiv:2110.02861; :mod:`dist_optim.kron.momentum`: blocks of 256
             values of the full flattened tensor, one fp32 absmax each, the signed map), dequantised
             and updated in fp32 each step, the debiasing, fit and direction computed from that fp32
-            value, stored quantised again before it travels to the owner. The factors stay in
-            ``precond_dtype``: bitsandbytes' format is made for moments (averages that forget an
-            error), whereas each fit step multiplies a factor by ``I - step``, so a quantisation
-            error would be carried into every later fit (an 8-bit form of them is another item).
+            value, stored quantised again before it travels to the owner.
         min_8bit_size: with ``optim_bits=8``, momenta of tensors with fewer elements (full tensor)
             stay in ``mu_dtype`` (bitsandbytes' default 4096).
         use_symmetric_packing: keep the upper-triangular factors as packed triangles, ``n (n + 1)
@@ -98,6 +93,12 @@ class DistributedKron(DistOptimizer):
             the steps equal the unpacked ones bit for bit (:mod:`dist_optim.kron.state`). The
             scratch holds one parameter's whole triangular factors at a time: the irreducible
             working set, since each factor acts whole on every block of a large tensor.
+        preconditioner_bits: 32, or 8 for the triangular factors kept block-wise quantised (uint8
+            codes of the packed triangle or the whole matrix, blocks of 256, fp32 absmax:
+            :mod:`dist_optim.lowbit`, as Wang et al. 2024, arXiv:2405.18144, keep Shampoo's),
+            dequantised into the scratch for each step and quantised anew where an update changed
+            them; diagonal factors stay in ``precond_dtype``. 4 bits is refused: a Kron update
+            would mostly round away (measured: :mod:`dist_optim.kron.state`).
         bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): when bound, the
             parameters go to their owners and back in buckets of consecutive parameters of at
             most this many bytes of full momenta (a larger parameter is a bucket of its own), each
@@ -142,6 +143,7 @@ class DistributedKron(DistOptimizer):
         optim_bits: int = 32,
         min_8bit_size: int = 4096,
         use_symmetric_packing: bool = False,
+        preconditioner_bits: int = 32,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
@@ -168,6 +170,7 @@ class DistributedKron(DistOptimizer):
             precond_dtype=precond_dtype,
             clip_update_rms=clip_update_rms,
             use_symmetric_packing=use_symmetric_packing,
+            preconditioner_bits=preconditioner_bits,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
         self.communication_dtype = communication_dtype
@@ -384,24 +387,24 @@ class DistributedKron(DistOptimizer):
         (parameter-shaped) and the factors ``Q_0, Q_1, ...`` (shared from their owners).
         Collective when bound."""
         out = super().full_state()
-        entries: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        entries: list[tuple[torch.Tensor, list[str], list[torch.Tensor]]] = []
         where: list[int] = []
         params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
         for i, (p, group) in enumerate(params_groups):
             state = self.state.get(p)
             if not state:
                 continue
-            plan = self._plan(p, group)
+            specs = stored_specs(self._plan(p, group), factor_form(group))
             if self._mine(p):
-                tensors = [q.clone() for q in factors(state, plan)]
+                tensors = [state[key].clone() for key, _, _ in specs]
             else:
-                shapes = stored_shapes(plan, packs_factors(group))
-                tensors = [torch.empty(s, dtype=precond_dtype(group), device=p.device) for s in shapes]
-            entries.append((p, tensors))
+                tensors = [torch.empty(shape, dtype=dtype, device=p.device) for _, shape, dtype in specs]
+            entries.append((p, [key for key, _, _ in specs], tensors))
             where.append(i)
-        share_results([(owner, tensors) for p, tensors in entries if (owner := self._owner(p)) is not None])
-        for i, (_, tensors) in zip(where, entries):
-            out[i].update((factor_key(k), t) for k, t in enumerate(tensors))
+        # Codes travel as the widest dtype (fp32) and come back exact.
+        share_results([(owner, tensors) for p, _, tensors in entries if (owner := self._owner(p)) is not None])
+        for i, (_, keys, tensors) in zip(where, entries):
+            out[i].update(zip(keys, tensors))
         return out
 
     def eight_bit(self, layout: ParamLayout) -> bool:
@@ -411,7 +414,7 @@ class DistributedKron(DistOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The base's loader, after :func:`.state.check_loaded_forms`."""
-        check_loaded_forms(state_dict, self.param_groups)
+        check_loaded_forms(state_dict, self.param_groups, lambda p, g: make_plan(self.layout(p).full_shape, g).diag)
         super().load_state_dict(state_dict)
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
@@ -423,7 +426,7 @@ class DistributedKron(DistOptimizer):
         """For ``load_full_state``: only the owner keeps a parameter's factors (of the stored shapes
         of its group's options, checked on every rank)."""
         group = self._group_of(param)
-        check_factor_shapes(state, self._plan(param, group), packs_factors(group), self.layout(param).full_shape)
+        check_factor_shapes(state, self._plan(param, group), factor_form(group), self.layout(param).full_shape)
         return state if self._mine(param) else without_factors(state)
 
     def extra_state(self) -> dict[str, Any]:

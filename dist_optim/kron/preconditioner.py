@@ -19,7 +19,7 @@ import torch
 from ..structured import gram, gram_update_, matmul_triangular, symmetrize_, upper_times_upper
 from .blocks import Blocks, block_plan, factor_block
 from .options import precond_dtype
-from .state import FactorScratch, has_factors, packs_factors, store_factors, store_whole, whole_factors
+from .state import FactorScratch, factor_form, has_factors, store_factors, store_whole, whole_factors
 from .structure import FactorPlan
 
 __all__ = [
@@ -221,10 +221,11 @@ def owner_direction(
     ``probes`` is :func:`~dist_optim.kron.blocks.draw_probe`'s. A large tensor with a diagonal
     factor is worked on in blocks along that factor's dim (:func:`~dist_optim.kron.blocks.block_plan`,
     :mod:`dist_optim.kron.blocks`); ``overwrite``: ``full_m`` is the caller's scratch buffer,
-    which that path turns into the direction. With ``use_symmetric_packing`` the triangular factors
-    are unpacked whole into ``scratch`` for the step and packed back when it changed them."""
+    which that path turns into the direction. With ``use_symmetric_packing`` and/or
+    ``preconditioner_bits=8`` the triangular factors are unpacked and/or dequantised whole into
+    ``scratch`` for the step and stored back (packed, quantised) when it changed them."""
     dtype = precond_dtype(group)
-    packed = packs_factors(group)
+    form = factor_form(group)
     if not has_factors(state):
         scale = group["precond_init_scale"]
         if scale is None:
@@ -232,11 +233,13 @@ def owner_direction(
             # momentum: momentum_into_precond_update routes no gradient).
             b1 = group["b1"]
             scale = gradient_scale(full_m.double() / (1 - b1 ** int(state["step"])) if b1 > 0 else full_m)
-        store_factors(state, initial_factors(plan, scale, dtype, full_m.device), plan, packed)
-    factors = whole_factors(state, plan, packed, scratch)
+        store_factors(state, initial_factors(plan, scale, dtype, full_m.device), plan, form)
+    factors = whole_factors(state, plan, form, scratch)
     u = _direction(state, group, plan, factors, full_m, full_g, probes, do_balance, overwrite)
-    if packed and (probes is not None or (do_balance and len(plan.shape) > 1)):
-        store_whole(state, plan, factors)
+    # Only update and balancing steps change factors: the others store nothing (quantised: the
+    # codes of a factor no step changed are never rounded again).
+    if form.compact and (probes is not None or (do_balance and len(plan.shape) > 1)):
+        store_whole(state, plan, factors, form)
     return u
 
 
