@@ -369,6 +369,20 @@ PARITY_CASES += [
         dist_optim.DistributedKron,
         dict(lr=1e-2, weight_decay=1e-2, memory_save_mode="smart_one_diag", use_symmetric_packing=True),
     ),
+    # Triangular factors as 8-bit codes of their packed triangles (preconditioner_bits=8) on their
+    # owners, quantised anew on the owner at each update: codes and absmax compared as state,
+    # gathered and resharded in that form; the diagonal factors stay fp32.
+    Case(
+        "kron-lowbit",
+        dist_optim.DistributedKron,
+        dict(
+            lr=1e-2,
+            weight_decay=1e-2,
+            memory_save_mode="smart_one_diag",
+            use_symmetric_packing=True,
+            preconditioner_bits=8,
+        ),
+    ),
 ]
 
 # Production-size factors under distribution (tests/helpers/parity.py PRODUCTION_SPECS: dims 300-576, above
