@@ -2,7 +2,7 @@
 states against itself in full precision, on the tiny Llama and the books of ``bench/convergence.py``
 (its ``run_one``: the same model, data, schedule and held-out loss).
 
-    .venv/bin/python bench/compact_quality.py                  # 11 rows, 2 seeds each
+    .venv/bin/python bench/compact_quality.py                  # 12 rows, 2 seeds each
     .venv/bin/python bench/compact_quality.py --only shampoo --seeds 1 --steps 60
     .venv/bin/python bench/compact_quality.py --only "shampoo 4-bit" "soap 4-bit" --plot docs/compact_quality_bits.png
 
@@ -10,9 +10,9 @@ Each optimizer runs at its best rate of docs/convergence.md with its recipe sett
 and once with :data:`COMPACT`'s options (bitsandbytes' ``optim_bits=8`` for its moment-like states,
 at the default ``min_8bit_size`` of 4096 elements: the tiny Llama's matrices, not its norms; Shampoo
 and SOAP also with ``use_symmetric_packing``, which changes nothing bit for bit), the same seeds for
-both. The rows named ``<optimizer> <n>-bit`` are the same optimizer with its eigenvectors
-quantised too (``preconditioner_bits``), against the same full-precision runs (``--plot`` another
-file when running only some rows: the default one holds all). Printed: a markdown table of the
+both. The rows named ``<optimizer> <n>-bit`` are the same optimizer with its eigenvectors (Kron:
+its triangular factors) quantised too (``preconditioner_bits``), against the same full-precision
+runs (``--plot`` another file when running only some rows: the default one holds all). Printed: a markdown table of the
 final held-out loss of each seed, their mean, and the compact form's mean relative to the
 full-precision one's; plotted (``--plot``, default ``docs/compact_quality.png``): both forms' mean
 held-out curves, one panel per row.
@@ -45,6 +45,7 @@ COMPACT: dict[str, tuple[float, dict[str, Any]]] = {
     "SOAP 8-bit": (0.014, dict(optim_bits=8, use_symmetric_packing=True, preconditioner_bits=8)),
     "SOAP 4-bit": (0.014, dict(optim_bits=8, use_symmetric_packing=True, preconditioner_bits=4)),
     "Kron": (0.003, dict(optim_bits=8)),
+    "Kron 8-bit": (0.003, dict(optim_bits=8, use_symmetric_packing=True, preconditioner_bits=8)),
     "GaLore": (0.03, dict(optim_bits=8)),
     "Muon": (0.014, dict(optim_bits=8)),
 }
