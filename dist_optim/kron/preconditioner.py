@@ -40,6 +40,15 @@ __all__ = [
 CLIP_RMS = 1.1
 
 
+@functools.lru_cache(maxsize=256)
+def constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(value, dtype, device)``, made once per value, dtype and device (never written
+    to): the same rounding as kron_torch's per-step scalars, without their cost on a GPU, where
+    each ``torch.tensor`` of a Python number copies from pageable host memory and waits for the
+    device (75 of Kron's 76 host waits a step on an H200, ``torch.cuda.set_sync_debug_mode``)."""
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
 def initial_factors(
     plan: FactorPlan, init_scale: float, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
@@ -143,7 +152,7 @@ def step_factor(q: torch.Tensor, grams: list[torch.Tensor], precond_lr: float, t
     total = ga + gb
     diff = ga.sub_(gb)
     del ga, gb
-    diff.mul_(torch.tensor(precond_lr, dtype=diff.dtype, device=diff.device))
+    diff.mul_(constant(precond_lr, diff.dtype, diff.device))
     max_abs = torch.maximum(total.max(), total.min().neg())  # max|T1 + T2| without a temporary
     if q.dim() < 2:
         q.sub_(diff * q / max_abs.clamp(min=tiny))
@@ -175,7 +184,7 @@ def update_scalar_factor(
     """:func:`fit_factors` for a 0-dim tensor's one scalar factor (kron_torch fails there)."""
     a, b = q * g, v / q
     ga, gb = a * a, b * b
-    lr = torch.tensor(precond_lr, dtype=g.dtype, device=g.device)
+    lr = constant(precond_lr, g.dtype, g.device)
     q.sub_((ga - gb) * lr * q / (ga + gb).abs().clamp(min=tiny))
 
 
@@ -272,9 +281,9 @@ def _direction(
         fit = full_g.to(dtype, copy=True).reshape(plan.shape)
     if probes is not None:
         probe = next(probes)
-        eps = torch.tensor(torch.finfo(torch.float32).eps, dtype=fit.dtype, device=fit.device)
+        eps = constant(torch.finfo(torch.float32).eps, fit.dtype, fit.device)
         fit.add_(eps.sqrt() * fit.abs().mean() * probe)
-        tiny = torch.tensor(torch.finfo(dtype).tiny, dtype=dtype, device=fit.device)
+        tiny = constant(torch.finfo(dtype).tiny, dtype, fit.device)
         if plan.shape:
             ab = [apply_factors(fit, factors), apply_inverse_transposed(probe, factors)]
             del probe, fit  # A and B are what the fit needs from here on
@@ -347,7 +356,7 @@ def _blocked_direction(
             cut(out, lo, hi).copy_(precondition(factor_block(factors, dim, lo, hi), debiased(lo, hi)))
     else:
         abs_sum = torch.stack([fit_block(lo, hi).abs().sum(dtype=torch.float64) for lo, hi in spans]).sum()
-        eps = torch.tensor(torch.finfo(torch.float32).eps, dtype=dtype, device=m.device)
+        eps = constant(torch.finfo(torch.float32).eps, dtype, m.device)
         noise = eps.sqrt() * (abs_sum / math.prod(plan.shape)).to(dtype)
         # The blocked dim's factor statistics are per index: each block fills its own. The
         # others' are sums over every index of the blocked dim, accumulated in place (a square
@@ -366,7 +375,7 @@ def _blocked_direction(
                 sums = [_new_sums(a, b, k, q.dim() < 2, k == dim, plan.shape[dim]) for k, q in enumerate(factors)]
             for k, q in enumerate(factors):
                 _add_sums(sums[k], a, b, k, q.dim() < 2, (lo, hi) if k == dim else None)
-        tiny = torch.tensor(torch.finfo(dtype).tiny, dtype=dtype, device=m.device)
+        tiny = constant(torch.finfo(dtype).tiny, dtype, m.device)
         for q, grams in zip(factors, sums):
             if q.dim() >= 2:
                 for t in grams:
