@@ -21,15 +21,16 @@ With ``optim_bits=8`` a block of at least ``min_8bit_size`` elements keeps its m
 ``<name>_absmax`` (one fp32 absmax per 256 consecutive elements of the block, flattened): the
 math runs on their fp32 values (:func:`dequantized`), stored again by :func:`store_8bit`.
 
-With ``preconditioner_bits`` 8 or 4 the eigenvector matrices are kept block-wise quantised
-(:mod:`dist_optim.lowbit`): ``basis<k>`` holds the codes of ``Q_k`` (1-D uint8; SOAP's bases, and
-for Shampoo the eigenvectors of the damped factor, in place of ``root<k>``) and
-``basis<k>_absmax`` their block absmax, and Shampoo keeps ``spectrum<k>``, the root's eigenvalues
-``(lam + epsilon)^-alpha`` (length ``d``, ``preconditioner_dtype``): ``R_k = Q_k diag(s_k)
-Q_k^T``. :func:`decoded_bases` gives the matrices whole (dequantised, then rectified by one
-Björck step) in scratch, :func:`store_basis` quantises a refreshed one back. The factors stay in
-``preconditioner_dtype`` (packed with ``use_symmetric_packing``): each step adds a small
-increment to them, which a 4- or 8-bit code of the sum would mostly round away.
+With ``preconditioner_bits`` 8 or 4 the eigenvector matrices of blocks of at least 2 dims
+(:func:`quantises_bases`) are kept block-wise quantised (:mod:`dist_optim.lowbit`): ``basis<k>``
+holds the codes of ``Q_k`` (1-D uint8; SOAP's bases, and for Shampoo the eigenvectors of the
+damped factor, in place of ``root<k>``) and ``basis<k>_absmax`` their block absmax, and Shampoo
+keeps ``spectrum<k>``, the root's eigenvalues ``(lam + epsilon)^-alpha`` (length ``d``,
+``preconditioner_dtype``): ``R_k = Q_k diag(s_k) Q_k^T``. :func:`decoded_bases` gives the
+matrices whole (dequantised, then rectified by one Björck step) in scratch, :func:`store_basis`
+quantises a refreshed one back. The factors stay in ``preconditioner_dtype`` (packed with
+``use_symmetric_packing``): each step adds a small increment to them, which a 4- or 8-bit code
+of the sum would mostly round away.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
         spec += moment("exp_avg_eigen" if keeps_moment_in_eigenbasis(group) else "exp_avg", dtype)
     if isinstance(group["grafting_config"], SQUARED_GRAFTING_TYPES):
         spec += moment("graft_sq", dtype)
-    bits = group["preconditioner_bits"]
+    bits = group["preconditioner_bits"] if quantises_bases(block, group) else 32
     if block.precondition:
         spec += [(f"factor{k}", sym(d), pdt) for k, d in enumerate(block.shape)]
         if not soap and bits == 32:
@@ -134,9 +135,15 @@ def keeps_8bit(block: Block, group: dict[str, Any]) -> bool:
     return group["optim_bits"] == 8 and math.prod(block.shape) >= group["min_8bit_size"]
 
 
-def quantises_bases(group: dict[str, Any]) -> bool:
-    """Whether the group keeps its eigenvector matrices quantised (``preconditioner_bits`` 8 or 4)."""
-    return group["preconditioner_bits"] < 32
+def quantises_bases(block: Block, group: dict[str, Any]) -> bool:
+    """Whether ``block`` keeps its eigenvector matrices quantised: ``preconditioner_bits`` 8 or 4,
+    and a block of at least 2 dims. A vector's factor gains one rank a step, so for its first
+    ``d`` steps most of its eigenvalues are ``epsilon``'s, where the root's are largest: the
+    quantisation error of those eigenvectors, times the root's eigenvalue spread, swamps the
+    direction (a 128-vector with Adam grafting, 30 steps: the update's cosine with the 32-bit
+    one's was 0.04-0.09 at 4 and 8 bits with epsilon 1e-12, 0.55 at 4 bits with 1e-6), and
+    vectors' matrices are a small part of the state (0.07 GB of 6 per rank at Llama-2-7B, tp=8)."""
+    return group["preconditioner_bits"] < 32 and block.order >= 2
 
 
 def keeps_moment_in_eigenbasis(group: dict[str, Any]) -> bool:
@@ -450,12 +457,13 @@ def check_loaded_forms(saved: Mapping[str, Any], groups: list[dict[str, Any]]) -
     for built, group in zip(groups, saved["param_groups"]):
         options = {**built, **group}
         for pid in group.get("params", []):
-            for key, value in saved.get("state", {}).get(pid, {}).items():
+            state = saved.get("state", {}).get(pid, {})
+            for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    _check_form(key, value, options)
+                    _check_form(key, value, options, f"{key.split('.')[0]}.factor1" in state)
 
 
-def _check_form(key: str, value: torch.Tensor, group: Mapping[str, Any]) -> None:
+def _check_form(key: str, value: torch.Tensor, group: Mapping[str, Any], matrix_block: bool) -> None:
     name = key.rsplit(".", 1)[-1]
     packed = group["use_symmetric_packing"]
     if key.startswith("block") and name.startswith(("factor", "root")) and (value.dim() == 1) != packed:
@@ -464,7 +472,7 @@ def _check_form(key: str, value: torch.Tensor, group: Mapping[str, Any]) -> None
             f"where the param group has use_symmetric_packing={packed}; build the optimizer with "
             f"use_symmetric_packing={value.dim() == 1} to load it"
         )
-    bits = group["preconditioner_bits"]
+    bits = group["preconditioner_bits"] if matrix_block else 32  # a vector's stay whole: quantises_bases
     if key.startswith("block") and name.startswith(("root", "basis")) and not name.endswith("_absmax"):
         codes = value.dtype == torch.uint8
         if codes != (bits < 32):

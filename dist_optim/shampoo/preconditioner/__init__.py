@@ -97,7 +97,7 @@ def _direction(
         if packed:  # the math on whole matrices (scratch), packed back below
             bs = unpacked(stored, block, scratch, roots=not is_soap and t >= start)
         scale = update_factors(bs, block, g, group, t, start)
-        if quantises_bases(group):  # the refresh, and the whole bases / roots the step uses
+        if quantises_bases(block, group):  # the refresh, and the whole bases / roots the step uses
             bs = quantized.refreshed(stored, bs, block, group, t, start, scale, scratch)
         elif scale is not None and is_soap:
             soap.refresh_bases(bs, scale, group, first=(t == start))
