@@ -24,15 +24,19 @@ and the checkpoints serialise), and the one place that spells its keys.
   step's math is unchanged, :func:`store_whole` quantises back only what a step changed (update
   and balancing steps); steps that only precondition read the codes and write nothing. The
   quantiser's exact zero keeps the unpacked strict lower triangle exactly zero. Diagonal factors
-  (vectors, O(n): 0.1 MB for a 32000-row embedding against its triangle's hundreds of MB) stay in
-  ``precond_dtype``: quantising them would save almost nothing and would tie the precision of
-  each dim's scale to the largest in its block. Kron's fit multiplies ``Q`` by ``I - step`` with
-  ``|step| <= precond_lr`` each update: at 8 bits (a code is 1/127 of a block's absmax) about 80%
-  of an update's entries change a code and the kept part of the update has a projection of 0.92
-  on the true one; at 4 bits (1/7) 8% and 0.12 (measured on a 96 x 64 least-squares layer, 60
-  updates): most 4-bit updates vanish in the rounding, so only 8 bits are offered (the options).
-  The fit then continues from the stored (rounded) factor, as a single device does with the same
-  option: no error accumulates unseen, the rounding acts as a perturbation of each update.
+  (vectors, O(n): 0.13 MB for a 32000-row embedding, whose 4096-side triangle is 34 MB packed in
+  fp32) stay in ``precond_dtype``: quantising them would save almost nothing and would tie the
+  precision of each dim's scale to the largest in its block. Kron's fit multiplies ``Q`` by
+  ``I - step`` with ``|step| <= precond_lr`` each update: at 8 bits (a code is 1/127 of a block's
+  absmax) about 80% of an update's entries change a code and the kept part of the update has a
+  projection of 0.92 on the true one; at 4 bits (1/7) 8% and 0.12 (measured on a 96 x 64
+  least-squares layer, 60 updates): most 4-bit updates vanish in the rounding, so only 8 bits are
+  offered (:func:`dist_optim.kron.options.check_preconditioner_bits`). The rounding is the
+  deviation from Li's PSGD and kron_torch (factors in ``precond_dtype``): each fit's result is
+  rounded to the codes and the next step starts from the rounded factor, the same on every layout.
+  Not guarded: a diagonal entry of a triangular factor below half a code of its block's absmax
+  would round to zero and make the factor singular (the triangular solve of the fit); not seen in
+  the training bench (bench/compact_quality.py).
 """
 
 from __future__ import annotations
