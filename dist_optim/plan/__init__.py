@@ -70,7 +70,8 @@ NOT_SIMULATED = (
     "their limit, NaN checks find none",
     "mixture of experts: routing balanced (every expert tokens x top_k / experts; a real router's busiest expert "
     "holds and receives more); expert parallelism (--ep) without --pp or --sp; sequence parallelism: the recipe's "
-    "all_to_all mode only; pipeline stages: the 1F1B schedule only",
+    "all_to_all mode only; pipeline stages: the 1F1B and interleaved schedules (not zbv); the interleaved one "
+    "checked against runs with overlap_p2p=False (gloo hangs with ColossalAI's default True)",
 )
 
 #: The layouts of ``--sweep`` for a world of N ranks: (plugin, tp, zero, precision).
@@ -177,8 +178,8 @@ class Plan:
         the updated parameters, ``3 (g-1)/g W``; ZeRO-2 reduce-scatters them instead,
         ``2 (g-1)/g W``; checked against real runs but for the one-scalar overflow flag ZeRO also
         all-reduces; under expert parallelism each expert's over its MoE data-parallel group) and
-        ``pipeline`` (each micro-batch's hidden states to the next stage and their gradient back)
-        derived."""
+        ``pipeline`` (each micro-batch's hidden states to the next stage and their gradient back,
+        once per model chunk under the interleaved schedule) derived."""
         layout, b = self.layout, self.busiest
         ring = {0: 2, 1: 3, 2: 2}[layout.zero]
         out = {"optimizer": float(self.steady["bytes_sent"]), "gradients": ring * b.reduced_share}
@@ -188,7 +189,9 @@ class Plan:
             out["model"] = a.bytes_sent * micro
             if layout.pp > 1:
                 hidden = w.seq_len * int(self.hidden_size) * layout.working_dtype.itemsize
-                sends = (a.stage < layout.pp - 1) + (a.stage > 0)
+                # each chunk sends its output on and its input's gradient back, but the model's
+                # first and last (1F1B: one chunk per stage)
+                sends = 2 * layout.num_model_chunks - (a.stage == layout.pp - 1) - (a.stage == 0)
                 out["pipeline"] = float(micro * sends * hidden)
         out["total"] = sum(out.values())
         return out
@@ -318,7 +321,9 @@ def make_plan(
     if steps < 2:
         raise PlanError(f"--steps {steps}: at least 2 (the first step also creates the state)")
     config = load_config(model)
-    check_model_layout(config, layout.tp, layout.pp, sp=layout.sp, sp_mode="all_to_all", ep=layout.ep)
+    check_model_layout(
+        config, layout.tp, layout.pp, sp=layout.sp, sp_mode="all_to_all", ep=layout.ep, chunks=layout.num_model_chunks
+    )
     if not 0 <= margin < 1:
         raise PlanError(f"--memory-margin {margin}: a share of the GPU's memory in [0, 1), e.g. 0.1")
     args = dict(optimizer_args or {})
@@ -412,10 +417,18 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"activations of {where}: {plan.workload.describe(pp)}; autograd saved {_gb(a.saved)} per micro-batch"
         )
-        if pp > 1:
+        by_stage = ", ".join(f"{s}: {_gb(x.schedule_peak)}" for s, x in sorted(plan.stage_activations.items()))
+        if pp > 1 and a.chunks:
+            lines.append(
+                f"interleaved, {len(a.chunks)} chunks per stage (schedule replayed): stage {a.stage} holds up to "
+                f"{a.in_flight} chunk micro-batches at once (kept per chunk: "
+                + ", ".join(_gb(c.kept) for c in a.chunks)
+                + f"); activation peak by stage: {by_stage}"
+            )
+        elif pp > 1:
             lines.append(
                 f"1F1B: stage {a.stage} holds {a.in_flight} micro-batch(es) at once; activation peak by stage: "
-                + ", ".join(f"{s}: {_gb(x.schedule_peak)}" for s, x in sorted(plan.stage_activations.items()))
+                + by_stage
             )
     lines += [
         "",

@@ -36,6 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plugin", default="hybrid", help="hybrid, zero (LowLevelZeroPlugin) or ddp")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument(
+        "--pp-style", default="1f1b", help="pipeline schedule, HybridParallelPlugin's pp_style: 1f1b or interleaved"
+    )
+    ap.add_argument(
+        "--num-model-chunks", type=int, default=1, help="layer chunks per stage with --pp-style interleaved (K >= 2)"
+    )
     ap.add_argument("--zero", type=int, default=0)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
@@ -178,7 +184,10 @@ def run(argv: list[str] | None = None) -> str:
         if a.json:
             return json.dumps([p.to_json() for p in plans], indent=1)
         return format_sweep(plans)
-    layout = Layout(a.plugin, tp=a.tp, pp=a.pp, zero=a.zero, dp=a.dp, ep=a.ep, precision=a.precision, sp=a.sp)
+    layout = Layout(
+        a.plugin, tp=a.tp, pp=a.pp, zero=a.zero, dp=a.dp, ep=a.ep, precision=a.precision, sp=a.sp,
+        pp_style=a.pp_style, num_model_chunks=a.num_model_chunks,
+    )  # fmt: skip
     plan = make_plan(
         a.model, layout, a.optimizer, args, a.steps, gpu_memory=gpu, log=log, device=a.device, workload=work,
         margin=a.memory_margin,

@@ -61,6 +61,8 @@ __all__ = [
     "simulate_activations",
     "attention_as",
     "BalancedRouting",
+    "interleaved_stage",
+    "check_microbatches",
 ]
 
 #: ``--attn`` values, as the recipe's.
@@ -114,12 +116,23 @@ class Activations:
     #: layers and loss: {kind: calls}, and the bytes this rank sends, bus-bandwidth convention).
     collectives: dict[str, int] = field(default_factory=dict)
     bytes_sent: float = 0.0
+    #: The peak of the forward alone (what the interleaved replay charges a forward with).
+    forward_peak: int = 0
+    #: Under the interleaved schedule, each of the stage's model chunks' own figures (saved, kept and
+    #: the collectives above are then their sums: one micro-batch through every chunk of the stage,
+    #: ``peak`` their largest), and the stage's peak from the replay of the schedule
+    #: (:mod:`dist_optim.plan.schedules`); ``in_flight`` counts chunk micro-batches.
+    chunks: list[Activations] = field(default_factory=list)
+    replayed_peak: int | None = None
 
     @property
     def schedule_peak(self) -> int:
-        """The rank's activation peak in its schedule: the earlier micro-batches' kept bytes (and the
-        held input gradient) under the peak of the one whose backward runs (1F1B's steady state: a
-        forward, then the oldest micro-batch's backward)."""
+        """The rank's activation peak in its schedule: the interleaved schedule's replayed peak, or
+        1F1B's: the earlier micro-batches' kept bytes (and the held input gradient) under the peak
+        of the one whose backward runs (its steady state: a forward, then the oldest micro-batch's
+        backward)."""
+        if self.replayed_peak is not None:
+            return self.replayed_peak
         return (self.in_flight - 1) * self.kept + self.held_grad + self.peak
 
 
@@ -184,6 +197,8 @@ def simulate_activations(
     a later stage takes the hidden states it receives, every stage but the last sends its output
     and runs its backward from the gradient it receives (both allocated inside the measurement,
     as the schedule's receive buffers are); ``batch_size`` micro-batches go through per step.
+    Under the interleaved schedule the micro-batch runs through the chunk ``stages.model_chunk_id``
+    (set by the caller), with that chunk's layer range passed as the schedule passes it.
     ``mask``: pass an all-ones attention mask, as the recipe does under sequence parallelism."""
     from .traffic import LiveBytes, c10d_bytes
 
@@ -234,6 +249,8 @@ def simulate_activations(
                 if not first:
                     received = torch.empty((rows, workload.seq_len, width), dtype=dtype, device="meta")
                     inputs["hidden_states"] = received.requires_grad_()
+                if stages is not None and stages.is_interleave:  # as InterleavedSchedule.forward_step
+                    inputs["stage_index"] = stages.stage_indices[stages.model_chunk_id]
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = model(**inputs)
                 # What outlives the forward: the loss (the model's other outputs, the logits, are
@@ -245,7 +262,7 @@ def simulate_activations(
                 # small tensors until Python's collector runs, at no fixed time: collect them now, so
                 # that the figures do not depend on when it last ran.
                 gc.collect()
-                kept = live.live
+                kept, forward_peak = live.live, live.peak
                 if last:
                     held.backward()
                 else:
@@ -262,7 +279,26 @@ def simulate_activations(
             held_grad = rows * workload.seq_len * width * dtype.itemsize
     return Activations(
         sum(saved.values()), kept, live.peak, time.perf_counter() - t0, live.meta_items, stage, in_flight, held_grad,
-        dict(calls), float(sent),
+        dict(calls), float(sent), forward_peak,
+    )  # fmt: skip
+
+
+def interleaved_stage(chunks: list[Activations], stages: int, workload: Workload, hidden: int) -> Activations:
+    """A stage's activations under the interleaved schedule from its ``chunks``' (in chunk order):
+    sums for one micro-batch through them all, and the peak of the replayed schedule over
+    ``workload.batch_size`` micro-batches with ``hidden`` bytes per sent hidden-states tensor."""
+    from .schedules import ChunkBytes, replay_interleaved
+
+    stage = chunks[0].stage
+    figures = [ChunkBytes(c.kept, c.forward_peak, c.peak) for c in chunks]
+    replay = replay_interleaved(stages, stage, figures, workload.batch_size, hidden)
+    calls: collections.Counter[str] = collections.Counter()
+    for c in chunks:
+        calls.update(c.collectives)
+    return Activations(
+        sum(c.saved for c in chunks), sum(c.kept for c in chunks), max(c.peak for c in chunks),
+        sum(c.seconds for c in chunks), sum(c.meta_items for c in chunks), stage, replay.in_flight, 0, dict(calls),
+        sum(c.bytes_sent for c in chunks), max(c.forward_peak for c in chunks), chunks, replay.peak,
     )  # fmt: skip
 
 
@@ -331,13 +367,33 @@ def activations_of_rank(
     from .simulate import as_device, sharded_meta_model
     from .world import SimWorld
 
-    if layout.pp > 1 and workload.batch_size < layout.pp:
-        raise PlanError(
-            f"--batch-size {workload.batch_size} with --pp {layout.pp}: ColossalAI's 1F1B schedule needs at least "
-            f"as many micro-batches (one sequence each, the recipe's) as stages; use --batch-size {layout.pp} or more"
-        )
+    check_microbatches(layout, workload)
     ratio = 1.0 if workload.grad_checkpoint else None
     with SimWorld(layout, rank) as world, as_device(device), attention_as(workload.attn, device) as impl:
         model = sharded_meta_model(config, layout, world, attn_implementation=impl, checkpoint_ratio=ratio)
         model.to(layout.working_dtype)
-        return simulate_activations(model, workload, device, breakdown, world.stage_manager, mask=layout.sp > 1)
+        stages = world.stage_manager
+        if layout.pp_style != "interleaved":
+            return simulate_activations(model, workload, device, breakdown, stages, mask=layout.sp > 1)
+        chunks = []
+        for chunk in range(layout.num_model_chunks):
+            with stages.switch_model_chunk_id(chunk):
+                chunks.append(simulate_activations(model, workload, device, breakdown, stages))
+        hidden = workload.seq_len * int(config.hidden_size) * layout.working_dtype.itemsize
+        return interleaved_stage(chunks, layout.pp, workload, hidden)
+
+
+def check_microbatches(layout: Any, workload: Workload) -> None:
+    """Refuse in one line the micro-batch counts ColossalAI's schedules assert on: 1F1B needs at
+    least one per stage, the interleaved schedule a multiple of the stages (its ``load_batch``)."""
+    batch, pp = workload.batch_size, layout.pp
+    if pp > 1 and layout.pp_style == "interleaved" and batch % pp:
+        raise PlanError(
+            f"--batch-size {batch} with --pp {pp} --pp-style interleaved: ColossalAI's interleaved schedule needs "
+            f"a multiple of the stages in micro-batches (one sequence each); use --batch-size {(batch // pp + 1) * pp}"
+        )
+    if pp > 1 and batch < pp:
+        raise PlanError(
+            f"--batch-size {batch} with --pp {pp}: ColossalAI's 1F1B schedule needs at least "
+            f"as many micro-batches (one sequence each, the recipe's) as stages; use --batch-size {pp} or more"
+        )

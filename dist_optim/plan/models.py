@@ -167,12 +167,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_model_layout(
-    config: Any, tp: int = 1, pp: int = 1, sp: int = 1, sp_mode: str | None = None, ep: int = 1
+    config: Any, tp: int = 1, pp: int = 1, sp: int = 1, sp_mode: str | None = None, ep: int = 1, chunks: int = 1
 ) -> None:
     """Refuse, naming the value and what is accepted, a layout ColossalAI's policies (Llama,
     Mistral, Qwen2, Mixtral: the same head checks) would assert on: ``tp`` dividing the attention
     heads and the key/value heads (after ``sp`` divides them in the ``all_to_all`` mode), no more
-    pipeline stages than layers, and ``ep`` dividing the experts of an MoE model (a dense model has
+    pipeline stages than layers (under the interleaved schedule, no more stages x ``chunks`` model chunks
+    than layers: ColossalAI spreads a remainder, so divisibility is not needed, but it would leave a
+    chunk without layers), and ``ep`` dividing the experts of an MoE model (a dense model has
     none to split). The layout's own conditions on ``ep`` are :class:`~dist_optim.plan.world.Layout`'s."""
     if ep != 1:
         kind = getattr(config, "model_type", "llama")
@@ -214,4 +216,9 @@ def check_model_layout(
     if pp > layers:
         raise PlanError(
             f"--pp {pp}: more pipeline stages than the model's {layers} layers; choose --pp at most {layers}"
+        )
+    if pp * chunks > layers:
+        raise PlanError(
+            f"--num-model-chunks {chunks} with --pp {pp}: {pp * chunks} model chunks for the model's {layers} layers "
+            f"(ColossalAI would leave a chunk without layers); choose --num-model-chunks at most {layers // pp}"
         )

@@ -13,16 +13,20 @@ import torch.distributed as dist
 
 from .models import PlanError
 
-__all__ = ["PLUGINS", "PRECISIONS", "Layout", "SimWorld", "install_cpu_shims", "meta_device_mesh"]
+__all__ = ["PLUGINS", "PP_STYLES", "PRECISIONS", "Layout", "SimWorld", "install_cpu_shims", "meta_device_mesh"]
 
 PLUGINS = ("hybrid", "zero", "ddp")
+#: HybridParallelPlugin's ``pp_style`` values the planner simulates (``zbv`` is not).
+PP_STYLES = ("1f1b", "interleaved")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout as the plugins take it. Pipeline stages (``pp``) are HybridParallelPlugin's
-    one-forward-one-backward schedule. Expert parallelism (``ep`` > 1) is MoeHybridParallelPlugin's:
+    """A parallel layout as the plugins take it. Pipeline stages (``pp``) run HybridParallelPlugin's
+    ``pp_style``: its one-forward-one-backward schedule (``1f1b``), or the interleaved one, where
+    each stage holds ``num_model_chunks`` chunks of the layers (``interleaved``). Expert parallelism
+    (``ep`` > 1) is MoeHybridParallelPlugin's:
     its ``dp`` data-parallel ranks are ``ep`` expert-parallel x ``dp / ep`` MoE data-parallel ranks
     (:attr:`moe_dp`); the model must have experts for it
     (:func:`~dist_optim.plan.models.check_model_layout`)."""
@@ -35,6 +39,8 @@ class Layout:
     ep: int = 1
     precision: str = "bf16"
     sp: int = 1  # sequence parallelism, the recipe's all_to_all mode (ZeRO and gradients over dp x sp)
+    pp_style: str = "1f1b"  # HybridParallelPlugin's pp_style
+    num_model_chunks: int = 1  # its num_model_chunks: layer chunks per stage (interleaved only)
 
     def __post_init__(self) -> None:
         if self.plugin not in PLUGINS:
@@ -73,8 +79,30 @@ class Layout:
             raise PlanError(
                 "--plugin ddp runs --zero 0 --precision fp32 (TorchDDPPlugin has no ZeRO or mixed precision)"
             )
+        self._check_schedule()
         if self.ep > 1:
             self._check_experts()
+
+    def _check_schedule(self) -> None:
+        """HybridParallelPlugin's asserts on ``pp_style`` and ``num_model_chunks`` (ColossalAI 0.5.0),
+        as one line each."""
+        style, k = self.pp_style, self.num_model_chunks
+        if style not in PP_STYLES:
+            raise PlanError(f"--pp-style {style!r}: choose one of {', '.join(PP_STYLES)} (zbv is not simulated)")
+        if style == "interleaved" and self.pp < 2:
+            raise PlanError(
+                f"--pp-style interleaved with --pp {self.pp}: the schedule runs over stages; use --pp 2 or more"
+            )
+        if style == "interleaved" and k < 2:
+            raise PlanError(
+                f"--num-model-chunks {k} with --pp-style interleaved: the interleaved schedule needs at least 2 "
+                "chunks per stage; use --num-model-chunks 2 or more"
+            )
+        if style != "interleaved" and k != 1:
+            raise PlanError(
+                f"--num-model-chunks {k} with --pp-style {style}: 1F1B runs one chunk per stage; "
+                "add --pp-style interleaved or drop --num-model-chunks"
+            )
 
     def _check_experts(self) -> None:
         """MoeHybridParallelPlugin's own conditions on ``ep`` (ColossalAI 0.5.0), refused here in one
@@ -161,6 +189,8 @@ class Layout:
     def describe(self) -> str:
         zero = f" x ZeRO-{self.zero}" if self.zero else ""
         pp = f" x pp={self.pp}" if self.pp > 1 else ""
+        if self.pp_style == "interleaved":
+            pp += f" (interleaved, {self.num_model_chunks} chunks)"
         sp = f" x sp={self.sp}" if self.sp > 1 else ""
         ep = f" (ep={self.ep} x moe_dp={self.moe_dp})" if self.ep > 1 else ""
         return f"{self.plugin} tp={self.tp}{pp}{sp} x dp={self.dp}{ep}{zero} ({self.world} ranks, {self.precision})"
@@ -264,7 +294,11 @@ class SimWorld:
             from colossalai.pipeline.stage_manager import PipelineStageManager
 
             mesh = ProcessGroupMesh(self.layout.dp, self.layout.pp, self.layout.tp, self.layout.sp)
-            self.stage_manager = PipelineStageManager(mesh, pipeline_axis=1)
+            # as HybridParallelPlugin makes it for its pp_style (ShardFormer reads the chunks from it)
+            interleaved = self.layout.pp_style == "interleaved"
+            self.stage_manager = PipelineStageManager(
+                mesh, pipeline_axis=1, enable_interleave=interleaved, num_model_chunks=self.layout.num_model_chunks
+            )
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -351,6 +351,85 @@ def test_pipeline_activations_match_the_run(case_id: str, request: pytest.Fixtur
         )
 
 
+#: The interleaved schedule (pp=2, two model chunks per stage) on a 4-layer Llama: each chunk one
+#: layer; four micro-batches (a multiple of the stages, as the schedule asserts).
+INTERLEAVED = Case("fp32", "sdpa", False, batch=4, seq=128)
+
+
+def _measured_interleaved(case: Case) -> dict[str, Any]:
+    """On each rank: HybridParallelPlugin with ``pp_style="interleaved"``, two chunks per stage,
+    micro-batches of one sequence, ``overlap_p2p=False`` (with ColossalAI's default, gloo hangs on
+    rank 0); one step's forward and backward after a warm-up step, gradients dropped as accumulated,
+    measured as in :func:`_measured_pipeline`. Then, gradients kept, one AdamW step: the bytes of
+    the parameters the rank holds (the module's and the optimizer's) and of AdamW's state."""
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import HybridParallelPlugin
+    from transformers import LlamaForCausalLM
+
+    from dist_optim.plugins.cpu import install, quiet_colossal
+    from tests.helpers.allocated import held_bytes
+
+    install()
+    malloc.fix_mmap_threshold()
+    with quiet_colossal():
+        torch.manual_seed(0)
+        config = _config(case.attn)
+        config.num_hidden_layers = 4
+        plugin = HybridParallelPlugin(
+            tp_size=1, pp_size=2, precision=case.precision, zero_stage=0, microbatch_size=1,
+            pp_style="interleaved", num_model_chunks=2, overlap_p2p=False,
+        )  # fmt: skip
+        booster = Booster(plugin=plugin)
+        model = LlamaForCausalLM(config)
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model.train()
+    hooks = [p.register_post_accumulate_grad_hook(_drop) for p in model.parameters()]
+    ids = torch.randint(0, 512, (case.batch, case.seq), generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+    for _ in range(2):
+        batch = iter([{"input_ids": ids, "labels": ids}])
+        with malloc.PeakMalloc() as heap, AllocatedBytes() as tensors:
+            booster.execute_pipeline(batch, model, lambda o, _: o.loss, opt, return_loss=True)
+        out = {"peak": tensors.peak, "malloc_peak": heap.peak}
+    for h in hooks:
+        h.remove()
+    booster.execute_pipeline(iter([{"input_ids": ids, "labels": ids}]), model, lambda o, _: o.loss, opt)
+    opt.step()
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    out["module_params"] = held_bytes(list(model.parameters()))
+    out["optimizer_params"] = held_bytes(stepped)
+    out["state"] = held_bytes(list(opt.optim.state.values()))
+    out["stepped"] = sum(1 for p in stepped if p in opt.optim.state)
+    return out
+
+
+def test_interleaved_schedule_matches_the_run(pool2: Any) -> None:
+    """pp=2 under the interleaved schedule with two chunks per stage, against a real run: per rank
+    (stage), the bytes of the parameters it holds (its two chunks' layers, the embedding on the
+    first, the norm and head on the last) and of AdamW's state equal the plan's; the plan's activation
+    peak (each chunk's micro-batch simulated, the schedule's order replayed) equals the run's tensor
+    peak to one hidden-states tensor and is within 10% of the allocator's peak, as for 1F1B."""
+    case = INTERLEAVED
+    runs = pool2.run(_measured_interleaved, case)
+    config = _config(case.attn)
+    config.num_hidden_layers = 4
+    layout = Layout("hybrid", pp=2, dp=1, precision=case.precision, pp_style="interleaved", num_model_chunks=2)
+    work = Workload(case.seq, case.batch, case.grad_checkpoint, case.attn)
+    plan = make_plan(config, layout, "adamw", steps=2, device="cpu", workload=work)
+    assert plan.stage_activations is not None
+    for rank, run in enumerate(runs):
+        planned, acts = plan.ranks[rank], plan.stage_activations[layout.stage_of(rank)]
+        print(f"rank {rank}: plan {planned.working_params} params, {planned.optimizer_state} state, {acts}; run {run}")
+        assert run["stepped"] > 0, f"rank {rank}: AdamW stepped no parameter"
+        assert planned.working_params == run["module_params"] == run["optimizer_params"], f"rank {rank}: params"
+        assert planned.optimizer_state == run["state"], f"rank {rank}: AdamW's state bytes"
+        assert len(acts.chunks) == 2 and acts.in_flight == (5 if rank == 0 else 3)
+        assert abs(acts.schedule_peak - run["peak"]) <= _one_hidden_state(case, 1), f"rank {rank}: tensor peak"
+        assert abs(acts.schedule_peak - run["malloc_peak"]) <= 0.10 * run["malloc_peak"], (
+            f"rank {rank}: planned peak {acts.schedule_peak} vs the allocator's {run['malloc_peak']}: over 10% apart"
+        )
+
+
 def test_sweep_ranks_the_layouts_that_fit_by_bytes_sent(capsys: pytest.CaptureFixture[str]) -> None:
     """--sweep over 4 ranks of the GQA Llama (2 key/value heads, 2 layers, 2 micro-batches): every
     layout ColossalAI accepts and only those, twice (checkpointing off and on); each sweep plan is
