@@ -9,6 +9,7 @@ Also a reshard worker: an 8-bit run on one layout, its :meth:`full_state` loaded
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,19 +24,25 @@ SHAPES = [(40, 96), (33, 17), (300,), (5, 7)]
 NONE_GRAD = (3, 1)  # at step 3, param 1 gets no gradient
 
 
-def params(seed: int = 0) -> list[torch.nn.Parameter]:
-    """Parameters of :data:`SHAPES`, drawn from ``seed``."""
+def params(seed: int = 0, shapes: Sequence[tuple[int, ...]] = SHAPES) -> list[torch.nn.Parameter]:
+    """Parameters of ``shapes`` (default :data:`SHAPES`), drawn from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
 
 
-def grads(step: int) -> list[torch.Tensor | None]:
-    """The gradients of ``step`` for :func:`params`, growing with the step (so the block absmax
-    changes), None for the parameter and step of :data:`NONE_GRAD`."""
+def grads(
+    step: int,
+    shapes: Sequence[tuple[int, ...]] = SHAPES,
+    none: tuple[int, int] = NONE_GRAD,
+    growing: bool = True,
+) -> list[torch.Tensor | None]:
+    """The gradients of ``step`` for :func:`params` of ``shapes``, with ``growing`` scaled by
+    ``step + 1`` (so the block absmax changes), None for the (step, parameter) of ``none``."""
     gen = torch.Generator().manual_seed(100 + step)
-    out: list[torch.Tensor | None] = [torch.randn(s, generator=gen) * (step + 1) for s in SHAPES]
-    if step == NONE_GRAD[0]:
-        out[NONE_GRAD[1]] = None
+    scale = step + 1 if growing else 1
+    out: list[torch.Tensor | None] = [torch.randn(s, generator=gen) * scale for s in shapes]
+    if step == none[0]:
+        out[none[1]] = None
     return out
 
 

@@ -29,16 +29,11 @@ SIGNED = {"exp_avg": True, "graft_sq": False, "momentum_buffer": True}
 
 
 def _params() -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    return blockwise.params(shapes=SHAPES)
 
 
 def _grads(step: int) -> list[torch.Tensor | None]:
-    gen = torch.Generator().manual_seed(100 + step)
-    grads: list[torch.Tensor | None] = [torch.randn(s, generator=gen) for s in SHAPES]
-    if step == NONE_STEP:
-        grads[0] = None
-    return grads
+    return blockwise.grads(step, SHAPES, (NONE_STEP, 0), growing=False)
 
 
 def _reference_state(state: dict[str, Any]) -> dict[str, Any]:

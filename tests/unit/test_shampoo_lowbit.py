@@ -24,6 +24,7 @@ import torch
 
 import dist_optim
 from dist_optim import lowbit
+from tests.helpers import blockwise
 from tests.helpers.shampoo_reference import ReferenceShampoo, mode_product
 
 SHAPES = [(64, 40), (33, 17), (17,), (5, 6, 7)]
@@ -99,16 +100,11 @@ def test_identity_round_trips_and_rectification(bits: int) -> None:
 
 # ---- the optimizer against float64 ---------------------------------------------------------------
 def _params() -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    return blockwise.params(shapes=SHAPES)
 
 
 def _grads(step: int) -> list[torch.Tensor | None]:
-    gen = torch.Generator().manual_seed(100 + step)
-    grads: list[torch.Tensor | None] = [torch.randn(s, generator=gen) for s in SHAPES]
-    if step == NONE_STEP:
-        grads[0] = None
-    return grads
+    return blockwise.grads(step, SHAPES, (NONE_STEP, 0), growing=False)
 
 
 def _blocks(state: dict[str, Any]) -> list[str]:
