@@ -318,18 +318,7 @@ def _measured_pipeline(tp: int, case: Case) -> dict[str, int]:
         )  # fmt: skip
         booster = Booster(plugin=plugin)
         model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.0))
-    model.train()
-    hooks = [p.register_post_accumulate_grad_hook(_drop) for p in model.parameters()]
-    ids = torch.randint(0, 512, (case.batch, case.seq), generator=torch.Generator().manual_seed(1))
-    out: dict[str, int] = {}
-    for _ in range(2):
-        batch = iter([{"input_ids": ids, "labels": ids}])
-        with malloc.PeakMalloc() as heap, AllocatedBytes() as tensors:
-            booster.execute_pipeline(batch, model, lambda o, _: o.loss, opt, return_loss=True)
-        out = {"peak": tensors.peak, "malloc_peak": heap.peak}
-    for h in hooks:
-        h.remove()
-    return out
+    return _pipeline_peaks(booster, model, opt, case)[0]
 
 
 @pytest.mark.parametrize("case_id", list(PIPELINE_CASES))
@@ -382,17 +371,7 @@ def _measured_interleaved(case: Case) -> dict[str, Any]:
         booster = Booster(plugin=plugin)
         model = LlamaForCausalLM(config)
         model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    model.train()
-    hooks = [p.register_post_accumulate_grad_hook(_drop) for p in model.parameters()]
-    ids = torch.randint(0, 512, (case.batch, case.seq), generator=torch.Generator().manual_seed(1))
-    out: dict[str, Any] = {}
-    for _ in range(2):
-        batch = iter([{"input_ids": ids, "labels": ids}])
-        with malloc.PeakMalloc() as heap, AllocatedBytes() as tensors:
-            booster.execute_pipeline(batch, model, lambda o, _: o.loss, opt, return_loss=True)
-        out = {"peak": tensors.peak, "malloc_peak": heap.peak}
-    for h in hooks:
-        h.remove()
+    out, ids = _pipeline_peaks(booster, model, opt, case)
     booster.execute_pipeline(iter([{"input_ids": ids, "labels": ids}]), model, lambda o, _: o.loss, opt)
     opt.step()
     stepped = [p for g in opt.param_groups for p in g["params"]]
@@ -509,3 +488,20 @@ def test_mixtral_activations_equal_a_run_whatever_the_routing() -> None:
     routed = counts[-1]
     assert len(set(routed)) > 1, f"the run's router happened to balance the experts exactly: {routed}"
     assert (plan.saved, plan.kept) == (sum(saved.values()), kept), f"tokens per expert in the run: {routed}"
+
+
+def _pipeline_peaks(booster: Any, model: Any, opt: Any, case: Any) -> tuple[dict[str, Any], torch.Tensor]:
+    """Tensor and malloc peaks of the second of two pipeline passes over one batch of ``case``
+    (gradients dropped as they land), and the batch's ids."""
+    model.train()
+    hooks = [p.register_post_accumulate_grad_hook(_drop) for p in model.parameters()]
+    ids = torch.randint(0, 512, (case.batch, case.seq), generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+    for _ in range(2):
+        batch = iter([{"input_ids": ids, "labels": ids}])
+        with malloc.PeakMalloc() as heap, AllocatedBytes() as tensors:
+            booster.execute_pipeline(batch, model, lambda o, _: o.loss, opt, return_loss=True)
+        out = {"peak": tensors.peak, "malloc_peak": heap.peak}
+    for h in hooks:
+        h.remove()
+    return out, ids
