@@ -9,6 +9,7 @@ slow part of a distributed test on two cores, so it is paid once per session, no
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import shutil
@@ -42,9 +43,16 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            result: tuple[int, bool, Any] = (rank, True, fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
-            results.put((rank, False, traceback.format_exc()))
+            result = (rank, False, traceback.format_exc())
+        # A HybridParallelPlugin destroys its process groups when it is collected, and ColossalAI's
+        # LayoutConverter reuses a cached gather plan while its group is alive. Left to the cyclic
+        # collector, a task's plugin dies at a different moment on each rank, so one rank gathers
+        # on the old group and another on the new one: a hang. Collecting on every rank between
+        # tasks makes that moment the same everywhere.
+        gc.collect()
+        results.put(result)
     # destroy_process_group() can hang with gloo on torch 2.5.1; a barrier then exit is clean.
     try:
         dist.barrier()
