@@ -6,6 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 
+# bitsandbytes wraps ops in torch.compile at import, which imports inductor, which starts a pool of
+# compile workers (a process importing torch, ~2 s of CPU) in every process that imports it: every
+# pool worker and launched rank of the suite. Nothing here compiles; one thread starts no pool.
+# Children (spawned workers, torchrun ranks, CLI subprocesses) inherit the setting.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
