@@ -100,7 +100,9 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     builder = BUILDERS.get(job["label"])
     opt = builder(model, job["lr"]) if builder else train_llama.build_optimizer(name, model, job["lr"], extra)
     steps = job["steps"]
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, train_llama.lr_lambda(max(1, steps // 10), steps))
+    # ``warmup``: a fraction of the steps (bench/settings.py); the sweep's is a tenth.
+    warmup = max(1, steps // 10) if "warmup" not in job else int(steps * job["warmup"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, train_llama.lr_lambda(warmup, steps))
     train = tokens.byte_tokens([corpus.TRAIN])
     held = tokens.byte_tokens([corpus.HELDOUT])
     data = tokens.PackedData(train, job["seq_len"], job["batch_size"], 1, 0, job["seed"], eval_tokens=held)
