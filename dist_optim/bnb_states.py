@@ -17,6 +17,10 @@ what is specific to that format, none of GaLore's math:
   :func:`write_8bit_many`, which max-reduces the absmax of tensors held in pieces itself (one
   :class:`~dist_optim.comm.MaxBucket` for all the entries it is given); :func:`start_8bit` and
   :func:`to_32bit` for a state that was saved with the other ``optim_bits``;
+* :class:`Batch8bit`, how every optimizer's step uses them: the 8-bit entries of one bucket
+  read as fp32 values to update (carried over from a 32-bit state where one was saved), then
+  stored all at once (one max-reduction of the block absmax per process group), and an 8-bit
+  entry loaded by a 32-bit optimizer dequantised;
 * paged (CUDA unified) memory (:class:`Buffers`, :func:`paged_on_device`);
 * bitsandbytes' quantisation arguments as ColossalAI passes them (:func:`quant_args`).
 
@@ -52,6 +56,7 @@ __all__ = [
     "Requant",
     "start_8bit",
     "to_32bit",
+    "Batch8bit",
     "check_8bit_options",
     "Buffers",
     "paged_on_device",
@@ -276,6 +281,82 @@ def to_32bit(state: dict[str, Any], key: str, blocks: FullBlocks, signed: bool, 
     with ``optim_bits=8`` loaded by an optimizer built with 32."""
     state[key] = read_8bit(state, key, blocks, signed).to(dtype)
     del state[f"{key}_absmax"]
+
+
+class Batch8bit:
+    """The 8-bit entries of one bucket (any optimizer's moments: Kron's and Muon's momentum,
+    Shampoo's momentum buffer and block moments, LAMB's, CAME's and Muon's AdamW moments).
+
+    :meth:`read` hands out an entry's fp32 values for the step to update in place (its codes
+    dequantised; zeros for a new entry; the values of a 32-bit entry saved with ``optim_bits=32``,
+    carried over) and :meth:`store` quantises all the handed-out values into their states at once
+    (:func:`write_8bit_many`: one max-reduction of the block absmax per process group for the
+    entries held in pieces, none for whole ones). :meth:`to_32bit` is the other direction: an
+    8-bit entry loaded by an optimizer that keeps it in 32 bits, dequantised into the state.
+    The :class:`FullBlocks` of a layout are made once per batch (shared by a parameter's entries)."""
+
+    def __init__(self) -> None:
+        self._entries: list[Requant] = []
+        self._values: dict[tuple[int, str], torch.Tensor] = {}
+        self._blocks: dict[tuple[int, str], tuple[ParamLayout, FullBlocks]] = {}
+
+    def blocks(self, layout: ParamLayout, device: torch.device) -> FullBlocks:
+        """The blocks of ``layout``'s full tensor on ``device`` (made once per batch)."""
+        key = (id(layout), str(device))
+        cached = self._blocks.get(key)
+        if cached is None:  # the layout is kept alive with its blocks, so its id stays its own
+            cached = self._blocks[key] = (layout, FullBlocks(layout, device))
+        return cached[1]
+
+    def read(
+        self,
+        state: dict[str, Any],
+        key: str,
+        signed: bool,
+        layout: ParamLayout,
+        like: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """The values of the 8-bit entry ``key`` of ``state`` (this rank's piece, of ``like``'s
+        shape and device) in ``dtype``, a new tensor to update in place: stored quantised by
+        :meth:`store`. An entry that is not 8-bit yet is made (:func:`start_8bit`: zeros, or the
+        values of a 32-bit entry)."""
+        blocks = self.blocks(layout, like.device)
+        values = start_8bit(state, key, blocks, signed, like.shape, like.device).to(dtype)
+        self._entries.append(Requant(state, key, blocks, values, signed))
+        self._values[(id(state), key)] = values
+        return values
+
+    def value(self, state: dict[str, Any], key: str) -> torch.Tensor | None:
+        """The values :meth:`read` handed out for ``state[key]`` since the last :meth:`store`."""
+        return self._values.get((id(state), key))
+
+    def to_32bit(
+        self,
+        state: dict[str, Any],
+        key: str,
+        signed: bool,
+        layout: ParamLayout,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        """Replace ``state[key]`` by its values in ``dtype`` where it is an 8-bit entry (a state
+        saved with ``optim_bits=8`` loaded by an optimizer that keeps it in 32 bits); local, no
+        collective."""
+        value = state.get(key)
+        if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+            to_32bit(state, key, self.blocks(layout, device), signed, dtype)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def store(self) -> None:
+        """Quantise every value handed out since the last call into its state (collective where an
+        entry's tensor is held in pieces: call it on every rank of the bucket) and forget them."""
+        entries, self._entries = self._entries, []
+        self._values = {}
+        if entries:
+            write_8bit_many(entries)
 
 
 def check_8bit_options(optim_bits: Any, min_8bit_size: Any, what: str) -> None:

@@ -161,18 +161,14 @@ class DistributedCAME(FactoredOptimizer):
         ``min_8bit_size`` of its full tensor)."""
         return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
 
-    def _first_moment(self, item: Item, dtype: torch.dtype, requant: list[bnb.Requant]) -> torch.Tensor:
+    def _first_moment(self, item: Item, dtype: torch.dtype, batch: bnb.Batch8bit) -> torch.Tensor:
         """``exp_avg`` to update in place: the state's 32-bit tensor, or an 8-bit one's values in
-        ``dtype`` (queued in ``requant`` to be stored quantised). A state saved with the other
-        ``optim_bits`` is carried over (quantised, or dequantised into the state)."""
+        ``dtype`` (read from ``batch``, stored quantised by its ``store``). A state saved with the
+        other ``optim_bits`` is carried over (quantised, or dequantised into the state)."""
         state, p = item.state, item.param
         if self.eight_bit(item.layout):
-            blocks = bnb.FullBlocks(item.layout, p.device)
-            m = bnb.start_8bit(state, "exp_avg", blocks, True, p.shape, p.device).to(dtype)
-            requant.append(bnb.Requant(state, "exp_avg", blocks, m, True))
-            return m
-        if _is_8bit(state):
-            bnb.to_32bit(state, "exp_avg", bnb.FullBlocks(item.layout, p.device), True, math_dtype(p))
+            return batch.read(state, "exp_avg", True, item.layout, p, dtype)
+        batch.to_32bit(state, "exp_avg", True, item.layout, p.device, math_dtype(p))
         return state["exp_avg"]
 
     @torch.no_grad()
@@ -197,7 +193,7 @@ class DistributedCAME(FactoredOptimizer):
 
         # Phase 3: first moment of the clipped U, and the confidence statistics of U - m, one flush.
         confidence = SumBucket()
-        requant: list[bnb.Requant] = []
+        batch = bnb.Batch8bit()
         moments = []
         for item in items:
             group = item.group
@@ -206,7 +202,7 @@ class DistributedCAME(FactoredOptimizer):
             update = preconditioned(item, EPS_ADD, group["eps"][0], self._workspace(item.grad), clip)
             # The full second-moment statistics are not needed again this step: free them.
             item.full.clear()
-            exp_avg = self._first_moment(item, update.dtype, requant)
+            exp_avg = self._first_moment(item, update.dtype, batch)
             moments.append(exp_avg)
             ema_(exp_avg, update, beta1)
             if item.fac is not None:
@@ -215,8 +211,7 @@ class DistributedCAME(FactoredOptimizer):
                 keys = ("res_row_var", "res_col_var")
                 queue_factored_sums(confidence, item, instability, keys, group["betas"][2], group["eps"][1])
 
-        if requant:
-            bnb.write_8bit_many(requant)
+        batch.store()  # one max-reduction of the 8-bit moments' block absmax per process group
         confidence.flush()
 
         # Phase 4: the step, m (an 8-bit one's fp32 value) preconditioned by the confidence statistics.
@@ -239,11 +234,6 @@ class DistributedCAME(FactoredOptimizer):
             if w is not p:
                 p.copy_(w)
         return loss
-
-
-def _is_8bit(state: Mapping[str, Any]) -> bool:
-    value = state.get("exp_avg")
-    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8
 
 
 # ---- conversions from the CAME classes users have -----------------------------------------------

@@ -41,7 +41,7 @@ the pair instead of 8. As bitsandbytes' 8-bit kernels do, a step dequantises the
 computes ``u`` in fp32, then stores them quantised again; the trust ratio's norms are those of the
 fp32 ``u`` and of ``w``, over the full tensor as above. A tensor held in pieces quantises with the
 blocks of the full tensor, each block's absmax max-reduced over the ranks holding a piece of it
-(one all-reduce per bucket and process group, :func:`dist_optim.bnb_states.write_8bit_many`), so
+(one all-reduce per bucket and process group, :class:`dist_optim.bnb_states.Batch8bit`), so
 its codes are the single-device ones. What stays fp32: the step counter, the absmax, and the
 moments of smaller tensors (biases, norms: a few elements, where an absmax per 256 would save
 little and quantising hurts most), as in bitsandbytes.
@@ -150,17 +150,16 @@ class DistributedLamb(DistOptimizer):
         per process group), then each group finishes with the reduced norms. The updates are freed
         on return."""
         bucket = SumBucket()
-        requant: list[bnb.Requant] = []
+        batch = bnb.Batch8bit()
         pending = []
         for _, run in itertools.groupby(work, key=lambda w: id(w[0])):  # each group's consecutive params
             part = list(run)
             group, params, grads = part[0][0], [w[1] for w in part], [w[2] for w in part]
-            pending.append(self._queue_group(group, params, grads, bucket, requant))
-        if requant:
-            # The fp32 moments of the bucket's 8-bit parameters go back to codes, one max-reduction
-            # of the absmax per process group for all of them.
-            bnb.write_8bit_many(requant)
-            requant.clear()  # the fp32 moments are not needed for the norms' all-reduce: free them
+            pending.append(self._queue_group(group, params, grads, bucket, batch))
+        # The fp32 moments of the bucket's 8-bit parameters go back to codes, one max-reduction of
+        # the absmax per process group for all of them; the batch then lets go of them (they are
+        # not needed for the norms' all-reduce).
+        batch.store()
         bucket.flush()
         for group, params, updates, steps, sq, parts in pending:
             for index, reduced in parts:
@@ -180,12 +179,12 @@ class DistributedLamb(DistOptimizer):
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
         bucket: SumBucket,
-        requant: list[bnb.Requant],
+        batch: bnb.Batch8bit,
     ) -> tuple[Any, ...]:
         """Moments and updates of ``params`` (of ``group``, with gradients ``grads``); the local
-        sums of squares of the parameters held in pieces queued in ``bucket``; the 8-bit moments'
-        new fp32 values appended to ``requant``."""
-        eight = [self._start_state(p) for p in params]
+        sums of squares of the parameters held in pieces queued in ``bucket``; the 8-bit moments
+        read from ``batch`` (their new fp32 values stored by its ``store``)."""
+        eight = [self._start_state(p, batch) for p in params]
         states = [self.state[p] for p in params]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
@@ -205,8 +204,7 @@ class DistributedLamb(DistOptimizer):
                 for i, u in zip(plain, done):
                     slots[i] = u
             for i in (i for i, e in enumerate(eight) if e):
-                blocks = bnb.FullBlocks(self.layout(params[i]), params[i].device)
-                slots[i], sq[:, i] = _update_8bit(params[i], grads[i], states[i], blocks, group, requant)
+                slots[i], sq[:, i] = _update_8bit(params[i], grads[i], states[i], self.layout(params[i]), group, batch)
             updates = [u for u in slots if u is not None]
         by_groups: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
         group_objs: dict[tuple[int, ...], tuple[Any, ...]] = {}
@@ -222,7 +220,7 @@ class DistributedLamb(DistOptimizer):
             parts.append((index, bucket.add(sq.index_select(1, index), group_objs[key])))
         return group, params, updates, steps, sq, parts
 
-    def _start_state(self, p: torch.Tensor) -> bool:
+    def _start_state(self, p: torch.Tensor, batch: bnb.Batch8bit) -> bool:
         """Start ``p``'s state at its first step; whether its moments are 8-bit (they are created
         by :func:`_update_8bit`). A state saved with the other ``optim_bits`` is carried over: 32-bit
         moments are quantised at the next step, 8-bit ones dequantised here."""
@@ -237,7 +235,7 @@ class DistributedLamb(DistOptimizer):
             if value is None:
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif value.dtype == torch.uint8:
-                bnb.to_32bit(state, key, bnb.FullBlocks(layout, p.device), signed, p.dtype)
+                batch.to_32bit(state, key, signed, layout, p.device, p.dtype)
         return False
 
     def eight_bit(self, layout: ParamLayout) -> bool:
@@ -255,17 +253,17 @@ def _update_8bit(
     p: torch.Tensor,
     g: torch.Tensor,
     state: dict[str, Any],
-    blocks: bnb.FullBlocks,
+    layout: ParamLayout,
     group: dict[str, Any],
-    requant: list[bnb.Requant],
+    batch: bnb.Batch8bit,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LAMB's update of one parameter with 8-bit moments, and its local norms ([2]: param, update):
     the moments dequantised and updated in fp32 (float64 for float64 parameters), ``u`` computed
-    from them, and their new values queued in ``requant`` (as bitsandbytes' 8-bit kernels do, the
-    update uses the fp32 moments, not their re-quantised values)."""
+    from them, their new values stored quantised by ``batch.store()`` (as bitsandbytes' 8-bit
+    kernels do, the update uses the fp32 moments, not their re-quantised values)."""
     beta1, beta2 = group["betas"]
     acc = torch.promote_types(p.dtype, torch.float32)
-    m, v = (bnb.start_8bit(state, key, blocks, signed, p.shape, p.device).to(acc) for key, signed in bnb.MOMENTS)
+    m, v = (batch.read(state, key, signed, layout, p, acc) for key, signed in bnb.MOMENTS)
     g = g.to(acc)
     m.mul_(beta1).add_(g, alpha=1.0 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
@@ -274,7 +272,6 @@ def _update_8bit(
     if group["weight_decay"] != 0:
         u.add_(p, alpha=group["weight_decay"])
     norms = torch.stack([torch.linalg.vector_norm(p, dtype=acc), torch.linalg.vector_norm(u)]).float()
-    requant += [bnb.Requant(state, key, blocks, value, signed) for (key, signed), value in zip(bnb.MOMENTS, (m, v))]
     return u.to(p.dtype), norms.square_()
 
 

@@ -7,8 +7,8 @@ parameter's dtype), or with ``optim_bits=8`` as bitsandbytes' block-wise 8-bit c
 each, bitsandbytes' signed dynamic map. As its 8-bit kernels use a moment, a step dequantises the
 momentum, updates it in fp32 and hands that fp32 value on (debiasing, the preconditioner's fit and
 the direction on the owner are those of a 32-bit momentum of that value); the value is quantised
-again before it travels, all of a bucket's at once (:func:`dist_optim.bnb_states.write_8bit_many`:
-the absmax of a block held in pieces max-reduced over its holders, so the codes are the
+again before it travels, all of a bucket's at once (:class:`dist_optim.bnb_states.Batch8bit`: one
+max-reduction of the block absmax per process group for the bucket, so the codes are the
 single-device ones under any TP slicing or ZeRO chunking).
 """
 
@@ -38,26 +38,19 @@ def update_momenta(
     ``optim_bits`` is carried over: a 32-bit momentum is quantised here, an 8-bit one loaded by a
     32-bit optimizer dequantised into ``mu_dtype``."""
     out = []
-    requant: list[bnb.Requant] = []
+    batch = bnb.Batch8bit()
     for group, p, g, layout in work:
         state = states[p]
         b1 = group["b1"]
         if eight_bit(layout):
-            blocks = bnb.FullBlocks(layout, g.device)
             # fp32 as bitsandbytes' kernels (float64 for a float64 parameter, a reference run).
-            acc = torch.promote_types(g.dtype, torch.float32)
-            m = bnb.start_8bit(state, MOMENTUM, blocks, True, g.shape, g.device).to(acc)
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            requant.append(bnb.Requant(state, MOMENTUM, blocks, m, True))
+            m = batch.read(state, MOMENTUM, True, layout, g, torch.promote_types(g.dtype, torch.float32))
         else:
-            if state[MOMENTUM].dtype == torch.uint8:
-                dtype = group["mu_dtype"] or p.dtype
-                bnb.to_32bit(state, MOMENTUM, bnb.FullBlocks(layout, g.device), True, dtype)
+            batch.to_32bit(state, MOMENTUM, True, layout, g.device, group["mu_dtype"] or p.dtype)
             m = state[MOMENTUM]
-            m.mul_(b1).add_(g, alpha=1 - b1)
+        m.mul_(b1).add_(g, alpha=1 - b1)
         out.append(m)
-    if requant:
-        bnb.write_8bit_many(requant)
+    batch.store()
     return out
 
 

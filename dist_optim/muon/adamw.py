@@ -8,10 +8,11 @@ Quantization", arXiv:2110.02861; :mod:`dist_optim.bnb_states`): ``exp_avg`` with
 dynamic map, ``exp_avg_sq`` with the unsigned one, blocks of 256 values of the *full* flattened
 tensor with one fp32 absmax each. A step dequantises both, updates them and the parameter in fp32
 with torch's AdamW formula (the 32-bit path's), then stores them quantised again, a bucket of
-``bucket_bytes`` of fp32 moments at a time (:func:`dist_optim.bnb_states.write_8bit_many`: the
-absmax of a block held in pieces max-reduced over its holders, so the codes are the single-device
-ones). What stays fp32: the step counter, the absmax, and the moments of smaller tensors (norms and
-biases, where an absmax per 256 values saves little and quantising hurts most), as in bitsandbytes.
+``bucket_bytes`` of fp32 moments at a time (:class:`dist_optim.bnb_states.Batch8bit`: the absmax
+of a block held in pieces max-reduced over its holders, one all-reduce per process group and
+bucket, so the codes are the single-device ones). What stays fp32: the step counter, the absmax,
+and the moments of smaller tensors (norms and biases, where an absmax per 256 values saves little
+and quantising hurts most), as in bitsandbytes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def adamw_step(
     are quantised at this step, 8-bit ones loaded by a 32-bit optimizer dequantised here."""
     plain: list[int] = []
     eight: list[int] = []
+    carry = bnb.Batch8bit()
     for i, (p, layout) in enumerate(zip(params, layouts)):
         state = states[p]
         if "step" not in state:
@@ -57,18 +59,18 @@ def adamw_step(
             value = state.get(key)
             if value is None:
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif value.dtype == torch.uint8:
-                bnb.to_32bit(state, key, bnb.FullBlocks(layout, p.device), signed, p.dtype)
+            else:
+                carry.to_32bit(state, key, signed, layout, p.device, p.dtype)
     if plain:
         _adamw_32bit(group, [params[i] for i in plain], [grads[i] for i in plain], [states[params[i]] for i in plain])
     # The fp32 moments of 8 bytes per element live until their bucket's re-quantisation.
     sizes = [params[i].numel() * 8 for i in eight]
     for start, stop in buckets(sizes, bucket_bytes):
-        requant: list[bnb.Requant] = []
+        batch = bnb.Batch8bit()
         for i in eight[start:stop]:
-            p, layout = params[i], layouts[i]
-            requant += _adamw_8bit(p, grads[i], states[p], bnb.FullBlocks(layout, p.device), group)
-        bnb.write_8bit_many(requant)
+            p = params[i]
+            _adamw_8bit(p, grads[i], states[p], layouts[i], group, batch)
+        batch.store()
 
 
 def _adamw_32bit(
@@ -97,16 +99,21 @@ def _adamw_32bit(
 
 
 def _adamw_8bit(
-    p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], blocks: bnb.FullBlocks, group: dict[str, Any]
-) -> list[bnb.Requant]:
-    """torch's single-tensor AdamW on one parameter's local elements with the moments dequantised
-    (fp32, float64 for a float64 parameter); returns their new values to store quantised. As
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, Any],
+    layout: ParamLayout,
+    group: dict[str, Any],
+    batch: bnb.Batch8bit,
+) -> None:
+    """torch's single-tensor AdamW on one parameter's local elements with the moments read from
+    ``batch`` (fp32, float64 for a float64 parameter; stored quantised by its ``store``). As
     bitsandbytes' 8-bit kernels do, the parameter's step uses the fp32 moments, not their
     re-quantised values."""
     beta1, beta2 = group["adamw_betas"]
     lr, eps = group["lr"], group["adamw_eps"]
     acc = torch.promote_types(p.dtype, torch.float32)
-    m, v = (bnb.start_8bit(state, key, blocks, signed, p.shape, p.device).to(acc) for key, signed in bnb.MOMENTS)
+    m, v = (batch.read(state, key, signed, layout, p, acc) for key, signed in bnb.MOMENTS)
     state["step"] += 1
     t = float(state["step"])
     g = g.to(acc)
@@ -116,4 +123,3 @@ def _adamw_8bit(
     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     denom = (v.sqrt() / math.sqrt(1.0 - beta2**t)).add_(eps)
     p.add_((m / denom).to(p.dtype), alpha=-lr / (1.0 - beta1**t))
-    return [bnb.Requant(state, key, blocks, value, signed) for (key, signed), value in zip(bnb.MOMENTS, (m, v))]

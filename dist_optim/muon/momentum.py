@@ -13,6 +13,8 @@ from ..layout import ParamLayout
 
 __all__ = ["momentum_directions", "momentum_direction"]
 
+KEY = "momentum_buffer"
+
 
 def momentum_directions(
     states: Mapping[torch.Tensor, dict[str, Any]],
@@ -22,26 +24,23 @@ def momentum_directions(
     """Each matrix's momentum updated and its local part of ``C`` (``bucket``: group, parameter,
     local gradient, layout). An 8-bit momentum is dequantised, updated and ``C`` made from it in
     fp32 (as bitsandbytes' 8-bit kernels use the fp32 moment before storing it), then stored
-    quantised again, all of the bucket's at once (:func:`dist_optim.bnb_states.write_8bit_many`:
-    blocks of the full tensor, one max-reduction of the absmax per process group). A momentum saved
+    quantised again, all of the bucket's at once (:class:`dist_optim.bnb_states.Batch8bit`: blocks
+    of the full tensor, one max-reduction of the absmax per process group). A momentum saved
     with the other ``optim_bits`` is carried over (quantised, or dequantised into the state)."""
     out = []
-    requant: list[bnb.Requant] = []
+    batch = bnb.Batch8bit()
     for group, p, g, layout in bucket:
         state = states[p]
         if eight_bit(layout):
-            blocks = bnb.FullBlocks(layout, g.device)
-            buf = bnb.start_8bit(state, "momentum_buffer", blocks, True, g.shape, g.device)
+            buf = batch.read(state, KEY, True, layout, g)
             out.append(momentum_direction(buf, g.float(), group).to(g.dtype))
-            requant.append(bnb.Requant(state, "momentum_buffer", blocks, buf, True))
             continue
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-        elif state["momentum_buffer"].dtype == torch.uint8:
-            bnb.to_32bit(state, "momentum_buffer", bnb.FullBlocks(layout, g.device), True, g.dtype)
-        out.append(momentum_direction(state["momentum_buffer"], g, group))
-    if requant:
-        bnb.write_8bit_many(requant)
+        if KEY not in state:
+            state[KEY] = torch.zeros_like(g, memory_format=torch.preserve_format)
+        else:
+            batch.to_32bit(state, KEY, True, layout, g.device, g.dtype)
+        out.append(momentum_direction(state[KEY], g, group))
+    batch.store()
     return out
 
 

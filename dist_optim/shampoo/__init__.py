@@ -126,7 +126,8 @@ the preconditioners is divided across the group (:meth:`DistributedShampoo.state
 
 Compact states (issue 29; :mod:`.state`): ``use_symmetric_packing`` keeps the symmetric matrices
 as packed triangles (lossless); ``optim_bits=8`` the moments, grafting state and momentum as
-bitsandbytes' 8-bit codes; ``preconditioner_bits`` 8 or 4 keeps, instead of each root ``R_k``, the
+bitsandbytes' 8-bit codes (a state saved with the other ``optim_bits`` carried over at the next
+step); ``preconditioner_bits`` 8 or 4 keeps, instead of each root ``R_k``, the
 eigenvectors of its damped factor block-wise quantised with the root's eigenvalues in fp32 (SOAP:
 its bases quantised), dequantised and rectified by one Björck step at each use (Wang et al. 2024,
 "4-bit Shampoo"; the algorithm and its deviations: :mod:`.preconditioner.quantized`, the format:

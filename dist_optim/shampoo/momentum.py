@@ -6,7 +6,9 @@ The buffer is kept where the parameter is (a TP slice, a ZeRO chunk), so an 8-bi
 in blocks of the *full* flattened tensor with their absmax max-reduced over the ranks that hold
 pieces (:class:`dist_optim.bnb_states.FullBlocks`): every code equals the single-device one. The
 update runs on the fp32 values (as bitsandbytes' 8-bit kernels do), quantised again once the
-bucket's updates are made, all of them with one max-reduction per process group.
+bucket's updates are made, all of them with one max-reduction per process group
+(:class:`dist_optim.bnb_states.Batch8bit`). A buffer saved with the other ``optim_bits`` is
+carried over.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from .. import bnb_states as bnb
 from ..layout import ParamLayout
 
-__all__ = ["keeps_8bit_momentum", "Momenta"]
+__all__ = ["keeps_8bit_momentum", "read_momenta", "momentum_buffer"]
 
 KEY = "momentum_buffer"
 
@@ -30,43 +32,28 @@ def keeps_8bit_momentum(group: dict[str, Any], layout: ParamLayout) -> bool:
     return group["momentum"] > 0 and group["optim_bits"] == 8 and layout.full_numel >= group["min_8bit_size"]
 
 
-class Momenta:
-    """The momentum buffers of one bucket: the fp32 values of the 8-bit ones, read when the bucket's
-    updates start (:meth:`read`) and stored quantised by :meth:`store`; the state's own tensors
-    otherwise (updated in place)."""
+def read_momenta(
+    states: Mapping[torch.Tensor, dict[str, Any]],
+    params: Iterable[tuple[dict[str, Any], torch.Tensor]],
+    layout_of: Callable[[torch.Tensor], ParamLayout],
+) -> bnb.Batch8bit:
+    """The momentum buffers of one bucket's ``params`` (group, parameter) for their updates: an
+    8-bit one read as fp32 values (made zero, or carried over from a 32-bit buffer of a state saved
+    with ``optim_bits=32``), stored quantised by the batch's ``store`` once the bucket's updates
+    are made; an 8-bit buffer of a state saved with ``optim_bits=8`` that this group keeps in 32
+    bits dequantised into the state (the parameter's dtype)."""
+    batch = bnb.Batch8bit()
+    for group, p in params:
+        layout = layout_of(p)
+        if keeps_8bit_momentum(group, layout):
+            batch.read(states[p], KEY, True, layout, p)
+        elif group["momentum"] > 0:
+            batch.to_32bit(states[p], KEY, True, layout, p.device, p.dtype)
+    return batch
 
-    def __init__(self, states: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-        self._states = states
-        self._values: dict[torch.Tensor, torch.Tensor] = {}
-        self._requant: list[bnb.Requant] = []
 
-    @classmethod
-    def read(
-        cls,
-        states: Mapping[torch.Tensor, dict[str, Any]],
-        params: Iterable[tuple[dict[str, Any], torch.Tensor]],
-        layout_of: Callable[[torch.Tensor], ParamLayout],
-    ) -> Momenta:
-        """The buffers of ``params`` (group, parameter): an 8-bit one dequantised, or made (zero, or
-        from a 32-bit buffer of a state saved with ``optim_bits=32``)."""
-        out = cls(states)
-        for group, p in params:
-            layout = layout_of(p)
-            if not keeps_8bit_momentum(group, layout):
-                continue
-            blocks = bnb.FullBlocks(layout, p.device)
-            values = bnb.start_8bit(states[p], KEY, blocks, True, p.shape, p.device)
-            out._values[p] = values
-            out._requant.append(bnb.Requant(states[p], KEY, blocks, values, True))
-        return out
-
-    def buffer(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The buffer to update for ``p`` (None without momentum)."""
-        values = self._values.get(p)
-        return values if values is not None else self._states[p].get(KEY)
-
-    def store(self) -> None:
-        """Quantise the 8-bit buffers' new values into their state (collective where a parameter is
-        held in pieces: one max-reduction of the block absmax per process group)."""
-        if self._requant:
-            bnb.write_8bit_many(self._requant)
+def momentum_buffer(momenta: bnb.Batch8bit, state: dict[str, Any]) -> torch.Tensor | None:
+    """The buffer to update for the parameter of ``state`` (None without momentum): the fp32
+    values :func:`read_momenta` handed out for an 8-bit one, else the state's own tensor."""
+    values = momenta.value(state, KEY)
+    return values if values is not None else state.get(KEY)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .. import bnb_states as bnb
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..comm import gather_full
@@ -22,7 +23,7 @@ from ..layout import ParamLayout
 from ..owners import Moved, Owner, Sending, WorkGroups, pipelined, route_tasks, share_results
 from ..placement import Route
 from .blocking import Block
-from .momentum import Momenta, keeps_8bit_momentum
+from .momentum import keeps_8bit_momentum, momentum_buffer, read_momenta
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
 from .preconditioner import block_direction
 from .routing import Plan, Routed, finish_routed, plan_owners, send_routed, total_failures
@@ -30,6 +31,7 @@ from .state import (
     BlockState,
     Scratch,
     block_prefix,
+    carry_over,
     check_loaded_forms,
     checked_block_entries,
     full_block_entries,
@@ -37,6 +39,7 @@ from .state import (
     keeps_saved_dtype,
     mirror_whole_factors,
     non_block_entries,
+    step_state,
 )
 from .update import apply_block_update, apply_update, join_blocks, whole_views
 
@@ -159,7 +162,7 @@ class DistributedShampoo(DistOptimizer):
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         self._plans: dict[torch.Tensor, Plan] = {}
         self._work = WorkGroups()  # the ranks that split each parameter's blocks (see _on_bind)
-        self._momenta = Momenta({})  # the momentum buffers of the bucket being updated (_finish)
+        self._momenta = bnb.Batch8bit()  # the momentum buffers of the bucket being updated (_finish)
         self._scratch = Scratch()  # one block's direction, reused across blocks applied as soon as computed
         # Whether the routes of the parameters held in pieces are planned (see _ensure_routes).
         self._routed = False
@@ -278,7 +281,7 @@ class DistributedShampoo(DistOptimizer):
     def _finish(self, bucket: _Bucket) -> None:
         """The second half: directions (owners), their sharing and the parameter updates."""
         params = [(g, p) for g, p, *_ in bucket.held] + [(r.group, r.p) for r in bucket.routed]
-        self._momenta = Momenta.read(self.state, params, self.layout)
+        self._momenta = read_momenta(self.state, params, self.layout)
         shares: list[tuple[Owner, list[torch.Tensor]]] = []
         pending: list[tuple[dict[str, Any], torch.Tensor, list[torch.Tensor]]] = []
         for group, p, g_full, t in bucket.held:
@@ -291,7 +294,7 @@ class DistributedShampoo(DistOptimizer):
             finish_routed(routed, bucket.moved, self._block_direction, self.communication_dtype, self.bucket_bytes)
             for r in routed:
                 update = r.update.to(r.p.dtype).view_as(r.p)  # type: ignore[union-attr]
-                apply_update(r.p.detach(), update, self._momenta.buffer(r.p), r.group)
+                apply_update(r.p.detach(), update, momentum_buffer(self._momenta, r.state), r.group)
         share_results(shares, self.communication_dtype)
         # Every rank applies its part of the full update. The directions are this step's own
         # tensors, so they are updated in place; a parameter held whole takes them block by block,
@@ -305,7 +308,7 @@ class DistributedShampoo(DistOptimizer):
                 continue
             full = join_blocks(plan.view_shape, plan.blocks, directions).reshape(plan.full_shape)
             update = self.layout(p).take_local(full, copy=False).to(p.dtype).view_as(p)
-            apply_update(p.detach(), update, self._momenta.buffer(p), group)
+            apply_update(p.detach(), update, momentum_buffer(self._momenta, self.state[p]), group)
         self._momenta.store()
 
     def _held_directions(
@@ -352,13 +355,16 @@ class DistributedShampoo(DistOptimizer):
         apply_to: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """An owner's work on block ``index`` of a parameter (``state``: its state):
-        :func:`.preconditioner.block_direction` on its typed state. One method, so that
-        ``bench/bench_step.py --split`` can time it."""
-        bs = BlockState.of(state, block_prefix(index), block.order)
-        return block_direction(bs, block, g, group, t, state["step"], self._scratch, out, apply_to)
+        :func:`.preconditioner.block_direction` on its typed state (8-bit moments as fp32 values,
+        stored again after it: :func:`.state.step_state`). One method, for ``bench_step.py --split``."""
+        batch = bnb.Batch8bit()  # the block's 8-bit moments: whole on their owner, no collective
+        bs = step_state(state, block_prefix(index), block, group, g.dtype, batch)
+        direction = block_direction(bs, block, g, group, t, state["step"], self._scratch, out, apply_to)
+        batch.store()
+        return direction
 
     def _whole_views(self, p: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        return whole_views(p, self.layout(p).is_local, self._momenta.buffer(p), plan.view_shape)
+        return whole_views(p, self.layout(p).is_local, momentum_buffer(self._momenta, self.state[p]), plan.view_shape)
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype) -> None:
         """``step``, ``momentum_buffer`` and the state of the blocks this rank owns, in flat form."""
@@ -383,16 +389,16 @@ class DistributedShampoo(DistOptimizer):
         """Every parameter's state in full form (block state gathered from the owners), in
         ``param_groups`` order; the same on every rank. Collective when bound."""
         mirror_whole_factors(self._block_states())
+        params = [(g, p) for g in self.param_groups for p in g["params"]]
+        for group, p in params:  # moments loaded with the other optim_bits and no step since
+            _carry_over_owned(self.state.get(p), self._plans.get(p), group, p)
         out = super().full_state()
         shares: list[tuple[Owner, list[torch.Tensor]]] = []
-        params = [(g, p) for g in self.param_groups for p in g["params"]]
         for entry, (group, p) in zip(out, params):
             state = self.state.get(p)
             if not state:
                 continue
-            plan = self._plans[p]
-            buf = state.get("momentum_buffer")
-            dtype = buf.dtype if buf is not None and buf.dtype != torch.uint8 else p.dtype
+            plan, dtype = self._plans[p], _moments_dtype(state, p)
             for b, block in enumerate(plan.blocks):
                 tensors = full_block_entries(state, b, block, group, dtype, plan.owner(b).mine, p.device)
                 entry.update(tensors)
@@ -461,6 +467,22 @@ def _decayed(
             g = g + p.detach() * wd  # elementwise: the same bits on a shard as on the full tensor
         out.append((layout, g))
     return out
+
+
+def _moments_dtype(state: dict[str, Any], p: torch.Tensor) -> torch.dtype:
+    """The dtype of a parameter's 32-bit moments: its momentum buffer's, else the parameter's."""
+    buf = state.get("momentum_buffer")
+    return buf.dtype if buf is not None and buf.dtype != torch.uint8 else p.dtype
+
+
+def _carry_over_owned(state: dict[str, Any] | None, plan: Plan | None, group: dict[str, Any], p: torch.Tensor) -> None:
+    """The moments of the blocks this rank owns in the width ``group`` keeps (:func:`.state.carry_over`),
+    before they are exported: a state of the other ``optim_bits`` loaded and no step taken since."""
+    if not state or plan is None:
+        return
+    for b, block in enumerate(plan.blocks):
+        if plan.owner(b).mine:
+            carry_over(state, block_prefix(b), block, group, _moments_dtype(state, p))
 
 
 def _nbytes(t: torch.Tensor) -> int:

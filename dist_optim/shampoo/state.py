@@ -19,7 +19,8 @@ packing loses nothing: the packed run equals the unpacked one bit for bit.
 With ``optim_bits=8`` a block of at least ``min_8bit_size`` elements keeps its moments
 (:data:`EIGHT_BIT_MOMENTS`) as bitsandbytes' block-wise 8-bit codes, each with
 ``<name>_absmax`` (one fp32 absmax per 256 consecutive elements of the block, flattened): the
-math runs on their fp32 values (:func:`dequantized`), stored again by :func:`store_8bit`.
+math runs on their fp32 values (:func:`step_state`, through :class:`dist_optim.bnb_states.Batch8bit`),
+stored again after the step. A moment saved with the other ``optim_bits`` is carried over there.
 
 With ``preconditioner_bits`` 8 or 4 the eigenvector matrices of blocks of at least 2 dims
 (:func:`quantises_bases`) are kept block-wise quantised (:mod:`dist_optim.lowbit`): ``basis<k>``
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 
 from .. import bnb_states, lowbit, structured
+from ..layout import ParamLayout
 from .blocking import Block, kept_triangle
 from .options import SQUARED_GRAFTING_TYPES, uses_warm_refresh
 
@@ -62,8 +64,8 @@ __all__ = [
     "store_packed",
     "EIGHT_BIT_MOMENTS",
     "keeps_8bit",
-    "dequantized",
-    "store_8bit",
+    "step_state",
+    "carry_over",
     "check_loaded_forms",
     "quantises_bases",
     "decoded_bases",
@@ -170,7 +172,7 @@ def initial_state(
     momentum_8bit: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A parameter's first state, in flat form: ``step``, ``momentum_buffer`` (with momentum; an
-    8-bit one, ``momentum_8bit``, is made by :class:`~dist_optim.shampoo.momentum.Momenta` at the
+    8-bit one, ``momentum_8bit``, is made by :func:`~dist_optim.shampoo.momentum.read_momenta` at the
     first update) and the state of the blocks this rank owns (``owned``), the moments in ``dtype``."""
     out = {"step": torch.zeros((), dtype=torch.float32)}
     if group["momentum"] > 0 and not momentum_8bit:
@@ -216,9 +218,17 @@ def checked_block_entries(
 ) -> dict[str, torch.Tensor]:
     """Block ``index``'s flat entries of a full-form state, on ``param``'s device, after checking
     that it has every entry with the shapes of this blocking (a checkpoint saved with other blocking
-    options is refused)."""
+    options is refused); its moments may be 8-bit codes or not, whatever ``optim_bits`` gives."""
     out: dict[str, torch.Tensor] = {}
-    for name, shape, _ in block_spec(block, group, param.dtype):
+    # Moments saved with the other optim_bits are carried over at the next step (step_state):
+    # the entries to find are those of the width they were saved in.
+    prefix = block_prefix(index)
+    saved_8bit = any(
+        isinstance(v, torch.Tensor) and v.dtype == torch.uint8
+        for v in (state.get(prefix + name) for name in EIGHT_BIT_MOMENTS)
+    )
+    saved = dict(group, optim_bits=8, min_8bit_size=0) if saved_8bit else dict(group, optim_bits=32)
+    for name, shape, _ in block_spec(block, saved, param.dtype):
         key = block_prefix(index) + name
         value = state.get(key)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
@@ -380,28 +390,71 @@ def store_packed(stored: list[torch.Tensor], whole: list[torch.Tensor], order: i
         structured.pack_lower(kept_triangle(m, order, k) if factors else m, out=packed)
 
 
-def dequantized(bs: BlockState, pdt: torch.dtype) -> BlockState:
-    """``bs`` with its 8-bit moments as fp32 tensors (SOAP's second moment in ``pdt``, the
-    preconditioner dtype it is kept in at 32 bits), new tensors the step may update in place; the
-    other entries are ``bs``'s own. bitsandbytes' 8-bit optimizers too update the fp32 values and
-    store them quantised again."""
+def step_state(
+    state: dict[str, Any],
+    prefix: str,
+    block: Block,
+    group: dict[str, Any],
+    dtype: torch.dtype,
+    batch: bnb_states.Batch8bit,
+) -> BlockState:
+    """The typed state of the block whose flat keys start with ``prefix`` for a step on its owner,
+    its moments as the step updates them. A block that keeps 8-bit moments (:func:`keeps_8bit`)
+    gets their fp32 values (SOAP's second moment in ``preconditioner_dtype``, where it is kept at
+    32 bits), new tensors from ``batch`` (:meth:`~dist_optim.bnb_states.Batch8bit.read`), to be
+    stored quantised by ``batch.store()`` after the step; bitsandbytes' 8-bit optimizers too
+    update the fp32 values and store them quantised again. The owner holds the block whole, so
+    its quantisation blocks are the block's own elements and storing needs no collective.
+
+    A moment saved with the other ``optim_bits`` is carried over, as every optimizer's: a 32-bit
+    one read by an 8-bit block is quantised at this step (its values, not zeros, are what the
+    step updates), an 8-bit one in a block that keeps 32 bits dequantised into the state, in
+    ``dtype`` (the gradient's, as a new state's moments; SOAP's second moment in
+    ``preconditioner_dtype``)."""
+    layout = ParamLayout(tuple(block.shape))
+    eight = keeps_8bit(block, group)
     values: dict[str, torch.Tensor] = {}
-    for name, absmax in bs.absmax.items():
-        codes = getattr(bs, name)
-        value = bnb_states.dequantize(codes.reshape(-1), absmax, EIGHT_BIT_MOMENTS[name]).view(codes.shape)
-        values[name] = value.to(pdt) if name == "exp_avg_sq" else value
+    for name, signed in EIGHT_BIT_MOMENTS.items():
+        key = prefix + name
+        value = state.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if eight:
+            values[name] = batch.read(state, key, signed, layout, value, _moment_dtype(name, group, torch.float32))
+        else:
+            batch.to_32bit(state, key, signed, layout, value.device, _moment_dtype(name, group, dtype))
+    bs = BlockState.of(state, prefix, block.order)
+    if not eight:
+        return bs
     out = dataclasses.replace(bs, absmax={})
     for name, value in values.items():
         setattr(out, name, value)
     return out
 
 
-def store_8bit(stored: BlockState, values: BlockState) -> None:
-    """Quantise the moments of ``values`` (from :func:`dequantized`) into the codes and absmax of
-    ``stored``."""
-    for name, absmax in stored.absmax.items():
-        codes = getattr(stored, name)
-        bnb_states.quantize_into(getattr(values, name).reshape(-1), codes.view(-1), absmax, EIGHT_BIT_MOMENTS[name])
+def carry_over(state: dict[str, Any], prefix: str, block: Block, group: dict[str, Any], dtype: torch.dtype) -> None:
+    """Bring the moments of a block this rank owns that were saved with the other ``optim_bits``
+    to the width its group keeps (as :func:`step_state` and a store would, without a step; the
+    others are left as they are): a rank exports its state in the form the other ranks expect,
+    where such a state was loaded and no step has been taken since."""
+    eight = keeps_8bit(block, group)
+    layout = ParamLayout(tuple(block.shape))
+    batch = bnb_states.Batch8bit()
+    for name, signed in EIGHT_BIT_MOMENTS.items():
+        key = prefix + name
+        value = state.get(key)
+        if not isinstance(value, torch.Tensor) or (value.dtype == torch.uint8) == eight:
+            continue
+        if eight:
+            batch.read(state, key, signed, layout, value)
+        else:
+            batch.to_32bit(state, key, signed, layout, value.device, _moment_dtype(name, group, dtype))
+    batch.store()
+
+
+def _moment_dtype(name: str, group: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
+    """SOAP's second moment is kept in ``preconditioner_dtype``, the other moments in ``dtype``."""
+    return group["preconditioner_dtype"] if name == "exp_avg_sq" else dtype
 
 
 def decoded_bases(
@@ -448,10 +501,11 @@ def mirror_whole_factors(block_states: Iterable[tuple[Any, Block, BlockState]]) 
 def check_loaded_forms(saved: Mapping[str, Any], groups: list[dict[str, Any]]) -> None:
     """Refuse, before anything is loaded, a state dict whose matrices are not in the form its param
     groups give (packed triangles or whole matrices: ``use_symmetric_packing``; quantised
-    eigenvectors or fp roots and bases: ``preconditioner_bits``) or whose moments are
-    8-bit codes where they give 32 bits or the other way (``optim_bits``, ``min_8bit_size``). A
-    group saved before an option existed takes this optimizer's value (the base's loader), which
-    may not be the form its state was saved in."""
+    eigenvectors or fp roots and bases: ``preconditioner_bits``). A group saved before an option
+    existed takes this optimizer's value (the base's loader), which may not be the form its state
+    was saved in. Moments and momentum saved with the other ``optim_bits`` (or ``min_8bit_size``)
+    are not refused: they are carried over at the next step (:func:`step_state`,
+    :func:`dist_optim.shampoo.momentum.read_momenta`)."""
     if not isinstance(saved, Mapping) or not isinstance(saved.get("param_groups"), list):
         return  # the base's loader names what is wrong
     for built, group in zip(groups, saved["param_groups"]):
@@ -481,14 +535,3 @@ def _check_form(key: str, value: torch.Tensor, group: Mapping[str, Any], matrix_
                 f"load_state_dict: state {key!r} is {'quantised codes' if codes else 'in ' + str(value.dtype)} where "
                 f"the param group has preconditioner_bits={bits}; build the optimizer with {fix} to load it"
             )
-    is_moment = key.startswith("block") and name in EIGHT_BIT_MOMENTS
-    if not (is_moment or name == "momentum_buffer"):
-        return
-    eight = group["optim_bits"] == 8 and (name == "momentum_buffer" or value.numel() >= group["min_8bit_size"])
-    codes = value.dtype == torch.uint8
-    if codes and not eight or (is_moment and eight and not codes):
-        raise ValueError(
-            f"load_state_dict: state {key!r} is {'8-bit codes' if codes else 'in ' + str(value.dtype)} where "
-            f"the param group has optim_bits={group['optim_bits']}, min_8bit_size={group['min_8bit_size']}; "
-            "build the optimizer with the options it was saved with to load it"
-        )

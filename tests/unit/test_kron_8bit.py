@@ -19,6 +19,7 @@ parity grid (``kron-8bit`` in tests/helpers/cases.py)."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -189,3 +190,67 @@ def test_reshard_through_full_state(pool4) -> None:
 def test_bad_options(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         dist_optim.DistributedKron([torch.nn.Parameter(torch.zeros(4, 4))], **kwargs)
+
+
+def _absmax_reductions_worker(repeats: int, bucket_bytes: int | None, optim_bits: int) -> list[list[str]]:
+    """tp=2 x ZeRO over 2, ``repeats`` copies of two TP-split matrices and two replicated tensors
+    (ZeRO chunks) with 8-bit momenta: per step, the process group ("tp"/"zero") of every
+    max-reduction this rank issues, counted where ``torch.distributed.all_reduce`` is called (the
+    absmax of blocks held in pieces are the only maxima Kron reduces)."""
+    import torch.distributed as dist
+
+    from dist_optim import ParamLayout, TPSplit, ZeroShard
+    from dist_optim.testing import grid_groups
+
+    tp_group, dp_group = grid_groups(2, 2)
+    tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
+    shapes = [((8, 6), 0), ((6, 8), 1), ((6,), None), ((5, 3), None)] * repeats
+    gen = torch.Generator().manual_seed(0)
+    params, layouts, fulls = [], {}, []
+    for shape, dim in shapes:
+        full = torch.randn(shape, generator=gen)
+        tp = TPSplit(dim, 2, tp_rank, tp_group) if dim is not None else None
+        numel = ParamLayout(shape, tp=tp).local_numel
+        layout = ParamLayout(shape, tp=tp, zero=ZeroShard(2, dp_rank, (-numel) % 2, dp_group))
+        p = layout.take_local(full)
+        params.append(p)
+        layouts[p] = layout
+        fulls.append(full)
+    opt = dist_optim.DistributedKron(params, lr=1e-2, optim_bits=optim_bits, min_8bit_size=0, bucket_bytes=bucket_bytes)
+    opt.bind(layouts, dp_group=dp_group)
+    names = {id(tp_group): "tp", id(dp_group): "zero"}
+    real = dist.all_reduce
+    seen: list[str] = []
+
+    def counted(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+        if op == dist.ReduceOp.MAX:
+            seen.append(names.get(id(group), "other"))
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    steps = []
+    dist.all_reduce = counted
+    try:
+        for step in range(2):
+            for p, full in zip(params, fulls):
+                p.grad = opt.layout(p).take_local(full * (step + 1))
+            seen.clear()
+            opt.step()
+            steps.append(list(seen))
+    finally:
+        dist.all_reduce = real
+    return steps
+
+
+def test_absmax_is_max_reduced_once_per_process_group_and_bucket(pool4) -> None:
+    """With ``optim_bits=8`` the block absmax of the momenta held in pieces is max-reduced once
+    per process group per bucket, not once per parameter: one bucket makes two reductions (over
+    the ZeRO group, then over the TP group) whatever the number of parameters; a bucket per
+    parameter (``bucket_bytes=1``) makes two for a TP-split matrix and one for a replicated tensor
+    (ZeRO group only). The 32-bit run reduces no maximum."""
+    for repeats in (1, 3):
+        for rank in pool4.run(_absmax_reductions_worker, repeats, None, 8):
+            assert rank == [["zero", "tp"]] * 2, rank
+        for rank in pool4.run(_absmax_reductions_worker, repeats, 1, 8):
+            assert rank == [["zero", "tp", "zero", "tp", "zero", "zero"] * repeats] * 2, rank
+    for rank in pool4.run(_absmax_reductions_worker, 3, None, 32):
+        assert rank == [[], []], rank

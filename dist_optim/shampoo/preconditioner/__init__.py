@@ -18,10 +18,8 @@ from ..options import start_step
 from ..state import (
     BlockState,
     Scratch,
-    dequantized,
     keeps_moment_in_eigenbasis,
     quantises_bases,
-    store_8bit,
     store_packed,
     unpacked,
 )
@@ -55,14 +53,11 @@ def block_direction(
     ``W <- W - lr (D + weight_decay W)`` in the same pass, the update is made there and None is
     returned (the caller then has nothing left to apply).
 
-    8-bit moments (``optim_bits=8``) are read as fp32 values for the step and stored quantised
-    again after it (:func:`~dist_optim.shampoo.state.dequantized`); quantised eigenvectors
-    (``preconditioner_bits``) are refreshed and decoded by :func:`.quantized.refreshed`."""
-    if bs.absmax:
-        values = dequantized(bs, group["preconditioner_dtype"])
-        direction = _direction(values, block, g, group, t, step, scratch, out, apply_to)
-        store_8bit(bs, values)
-        return direction
+    ``bs`` holds the moments the step updates: 8-bit ones (``optim_bits=8``) as their fp32 values,
+    read and stored quantised again by the caller (:func:`~dist_optim.shampoo.state.step_state`);
+    quantised eigenvectors (``preconditioner_bits``) are refreshed and decoded by
+    :func:`.quantized.refreshed`."""
+    assert not bs.absmax, "8-bit moments are read as fp32 values first (state.step_state)"
     return _direction(bs, block, g, group, t, step, scratch, out, apply_to)
 
 
@@ -77,7 +72,7 @@ def _direction(
     out: torch.Tensor | None,
     apply_to: torch.Tensor | None,
 ) -> torch.Tensor | None:
-    """:func:`block_direction` on 32-bit moments."""
+    """:func:`block_direction` on the moments' values."""
     if not g.is_contiguous():  # a block of a parameter split along a later dim
         g = scratch.get(g.shape, g.dtype, g.device, "grad").copy_(g)
     if out is None:
