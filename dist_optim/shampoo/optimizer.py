@@ -442,7 +442,8 @@ class DistributedShampoo(DistOptimizer):
         """Failed root inverses / basis refreshes so far, over all blocks (collective when bound)."""
         self._ensure_plans()
         failures = [(self._plans[p], bs.failures) for p, _, bs in self._block_states() if bs.failures is not None]
-        return total_failures(list(self._plans.values()), failures)
+        device = next(iter(self._plans)).device if self._plans else torch.device("cpu")
+        return total_failures(list(self._plans.values()), failures, device)
 
 
 @dataclass

@@ -130,14 +130,16 @@ def finish_routed(
         r.update = m.out
 
 
-def total_failures(plans: Sequence[Plan], failures: Sequence[tuple[Plan, torch.Tensor]]) -> int:
+def total_failures(plans: Sequence[Plan], failures: Sequence[tuple[Plan, torch.Tensor]], device: torch.device) -> int:
     """The sum of the failure counters this rank holds (``failures``: each with its parameter's
-    plan) over every work group of ``plans``: one all-reduce per group (collective when bound)."""
-    zero = torch.zeros((), dtype=torch.float64)
+    plan) over every work group of ``plans``: one all-reduce per group (collective when bound).
+    The sums live on ``device``, the parameters': where the counters are (CUDA ones on a GPU) and
+    what NCCL reduces, also on a rank that holds no counter of a group."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
     # By process group and size: ALONE's None is no group, a work group's None the whole job.
     totals = {(id(plan.work.group), plan.work.size): (plan.work, zero.clone()) for plan in plans}
     for plan, count in failures:
-        totals[(id(plan.work.group), plan.work.size)][1].add_(count.double())
+        totals[(id(plan.work.group), plan.work.size)][1].add_(count.to(device, torch.float64))
     bucket = SumBucket()
     for work, total in totals.values():
         if work.size > 1:
