@@ -20,6 +20,16 @@ The format of a tensor of ``n`` elements, flattened row-major:
 * at 8 bits one code a byte; at 4 bits two codes a byte, element ``2i`` in the low nibble and
   ``2i + 1`` in the high one (an odd ``n`` pads one zero code).
 
+Stochastic rounding (``quantize(..., generator=)``; Kron's factors, :mod:`dist_optim.kron.state`;
+Shampoo and SOAP round to nearest): with ``y = x / absmax * h`` (the same fp32 steps) and ``u_i``
+the ``i``-th of ``torch.rand(n, generator=generator)`` (fp32, multiples of 2^-24 in [0, 1)), the
+code is ``floor(y) + h + [u < y - floor(y)]``: up with probability the fraction, so the expected
+value of a code is ``y + h`` (to 2^-24 of a code), an unbiased rounding (Gupta et al. 2015, "Deep
+Learning with Limited Numerical Precision", arXiv:1502.02551), where rounding to nearest loses
+every change below half a code. In distribution it is the textbook ``floor(y + h + u)``, computed
+as a comparison because ``y + u`` in fp32 rounds (it could move ``-absmax`` a code up): zero and
+``absmax`` (``y`` an integer) stay exact under every draw. Wang et al. round to nearest.
+
 The map, chosen by measured reconstruction error (``R = Q diag(s) Q^T`` from a quantised
 eigenvector matrix ``Q`` after one Björck step, relative Frobenius error against float64, ``s =
 lam^-1/4``, sides 64, 256 and 1024, 4 bits): on dense eigenvectors (a Wishart factor, a low-rank
@@ -70,16 +80,30 @@ def _padded_blocks(x: torch.Tensor, bits: int) -> torch.Tensor:
     return out.view(-1, block)
 
 
-def quantize(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    values: torch.Tensor, bits: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The codes (uint8, :func:`codes_numel` of them) and block absmax (fp32, :func:`absmax_numel`)
     of ``values`` (any shape and float dtype; quantised from its fp32 rounding). Non-finite values
-    give unspecified codes (the callers keep the previous state then)."""
+    give unspecified codes (the callers keep the previous state then). With ``generator``, rounded
+    stochastically (see the module docstring) with ``torch.rand(values.numel(), generator=generator)``
+    (fp32, on ``values``' device), one uniform per element in flattened order."""
     n, h = values.numel(), LEVELS[bits]
     v = _padded_blocks(values, bits)
     absmax = v.abs().amax(dim=1)
     # A zero block divides by 1: its codes are the zero code.
     divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    codes = torch.div(v, divisor[:, None]).mul_(h).round_().add_(h).to(torch.uint8).view(-1)
+    y = torch.div(v, divisor[:, None]).mul_(h)
+    if generator is None:
+        codes = y.round_()
+    else:
+        u = torch.zeros_like(v).view(-1)
+        torch.rand(n, generator=generator, dtype=torch.float32, device=v.device, out=u[:n])
+        codes = y.floor()
+        # Up with probability frac(y): compared, not added (fp32 y + u would round, and could
+        # move 0 or -absmax off its exact code).
+        codes.add_(u.view_as(y) < y.sub_(codes))
+    codes = codes.add_(h).to(torch.uint8).view(-1)
     if bits == 8:
         return codes[:n].clone(), absmax
     codes = codes[: 2 * codes_numel(n, bits)]

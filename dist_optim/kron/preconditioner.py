@@ -223,6 +223,7 @@ def owner_direction(
     do_balance: bool,
     overwrite: bool = False,
     scratch: FactorScratch | None = None,
+    rounding: Callable[[], torch.Generator] | None = None,
 ) -> torch.Tensor:
     """On the owner, from the whole momentum (and gradient): debias, (balance,) update the
     factors when probes are given, precondition, clip. Makes the factors at the first call.
@@ -232,7 +233,9 @@ def owner_direction(
     :mod:`dist_optim.kron.blocks`); ``overwrite``: ``full_m`` is the caller's scratch buffer,
     which that path turns into the direction. With ``use_symmetric_packing`` and/or
     ``preconditioner_bits=8`` the triangular factors are unpacked and/or dequantised whole into
-    ``scratch`` for the step and stored back (packed, quantised) when it changed them."""
+    ``scratch`` for the step and stored back (packed, quantised) when it changed them; quantised
+    with stochastic rounding from ``rounding()`` (:func:`~dist_optim.kron.state.store_whole`;
+    without it, to nearest)."""
     dtype = precond_dtype(group)
     form = factor_form(group)
     if not has_factors(state):
@@ -248,7 +251,7 @@ def owner_direction(
     # Only update and balancing steps change factors: the others store nothing (quantised: the
     # codes of a factor no step changed are never rounded again).
     if form.compact and (probes is not None or (do_balance and len(plan.shape) > 1)):
-        store_whole(state, plan, factors, form)
+        store_whole(state, plan, factors, form, rounding() if rounding is not None and form.quantized else None)
     return u
 
 

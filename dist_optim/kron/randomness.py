@@ -7,7 +7,9 @@ Probes (Li 2015's ``V``): with ``probe_rng="sequential"`` (kron_torch's stream) 
 stays in step; with ``"per_parameter"`` each probe from a generator seeded by ``(seed, parameter
 key, parameter step)``, the same whatever subset of the model an optimizer holds (pipeline
 stages). The balancing draw comes from ``random.Random(seed)`` once per step, as kron_torch draws
-it (kron_torch: always ``random.Random(42)``; identical for the default seed).
+it (kron_torch: always ``random.Random(42)``; identical for the default seed). The stochastic
+rounding of 8-bit factors (:mod:`dist_optim.kron.state`) draws from a generator seeded by
+``("round", seed, parameter key, parameter step)``, whatever ``probe_rng``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from .options import PROBE_RNGS
 from .schedule import threshold
 
-__all__ = ["KronRandomness", "BALANCE_PROBABILITY"]
+__all__ = ["KronRandomness", "BALANCE_PROBABILITY", "keyed_generator", "param_position"]
 
 #: kron_torch rescales the factors to a common max-abs on update steps where a draw is below this.
 BALANCE_PROBABILITY = 0.01
@@ -66,10 +68,14 @@ class KronRandomness:
         step)`` (``key`` is asked only then)."""
         if self.probe_rng == "sequential":
             return self.generator(device)
-        digest = hashlib.blake2b(f"{self.seed}|{key()}|{step}".encode(), digest_size=8).digest()
-        gen = torch.Generator(device=device)
-        gen.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-        return gen
+        return keyed_generator(device, f"{self.seed}|{key()}|{step}")
+
+    def rounding_generator(self, device: torch.device, key: str, step: int) -> torch.Generator:
+        """The generator of one parameter's stochastic rounding of its factors at ``step``
+        (:mod:`dist_optim.kron.state`), seeded by ``("round", seed, key, step)`` whatever
+        ``probe_rng``: a pure function of the parameter, not of the layout or of any stream, so
+        every layout rounds alike and a resumed run needs no more state."""
+        return keyed_generator(device, f"round|{self.seed}|{key}|{step}")
 
     def decide(self, prob: Any) -> tuple[bool, bool]:
         """(update the preconditioners?, balance them first?) for this step, from the update
@@ -102,3 +108,21 @@ class KronRandomness:
         self.balance_rng.setstate(extra["balance_rng"])
         for name, st in extra["generators"].items():
             self.generator(torch.device(name)).set_state(st)
+
+
+def keyed_generator(device: torch.device, text: str) -> torch.Generator:
+    """A generator on ``device`` seeded by the first 63 bits (little-endian) of the 8-byte BLAKE2b
+    digest of ``text`` (UTF-8)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return gen
+
+
+def param_position(param_groups: list[dict[str, Any]], p: torch.Tensor) -> str:
+    """``"<group index>.<index in its group>"``: a parameter's key where it has no name."""
+    for gi, group in enumerate(param_groups):
+        for pi, q in enumerate(group["params"]):
+            if q is p:
+                return f"{gi}.{pi}"
+    raise KeyError("parameter is not in this optimizer")

@@ -26,17 +26,28 @@ and the checkpoints serialise), and the one place that spells its keys.
   quantiser's exact zero keeps the unpacked strict lower triangle exactly zero. Diagonal factors
   (vectors, O(n): 0.13 MB for a 32000-row embedding, whose 4096-side triangle is 34 MB packed in
   fp32) stay in ``precond_dtype``: quantising them would save almost nothing and would tie the
-  precision of each dim's scale to the largest in its block. Kron's fit multiplies ``Q`` by
-  ``I - step`` with ``|step| <= precond_lr`` each update: at 8 bits (a code is 1/127 of a block's
-  absmax) about 80% of an update's entries change a code and the kept part of the update has a
-  projection of 0.92 on the true one; at 4 bits (1/7) 8% and 0.12 (measured on a 96 x 64
-  least-squares layer, 60 updates): most 4-bit updates vanish in the rounding, so only 8 bits are
-  offered (:func:`dist_optim.kron.options.check_preconditioner_bits`). The rounding is the
-  deviation from Li's PSGD and kron_torch (factors in ``precond_dtype``): each fit's result is
-  rounded to the codes and the next step starts from the rounded factor, the same on every layout.
-  Not guarded: a diagonal entry of a triangular factor below half a code of its block's absmax
-  would round to zero and make the factor singular (the triangular solve of the fit); not seen in
-  the training bench (bench/compact_quality.py).
+  precision of each dim's scale to the largest in its block.
+
+  The rounding is stochastic (:mod:`dist_optim.lowbit`: with ``y = x / absmax * 127``, the code
+  ``floor(y) + 127 + [u < y - floor(y)]``, up with probability the fraction). Kron's fit
+  multiplies ``Q`` by ``I - step`` with ``|step| <= precond_lr`` each update, and part of an
+  update is below half a code (1/254 of its block's absmax; 20% of an update's entries on a
+  96 x 64 least-squares layer over 60 updates): rounded to nearest such a change returns to the
+  old code every time, a bias toward no change that ended 24% above full precision's held-out
+  loss on the tiny Llama (bench/compact_quality.py, docs/benchmarks.md); rounded stochastically
+  the stored factor equals the fitted one in expectation and the small changes accumulate: the
+  same run ended 0.45% below full precision. The uniforms ``u`` are ``torch.rand`` over the
+  stored elements, factor after factor in dim order, from a generator seeded by the BLAKE2b
+  digest of ``"round|<seed>|<parameter key>|<parameter step>"``
+  (:meth:`~dist_optim.kron.randomness.KronRandomness.rounding_generator`; the key as the
+  per-parameter probes', whatever ``probe_rng``): the same on every layout, and a function of
+  the state, so a resumed run rounds as the uninterrupted one with no more state saved. The
+  initial factors (multiples of the identity: zeros and absmax) quantise exactly and are stored
+  rounded to nearest. The deviation from Li's PSGD and kron_torch (factors in
+  ``precond_dtype``): each fit's result is rounded stochastically to the codes and the next step
+  starts from the rounded factor. Not guarded: a diagonal entry of a triangular factor within a
+  code of zero (its block's absmax over 127) may round to zero and make the factor singular (the
+  triangular solve of the fit); not seen in the training bench.
 """
 
 from __future__ import annotations
@@ -221,15 +232,22 @@ def whole_factors(
     return out
 
 
-def store_whole(state: dict[str, Any], plan: FactorPlan, whole: Sequence[torch.Tensor], form: FactorForm) -> None:
+def store_whole(
+    state: dict[str, Any],
+    plan: FactorPlan,
+    whole: Sequence[torch.Tensor],
+    form: FactorForm,
+    generator: torch.Generator | None = None,
+) -> None:
     """Store the triangular factors ``whole`` (of :func:`whole_factors` in a compact ``form``) back
     in place: packed, or quantised anew (codes and absmax; the triangle's zeros stay the zero
-    code); the diagonal ones are the stored tensors themselves."""
+    code), rounded stochastically with ``generator``'s uniforms, drawn factor after factor in dim
+    order (to nearest without one); the diagonal ones are the stored tensors themselves."""
     for k, (q, d) in enumerate(zip(whole, plan.diag or (True,))):
         if d:
             continue
         if form.quantized:
-            codes, absmax = lowbit.quantize(_flat_triangle(q, form.packed), form.bits)
+            codes, absmax = lowbit.quantize(_flat_triangle(q, form.packed), form.bits, generator)
             state[factor_key(k)].copy_(codes)
             state[absmax_key(k)].copy_(absmax)
         else:
