@@ -1,7 +1,7 @@
 """The evidence behind the recommended settings (issue 30 item 3): each optimizer at its best rate of
 docs/convergence.md, as the recipe configures it, against the same with one setting changed.
 
-    .venv/bin/python bench/settings.py                       # every row, 2 seeds: about 20 min on 2 cores
+    .venv/bin/python bench/settings.py                       # every row, 2 seeds: about 30 min on 2 cores
     .venv/bin/python bench/settings.py --only "kron" --seeds 1 --steps 60   # rows whose label starts so
 
 The runs are :func:`bench.convergence.run_one`'s (the tiny Llama on the books, 16 x 128 tokens a
