@@ -108,6 +108,12 @@ _add(
     _shampoo(10, 1, True, 8, 4),
     refresh_every=10,
 )
+_add(
+    "dist_optim Shampoo pf=10 (packed, optim_bits=8, preconditioner_bits=8)",
+    "shampoo",
+    _shampoo(10, 1, True, 8, 8),
+    refresh_every=10,
+)
 _add("dist_optim Shampoo before start", "shampoo", _shampoo(10_000, 10_000))
 _add("dist_optim Kron", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0))
 _add("dist_optim Kron (optim_bits=8)", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0, optim_bits=8))
@@ -115,6 +121,15 @@ _add(
     "dist_optim Kron (packed, optim_bits=8)",
     "kron",
     lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0, optim_bits=8, use_symmetric_packing=True),
+)
+# Triangular factors in 8-bit codes too (issue 29): dequantised for every step, quantised back with
+# stochastic rounding after each fit.
+_add(
+    "dist_optim Kron (packed, optim_bits=8, preconditioner_bits=8)",
+    "kron",
+    lambda p: _dist("DistributedKron")(
+        p, lr=3e-4, seed=0, optim_bits=8, use_symmetric_packing=True, preconditioner_bits=8
+    ),
 )
 _add("kron_torch Kron", "kron", lambda p: _cls("kron_torch.Kron")(p, lr=3e-4), "kron_torch")
 
