@@ -22,12 +22,11 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dist_optim
 from dist_optim import DistributedKron, comm
 from dist_optim.kron import ProbabilitySchedule, precond_update_prob_schedule
-from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
+from dist_optim.layout import ParamLayout
 from tests.helpers.collectives import counting_collectives
 
 kron_torch = pytest.importorskip("kron_torch")
@@ -470,23 +469,13 @@ def _tp_count_worker(n_params: int, communication_dtype: torch.dtype | None = to
     """tp=2 x zero=2: TP-split and replicated params; collectives per step must not depend on
     the number of parameters. Returns the counts, the full params after 2 steps and the unbound
     run's."""
-    from dist_optim.testing import grid_groups
+    from dist_optim.testing import grid_groups, tp_zero_chunks
 
     tp_group, dp_group = grid_groups(2, 2)
-    tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
     shapes = [((8, 6), 0), ((6, 8), 1), ((6,), None), ((5, 3), None)] * n_params
     gen = torch.Generator().manual_seed(0)
-    params, layouts, fulls = [], {}, []
-    for shape, dim in shapes:
-        full = torch.randn(shape, generator=gen)
-        tp = TPSplit(dim, 2, tp_rank, tp_group) if dim is not None else None
-        local = ParamLayout(shape, tp=tp)
-        numel = local.local_numel
-        layout = ParamLayout(shape, tp=tp, zero=ZeroShard(2, dp_rank, (-numel) % 2, dp_group))
-        p = layout.take_local(full)
-        params.append(p)
-        layouts[p] = layout
-        fulls.append(full)
+    fulls = [torch.randn(shape, generator=gen) for shape, _ in shapes]
+    params, layouts = tp_zero_chunks(fulls, [dim for _, dim in shapes], tp_group, dp_group)
     ref_params = [f.clone() for f in fulls]
     ref = DistributedKron(ref_params, lr=1e-2)
     opt = DistributedKron(params, lr=1e-2, communication_dtype=communication_dtype)

@@ -199,23 +199,13 @@ def _absmax_reductions_worker(repeats: int, bucket_bytes: int | None, optim_bits
     absmax of blocks held in pieces are the only maxima Kron reduces)."""
     import torch.distributed as dist
 
-    from dist_optim import ParamLayout, TPSplit, ZeroShard
-    from dist_optim.testing import grid_groups
+    from dist_optim.testing import grid_groups, tp_zero_chunks
 
     tp_group, dp_group = grid_groups(2, 2)
-    tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
     shapes = [((8, 6), 0), ((6, 8), 1), ((6,), None), ((5, 3), None)] * repeats
     gen = torch.Generator().manual_seed(0)
-    params, layouts, fulls = [], {}, []
-    for shape, dim in shapes:
-        full = torch.randn(shape, generator=gen)
-        tp = TPSplit(dim, 2, tp_rank, tp_group) if dim is not None else None
-        numel = ParamLayout(shape, tp=tp).local_numel
-        layout = ParamLayout(shape, tp=tp, zero=ZeroShard(2, dp_rank, (-numel) % 2, dp_group))
-        p = layout.take_local(full)
-        params.append(p)
-        layouts[p] = layout
-        fulls.append(full)
+    fulls = [torch.randn(shape, generator=gen) for shape, _ in shapes]
+    params, layouts = tp_zero_chunks(fulls, [dim for _, dim in shapes], tp_group, dp_group)
     opt = dist_optim.DistributedKron(params, lr=1e-2, optim_bits=optim_bits, min_8bit_size=0, bucket_bytes=bucket_bytes)
     opt.bind(layouts, dp_group=dp_group)
     names = {id(tp_group): "tp", id(dp_group): "zero"}
