@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["COLLECTIVES", "Collectives", "counting_collectives"]
+__all__ = ["COLLECTIVES", "Collectives", "Issued", "counting_collectives"]
 
 
 def _bytes(*tensors: torch.Tensor | None) -> int:
@@ -160,14 +160,26 @@ COLLECTIVES: dict[str, Rule | None] = {
 _SIGNATURES = {name: inspect.signature(getattr(c10d, name)) for name in COLLECTIVES}
 
 
+@dataclass(frozen=True)
+class Issued:
+    """One counted call as it was made: the torch.distributed function's name, its ``group``
+    argument (None: the default group) and its reduction ``op`` (None where it takes none)."""
+
+    name: str
+    group: Any
+    op: Any
+
+
 @dataclass
 class Collectives:
     """What this rank issued inside a :func:`counting_collectives` block, by torch.distributed
-    function name: calls, bytes sent and bytes received (the conventions of this module)."""
+    function name: calls, bytes sent and bytes received (the conventions of this module), and
+    every counted call in the order issued (:attr:`issued`)."""
 
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     sent: collections.defaultdict[str, Fraction] = field(default_factory=lambda: collections.defaultdict(Fraction))
     received: collections.Counter[str] = field(default_factory=collections.Counter)
+    issued: list[Issued] = field(default_factory=list)
 
     @property
     def bytes_sent(self) -> Fraction:
@@ -221,6 +233,7 @@ def counting_collectives() -> Iterator[Collectives]:
                     running[-1].received += mine.received
             else:
                 seen.counts[name] += 1
+                seen.issued.append(Issued(name, group, bound.arguments.get("op")))
                 seen.sent[name] += mine.sent
                 seen.received[name] += mine.received
             return out

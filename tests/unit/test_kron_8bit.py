@@ -19,7 +19,6 @@ parity grid (``kron-8bit`` in tests/helpers/cases.py)."""
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
@@ -195,11 +194,13 @@ def test_bad_options(kwargs: dict, match: str) -> None:
 def _absmax_reductions_worker(repeats: int, bucket_bytes: int | None, optim_bits: int) -> list[list[str]]:
     """tp=2 x ZeRO over 2, ``repeats`` copies of two TP-split matrices and two replicated tensors
     (ZeRO chunks) with 8-bit momenta: per step, the process group ("tp"/"zero") of every
-    max-reduction this rank issues, counted where ``torch.distributed.all_reduce`` is called (the
-    absmax of blocks held in pieces are the only maxima Kron reduces)."""
+    max-reduction this rank issues, counted where ``torch.distributed`` is called
+    (:func:`tests.helpers.collectives.counting_collectives`; the absmax of blocks held in pieces are
+    the only maxima Kron reduces)."""
     import torch.distributed as dist
 
     from dist_optim.testing import grid_groups, tp_zero_chunks
+    from tests.helpers.collectives import counting_collectives
 
     tp_group, dp_group = grid_groups(2, 2)
     shapes = [((8, 6), 0), ((6, 8), 1), ((6,), None), ((5, 3), None)] * repeats
@@ -209,25 +210,14 @@ def _absmax_reductions_worker(repeats: int, bucket_bytes: int | None, optim_bits
     opt = dist_optim.DistributedKron(params, lr=1e-2, optim_bits=optim_bits, min_8bit_size=0, bucket_bytes=bucket_bytes)
     opt.bind(layouts, dp_group=dp_group)
     names = {id(tp_group): "tp", id(dp_group): "zero"}
-    real = dist.all_reduce
-    seen: list[str] = []
-
-    def counted(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
-        if op == dist.ReduceOp.MAX:
-            seen.append(names.get(id(group), "other"))
-        return real(tensor, op=op, group=group, async_op=async_op)
-
     steps = []
-    dist.all_reduce = counted
-    try:
-        for step in range(2):
-            for p, full in zip(params, fulls):
-                p.grad = opt.layout(p).take_local(full * (step + 1))
-            seen.clear()
+    for step in range(2):
+        for p, full in zip(params, fulls):
+            p.grad = opt.layout(p).take_local(full * (step + 1))
+        with counting_collectives() as seen:
             opt.step()
-            steps.append(list(seen))
-    finally:
-        dist.all_reduce = real
+        maxima = [c for c in seen.issued if c.name == "all_reduce" and c.op == dist.ReduceOp.MAX]
+        steps.append([names.get(id(c.group), "other") for c in maxima])
     return steps
 
 
