@@ -6,7 +6,7 @@
 A tiny Llama (byte tokens, hidden 128, 2 layers, 4 heads: 0.4M parameters) trains on the books of
 ``recipes/corpus.py`` (installed by ``make setup``), ``--steps`` steps of ``--batch-size`` x
 ``--seq-len`` tokens, the learning rate warmed up linearly over the first 10% of the steps and then
-cosine-decayed to a tenth (the recipe's schedule, ``train_llama.lr_lambda``), gradients clipped to
+cosine-decayed to a tenth (the recipe's schedule, ``recipes.train.lr_lambda``), gradients clipped to
 norm 1; the held-out loss (the books' held-out part, the same ``--eval-sequences`` every time) is
 measured every ``--eval-every`` steps. Each optimizer runs at ``--rates`` learning rates log-spaced
 over its range in :data:`RANGES` and ``--seeds`` seeds (the seed draws the initial weights and the
@@ -14,7 +14,7 @@ order of the batches; every optimizer sees the same ones per seed). Runs share t
 ``--workers`` processes of one thread each.
 
 The optimizers are single-device (ours unbound, which the parity tests equal to every distributed
-layout), built as ``recipes/train_llama.py`` builds them (:data:`OPTIMIZERS`: the recipe's name and
+layout), built as ``recipes/train.py`` builds them (:data:`OPTIMIZERS`: the recipe's name and
 extra options).
 
 ``--reuse results.json`` keeps an earlier sweep's runs of the optimizers not run again (the same
@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-#: label -> (train_llama's optimizer name, extra constructor options).
+#: label -> (the recipe's optimizer name, extra constructor options).
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "AdamW": ("torch.optim.AdamW", dict(betas=(0.9, 0.95), weight_decay=0.1)),
     "LAMB": ("lamb", {}),
@@ -88,7 +88,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from dist_optim.plan.models import llama_config
-    from recipes import corpus, tokens, train_llama
+    from recipes import corpus, tokens
+    from recipes import train as recipe
 
     torch.set_num_threads(1)
     torch.manual_seed(job["seed"])
@@ -98,11 +99,11 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
     name, extra = OPTIMIZERS[job["label"]]
     builder = BUILDERS.get(job["label"])
-    opt = builder(model, job["lr"]) if builder else train_llama.build_optimizer(name, model, job["lr"], extra)
+    opt = builder(model, job["lr"]) if builder else recipe.build_optimizer(name, model, job["lr"], extra)
     steps = job["steps"]
     # ``warmup``: a fraction of the steps (bench/settings.py); the sweep's is a tenth.
     warmup = max(1, steps // 10) if "warmup" not in job else int(steps * job["warmup"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, train_llama.lr_lambda(warmup, steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, recipe.lr_lambda(warmup, steps))
     train = tokens.byte_tokens([corpus.TRAIN])
     held = tokens.byte_tokens([corpus.HELDOUT])
     data = tokens.PackedData(train, job["seq_len"], job["batch_size"], 1, 0, job["seed"], eval_tokens=held)

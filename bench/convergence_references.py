@@ -4,7 +4,7 @@ of ours that end above AdamW there (issue 30 item 4): is it the algorithm at thi
     .venv/bin/python bench/convergence_references.py             # 4 references x 4 rates x 2 seeds, ~20 min
     .venv/bin/python bench/convergence_references.py --only came --rates 2 --seeds 1 --steps 40
 
-Each reference runs with the options our recipe gives ours (``recipes/train_llama.py`` ``OURS``, which
+Each reference runs with the options our recipe gives ours (``recipes/train.py`` ``OURS``, which
 our unit tests equal to these packages step by step) over the same learning-rate range, seeds, data
 and schedule as ours in docs/convergence.md: ColossalAI's ``Lamb`` (``weight_decay=0.01``,
 ``bias_correction=True``) for LAMB, transformers' ``Adafactor`` (``relative_step=False,

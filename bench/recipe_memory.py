@@ -1,4 +1,4 @@
-"""Peak resident memory per rank of recipes/train_llama.py, with and without lazy initialisation.
+"""Peak resident memory per rank of recipes/train.py, with and without lazy initialisation.
 
     python bench/recipe_memory.py                   # the 1b preset, tp=2 x ZeRO-1 on 4 CPU processes
     python bench/recipe_memory.py --layers 6        # the 1b shape cut to 6 decoder layers
@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 def run(model: str, lazy: bool, nproc: int, steps: int) -> dict[str, list[float] | float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["recipes/train_llama.py", "--model", model, "--tp", "2", "--zero", "1", "--steps", str(steps)]
+    cmd += ["recipes/train.py", "--model", model, "--tp", "2", "--zero", "1", "--steps", str(steps)]
     cmd += ["--synthetic", "--batch-size", "1", "--seq-len", "64", "--no-progress", "--log-every", "1"]
     cmd += ["--optimizer", "colossalai.nn.optimizer.Lamb"] + ([] if lazy else ["--no-lazy"])
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--only-lazy", action="store_true", help="skip the eager run (when it cannot fit)")
     ap.add_argument("--ready-only", action="store_true", help="build and load the model, take no optimizer step")
     args = ap.parse_args()
-    from recipes.train_llama import model_config
+    from recipes.train import model_config
 
     model = "1b"
     with tempfile.TemporaryDirectory() as tmp:

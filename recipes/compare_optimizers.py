@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 4 recipes/compare_optimizers.py --data my_text/ --steps 300   # your text
 
 Every optimizer sees the same initial weights and the same batches (``--data``: .txt / .jsonl files
-or directories, as ``recipes/train_llama.py`` takes them, byte tokens unless ``--tokenizer``;
+or directories, as ``recipes/train.py`` takes them, byte tokens unless ``--tokenizer``;
 default: three public-domain books, ``recipes/corpus.py``). Ordinary optimizers are
 swapped for ours by the booster (the legend says which class ran).
 """
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from recipes import train_llama  # noqa: E402
+from recipes import train  # noqa: E402
 
 # Learning rates: each optimizer's best of bench/convergence.py's sweep (docs/convergence.md: 4 rates
 # log-spaced over a decade per optimizer, 2 seeds, 300 steps of a tiny Llama on the same books),
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--only", nargs="*", help="optimizer names to run (default: all)")
     ap.add_argument("--out", default=os.path.join("runs", "compare", "loss_curves.png"))
-    ap.add_argument("--data", nargs="+", default=None, help=".txt / .jsonl files or directories (train_llama's --data)")
+    ap.add_argument("--data", nargs="+", default=None, help=".txt / .jsonl files or directories (the recipe's --data)")
     ap.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (default: bytes)")
-    ap.add_argument("--data-cache", default=None, help="where tokenized data is cached (train_llama's default)")
+    ap.add_argument("--data-cache", default=None, help="where tokenized data is cached (the recipe's default)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps {args.steps}: at least 1")
@@ -71,17 +71,17 @@ def main(argv: list[str] | None = None) -> None:
     for label, name, lr in DEFAULT:
         if args.only and name not in args.only:
             continue
-        train_args = train_llama.parse_args(
+        train_args = train.parse_args(
             [
                 "--plugin", args.plugin, "--tp", str(args.tp), "--zero", str(args.zero),
                 "--optimizer", name, "--lr", str(lr), "--steps", str(args.steps), "--no-progress",
                 "--warmup", str(max(1, args.steps // 10)), *data,
             ]
         )  # fmt: skip
-        train_llama.log(f"--- {label}")
-        history = train_llama.train(train_args)
+        train.log(f"--- {label}")
+        history = train.train(train_args)
         curves[label] = [h["loss"] for h in history]
-    if train_llama.is_main():
+    if train.is_main():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(os.path.splitext(args.out)[0] + ".csv", "w", newline="") as f:
             w = csv.writer(f)

@@ -1,6 +1,6 @@
 """The README's first command (``make demo``): train a tiny Llama on 4 processes, then compare optimizers.
 
-1. ``train_llama.py`` on 4 processes with HybridParallelPlugin tp=2 x ZeRO-1 (bf16), an ordinary
+1. ``recipes/train.py`` on 4 processes with HybridParallelPlugin tp=2 x ZeRO-1 (bf16), an ordinary
    ``colossalai.nn.optimizer.Lamb`` that the booster swaps for ``dist_optim.DistributedLamb``,
    a few hundred steps on byte tokens of three public-domain books (``recipes/corpus.py``, installed
    by ``make setup``), the held-out loss every 100 steps; prints the swap, a progress bar and the
@@ -38,7 +38,7 @@ def main() -> None:
     out = os.path.join(ROOT, args.out)
     os.makedirs(out, exist_ok=True)
     torchrun(
-        "recipes/train_llama.py",
+        "recipes/train.py",
         [
             "--plugin", "hybrid", "--tp", "2", "--zero", "1", "--precision", "bf16",
             "--optimizer", "colossalai.nn.optimizer.Lamb", "--lr", "1e-2", "--steps", str(args.steps),

@@ -1,6 +1,6 @@
 """The models the planner and the recipe know, and the checks a model and a layout must pass
 before ColossalAI sees them: one place, so that ``python -m dist_optim.plan`` and
-``recipes/train_llama.py`` refuse the same input with the same one-line message (a
+``recipes/train.py`` refuse the same input with the same one-line message (a
 :class:`PlanError`), where ColossalAI would fail with an ``AssertionError`` on rank 0 or
 transformers would fill a missing field with a default and plan another model."""
 

@@ -19,7 +19,7 @@ STEPS = 8
 def _cmd(ckpt: str, log: str, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-        "recipes/train_llama.py",
+        "recipes/train.py",
         "--plugin", "hybrid", "--tp", "2", "--zero", "1", "--optimizer", "colossalai.nn.optimizer.Lamb",
         "--lr", "1e-2", "--steps", str(STEPS), "--no-progress", "--ckpt-dir", ckpt, "--ckpt-every", "2",
         "--log-csv", log, *extra,
@@ -48,7 +48,7 @@ def test_killed_rank_fails_the_job_and_resume_continues_the_trajectory(tmp_path)
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         time.sleep(0.2)
     workers = [
-        c for c in psutil.Process(proc.pid).children(recursive=True) if "train_llama.py" in " ".join(c.cmdline())
+        c for c in psutil.Process(proc.pid).children(recursive=True) if "recipes/train.py" in " ".join(c.cmdline())
     ]
     assert len(workers) == 4
     killed_at = time.time()

@@ -396,8 +396,8 @@ def test_live_bytes_counts_temporaries_not_inputs() -> None:
     del y
 
 
-def test_train_llama_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    from recipes.train_llama import main
+def test_recipe_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from recipes.train import main
 
     main(["--model", "tiny", "--tp", "2", "--zero", "1", "--world-size", "4", "--optimizer", "lamb", "--dry-run"])
     out = capsys.readouterr().out

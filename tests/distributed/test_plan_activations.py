@@ -1,5 +1,5 @@
 """The planner's activation memory against real runs: a small Llama (grouped key/value heads) split by
-HybridParallelPlugin over gloo processes as recipes/train_llama.py builds and checkpoints it, and a Qwen2 (q/k/v biases,
+HybridParallelPlugin over gloo processes as recipes/train.py builds and checkpoints it, and a Qwen2 (q/k/v biases,
 tied head): tp=2, one micro-batch forward and backward per rank; and pipeline stages (pp=2, tp=1 and tp=2), one step
 of ColossalAI's 1F1B schedule over four micro-batches. The run is measured with the tests' own
 instruments: what autograd saves, through the test's own ``saved_tensors_hooks``; the bytes the
@@ -160,7 +160,7 @@ def _measured(case: Case) -> dict[str, int]:
     from transformers import AutoModelForCausalLM
 
     from dist_optim.plugins.cpu import install, quiet_colossal
-    from recipes.train_llama import enable_grad_checkpoint
+    from recipes.train import enable_grad_checkpoint
 
     install()
     malloc.fix_mmap_threshold()
@@ -303,7 +303,7 @@ def _measured_pipeline(tp: int, case: Case) -> dict[str, int]:
     from transformers import LlamaForCausalLM
 
     from dist_optim.plugins.cpu import install, quiet_colossal
-    from recipes.train_llama import checkpoint_config, enable_grad_checkpoint
+    from recipes.train import checkpoint_config, enable_grad_checkpoint
 
     install()
     malloc.fix_mmap_threshold()

@@ -21,13 +21,13 @@ def _torchrun(script: str, *args: str) -> str:
     return out
 
 
-def test_train_llama_checkpoint_and_resume(tmp_path) -> None:
+def test_recipe_checkpoint_and_resume(tmp_path) -> None:
     ckpt, log, board = str(tmp_path / "ckpt"), str(tmp_path / "train.csv"), str(tmp_path / "tb")
     common = ["--plugin", "hybrid", "--tp", "2", "--zero", "1", "--no-progress", "--ckpt-dir", ckpt, "--log-csv", log]
     common += ["--tensorboard", board]
     common += ["--optimizer", "transformers.optimization.Adafactor", "--lr", "1e-2"]
     common += ["--optimizer-args", '{"relative_step": false, "scale_parameter": false}']
-    out = _torchrun("recipes/train_llama.py", *common, "--steps", "2", "--ckpt-every", "2")
+    out = _torchrun("recipes/train.py", *common, "--steps", "2", "--ckpt-every", "2")
     assert "dist_optim: swapped" in out  # the plugin's log line (ColossalAI's logger wraps it)
     assert "optimizer: dist_optim.adafactor.DistributedAdafactor" in out
     # No --data: the books of recipes/corpus.py train, their held-out part is held out (byte tokens,
@@ -35,7 +35,7 @@ def test_train_llama_checkpoint_and_resume(tmp_path) -> None:
     train, held = (os.path.getsize(f) // 64 for f in (corpus.TRAIN, corpus.HELDOUT))
     assert f"data: {train} training and {held} held-out sequences of 64 tokens" in out
     assert os.path.exists(os.path.join(ckpt, "step_0000002", "optimizer", "dist_optim_optimizer.index.json"))
-    out = _torchrun("recipes/train_llama.py", *common, "--steps", "3", "--resume")
+    out = _torchrun("recipes/train.py", *common, "--steps", "3", "--resume")
     assert "resumed from" in out and "final loss" in out
     with open(log) as f:
         rows = list(csv.DictReader(f))

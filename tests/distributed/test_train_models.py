@@ -1,4 +1,4 @@
-"""recipes/train_llama.py trains the other model types ColossalAI 0.5.0's ShardFormer has a policy
+"""recipes/train.py trains the other model types ColossalAI 0.5.0's ShardFormer has a policy
 for (issue 28 item 3): a tiny Mistral, a tiny Qwen2 (qkv bias, tied embeddings) and a tiny Mixtral
 (4 experts, top-2; expert parallelism, MoeHybridParallelPlugin, is not in the recipe), each saved with
 ``save_pretrained`` beside an offline byte-level BPE tokenizer, loaded by the recipe under tp=2 on
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from recipes import corpus, tokens
-from tests.distributed.test_train_llama import _torchrun
+from tests.distributed.test_train import _torchrun
 
 CORPUS = corpus.HELDOUT
 SEQ_LEN, BATCH, STEPS, SEED = 32, 2, 6, 42
@@ -120,7 +120,7 @@ def test_recipe_refuses_the_types_the_planner_refuses(tmp_path: Path) -> None:
     import json
 
     from dist_optim.plan.models import PlanError, read_config
-    from recipes.train_llama import main
+    from recipes.train import main
 
     for kind, message in (("qwen3", "has no ShardFormer policy for Qwen3 (qwen3)"), ("gpt2", "model_type 'gpt2'")):
         directory = tmp_path / kind
@@ -138,14 +138,14 @@ def test_recipe_refuses_the_types_the_planner_refuses(tmp_path: Path) -> None:
 def _dry_run_qwen2(tmp_path: Path) -> dict[str, Any]:
     import json
 
-    from recipes import train_llama
+    from recipes import train
     from tests.unit.test_plan_models import TINY
 
     (tmp_path / "config.json").write_text(
         json.dumps({**TINY, "model_type": "qwen2", "vocab_size": 300, "tie_word_embeddings": True})
     )
-    args = train_llama.parse_args(["--model", str(tmp_path), "--tp", "2", "--world-size", "2", "--dry-run"])
-    return train_llama.dry_run(args)
+    args = train.parse_args(["--model", str(tmp_path), "--tp", "2", "--world-size", "2", "--dry-run"])
+    return train.dry_run(args)
 
 
 def test_dry_run_counts_a_tied_embedding_once(tmp_path: Path) -> None:
@@ -164,7 +164,7 @@ def test_mfu_flops_count_a_mixtrals_active_experts_and_a_tied_head() -> None:
     num_local_experts; a tied embedding, which is also the output head's matmul) + attention."""
     from transformers import MixtralConfig, Qwen2Config
 
-    from recipes.train_llama import flops_per_token
+    from recipes.train import flops_per_token
 
     sizes = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
     mixtral = MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2)

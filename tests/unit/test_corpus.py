@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from recipes import corpus, tokens, train_llama
+from recipes import corpus, tokens
+from recipes import train as recipe
 
 
 def test_split_cuts_at_a_line_start_after_the_share() -> None:
@@ -97,14 +98,14 @@ def _args(**kw: object) -> argparse.Namespace:
 def test_recipe_reads_the_books_by_default_and_refuses_what_is_missing(tmp_path, monkeypatch) -> None:
     text = tmp_path / "mine.txt"
     text.write_text("some text\n")
-    assert train_llama.data_files(_args(data=[str(text)])) == ([str(text)], None)
-    assert train_llama.data_files(_args(data=[str(text)], eval_data=[str(text)])) == ([str(text)], [str(text)])
+    assert recipe.data_files(_args(data=[str(text)])) == ([str(text)], None)
+    assert recipe.data_files(_args(data=[str(text)], eval_data=[str(text)])) == ([str(text)], [str(text)])
     with pytest.raises(SystemExit, match=r"^--eval-data '.*nowhere.txt': no such file or directory$"):
-        train_llama.data_files(_args(data=[str(text)], eval_data=[str(tmp_path / "nowhere.txt")]))
+        recipe.data_files(_args(data=[str(text)], eval_data=[str(tmp_path / "nowhere.txt")]))
     monkeypatch.setattr(corpus, "installed", lambda directory=corpus.DIRECTORY: False)
     with pytest.raises(SystemExit, match="is not installed: run `make setup` or `python -m recipes.corpus`"):
-        train_llama.data_files(_args())
+        recipe.data_files(_args())
     monkeypatch.setattr(corpus, "installed", lambda directory=corpus.DIRECTORY: True)
     monkeypatch.setattr(corpus, "TRAIN", str(text))
     monkeypatch.setattr(corpus, "HELDOUT", str(text))
-    assert train_llama.data_files(_args()) == ([str(text)], [str(text)])
+    assert recipe.data_files(_args()) == ([str(text)], [str(text)])

@@ -112,7 +112,7 @@ def test_the_sweep_skips_tp_sizes_the_heads_refuse() -> None:
 
 # ---- the recipe refuses the same input, and plans its default optimizer -----------------------
 def _recipe(argv: list[str]) -> None:
-    from recipes.train_llama import main
+    from recipes.train import main
 
     main(argv + ["--dry-run"])
 
@@ -130,7 +130,7 @@ def test_recipe_refuses_bad_models_layouts_and_data(tmp_path: Path) -> None:
 
 
 def test_recipe_dry_run_plans_the_default_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
-    from recipes.train_llama import planner_name
+    from recipes.train import planner_name
 
     assert planner_name("colossalai.nn.optimizer.Lamb") == "lamb"
     assert planner_name("torch.optim.AdamW") == "adamw"

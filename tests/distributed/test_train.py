@@ -1,4 +1,4 @@
-"""recipes/train_llama.py with a real Hugging Face model directory, tokenizer and data: a tiny Llama
+"""recipes/train.py with a real Hugging Face model directory, tokenizer and data: a tiny Llama
 saved with ``save_pretrained`` (a sharded safetensors checkpoint) and a byte-level BPE tokenizer
 trained offline on the held-out part of the recipes' books (recipes/corpus.py), loaded by the
 recipe under tp=2 x ZeRO-1 on 4 CPU processes."""
@@ -122,7 +122,7 @@ def test_packed_batches_split_over_dp_ranks_and_hold_out_the_tail() -> None:
 def _torchrun(*args: str, nproc: int = 4) -> str:
     # --standalone: a free port, not 29500, which other jobs on the machine may hold.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["recipes/train_llama.py", *args]
+    cmd += ["recipes/train.py", *args]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
@@ -196,6 +196,7 @@ def test_pretrained_llama_under_tp2_zero1(real: dict[str, str], tmp_path) -> Non
 
 
 def test_dry_run_prints_the_layout_without_allocating() -> None:
+    # Through the recipe's old name, which runs recipes/train.py with the same arguments.
     cmd = [sys.executable, "recipes/train_llama.py", "--model", "7b", "--tp", "2", "--zero", "1", "--world-size", "8"]
     cmd += ["--optimizer", "transformers.optimization.Adafactor", "--dry-run"]
     script = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
@@ -213,6 +214,7 @@ def test_dry_run_prints_the_layout_without_allocating() -> None:
     assert f"{total / 1e6:.2f}M parameters" in out
     assert f"{((total - norms) // 2 + norms) / 1e6:.2f}M working parameters per rank" in out
     assert "transformers.optimization.Adafactor -> dist_optim.adafactor.DistributedAdafactor" in out
+    assert "dry run: every rank simulated: python -m dist_optim.plan" in out  # the plan came too
     maxrss_gib = int(re.search(r"maxrss_kib (\d+)", out).group(1)) / 2**20
     assert maxrss_gib < 2.0, maxrss_gib  # the fp32 model alone would be 25 GiB
 
@@ -238,10 +240,10 @@ def test_gradient_accumulation_is_the_larger_batch(tmp_path) -> None:
     # attention, per process, over the given peak (CSV rounding: 4 decimals, 0.1 token/s).
     from transformers import LlamaForCausalLM
 
-    from recipes.train_llama import PRESETS
+    from recipes.train import PRESETS
 
     hidden, _, layers, _, _, vocab = PRESETS["tiny"]
-    params = sum(p.numel() for p in LlamaForCausalLM(train_llama_config("tiny")).parameters())
+    params = sum(p.numel() for p in LlamaForCausalLM(tiny_config("tiny")).parameters())
     per_token = 6 * (params - vocab * hidden) + 12 * layers * hidden * 64
     for value, tokens_per_s in mfu:
         assert value == pytest.approx(per_token * tokens_per_s / 4 / 1e9, rel=2e-3, abs=1e-4)
@@ -253,14 +255,14 @@ def test_gradient_accumulation_is_the_larger_batch(tmp_path) -> None:
         assert abs(a - b) <= 1e-5 * b, (rows[2], rows[1])
 
 
-def train_llama_config(model: str) -> object:
-    from recipes.train_llama import model_config
+def tiny_config(model: str) -> object:
+    from recipes.train import model_config
 
     return model_config(model)[0]
 
 
 def test_device_peaks_match_the_most_specific_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    from recipes import train_llama
+    from recipes import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, peak in [
@@ -268,18 +270,18 @@ def test_device_peaks_match_the_most_specific_name(monkeypatch: pytest.MonkeyPat
         ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("Tesla V100-SXM2-32GB", None),
     ]:  # fmt: skip
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda n=name: n)
-        assert train_llama.device_peak_tflops("bf16", None) == peak, name
-    assert train_llama.device_peak_tflops("fp32", None) is None  # the table holds tensor-core bf16/fp16 peaks
-    assert train_llama.device_peak_tflops("fp32", 50.0) == 50.0  # --peak-tflops
+        assert train.device_peak_tflops("bf16", None) == peak, name
+    assert train.device_peak_tflops("fp32", None) is None  # the table holds tensor-core bf16/fp16 peaks
+    assert train.device_peak_tflops("fp32", 50.0) == 50.0  # --peak-tflops
 
 
 def test_dry_run_splits_layers_over_pipeline_stages() -> None:
-    from recipes import train_llama
+    from recipes import train
 
-    args = train_llama.parse_args(["--model", "small", "--tp", "2", "--pp", "3", "--world-size", "12", "--dry-run"])
-    info = train_llama.dry_run(args)
+    args = train.parse_args(["--model", "small", "--tp", "2", "--pp", "3", "--world-size", "12", "--dry-run"])
+    info = train.dry_run(args)
     assert (info["tp"], info["pp"], info["dp"]) == (2, 3, 2)
-    hidden, inter, layers, _, _, vocab = train_llama.PRESETS["small"]  # 4 layers over 3 stages: 1, 2, 1
+    hidden, inter, layers, _, _, vocab = train.PRESETS["small"]  # 4 layers over 3 stages: 1, 2, 1
     layer = (4 * hidden * hidden + 3 * hidden * inter) // 2 + 2 * hidden  # kv_heads == heads in "small"
     embed = vocab * hidden // 2
     assert info["params_per_rank"] == [embed + layer, 2 * layer, layer + hidden + embed]
@@ -294,7 +296,7 @@ def _checkpoint_worker(extra: list[str]) -> dict[str, object]:
     from transformers.models.llama import modeling_llama
 
     from dist_optim.plugins.cpu import install, quiet_colossal
-    from recipes import train_llama
+    from recipes import train
 
     install()
     calls = {"n": 0}
@@ -309,7 +311,7 @@ def _checkpoint_worker(extra: list[str]) -> dict[str, object]:
     argv += ["--optimizer", "torch.optim.AdamW", "--lr", "1e-2", "--warmup", "1", "--log-every", "0", *extra]
     try:
         with quiet_colossal():
-            history = train_llama.train(train_llama.parse_args(argv))
+            history = train.train(train.parse_args(argv))
     finally:
         modeling_llama.LlamaDecoderLayer.forward = original  # type: ignore[method-assign]
     return {"calls": calls["n"], "loss": [e["loss"] for e in history]}
@@ -334,7 +336,7 @@ def test_grad_checkpoint_recomputes_the_layers_and_changes_no_loss(pool4) -> Non
 
 
 def test_grad_checkpoint_option_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
-    from recipes.train_llama import checkpoint_config, parse_args
+    from recipes.train import checkpoint_config, parse_args
 
     assert parse_args(["--model", "tiny", "--grad-checkpoint"]).grad_checkpoint == 1.0
     assert checkpoint_config(parse_args(["--model", "tiny", "--grad-checkpoint"])) is None  # no stages: all
@@ -349,3 +351,11 @@ def test_grad_checkpoint_option_is_checked(capsys: pytest.CaptureFixture[str]) -
         with pytest.raises(SystemExit):
             parse_args(["--model", "tiny", *bad])
         assert message in capsys.readouterr().err
+
+
+def test_the_old_module_name_is_the_recipe() -> None:
+    """``recipes.train_llama`` (the recipe's name before it trained Mistral, Qwen2 and Mixtral) is
+    the same module as ``recipes.train``, so code that imported the old name keeps working."""
+    import importlib
+
+    assert importlib.import_module("recipes.train_llama") is importlib.import_module("recipes.train")
