@@ -6,6 +6,7 @@ package on the path (it imports without ColossalAI)::
 
     python3.11 -m venv /tmp/hb && /tmp/hb/bin/pip install "torch>=2.9" heavyball numpy
     PYTHONPATH=. /tmp/hb/bin/python bench/vs_heavyball.py [--repeats 30] [--only soap muon kron]
+        [--clock wall|cpu] [--threads N] [--muon-fp32 | --no-muon-fp32]
 
 The set: ``bench_step.llama_like(512, 1376, 2, vocab)``, 7.4M parameters with the default
 ``--vocab 2048`` (every dim at most 2048: heavyball leaves a dim above ``max_precond_dim``
@@ -13,7 +14,13 @@ unpreconditioned where ours cuts it into blocks, which would not be the same mat
 steps its own copy with fixed gradients; steps are timed round-robin (one step of each optimizer in
 turn), after ``--warmup`` rounds that include heavyball's compilation and each optimizer's first
 preconditioner. Printed per pair: the median step of each (a step between refreshes) and the mean
-over the timed rounds (with the refreshes), and ours / theirs.
+over the timed rounds (with the refreshes), and ours / theirs; with ``--repeats`` of at least 5,
+also the spread of the per-round ratios (ours / theirs of the steps taken in the same round).
+
+``--clock cpu`` times the process's CPU seconds (``time.process_time``) instead of wall seconds:
+on a machine shared with other jobs (a load above its cores) a step's wall time is mostly waiting
+for a core, while its CPU time is the work done; with ``--threads 1`` no idle thread spins into
+the count. ``--no-muon-fp32`` leaves out our fp32 Muon (the slowest of the three).
 
 * SOAP: Vyas et al.'s recipe on both sides (eigenvectors at the first refresh, then one QR power
   step from the current basis: ours ``eigenbasis="qr-eigh-start"``), betas (0.9, 0.95), the factors'
@@ -120,14 +127,24 @@ def kron_pair() -> list[tuple[str, Factory]]:
 PAIRS = {"soap": soap_pair, "muon": muon_pair, "kron": kron_pair}
 
 
-def run(name: str, shapes: list[tuple[int, ...]], warmup: int, repeats: int) -> list[tuple[str, float, float]]:
-    """(label, median ms, mean ms) of each optimizer of the pair, timed round-robin."""
+def run(
+    name: str,
+    shapes: list[tuple[int, ...]],
+    warmup: int,
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+    skip: tuple[str, ...] = (),
+) -> list[tuple[str, list[float]]]:
+    """(label, the timed steps' seconds) of each optimizer of the pair but ``skip``'s labels,
+    timed round-robin with ``clock``."""
     if name == "muon":
         shapes = [s for s in shapes if len(s) == 2]
     make = fixed_params(shapes)
     grads = [p.grad.clone() for p in make()]  # type: ignore[union-attr]
-    runs = []
+    runs: list[tuple[str, torch.optim.Optimizer, list[torch.nn.Parameter], list[float]]] = []
     for label, factory in PAIRS[name]():
+        if label in skip:
+            continue
         params = make()
         runs.append((label, factory(params), params, []))
     with warnings.catch_warnings():
@@ -137,11 +154,11 @@ def run(name: str, shapes: list[tuple[int, ...]], warmup: int, repeats: int) -> 
                 for p, g in zip(params, grads):  # heavyball's step consumes .grad
                     p.grad = g.clone()
                 gc.collect()
-                t0 = time.perf_counter()
+                t0 = clock()
                 opt.step()
                 if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-    return [(label, 1e3 * statistics.median(t), 1e3 * statistics.mean(t)) for label, _opt, _params, t in runs]
+                    times.append(clock() - t0)
+    return [(label, t) for label, _opt, _params, t in runs]
 
 
 def main() -> None:
@@ -150,19 +167,33 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=12, help="untimed rounds (compilation, first refresh)")
     ap.add_argument("--repeats", type=int, default=30, help="timed rounds (pf=10: 3 refreshes in 30)")
     ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall seconds or process CPU seconds")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--muon-fp32", action=argparse.BooleanOptionalAction, default=True, help="time our fp32 Muon")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    skip = () if args.muon_fp32 else ("ours Muon fp32 (default)",)
     from importlib.metadata import version
 
     shapes = llama_like(512, 1376, 2, args.vocab)
     n = sum(torch.Size(s).numel() for s in shapes)
     print(f"torch {torch.__version__}, heavyball {version('heavyball')}, {n / 1e6:.1f}M parameters")
-    print(f"threads {torch.get_num_threads()}, warmup {args.warmup}, timed rounds {args.repeats}")
+    print(f"threads {torch.get_num_threads()}, warmup {args.warmup}, timed rounds {args.repeats}, {args.clock} clock")
     for name in args.only:
-        rows = run(name, shapes, args.warmup, args.repeats)
-        theirs = rows[-1]
+        rows = run(name, shapes, args.warmup, args.repeats, clock, skip)
+        theirs = rows[-1][1]
         print(f"\n{name}: median ms (between refreshes), mean ms (with refreshes), ours / heavyball")
-        for label, median, mean in rows:
-            ratio = "" if label == theirs[0] else f"   {median / theirs[1]:.2f}x median, {mean / theirs[2]:.2f}x mean"
+        for label, t in rows:
+            median, mean = 1e3 * statistics.median(t), 1e3 * statistics.mean(t)
+            ratio = ""
+            if t is not theirs:
+                ratio = f"   {statistics.median(t) / statistics.median(theirs):.2f}x median, "
+                ratio += f"{statistics.mean(t) / statistics.mean(theirs):.2f}x mean"
+                if len(t) >= 5:
+                    q = statistics.quantiles([a / b for a, b in zip(t, theirs)], n=4)
+                    ratio += f" (per round: quartiles {q[0]:.2f}-{q[2]:.2f}x)"
             print(f"  {label:26s} {median:8.1f} {mean:8.1f}{ratio}")
 
 

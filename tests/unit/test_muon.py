@@ -233,6 +233,39 @@ def test_bfloat16_iteration_keeps_the_formula() -> None:
     assert torch.equal(dist_optim.muon.newton_schulz(c, coeffs, 1e-7, dtype=torch.bfloat16), x)
 
 
+#: Low-precision iteration shapes: wide and tall, square, even and odd sides.
+LOW_PRECISION_SHAPES = [(300, 700), (700, 300), (257, 1000), (129, 129), (512, 512), (1376, 512)]
+
+
+#: The bfloat16 / float16 iteration's relative Frobenius distance to the same iteration in float64
+#: (5 default steps, Gaussian C, LOW_PRECISION_SHAPES): measured 1.06e-2 to 1.21e-2 / 1.41e-3 to
+#: 1.53e-3 with one and two threads (the rounding of the inputs and of every product); about twice
+#: the largest as the bound. It bounds the error; that the products and roundings are torch's own
+#: is test_bfloat16_iteration_keeps_the_formula's (``b A + c A A`` in three operations instead of
+#: one addmm stays within this bound and fails that test).
+LOW_PRECISION_REL_FRO = {torch.bfloat16: 3e-2, torch.float16: 3.5e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_iteration_against_float64(dtype: torch.dtype) -> None:
+    """The bfloat16/float16 iteration against the iteration written out here in float64
+    (normalise, then ``X <- a X + (b A + c A A) X`` with ``A = X X^T`` on the wide orientation),
+    within the low-precision rounding measured above."""
+    coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
+    gen = torch.Generator().manual_seed(12)
+    for shape in LOW_PRECISION_SHAPES:
+        c = torch.randn(shape, generator=gen, dtype=torch.float64)
+        x = c.T if shape[0] > shape[1] else c
+        x = x / x.norm()
+        for a, b, cc in coeffs:
+            gram = x @ x.T
+            x = a * x + (b * gram + cc * gram @ gram) @ x
+        ref = x.T if shape[0] > shape[1] else x
+        got = newton_schulz.newton_schulz(c.float(), coeffs, 1e-7, dtype=dtype).double()
+        err = float((got - ref).norm() / ref.norm())
+        assert err <= LOW_PRECISION_REL_FRO[dtype], (shape, err)
+
+
 # ---- accuracy of the fp32 iteration on the momenta that stress it -----------------------------------
 # (the momenta and the plain formula: dist_optim.testing.matrices, shared with bench/ns_accuracy.py)
 #: Our error may be at most this many times the plain formula's own fp32 error on the same input
