@@ -27,6 +27,7 @@ broadcast the buffer, all-to-all exactly the pieces sent to other ranks.
 from __future__ import annotations
 
 import collections
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -253,8 +254,15 @@ class LiveBytes(TorchDispatchMode):
     def _shadow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """Compute ``func`` on the CPU shadows of its inputs when every meta input is a small tensor
         with a shadow, and keep the results as the shadows of its small meta outputs."""
+        if func.overloadpacket.__name__ in UNDEFINED_VALUES:
+            return  # uninitialised memory: no value to shadow (a CPU one would hold whatever it held)
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_meta]
-        if not outs or any(t.numel() > self.SHADOW_NUMEL for t in outs):
+        outs += _written(func, args, kwargs)  # what an in-place op without outputs writes to
+        if not outs:
+            return
+        if any(t.numel() > self.SHADOW_NUMEL for t in outs):
+            for t in outs:  # written with values not followed
+                self._shadows.pop(id(t), None)
             return
         missing = False
 
@@ -283,6 +291,29 @@ class LiveBytes(TorchDispatchMode):
             if t.is_meta and id(t) not in self._shadows:
                 self._shadows[id(t)] = c
                 weakref.finalize(t, self._shadows.pop, id(t), None)
+
+
+#: Operators whose outputs hold no defined values.
+UNDEFINED_VALUES = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+@functools.cache
+def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    return tuple(
+        (i, arg.name)
+        for i, arg in enumerate(func._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The meta tensors among the arguments ``func``'s schema marks as written to (``Tensor(a!)``):
+    a ``torch._foreach_copy_`` of unshadowed tensors into shadowed ones must drop their shadows."""
+    written: list[torch.Tensor] = []
+    for i, name in _written_arguments(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        written += [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_meta]
+    return written
 
 
 def _meta_to_cpu(args: Any, kwargs: Any) -> bool:

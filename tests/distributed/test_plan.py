@@ -396,6 +396,22 @@ def test_live_bytes_counts_temporaries_not_inputs() -> None:
     del y
 
 
+def test_meta_items_follow_values_and_forget_unknown_ones() -> None:
+    """In a simulation a small meta tensor computed from known values answers ``.item()`` with its
+    value (its CPU shadow); one whose value is not known answers the stated guess 0: a fresh
+    ``torch.empty`` (no value), and a shadowed one overwritten in place by an op without outputs
+    from an unknown tensor (``torch._foreach_copy_``, as GaLore's unpacking of an all-gather; a
+    stale shadow there made the plan take the NaN/Inf refusal path)."""
+    with LiveBytes(answer_meta_items=True) as live:
+        known = torch.zeros(1, device="meta") + 3
+        assert known.item() == 3
+        assert torch.empty(1, device="meta").item() == 0
+        flag = torch.zeros(1, device="meta") + 5
+        torch._foreach_copy_([flag], [torch.ones(1000, device="meta")[:1]])
+        assert flag.item() == 0
+    assert live.meta_items == 2
+
+
 def test_recipe_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     from recipes.train import main
 
