@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .chunks import chunk_numel, exchange_round
+from .chunks import chunk_numel, exchange_round, pack_chunks, scratch, unpack_chunks
 from .dtypes import widest_dtype
 from .layout import ParamLayout
 
@@ -61,6 +61,7 @@ __all__ = [
     "grid_of",
     "group_key",
     "ordered_groups",
+    "topology_token",
     "barrier",
     "group_size",
     "group_rank",
@@ -419,10 +420,13 @@ def exchange(
     return pending
 
 
-def _all_to_all(flat: torch.Tensor, send: list[int], recv: list[int], group: Any, wait: bool) -> tuple[Any, Any]:
+def _all_to_all(
+    flat: torch.Tensor, send: list[int], recv: list[int], group: Any, wait: bool, out: torch.Tensor | None = None
+) -> tuple[Any, Any]:
     """One ``all_to_all_single`` of the packed ``flat`` (``send[r]`` elements for rank r, in rank
-    order): the flat received elements (``recv[r]`` from rank r) and the work to wait for."""
-    out = torch.empty(sum(recv), dtype=flat.dtype, device=flat.device)
+    order): the flat received elements (``recv[r]`` from rank r; into ``out`` where given) and the
+    work to wait for."""
+    out = torch.empty(sum(recv), dtype=flat.dtype, device=flat.device) if out is None else out
     COUNTS["all_to_all"] += 1
     return out, dist.all_to_all_single(out, flat, recv, send, group=group, async_op=not wait)
 
@@ -444,23 +448,16 @@ def reduce_scatter(tensors: Sequence[torch.Tensor], group: Any, align: int | Seq
         return [f.clone() for f in flats]
     widths = [chunk_numel(f.numel(), size, a) for f, a in zip(flats, _aligns(align, len(flats)))]
     mine = [max(0, min(f.numel(), (me + 1) * w) - me * w) for f, w in zip(flats, widths)]
-    dtype, device = flats[0].dtype, flats[0].device
-    # Row r of ``send`` is this rank's chunk of every tensor for rank r, each padded with zeros to
-    # its chunk width (past the tensor's end): one copy per tensor into place, not one per tensor and
-    # rank. What rank r receives is one row of ``got`` each, summed row by row (element by element
-    # the same additions in rank order as tensor by tensor); the padding is cut off.
-    send = torch.zeros(size, sum(widths), dtype=dtype, device=device)
-    offset = 0
-    for f, w in zip(flats, widths):
-        full, rest = divmod(f.numel(), w) if w else (0, 0)
-        block = send[:, offset : offset + w]
-        block[:full].copy_(f[: full * w].view(full, w))
-        if rest:
-            block[full, :rest].copy_(f[full * w :])
-        offset += w
-    got = _all_to_all(send.view(-1), [sum(widths)] * size, [sum(widths)] * size, group, True)[0].view(size, -1)
-    acc = got[0].clone()  # not a view: the received rows go when this returns
-    for r in range(1, size):
+    dtype, device, width = flats[0].dtype, flats[0].device, sum(widths)
+    # Row r of ``send``: this rank's chunk of every tensor for rank r, zero-padded to its width. What
+    # rank r receives is one row of ``got`` each, summed row by row (the same additions in rank order
+    # as tensor by tensor); the padding is cut off. Both done with here: scratch (kept on the CPU).
+    send = scratch("reduce_scatter.send", size * width, dtype, device).view(size, width)
+    pack_chunks(flats, widths, send)
+    recv = scratch("reduce_scatter.recv", size * width, dtype, device)
+    got = _all_to_all(send.view(-1), [width] * size, [width] * size, group, True, recv)[0].view(size, width)
+    acc = got[0] + got[1]  # a new tensor, not a view of the reused rows: the same sums in rank order
+    for r in range(2, size):
         acc.add_(got[r])
     return [chunk[:n] for chunk, n in zip(acc.split(widths), mine)]
 
@@ -478,11 +475,7 @@ class Gathering:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        out, offset = [], 0
-        for n, w in zip(self.numels, self.widths):
-            out.append(self.gathered[:, offset : offset + w].reshape(-1)[:n])
-            offset += w
-        return out
+        return unpack_chunks(self.gathered, self.numels, self.widths)
 
 
 def start_all_gather_chunks(
@@ -495,11 +488,9 @@ def start_all_gather_chunks(
     if size == 1:
         return Gathering(None, torch.cat([c.reshape(1, -1) for c in chunks], dim=1), numels, numels)
     widths = [chunk_numel(n, size, a) for n, a in zip(numels, _aligns(align, len(numels)))]
-    flat = torch.zeros(sum(widths), dtype=chunks[0].dtype, device=chunks[0].device)
-    offset = 0
-    for c, w in zip(chunks, widths):
-        flat[offset : offset + c.numel()].copy_(c.reshape(-1))
-        offset += w
+    # Not a scratch buffer: the all_gather is in flight after this returns.
+    flat = torch.empty(sum(widths), dtype=chunks[0].dtype, device=chunks[0].device)
+    pack_chunks([c.reshape(-1) for c in chunks], widths, flat.view(1, -1))
     gathered, work = _all_gather_flat(flat, group, wait=False)
     return Gathering(work, gathered, numels, widths)
 
@@ -519,6 +510,15 @@ _GRIDS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 #: Grids whose ranks are in the order of parts partitioned over a data-parallel group, then TP
 #: (:func:`grid_of`), by the keys of the two groups, with the default group they were made under.
 _GRID_OF: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Any, Any]] = {}
+
+
+def topology_token() -> Any:
+    """Changes wherever group_size, group_rank, group_key or grid_of may answer otherwise for the same
+    groups (a new default group, a grid made): plans of them are kept by it (:mod:`dist_optim.partition`).
+    None where they are not torch.distributed's own (collectives_through; no process group): not kept."""
+    if dist is not _TORCH_DIST or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.group.WORLD, len(_GRID_OF)
 
 
 def grid_of(base: Any, tp: Any) -> Any:

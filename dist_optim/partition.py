@@ -38,7 +38,7 @@ ColossalAI's mesh): they then hold the same chunk of the earlier stages.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ from .comm import (
     ordered_groups,
     reduce_scatter,
     start_all_gather_chunks,
+    topology_token,
 )
 
 __all__ = [
@@ -100,7 +101,7 @@ def _stage_aligns(groups: Sequence[Any], align: int) -> list[int]:
 
 
 def _staged(
-    groups_of: Sequence[tuple[Any, ...]], stage: int, tensors: Sequence[torch.Tensor]
+    groups_of: Sequence[tuple[Any, ...]], stage: int, dtypes: Sequence[torch.dtype]
 ) -> Iterator[tuple[Any, list[int]]]:
     """``(group, indices)`` of the requests that go through ``stage``: groups in the global order,
     each group's requests split by dtype (one collective moves one dtype)."""
@@ -109,9 +110,32 @@ def _staged(
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i in staged:
             if groups_of[i][stage] is group:
-                by_dtype.setdefault(tensors[i].dtype, []).append(i)
+                by_dtype.setdefault(dtypes[i], []).append(i)
         for dtype in sorted(by_dtype, key=str):
             yield group, by_dtype[dtype]
+
+
+#: Plans of :func:`reduce_scatter_parts` and :class:`GatheringParts`, by what they depend on: the
+#: requests' numels, dtypes, groups and alignments, and :func:`dist_optim.comm.topology_token`. A
+#: step asks the same ones every time, and making one (the groups' sizes, ranks, grids and global
+#: order, per request and stage) cost about a tenth of GaLore's distributed step (issue 27). The
+#: keys hold their groups, so a group's id is not reused while its plans are kept.
+_PLANS: dict[Any, Any] = {}
+_MAX_PLANS = 256  # a few per bucket and optimizer; past this, start again
+
+
+def _kept(kind: str, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    token = topology_token()
+    if token is None:
+        return make()
+    # The grid finder is part of the key: tests replace this module's to set grids aside.
+    full = (kind, token, grid_of, key)
+    plan = _PLANS.get(full)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[full] = make()
+    return plan
 
 
 def _padded(chunk: torch.Tensor, width: int) -> torch.Tensor:
@@ -120,6 +144,43 @@ def _padded(chunk: torch.Tensor, width: int) -> torch.Tensor:
     out = chunk.new_zeros(width)
     out[: chunk.numel()] = chunk
     return out
+
+
+#: One stage's collective of a reduce-scatter plan: its group, the requests summed (with their
+#: chunks' alignments), the replicas' requests with this rank's spans of them, and the width to
+#: which each request's chunk is padded where a later stage cuts it again.
+_ScatterStep = tuple[Any, list[int], list[int], list[tuple[int, tuple[int, int]]], dict[int, int]]
+
+
+def _scatter_plan(
+    key: Sequence[tuple[int, torch.dtype, tuple[Any, ...], int, tuple[Any, ...]]],
+) -> tuple[list[bool], list[_ScatterStep], list[int | None]]:
+    """For requests ``(numel, dtype, groups, align, replicas)``: which are flattened (those with a
+    live group), the steps, and the length each result keeps (None: the tensor itself)."""
+    groups_of = [live_groups(gs + rs) for _, _, gs, _, rs in key]
+    summed = [len(live_groups(gs)) for _, _, gs, _, _ in key]
+    for i, gs in enumerate(groups_of):
+        if summed[i] == len(gs):  # a replica stage sums nothing: not fused with a summing one
+            groups_of[i] = _fused(gs)
+            summed[i] = len(groups_of[i])
+    aligns = [_stage_aligns(gs, k[3]) for gs, k in zip(groups_of, key)]
+    length = [k[0] for k in key]
+    steps: list[_ScatterStep] = []
+    for stage in range(max(map(len, groups_of), default=0)):
+        for group, idx in _staged(groups_of, stage, [k[1] for k in key]):
+            size, rank = group_size(group), group_rank(group)
+            summing = [i for i in idx if stage < summed[i]]
+            replica = [(i, chunk_span(length[i], size, rank, aligns[i][stage])) for i in idx if stage >= summed[i]]
+            pads = {}
+            for i in idx:
+                # The last chunk of a stage is padded to the others' width (zeros past the tensor's
+                # end): the next stage then cuts every chunk into the same parts.
+                if stage + 1 < len(groups_of[i]):
+                    pads[i] = length[i] = chunk_numel(length[i], size, aligns[i][stage])
+            steps.append((group, summing, [aligns[i][stage] for i in summing], replica, pads))
+    spans = [partition_span(k[0], gs, k[3]) if gs else None for k, gs in zip(key, groups_of)]
+    keep = [None if span is None else span[1] - span[0] for span in spans]
+    return [bool(gs) for gs in groups_of], steps, keep
 
 
 def reduce_scatter_parts(
@@ -131,35 +192,40 @@ def reduce_scatter_parts(
     groups over which the sum is the same on every rank already (a tensor TP replicates), partitioned
     without a collective (each rank keeps its part of its own copy). Collective over every group of
     ``groups``."""
-    groups_of = [live_groups(tuple(gs) + tuple(rs)) for _, gs, _, rs in requests]
-    summed = [len(live_groups(gs)) for _, gs, _, _ in requests]
-    for i, gs in enumerate(groups_of):
-        if summed[i] == len(gs):  # a replica stage sums nothing: not fused with a summing one
-            groups_of[i] = _fused(gs)
-            summed[i] = len(groups_of[i])
-    aligns = [_stage_aligns(gs, align) for gs, (_, _, align, _) in zip(groups_of, requests)]
-    cur = [t.reshape(-1) if gs else t for (t, _, _, _), gs in zip(requests, groups_of)]
-    for stage in range(max(map(len, groups_of), default=0)):
-        for group, idx in _staged(groups_of, stage, cur):
-            summing = [i for i in idx if stage < summed[i]]
-            replica = [i for i in idx if stage >= summed[i]]
-            chunks = (
-                reduce_scatter([cur[i] for i in summing], group, [aligns[i][stage] for i in summing]) if summing else []
-            )
-            for i in replica:  # the same on every rank of the group: its own chunk of its own copy
-                lo, hi = chunk_span(cur[i].numel(), group_size(group), group_rank(group), aligns[i][stage])
-                chunks.append(cur[i][lo:hi])
-            for i, chunk in zip(summing + replica, chunks):
-                if stage + 1 < len(groups_of[i]):
-                    # The last chunk of a stage is padded to the others' width (zeros past the
-                    # tensor's end): the next stage then cuts every chunk into the same parts.
-                    chunk = _padded(chunk, chunk_numel(cur[i].numel(), group_size(group), aligns[i][stage]))
-                cur[i] = chunk
-    for i, ((t, _, align, _), gs) in enumerate(zip(requests, groups_of)):
-        if gs:
-            lo, hi = partition_span(t.numel(), gs, align)
-            cur[i] = cur[i][: hi - lo]
-    return cur
+    key = tuple((t.numel(), t.dtype, tuple(gs), align, tuple(rs)) for t, gs, align, rs in requests)
+    flat, steps, keep = _kept("scatter", key, lambda: _scatter_plan(key))
+    cur = [t.reshape(-1) if f else t for (t, _, _, _), f in zip(requests, flat)]
+    for group, summing, aligns, replica, pads in steps:
+        chunks = reduce_scatter([cur[i] for i in summing], group, aligns) if summing else []
+        # A replica is the same on every rank of the group: its own chunk of its own copy.
+        chunks += [cur[i][lo:hi] for i, (lo, hi) in replica]
+        for i, chunk in zip(summing + [i for i, _ in replica], chunks):
+            cur[i] = _padded(chunk, pads[i]) if i in pads else chunk
+    return [c if n is None else c[:n] for c, n in zip(cur, keep)]
+
+
+#: One stage's all-gather of a gather plan: its group, the requests, their lengths and alignments.
+_GatherStep = tuple[Any, list[int], list[int], list[int]]
+
+
+def _gather_plan(key: Sequence[tuple[torch.dtype, tuple[Any, ...], int, int]]) -> list[list[_GatherStep]]:
+    """For requests ``(dtype, groups, numel, align)``: the all-gathers of each stage, the last first."""
+    groups_of = [_fused(live_groups(gs)) for _, gs, _, _ in key]
+    aligns = [_stage_aligns(gs, k[3]) for gs, k in zip(groups_of, key)]
+    lengths = []  # per request, the length of what each stage splits (the whole, then the chunks)
+    for (_, _, numel, _), gs, al in zip(key, groups_of, aligns):
+        length = [numel]
+        for g, a in zip(gs[:-1], al[:-1]):
+            length.append(chunk_numel(length[-1], group_size(g), a))
+        lengths.append(length)
+    dtypes = [k[0] for k in key]
+    return [
+        [
+            (group, idx, [lengths[i][stage] for i in idx], [aligns[i][stage] for i in idx])
+            for group, idx in _staged(groups_of, stage, dtypes)
+        ]
+        for stage in reversed(range(max(map(len, groups_of), default=0)))
+    ]
 
 
 class GatheringParts:
@@ -167,30 +233,15 @@ class GatheringParts:
     asynchronously, the later stages (which need its results) run by :meth:`wait`."""
 
     def __init__(self, requests: Sequence[tuple[torch.Tensor, Sequence[Any], int, int]]) -> None:
-        self._groups_of = [_fused(live_groups(gs)) for _, gs, _, _ in requests]
-        self._aligns = [_stage_aligns(gs, align) for gs, (_, _, _, align) in zip(self._groups_of, requests)]
-        self._lengths = []  # per request, the length of what each stage splits (the whole, then the chunks)
-        for (_, _, numel, _), gs, al in zip(requests, self._groups_of, self._aligns):
-            length = [numel]
-            for g, a in zip(gs[:-1], al[:-1]):
-                length.append(chunk_numel(length[-1], group_size(g), a))
-            self._lengths.append(length)
+        key = tuple((part.dtype, tuple(gs), numel, align) for part, gs, numel, align in requests)
+        self._stages = list(_kept("gather", key, lambda: _gather_plan(key)))
         self._cur = [part for part, _, _, _ in requests]
-        self._stages = list(reversed(range(max(map(len, self._groups_of), default=0))))
         self._inflight = self._start(self._stages.pop(0)) if self._stages else []
 
-    def _start(self, stage: int) -> list[tuple[list[int], Gathering]]:
+    def _start(self, stage: list[_GatherStep]) -> list[tuple[list[int], Gathering]]:
         return [
-            (
-                idx,
-                start_all_gather_chunks(
-                    [self._cur[i] for i in idx],
-                    [self._lengths[i][stage] for i in idx],
-                    group,
-                    [self._aligns[i][stage] for i in idx],
-                ),
-            )
-            for group, idx in _staged(self._groups_of, stage, self._cur)
+            (idx, start_all_gather_chunks([self._cur[i] for i in idx], lengths, group, aligns))
+            for group, idx, lengths, aligns in stage
         ]
 
     def wait(self) -> list[torch.Tensor]:

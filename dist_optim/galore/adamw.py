@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from ..layout import ParamLayout
 from .state import init_low_rank_state
 
 __all__ = [
+    "step_size",
+    "denominators",
     "step_size_and_denom",
     "low_rank_adamw",
     "plain_moments_8bit",
@@ -28,59 +31,93 @@ __all__ = [
 ]
 
 
+def step_size(group: dict[str, Any], adam_style: str, t: float) -> float:
+    """The step size of ``m / denom`` at step ``t`` (1-based) of ``adam_style``."""
+    beta1, beta2 = group["betas"]
+    if adam_style == "hf":
+        if not group["correct_bias"]:
+            return group["lr"]
+        return group["lr"] * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
+    return group["lr"] / ((1.0 - beta1**t) if group["correct_bias"] else 1.0)
+
+
+def denominators(
+    group: dict[str, Any], adam_style: str, exp_avg_sqs: Sequence[torch.Tensor], ts: Sequence[float]
+) -> list[torch.Tensor]:
+    """The denominator of ``m / denom`` of each second moment at its step ``t`` (1-based), new
+    tensors: ``sqrt(v) + eps`` (``"hf"``), else ``sqrt(v) / sqrt(1 - beta2^t) + eps``. One
+    ``torch._foreach_*`` call per operation: a GaLore step has a hundred small partitions, and one
+    call from Python per tensor and operation cost more than the arithmetic (issue 27); on the CPU
+    they run the per-tensor kernels, the same bits."""
+    beta2 = group["betas"][1]
+    denoms = list(torch._foreach_sqrt(list(exp_avg_sqs)))
+    if adam_style != "hf":
+        corrections = [math.sqrt(1.0 - beta2**t) if group["correct_bias"] else 1.0 for t in ts]
+        denoms = list(torch._foreach_div(denoms, corrections))
+    torch._foreach_add_(denoms, group["eps"])
+    return denoms
+
+
 def step_size_and_denom(
     group: dict[str, Any], adam_style: str, exp_avg_sq: torch.Tensor, t: float
 ) -> tuple[float, torch.Tensor]:
     """The step size and the denominator of ``m / denom`` at step ``t`` (1-based) of ``adam_style``."""
-    beta1, beta2 = group["betas"]
-    if adam_style == "hf":
-        denom = exp_avg_sq.sqrt().add_(group["eps"])
-        step_size = group["lr"]
-        if group["correct_bias"]:
-            step_size = step_size * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
-        return step_size, denom
-    c1, c2 = (1.0 - beta1**t, math.sqrt(1.0 - beta2**t)) if group["correct_bias"] else (1.0, 1.0)
-    denom = (exp_avg_sq.sqrt() / c2).add_(group["eps"])
-    return group["lr"] / c1, denom
+    return step_size(group, adam_style, t), denominators(group, adam_style, [exp_avg_sq], [t])[0]
 
 
 def low_rank_adamw(
-    state: dict[str, Any],
-    low: torch.Tensor,
-    group: dict[str, Any],
+    entries: Sequence[tuple[dict[str, Any], torch.Tensor, dict[str, Any], bool]],
     adam_style: str,
-    eight_bit: bool,
     buffers: bnb.Buffers,
-) -> tuple[float, torch.Tensor]:
-    """One AdamW step of a GaLore parameter's low-rank moments from its low-rank gradient ``low``
-    (counts the parameter's ``step``; 8-bit moments are read, updated in fp32 and re-quantised, as
-    bitsandbytes' kernel does). Returns the step size and the normalised step ``m / denom``.
+) -> list[tuple[float, torch.Tensor]]:
+    """One AdamW step of each ``(state, low, group, eight_bit)``: a GaLore parameter's low-rank
+    moments from its low-rank gradient ``low`` (counts the parameter's ``step``; 8-bit moments are
+    read, updated in fp32 and re-quantised, as bitsandbytes' kernel does). Returns each step size
+    and normalised step ``m / denom``.
 
     ``low`` may be this rank's partition of the low-rank gradient (1-D; the moments are then the
     same partition of the full moments): 8-bit partitions begin on a block boundary, so
     bitsandbytes' blocks of the partition are those of the full tensor. An empty partition (more
-    ranks than blocks) only counts the step."""
-    beta1, beta2 = group["betas"]
-    if "low_rank_exp_avg" not in state:
-        init_low_rank_state(state, low, eight_bit, buffers)
-    state["step"] += 1
-    t = float(state["step"])
-    buffers.prefetch(state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"])
-    # Whole moments or a partition of whole blocks: bitsandbytes' own blocks of them.
-    blocks = bnb.FullBlocks(ParamLayout(tuple(low.shape)), low.device) if eight_bit and low.numel() else None
-    if blocks is not None:
-        exp_avg, exp_avg_sq = (m.to(low.dtype) for m in bnb.read_moments_8bit(state, "low_rank_", blocks))
-    elif eight_bit:  # an empty partition
-        exp_avg, exp_avg_sq = torch.zeros_like(low), torch.zeros_like(low)
-    else:
-        exp_avg, exp_avg_sq = state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"]
-    exp_avg.mul_(beta1).add_(low, alpha=1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(low, low, value=1.0 - beta2)
-    step_size, denom = step_size_and_denom(group, adam_style, exp_avg_sq, t)
-    norm = exp_avg / denom
-    if blocks is not None:
-        bnb.write_moments_8bit(state, "low_rank_", blocks, [exp_avg, exp_avg_sq])
-    return step_size, norm
+    ranks than blocks) only counts the step. The moments of one param group are updated by one
+    ``torch._foreach_*`` call per operation (:func:`denominators`)."""
+    out: list[tuple[float, torch.Tensor] | None] = [None] * len(entries)
+    by_group: dict[int, list[int]] = collections.defaultdict(list)
+    for i, (_, _, group, _) in enumerate(entries):
+        by_group[id(group)].append(i)
+    for idx in by_group.values():
+        group = entries[idx[0]][2]
+        beta1, beta2 = group["betas"]
+        lows, exp_avg, exp_avg_sq, ts = [], [], [], []
+        quantised: list[tuple[dict[str, Any], bnb.FullBlocks, torch.Tensor, torch.Tensor]] = []
+        for i in idx:
+            state, low, _, eight_bit = entries[i]
+            if "low_rank_exp_avg" not in state:
+                init_low_rank_state(state, low, eight_bit, buffers)
+            state["step"] += 1
+            buffers.prefetch(state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"])
+            # Whole moments or a partition of whole blocks: bitsandbytes' own blocks of them.
+            blocks = bnb.FullBlocks(ParamLayout(tuple(low.shape)), low.device) if eight_bit and low.numel() else None
+            if blocks is not None:
+                m, v = (x.to(low.dtype) for x in bnb.read_moments_8bit(state, "low_rank_", blocks))
+                quantised.append((state, blocks, m, v))
+            elif eight_bit:  # an empty partition
+                m, v = torch.zeros_like(low), torch.zeros_like(low)
+            else:
+                m, v = state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"]
+            lows.append(low)
+            exp_avg.append(m)
+            exp_avg_sq.append(v)
+            ts.append(float(state["step"]))
+        torch._foreach_mul_(exp_avg, beta1)
+        torch._foreach_add_(exp_avg, lows, alpha=1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, lows, lows, value=1.0 - beta2)
+        norms = torch._foreach_div(exp_avg, denominators(group, adam_style, exp_avg_sq, ts))
+        for state, blocks, m, v in quantised:
+            bnb.write_moments_8bit(state, "low_rank_", blocks, [m, v])
+        for i, t, norm in zip(idx, ts, norms):
+            out[i] = (step_size(group, adam_style, t), norm)
+    return [step for step in out if step is not None]
 
 
 def plain_moments_8bit(

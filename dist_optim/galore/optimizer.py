@@ -265,7 +265,7 @@ class DistributedGaLore(DistOptimizer):
             if k + 1 < len(ranges):
                 gathering = start_gather_projectors(items[slice(*ranges[k + 1])], self.comm_stats)
             project_all(bucket, self.comm_stats, self._eight_bit)
-            steps = [self._low_rank_step(it) for it in bucket]
+            steps = self._low_rank_steps(bucket)
             norms = gather_steps(bucket, [norm for _, norm in steps], self._eight_bit)
             for it, (step_size, _), norm in zip(bucket, steps, norms):
                 self._galore_update(it, step_size, norm)
@@ -386,13 +386,15 @@ class DistributedGaLore(DistOptimizer):
             self._svd_tasks = dict(zip(params, tasks))
         return self._svd_tasks
 
-    def _low_rank_step(self, it: Item) -> tuple[float, torch.Tensor]:
-        """Low-rank AdamW on this rank's partition of the item's low-rank gradient: the step size
-        and the partition of the normalised step."""
-        assert it.low is not None, "projected before the update"
-        step = low_rank_adamw(it.state, it.low, it.group, self.adam_style, self._eight_bit(it), self._buffers)
-        it.low = None
-        return step
+    def _low_rank_steps(self, items: list[Item]) -> list[tuple[float, torch.Tensor]]:
+        """Low-rank AdamW on this rank's partition of each item's low-rank gradient: the step size
+        and the partition of the normalised step (:func:`.adamw.low_rank_adamw`)."""
+        entries = []
+        for it in items:
+            assert it.low is not None, "projected before the update"
+            entries.append((it.state, it.low, it.group, self._eight_bit(it)))
+            it.low = None
+        return low_rank_adamw(entries, self.adam_style, self._buffers)
 
     def _galore_update(self, it: Item, step_size: float, norm: torch.Tensor) -> None:
         """The whole normalised step projected back onto this rank's elements, then decoupled
