@@ -6,7 +6,7 @@
     .venv/bin/python bench/warm_refresh.py --tolerances 0.01 0.05 --seeds 1
 
 Each optimizer runs at its best rate of docs/convergence.md, with its recipe settings
-(``recipes/train_llama.py`` ``OURS``: refreshes every 10 steps), once with its default refresh and
+(``recipes/train.py`` ``OURS``: refreshes every 10 steps), once with its default refresh and
 once per ``--tolerances`` value with ``"warm"``, the same seeds for all. Printed per variant: the
 final held-out loss of each seed, the seconds of its training steps (forward, backward and step:
 only the refreshes differ between the variants), and what its warm refreshes did

@@ -1,8 +1,10 @@
 """The warm-started refresh (``root_inverse="warm"`` / ``eigenbasis="warm"``,
 :func:`dist_optim.matrix_functions.warm_eigh`): the criterion and the roots checked with this
-file's own float64 formulas, the recomputation against ``eigh`` bit for bit, skipped ``eigh`` calls
-counted at ``torch.linalg``, resuming, and bad options. The distributed runs equal the single-device
-one in the parity grid (``shampoo-warm``, ``soap-warm`` in tests/helpers/cases.py)."""
+file's own float64 formulas (which form ``B = Q^T A Q``; the code does not), the recomputation
+against ``eigh`` bit for bit, skipped ``eigh`` calls counted at ``torch.linalg``, resuming, and bad
+options. The distributed runs
+equal the single-device one in the parity grid (``shampoo-warm``, ``soap-warm`` in
+tests/helpers/cases.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,23 @@ def test_previous_eigenvectors_kept_within_the_tolerance() -> None:
     assert kept.iterations == 0 and not kept.recomputed and kept.perm is None
     assert torch.equal(kept.eigenvectors, q)
     torch.testing.assert_close(kept.eigenvalues, torch.diagonal(q.T @ a2 @ q), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_criterion_is_the_off_diagonal_ratio_of_q_t_a_q(dtype: torch.dtype) -> None:
+    """Kept exactly when ``||B - diag B||_F <= tol ||B||_F`` for ``B = Q^T A Q`` (this file's
+    float64 formula, which forms ``B``; the code tests ``||A Q - Q diag(d)||_F <= tol ||A||_F``
+    without it): a tolerance 1% above the measured ratio keeps, 1% below recomputes, in float64 and
+    fp32, at a size past the blocked products and at a ratio near the default tolerance."""
+    for d, size, seed in ((40, 0.02, 1), (300, 0.004, 2)):
+        a = _psd(d, seed)
+        _, q = torch.linalg.eigh(a)
+        a2 = _perturbed(a, size, seed + 10)
+        measured = _ratio(q.T @ a2 @ q)
+        assert 1e-3 < measured < 0.2
+        for factor, kept in ((1.01, True), (0.99, False)):
+            res = matrix_functions.warm_eigh(a2.to(dtype), q.to(dtype), tolerance=measured * factor, max_iterations=0)
+            assert res.kept == kept and res.recomputed != kept, (d, factor)
 
 
 def test_qr_steps_meet_the_tolerance_they_report() -> None:
