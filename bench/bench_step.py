@@ -17,7 +17,10 @@ by default) and times the optimizer step, counts its collectives and the bytes t
 distributed class; a peer that fails on the layout is reported as such. Shampoo (ours, passed
 directly; ColossalAI has none) runs twice: gradient pieces sent to the block owners (the
 default) and full gradients gathered on every rank; so do Muon and Kron (``kron``: kron_torch's
-Kron swapped for ours; momentum pieces to the owners, or every full momentum gathered).
+Kron swapped for ours; momentum pieces to the owners, or every full momentum gathered). With
+``--bucket-bytes N`` those three run with that step-memory budget instead, once as they are (the
+next bucket's exchange in flight while one computes, :func:`dist_optim.owners.pipelined`) and once
+with the same buckets in sequence: the overlap's effect on the step.
 
 ``--split shampoo|kron|muon`` measures the per-rank preconditioner work (CPU seconds) and bytes at
 dp=4 against dp=1 (``--layers`` sets the depth of the parameter set); for Shampoo also at tp=2 x
@@ -31,13 +34,14 @@ refresh does), so ``(first + (gap - 1) x median) / gap``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -260,7 +264,32 @@ def _dist_options(fam: str, options: dict[str, Any]) -> dict[str, Any]:
     return dict(options, grafting_config=dist_optim.AdamGraftingConfig(beta2=0.999, epsilon=1e-8))
 
 
-def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def _buckets_in_sequence() -> Iterator[None]:
+    """The owner optimizers' buckets one after another (each bucket's exchange waited for before the
+    next is issued), instead of :func:`dist_optim.owners.pipelined`'s next exchange in flight while
+    one computes: the same collectives and results, no overlap (``--dist --bucket-bytes``)."""
+    from dist_optim.kron import optimizer as kron
+    from dist_optim.muon import optimizer as muon
+    from dist_optim.shampoo import optimizer as shampoo
+
+    def sequential(buckets: Any, start: Callable[[Any], Any], finish: Callable[[Any], None]) -> None:
+        for bucket in buckets:
+            finish(start(bucket))
+
+    saved = [(module, module.pipelined) for module in (kron, muon, shampoo)]
+    for module, _ in saved:
+        module.pipelined = sequential  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for module, fn in saved:
+            module.pipelined = fn  # type: ignore[assignment]
+
+
+def _dist_worker(
+    steps: int, families: list[str], zero_stage: int, precision: str, bucket_bytes: int | None = None
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from dist_optim.plugins.cpu import install, quiet_colossal
@@ -296,6 +325,12 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
                 ways = ((True, f"pieces to matrix owners, {dtype}"), (False, f"every C gathered, {dtype}"))
             if fam == "kron":
                 ways = ((True, "pieces to owners"), (False, "every momentum and direction gathered"))
+            if bucket_bytes is not None:  # the same buckets with and without the next one in flight
+                options = dict(options, bucket_bytes=bucket_bytes)
+                # In the order A B B A: the first run of a process measured up to 2x slower than the
+                # same run second (warm-up), whichever way ran first.
+                a, b = f"{ways[0][1]}, buckets of {bucket_bytes} B", "the same buckets, no overlap"
+                ways = ((True, a), (None, b), (None, f"{b}, again"), (True, f"{a}, again"))
             for route, how in ways:
                 label = f"dist_optim {ordinary.rsplit('.', 1)[1]} ({how})"
                 runs.append((fam, label, plugins.HybridParallelPlugin, ordinary, options, route))
@@ -323,10 +358,10 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
     from dist_optim import DistributedKron, DistributedMuon, DistributedShampoo
 
     for fam, label, plugin_cls, make, options, route in runs:
-        DistributedShampoo.route_pieces = route
-        DistributedMuon.route_pieces = route
-        DistributedKron.route_pieces = route
-        with quiet_colossal():
+        DistributedShampoo.route_pieces = route is not False
+        DistributedMuon.route_pieces = route is not False
+        DistributedKron.route_pieces = route is not False
+        with quiet_colossal(), _buckets_in_sequence() if route is None else contextlib.nullcontext():
             torch.manual_seed(0)
             model = tiny_llama(hidden=256, inter=688, layers=2, vocab=1024)
             plugin = plugin_cls(
@@ -364,12 +399,12 @@ def _dist_worker(steps: int, families: list[str], zero_stage: int, precision: st
     return out
 
 
-def run_dist(steps: int, families: list[str], zero_stage: int, precision: str) -> None:
+def run_dist(steps: int, families: list[str], zero_stage: int, precision: str, bucket_bytes: int | None = None) -> None:
     from dist_optim.testing import DistPool
 
     pool = DistPool(4)
     try:
-        res = pool.run(_dist_worker, steps, families, zero_stage, precision)
+        res = pool.run(_dist_worker, steps, families, zero_stage, precision, bucket_bytes)
     finally:
         pool.close()
     print(
@@ -552,6 +587,12 @@ def main() -> None:
         help="distributed boosted-step benchmark on 4 processes for these families (none named: all)",
     )
     ap.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage for --dist")
+    ap.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=None,
+        help="--dist shampoo/muon/kron: this step-memory budget, each also run with its buckets in sequence",
+    )
     ap.add_argument("--precision", default="bf16", help="precision for --dist (fp32, bf16, fp16)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument(
@@ -563,7 +604,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the --split parameter set")
     args = ap.parse_args()
     if args.dist is not None:
-        run_dist(args.steps, args.dist or sorted(DIST_FAMILIES), args.zero_stage, args.precision)
+        run_dist(args.steps, args.dist or sorted(DIST_FAMILIES), args.zero_stage, args.precision, args.bucket_bytes)
         return
     if args.split:
         run_split(args.split, args.steps, args.pf, args.layers)
