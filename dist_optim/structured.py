@@ -103,23 +103,27 @@ def upper_times_upper(a: torch.Tensor, b: torch.Tensor, min_size: int | None = N
     return out
 
 
-def symmetric_product(a: torch.Tensor, b: torch.Tensor, min_size: int | None = None) -> torch.Tensor:
+def symmetric_product(
+    a: torch.Tensor, b: torch.Tensor, min_size: int | None = None, mirrored: bool = False
+) -> torch.Tensor:
     """``a @ b`` for a product known to be symmetric: a Gram matrix ``r @ r.T``, or two symmetric
     matrices that commute (polynomials in one matrix, as in Muon's Newton-Schulz iteration in Gram
     space). Each off-diagonal block is computed once (upper) and mirrored, the diagonal blocks
     recurse: 3/4 of the multiply-adds of ``mm`` at one halving, tending to 1/2. Off the diagonal
     blocks of size ``min_size`` or less (one ``mm`` each) the result is exactly symmetric: products
     that are symmetric only in exact arithmetic (commuting factors, rounded separately) take the
-    upper blocks' rounding. On a GPU (:func:`blocked`) one ``mm``, symmetric up to rounding (a
-    caller that stores the result as symmetric mirrors it, as at any size below ``min_size``)."""
+    upper blocks' rounding. On a GPU (:func:`blocked`) one ``mm``, symmetric up to rounding.
+    ``mirrored``: exactly symmetric everywhere, bit for bit what :func:`mirror_lower_` of the
+    result would make, by mirroring only what is not yet (the diagonal blocks' ``mm``, or the whole
+    product on a GPU): for a result stored as symmetric, without a pass over all of it."""
     min_size = MIN_SIZE if min_size is None else min_size
     n = a.shape[0]
     if n <= min_size or not blocked(a):
-        return a @ b
+        return mirror_lower_(a @ b) if mirrored else a @ b
     h = n // 2
     out = torch.empty(n, n, dtype=torch.result_type(a, b), device=a.device)
-    out[:h, :h] = symmetric_product(a[:h], b[:, :h], min_size)
-    out[h:, h:] = symmetric_product(a[h:], b[:, h:], min_size)
+    out[:h, :h] = symmetric_product(a[:h], b[:, :h], min_size, mirrored)
+    out[h:, h:] = symmetric_product(a[h:], b[:, h:], min_size, mirrored)
     off = a[:h] @ b[:, h:]
     out[:h, h:] = off
     out[h:, :h] = off.T

@@ -77,6 +77,24 @@ def test_symmetric_product_of_commuting_symmetric_matrices(n: int, min_size: int
         assert torch.equal(out[h:, :h], out[:h, h:].T)
 
 
+@pytest.mark.parametrize("min_size", [1, 3, 256])
+@pytest.mark.parametrize("n", [*SIZES, 300, 513])
+def test_mirrored_symmetric_product_is_the_mirror_of_its_lower_triangle(n: int, min_size: int) -> None:
+    """``mirrored=True`` (a stored root) is bit for bit ``mirror_lower_`` of the plain result, the
+    form a packed root holds, though it mirrors only the diagonal blocks' ``mm``: fp32, where the
+    two triangles of ``Q D Q^T`` round apart."""
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(n, n, generator=gen)
+    scaled = q * torch.rand(n, generator=gen)
+    expected = structured.mirror_lower_(symmetric_product(scaled, q.T, min_size))
+    got = symmetric_product(scaled, q.T, min_size, mirrored=True)
+    assert torch.equal(got, expected)
+    assert torch.equal(got, got.T)
+    if n > 1:  # the plain product is not exactly symmetric, so the check above can fail
+        plain = symmetric_product(scaled, q.T, n)
+        assert n < 13 or not torch.equal(plain, plain.T)
+
+
 @pytest.mark.parametrize("n", [5, 37, 64])
 def test_gram_is_the_symmetric_product_of_rows_and_their_transpose(n: int) -> None:
     """gram keeps its bits (Kron's statistics): the same blocks as symmetric_product(rows, rows.T)."""

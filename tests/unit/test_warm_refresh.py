@@ -252,3 +252,18 @@ def test_resume_from_state_dict_is_exact(kind: str) -> None:
 def test_bad_options_are_refused_by_name(kwargs: dict, option: str) -> None:
     with pytest.raises(ValueError, match=option):
         dist_optim.DistributedShampoo([torch.nn.Parameter(torch.zeros(3, 3))], **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
+def test_all_finite_is_isfinite_all(dtype: torch.dtype, bad: float | None) -> None:
+    """The refreshes' finiteness flag (one min/max reduction) is ``torch.isfinite(t).all()``,
+    wherever the non-finite entry is, and true for an empty tensor."""
+    for where in (0, 517, 1023):
+        t = torch.randn(32, 32, dtype=dtype)
+        if bad is not None:
+            t.view(-1)[where] = bad
+        flag = matrix_functions.all_finite(t)
+        assert flag.dtype == torch.bool and flag.dim() == 0
+        assert bool(flag) == bool(torch.isfinite(t).all()) == (bad is None)
+    assert bool(matrix_functions.all_finite(torch.empty(0, 3, dtype=dtype)))

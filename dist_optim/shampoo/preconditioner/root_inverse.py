@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ... import matrix_functions, structured
+from ... import matrix_functions
 from ..blocking import apply_each_dim
 from ..options import WARM
 from ..state import BlockState, Scratch
@@ -22,7 +22,9 @@ def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any
     whose iteration error exceeds ``inverse_failure_threshold`` keeps the previous one and counts
     in ``failures``. A root is stored as the mirror of its lower triangle (the products that make
     it round its two triangles apart by an ulp or so), the form a packed root holds
-    (:mod:`dist_optim.shampoo.state`). ``root_inverse="warm"``: from :func:`~dist_optim.matrix_functions.warm_eigh`
+    (:mod:`dist_optim.shampoo.state`): every method returns it so
+    (:func:`~dist_optim.matrix_functions.inverse_root_from_eigen`, or the iterations'
+    ``(X + X^T) / 2``). ``root_inverse="warm"``: from :func:`~dist_optim.matrix_functions.warm_eigh`
     of the damped factor started from the block's previous eigenvectors ``Q_k`` (kept with the
     root), except at the ``first`` refresh, which has none (``Q_k = I``) and goes to ``eigh`` at
     once: testing the identity and taking QR steps from it would only add to the ``eigh`` that
@@ -35,7 +37,8 @@ def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any
         try:
             if warm:
                 x, q, ok = _warm_root(factor * scale, bs.bases[k], mult / root, group, first)
-                torch.where(ok, q.to(r_k.dtype), bs.bases[k], out=bs.bases[k])
+                if q is not bs.bases[k]:  # kept eigenvectors are the basis itself
+                    torch.where(ok, q.to(r_k.dtype), bs.bases[k], out=bs.bases[k])
             else:
                 x, err, ok = matrix_functions.matrix_inverse_root(
                     factor * scale,
@@ -49,8 +52,6 @@ def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any
                 ok = ok & (err <= group["inverse_failure_threshold"])
         except torch.linalg.LinAlgError:
             x, ok = r_k, torch.zeros((), dtype=torch.bool)
-        if x is not r_k:
-            structured.mirror_lower_(x)
         torch.where(ok, x.to(r_k.dtype), r_k, out=r_k)
         failures.add_((~ok).to(failures.dtype))
 
@@ -91,7 +92,7 @@ def refresh_eigen(
             failures.add_(1)
             continue
         s = matrix_functions.inverse_root_spectrum(lam, epsilon, mult / root)
-        ok = torch.isfinite(s).all() & torch.isfinite(q).all()
+        ok = matrix_functions.all_finite(s) & matrix_functions.all_finite(q)
         store(k, None if warm and q is bs.bases[k] else q, s, ok)
         failures.add_((~ok).to(failures.dtype))
 
@@ -112,7 +113,10 @@ def _warm_root(
             a, basis, tolerance=group["refresh_tolerance"], max_iterations=group["refresh_iterations"]
         )
     x = matrix_functions.inverse_root_from_eigen(eig.eigenvalues, eig.eigenvectors, epsilon, alpha)
-    return x, eig.eigenvectors, torch.isfinite(x).all() & torch.isfinite(eig.eigenvectors).all()
+    ok = matrix_functions.all_finite(x)
+    if eig.eigenvectors is not basis:  # kept only if the criterion computed from it was finite
+        ok = ok & matrix_functions.all_finite(eig.eigenvectors)
+    return x, eig.eigenvectors, ok
 
 
 def direction(

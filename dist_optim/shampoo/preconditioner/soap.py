@@ -84,7 +84,7 @@ def _warm_basis(
     q = eig.eigenvectors
     if eig.recomputed:
         q = matrix_functions.canonical_signs(q.flip(-1))
-    return q, eig.perm, torch.isfinite(q).all()
+    return q, eig.perm, matrix_functions.all_finite(q)
 
 
 def direction(
