@@ -12,18 +12,23 @@ import time
 
 import psutil
 
+from tests.helpers.recipe import run_recipe
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 8
 
 
-def _cmd(ckpt: str, log: str, *extra: str) -> list[str]:
+def _args(ckpt: str, log: str, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-        "recipes/train.py",
         "--plugin", "hybrid", "--tp", "2", "--zero", "1", "--optimizer", "colossalai.nn.optimizer.Lamb",
         "--lr", "1e-2", "--steps", str(STEPS), "--no-progress", "--ckpt-dir", ckpt, "--ckpt-every", "2",
         "--log-csv", log, *extra,
     ]  # fmt: skip
+
+
+def _cmd(ckpt: str, log: str, *extra: str) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]
+    return [*launcher, "recipes/train.py", *_args(ckpt, log, *extra)]
 
 
 def _env() -> dict[str, str]:
@@ -35,9 +40,12 @@ def _losses(path: str) -> dict[int, str]:
         return {int(r["step"]): r["loss"] for r in csv.DictReader(f)}
 
 
-def test_killed_rank_fails_the_job_and_resume_continues_the_trajectory(tmp_path) -> None:
+def test_killed_rank_fails_the_job_and_resume_continues_the_trajectory(pool4, tmp_path) -> None:
+    # The uninterrupted run, on the pool's 4 processes (tests/helpers/recipe.py: the recipe's train()
+    # as torchrun's launch would run it, a launch of imports cheaper); the killed and the resumed
+    # runs are launched as a user launches them.
     straight_log = str(tmp_path / "straight.csv")
-    subprocess.run(_cmd(str(tmp_path / "ck0"), straight_log), cwd=ROOT, env=_env(), check=True, capture_output=True)
+    pool4.run(run_recipe, _args(str(tmp_path / "ck0"), straight_log))
 
     ckpt, log = str(tmp_path / "ck1"), str(tmp_path / "killed.csv")
     proc = subprocess.Popen(_cmd(ckpt, log), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from dist_optim.testing import DistPool
 from recipes import corpus, tokens
+from tests.helpers.recipe import run_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = corpus.HELDOUT
@@ -119,18 +121,11 @@ def test_packed_batches_split_over_dp_ranks_and_hold_out_the_tail() -> None:
     assert sorted(int(b[0, 0]) // 8 for b in held) == [8, 9]
 
 
-def _torchrun(*args: str, nproc: int = 4) -> str:
-    # --standalone: a free port, not 29500, which other jobs on the machine may hold.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["recipes/train.py", *args]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return out
+def _recipe(pool: DistPool, *args: str) -> str:
+    return pool.run(run_recipe, list(args))[0]
 
 
-def test_pretrained_llama_under_tp2_zero1(real: dict[str, str], tmp_path) -> None:
+def test_pretrained_llama_under_tp2_zero1(real: dict[str, str], pool4, tmp_path) -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     cache, log, log32 = str(tmp_path / "cache"), str(tmp_path / "train.csv"), str(tmp_path / "fp32.csv")
@@ -138,7 +133,7 @@ def test_pretrained_llama_under_tp2_zero1(real: dict[str, str], tmp_path) -> Non
     common += ["--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--no-progress", "--seed", str(SEED)]
     common += ["--optimizer", "colossalai.nn.optimizer.Lamb", "--lr", "1e-2", "--warmup", "2"]
     # ColossalAI's ZeRO needs bf16/fp16 working weights.
-    out = _torchrun(*common, "--zero", "1", "--steps", str(STEPS), "--eval-every", "10", "--log-csv", log)
+    out = _recipe(pool4, *common, "--zero", "1", "--steps", str(STEPS), "--eval-every", "10", "--log-csv", log)
     assert f"loaded pretrained weights from {real['model']}" in out
     assert "lazy init" in out and "tokenized into" in out and "zero=1 bf16" in out
     with open(log) as f:
@@ -152,7 +147,7 @@ def test_pretrained_llama_under_tp2_zero1(real: dict[str, str], tmp_path) -> Non
     tokenizer = AutoTokenizer.from_pretrained(real["model"])
     stream = tokens.build_token_file(tokens.expand_inputs([real["jsonl"]]), tokenizer, cache).open()
     mtime = os.stat(stream.filename).st_mtime_ns
-    out32 = _torchrun(*common, "--zero", "0", "--precision", "fp32", "--steps", "1", "--log-csv", log32)
+    out32 = _recipe(pool4, *common, "--zero", "0", "--precision", "fp32", "--steps", "1", "--log-csv", log32)
     assert "reusing token cache" in out32 and "tokenized into" not in out32
     assert sorted(os.listdir(cache)) == files and os.stat(stream.filename).st_mtime_ns == mtime
     with open(log32) as f:
@@ -219,7 +214,7 @@ def test_dry_run_prints_the_layout_without_allocating() -> None:
     assert maxrss_gib < 2.0, maxrss_gib  # the fp32 model alone would be 25 GiB
 
 
-def test_gradient_accumulation_is_the_larger_batch(tmp_path) -> None:
+def test_gradient_accumulation_is_the_larger_batch(pool4, tmp_path) -> None:
     """--grad-accum 2 with 1 sequence per micro-batch and rank takes the same steps as 2 sequences
     per rank at once (the same 8 sequences per step, the recipe's data order), here with ZeRO-2
     partitioning the accumulated gradients, in fp32."""
@@ -229,7 +224,7 @@ def test_gradient_accumulation_is_the_larger_batch(tmp_path) -> None:
     logs = {}
     for accum, batch in ((2, 1), (1, 2)):
         logs[accum] = str(tmp_path / f"accum{accum}.csv")
-        _torchrun(*common, "--grad-accum", str(accum), "--batch-size", str(batch), "--log-csv", logs[accum])
+        _recipe(pool4, *common, "--grad-accum", str(accum), "--batch-size", str(batch), "--log-csv", logs[accum])
     rows, mfu = {}, []
     for accum, path in logs.items():
         with open(path) as f:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from recipes import corpus, tokens
-from tests.distributed.test_train import _torchrun
+from tests.helpers.recipe import run_recipe
 
 CORPUS = corpus.HELDOUT
 SEQ_LEN, BATCH, STEPS, SEED = 32, 2, 6, 42
@@ -80,7 +80,9 @@ def save_tiny(kind: str, directory: Path, tokenizer_dir: Path) -> torch.nn.Modul
 
 
 @pytest.mark.parametrize("kind", sorted(TYPES))
-def test_recipe_trains_a_saved_model_of_each_type_under_tp2(kind: str, tokenizer_dir: Path, tmp_path: Path) -> None:
+def test_recipe_trains_a_saved_model_of_each_type_under_tp2(
+    kind: str, tokenizer_dir: Path, pool2, tmp_path: Path
+) -> None:
     from transformers import AutoTokenizer
 
     directory = tmp_path / kind
@@ -89,12 +91,11 @@ def test_recipe_trains_a_saved_model_of_each_type_under_tp2(kind: str, tokenizer
         assert model.model.layers[0].self_attn.q_proj.bias is not None
         assert model.lm_head.weight is model.model.embed_tokens.weight
     cache, log = str(tmp_path / "cache"), str(tmp_path / "train.csv")
-    out = _torchrun(
+    out = pool2.run(run_recipe, [
         "--model", str(directory), "--data", CORPUS, "--data-cache", cache, "--tp", "2", "--precision", "fp32",
         "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--steps", str(STEPS), "--seed", str(SEED),
         "--optimizer", "torch.optim.AdamW", "--lr", "1e-2", "--warmup", "1", "--no-progress", "--log-csv", log,
-        nproc=2,
-    )  # fmt: skip
+    ])[0]  # fmt: skip
     assert f"loaded pretrained weights from {directory}" in out and "tp=2" in out, out[-3000:]
     with open(log) as f:
         losses = [float(r["loss"]) for r in csv.DictReader(f)]
