@@ -37,7 +37,6 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
     dist.init_process_group(
         backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
-    _collect_and_freeze()
     while True:
         task = tasks.get()
         if task is None:
@@ -52,7 +51,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
         # collector, a task's plugin dies at a different moment on each rank, so one rank gathers
         # on the old group and another on the new one: a hang. Collecting on every rank between
         # tasks makes that moment the same everywhere.
-        _collect_and_freeze()
+        gc.collect()
         results.put(result)
     # destroy_process_group() can hang with gloo on torch 2.5.1; a barrier then exit is clean.
     try:
@@ -60,21 +59,6 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
     except Exception:  # noqa: BLE001
         pass
     os._exit(0)
-
-
-def _collect_and_freeze() -> None:
-    """A full collection, then what survived it is exempt from later ones (``gc.freeze``).
-
-    A worker holds ~400k long-lived objects (torch, transformers, ColossalAI, the imports of
-    earlier tasks), and every full collection walks them all: ~0.8 s of CPU per worker, 4 workers
-    on 2 cores, several times a task (the automatic ones while it builds and trains, the one after
-    it), which was most of a checkpoint task's time. Frozen, a collection walks only what the task
-    made, so the plugins a task leaves are still destroyed here, at the same point on every rank.
-    What survives a collection and is dropped later (a cache entry) is freed by reference counting
-    alone; a cycle among such objects stays until the worker exits, which a test process can
-    afford."""
-    gc.collect()
-    gc.freeze()
 
 
 class DistPool:
