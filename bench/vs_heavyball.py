@@ -6,7 +6,7 @@ package on the path (it imports without ColossalAI)::
 
     python3.11 -m venv /tmp/hb && /tmp/hb/bin/pip install "torch>=2.9" heavyball numpy
     PYTHONPATH=. /tmp/hb/bin/python bench/vs_heavyball.py [--repeats 30] [--only soap muon kron]
-        [--clock wall|cpu] [--threads N] [--muon-fp32 | --no-muon-fp32]
+        [--clock wall|cpu] [--threads N] [--muon-fp32 | --no-muon-fp32] [--device cuda]
 
 The set: ``bench_step.llama_like(512, 1376, 2, vocab)``, 7.4M parameters with the default
 ``--vocab 2048`` (every dim at most 2048: heavyball leaves a dim above ``max_precond_dim``
@@ -20,7 +20,9 @@ also the spread of the per-round ratios (ours / theirs of the steps taken in the
 ``--clock cpu`` times the process's CPU seconds (``time.process_time``) instead of wall seconds:
 on a machine shared with other jobs (a load above its cores) a step's wall time is mostly waiting
 for a core, while its CPU time is the work done; with ``--threads 1`` no idle thread spins into
-the count. ``--no-muon-fp32`` leaves out our fp32 Muon (the slowest of the three).
+the count. ``--no-muon-fp32`` leaves out our fp32 Muon (the slowest of the three). ``--device cuda``
+puts the parameters on the GPU and times each step from an idle device to an idle device
+(``torch.cuda.synchronize`` before and after); the wall clock is then the one that means anything.
 
 * SOAP: Vyas et al.'s recipe on both sides (eigenvectors at the first refresh, then one QR power
   step from the current basis: ours ``eigenbasis="qr-eigh-start"``), betas (0.9, 0.95), the factors'
@@ -134,12 +136,15 @@ def run(
     repeats: int,
     clock: Callable[[], float] = time.perf_counter,
     skip: tuple[str, ...] = (),
+    device: str = "cpu",
 ) -> list[tuple[str, list[float]]]:
     """(label, the timed steps' seconds) of each optimizer of the pair but ``skip``'s labels,
-    timed round-robin with ``clock``."""
+    timed round-robin with ``clock``, the parameters on ``device``."""
     if name == "muon":
         shapes = [s for s in shapes if len(s) == 2]
-    make = fixed_params(shapes)
+    make = fixed_params(shapes, device)
+    # A CUDA step returns before its kernels finish: time from an idle device to an idle device.
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     grads = [p.grad.clone() for p in make()]  # type: ignore[union-attr]
     runs: list[tuple[str, torch.optim.Optimizer, list[torch.nn.Parameter], list[float]]] = []
     for label, factory in PAIRS[name]():
@@ -154,8 +159,10 @@ def run(
                 for p, g in zip(params, grads):  # heavyball's step consumes .grad
                     p.grad = g.clone()
                 gc.collect()
+                sync()
                 t0 = clock()
                 opt.step()
+                sync()
                 if i >= warmup:
                     times.append(clock() - t0)
     return [(label, t) for label, _opt, _params, t in runs]
@@ -170,6 +177,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall seconds or process CPU seconds")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--muon-fp32", action=argparse.BooleanOptionalAction, default=True, help="time our fp32 Muon")
+    ap.add_argument("--device", default="cpu", help="where the parameters live (cuda: GPU timings, synchronised)")
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -180,9 +188,11 @@ def main() -> None:
     shapes = llama_like(512, 1376, 2, args.vocab)
     n = sum(torch.Size(s).numel() for s in shapes)
     print(f"torch {torch.__version__}, heavyball {version('heavyball')}, {n / 1e6:.1f}M parameters")
+    if args.device.startswith("cuda"):
+        print(f"device {torch.cuda.get_device_name(args.device)}")
     print(f"threads {torch.get_num_threads()}, warmup {args.warmup}, timed rounds {args.repeats}, {args.clock} clock")
     for name in args.only:
-        rows = run(name, shapes, args.warmup, args.repeats, clock, skip)
+        rows = run(name, shapes, args.warmup, args.repeats, clock, skip, args.device)
         theirs = rows[-1][1]
         print(f"\n{name}: median ms (between refreshes), mean ms (with refreshes), ours / heavyball")
         for label, t in rows:
