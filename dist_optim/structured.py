@@ -188,16 +188,33 @@ def symmetrize_(c: torch.Tensor, min_size: int | None = None, panel: int | None 
 def mirror_lower_(c: torch.Tensor, panel: int | None = None) -> torch.Tensor:
     """Mirror the lower triangle of ``c`` onto its strict upper triangle, in place, at every size
     and on every device: the one form of a symmetric matrix that a packed triangle
-    (:func:`pack_lower`) holds bit for bit. Copies go panel by panel, so that no transposed
-    temporary of ``c``'s size is made."""
-    panel = PANEL if panel is None else panel
+    (:func:`pack_lower`) holds bit for bit. On the CPU copies go panel by panel, so that no
+    transposed temporary of ``c``'s size is made (a fresh one costs page faults); on a GPU
+    (:func:`blocked`) one ``where`` over a cached lower-triangle mask and one copy, since the
+    panels' ~6 launches each made a 1024-side mirror host-bound: Shampoo's kept warm refresh, two
+    mirrors per factor, took 2-3x its time without them on an H100 (docs/benchmarks.md)."""
     n = c.shape[0]
+    if not blocked(c):
+        return c.copy_(torch.where(_lower_mask(n, c.device), c, c.T))
+    panel = PANEL if panel is None else panel
     for i in range(0, _panels_end(c, panel), panel):
         j = min(n, i + panel)
         tile = c[i:j, i:j]
         tile.copy_(tile.tril() + tile.tril(-1).T)
         c[i:j, j:].copy_(c[j:, i:j].T)
     return c
+
+
+_MASKS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _lower_mask(n: int, device: torch.device) -> torch.Tensor:
+    """``i >= j`` over an ``n x n`` grid, bool, cached per size and device (a few sizes per model)."""
+    key = (n, device)
+    out = _MASKS.get(key)
+    if out is None:
+        out = _MASKS[key] = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+    return out
 
 
 # ---- packed symmetric and triangular storage ------------------------------------------------------

@@ -53,7 +53,7 @@ def _whole(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 40])
-def test_pack_and_unpack_by_formula(n: int) -> None:
+def test_pack_and_unpack_by_formula(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(n)
     a = torch.randn(n, n, generator=gen, dtype=torch.float64)
     assert torch.equal(structured.pack_lower(a), _lower(a))
@@ -64,6 +64,14 @@ def test_pack_and_unpack_by_formula(n: int) -> None:
     assert structured.unpack_symmetric(packed, n, out=out) is out and torch.equal(out, _whole(packed, n))
     mirrored = structured.mirror_lower_(a.clone(), panel=3)
     assert torch.equal(mirrored, _whole(packed, n))
+    # The GPU's form (one masked copy instead of panels), run here on CPU tensors; a transposed
+    # view (how a factor's kept triangle can be stored) mirrors its own lower triangle.
+    monkeypatch.setattr(structured, "blocked", lambda t: False)
+    assert torch.equal(structured.mirror_lower_(a.clone()), _whole(packed, n))
+    base = a.clone()
+    assert torch.equal(structured.mirror_lower_(base.T), _whole(_lower(a.T), n))
+    assert torch.equal(base.T, _whole(_lower(a.T), n))
+    monkeypatch.undo()
     assert structured.packed_size(n) == packed.numel()
     meta = torch.empty(n, n, device="meta")  # the planner's simulation: shapes only
     assert structured.pack_lower(meta).shape == (n * (n + 1) // 2,)
