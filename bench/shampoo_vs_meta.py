@@ -39,6 +39,10 @@ round-robin (one step of each optimizer in turn), the first round dropped, media
   by two ``mm`` into reused outputs. Its ratio to Meta's step is the lowest ratio any implementation
   of this math reaches with torch's BLAS on this machine; "ours / products only" is what we spend
   beyond it.
+* ``--host-blocks N`` (alone): the host time per block, the cost that does not shrink with the
+  block: N parameters of 16 x 16 (one block each, whose products are negligible), preconditioned
+  steps (start = frequency = 1, then no refresh), round-robin, the median step divided by N. On a
+  GPU this is the part of a step that kernels cannot hide (the bench set has 73 blocks).
 """
 
 from __future__ import annotations
@@ -119,6 +123,48 @@ def _clock() -> float:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def host_per_block(blocks: int, repeats: int) -> dict[str, float]:
+    """``--host-blocks``: seconds per block of a preconditioned step on ``blocks`` 16 x 16
+    parameters, ours and Meta's (median over ``repeats`` round-robin steps)."""
+    make = fixed_params([(16, 16)] * blocks)
+    kw: dict[str, Any] = dict(
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        epsilon=1e-12,
+        precondition_frequency=1,
+        start_preconditioning_step=1,
+        use_decoupled_weight_decay=True,
+    )
+    opts: dict[str, torch.optim.Optimizer] = {
+        "ours": dist_optim.DistributedShampoo(
+            make(), grafting_config=dist_optim.AdamGraftingConfig(beta2=0.999, epsilon=1e-8), **kw
+        ),
+        "Meta": MetaShampoo(
+            make(), grafting_config=MetaAdamGraftingConfig(beta2=0.999, epsilon=1e-8), use_merge_dims=False, **kw
+        ),
+    }
+    for opt in opts.values():
+        for _ in range(3):
+            opt.step()
+        for group in opt.param_groups:
+            group["precondition_frequency"] = 10**9  # no further refresh (read by every step)
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for _ in range(repeats):
+        for name, opt in opts.items():
+            t0 = _clock()
+            opt.step()
+            times[name].append(_clock() - t0)
+    return {k: statistics.median(t) / blocks for k, t in times.items()}
+
+
+def _print_host(blocks: int) -> None:
+    per = host_per_block(blocks, 30)
+    print(f"{blocks} blocks of 16 x 16, {torch.get_num_threads()} threads, preconditioned steps:")
+    for name, sec in per.items():
+        print(f"  {name:5s} {1e6 * sec:6.0f} us per block")
+    print(f"  ours / Meta's: {per['ours'] / per['Meta']:.2f}x")
 
 
 def _pf10_run(
@@ -233,7 +279,16 @@ def main() -> None:
         help="skip the before-start, preconditioned and products-only rows (AdamW still timed): the pf=10 run "
         "and its refreshes alone, in about half the time",
     )
+    ap.add_argument(
+        "--host-blocks",
+        type=int,
+        default=0,
+        help="only the host time per block: this many 16 x 16 parameters, preconditioned steps (30 rounds)",
+    )
     args = ap.parse_args()
+    if args.host_blocks:
+        _print_host(args.host_blocks)
+        return
 
     shapes = llama_like()
     on_cpu = fixed_params(shapes)
