@@ -23,6 +23,8 @@ for a core, while its CPU time is the work done; with ``--threads 1`` no idle th
 the count. ``--no-muon-fp32`` leaves out our fp32 Muon (the slowest of the three). ``--device cuda``
 puts the parameters on the GPU and times each step from an idle device to an idle device
 (``torch.cuda.synchronize`` before and after); the wall clock is then the one that means anything.
+On an H100 heavyball's compilation (its default ``max-autotune-no-cudagraphs`` mode) was still
+benchmarking matrix-product kernels after 120 s for the Muon pair alone: allow minutes.
 
 * SOAP: Vyas et al.'s recipe on both sides (eigenvectors at the first refresh, then one QR power
   step from the current basis: ours ``eigenbasis="qr-eigh-start"``), betas (0.9, 0.95), the factors'
