@@ -64,7 +64,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
 
 #: Imported by every worker before its first task (what nearly every task imports anyway).
-PRELOAD = ("dist_optim", "plugins", "colossalai.booster")
+PRELOAD = ("dist_optim", "dist_optim.plugins", "colossalai.booster")
 
 
 def _preload() -> None:
