@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from plugins.checkpoint import read_checkpoint
+from dist_optim.plugins.checkpoint import read_checkpoint
 from tests.helpers import booster, ckpt
 from tests.helpers.cases import FAMILIES
 from tests.helpers.check import differences
