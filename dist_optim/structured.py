@@ -190,12 +190,16 @@ def mirror_lower_(c: torch.Tensor, panel: int | None = None) -> torch.Tensor:
     and on every device: the one form of a symmetric matrix that a packed triangle
     (:func:`pack_lower`) holds bit for bit. On the CPU copies go panel by panel, so that no
     transposed temporary of ``c``'s size is made (a fresh one costs page faults); on a GPU
-    (:func:`blocked`) one ``where`` over a cached lower-triangle mask and one copy, since the
-    panels' ~6 launches each made a 1024-side mirror host-bound: Shampoo's kept warm refresh, two
-    mirrors per factor, took 2-3x its time without them on an H100 (docs/benchmarks.md)."""
+    (:func:`blocked`) it is that packing's round trip, :func:`pack_lower` then
+    :func:`unpack_symmetric` (two gathers), since the panels' ~6 launches each made a 1024-side
+    mirror host-bound: Shampoo's kept warm refresh, two mirrors per factor, took 2-3x its time
+    without them on an H100 (docs/benchmarks.md). ``c`` is contiguous or a transposed view of
+    contiguous memory (a factor's kept triangle); the symmetric result is the same written
+    through either."""
     n = c.shape[0]
     if not blocked(c):
-        return c.copy_(torch.where(_lower_mask(n, c.device), c, c.T))
+        unpack_symmetric(pack_lower(c), n, out=c if c.is_contiguous() else c.T)
+        return c
     panel = PANEL if panel is None else panel
     for i in range(0, _panels_end(c, panel), panel):
         j = min(n, i + panel)
@@ -203,18 +207,6 @@ def mirror_lower_(c: torch.Tensor, panel: int | None = None) -> torch.Tensor:
         tile.copy_(tile.tril() + tile.tril(-1).T)
         c[i:j, j:].copy_(c[j:, i:j].T)
     return c
-
-
-_MASKS: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _lower_mask(n: int, device: torch.device) -> torch.Tensor:
-    """``i >= j`` over an ``n x n`` grid, bool, cached per size and device (a few sizes per model)."""
-    key = (n, device)
-    out = _MASKS.get(key)
-    if out is None:
-        out = _MASKS[key] = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
-    return out
 
 
 # ---- packed symmetric and triangular storage ------------------------------------------------------

@@ -64,7 +64,7 @@ def test_pack_and_unpack_by_formula(n: int, monkeypatch: pytest.MonkeyPatch) -> 
     assert structured.unpack_symmetric(packed, n, out=out) is out and torch.equal(out, _whole(packed, n))
     mirrored = structured.mirror_lower_(a.clone(), panel=3)
     assert torch.equal(mirrored, _whole(packed, n))
-    # The GPU's form (one masked copy instead of panels), run here on CPU tensors; a transposed
+    # The GPU's form (the packing's round trip instead of panels), run here on CPU tensors; a transposed
     # view (how a factor's kept triangle can be stored) mirrors its own lower triangle.
     monkeypatch.setattr(structured, "blocked", lambda t: False)
     assert torch.equal(structured.mirror_lower_(a.clone()), _whole(packed, n))
