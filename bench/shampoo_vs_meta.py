@@ -125,6 +125,16 @@ def _clock() -> float:
     return time.perf_counter()
 
 
+def _timed_round(opts: dict[str, Any], times: dict[str, list[float]] | None) -> None:
+    """One step of each optimizer in turn (round-robin, as bench_step.py / shampoo_vs_commit.py),
+    each step's seconds appended to ``times`` under its name (None: untimed)."""
+    for name, opt in opts.items():
+        t0 = _clock()
+        opt.step()
+        if times is not None:
+            times[name].append(_clock() - t0)
+
+
 def host_per_block(blocks: int, repeats: int) -> dict[str, float]:
     """``--host-blocks``: seconds per block of a preconditioned step on ``blocks`` 16 x 16
     parameters, ours and Meta's (median over ``repeats`` round-robin steps)."""
@@ -152,10 +162,7 @@ def host_per_block(blocks: int, repeats: int) -> dict[str, float]:
             group["precondition_frequency"] = 10**9  # no further refresh (read by every step)
     times: dict[str, list[float]] = {k: [] for k in opts}
     for _ in range(repeats):
-        for name, opt in opts.items():
-            t0 = _clock()
-            opt.step()
-            times[name].append(_clock() - t0)
+        _timed_round(opts, times)
     return {k: statistics.median(t) / blocks for k, t in times.items()}
 
 
@@ -186,10 +193,7 @@ def _pf10_run(
             for opt in pf10.values():
                 for p, g in zip((p for group in opt.param_groups for p in group["params"]), grads):
                     p.grad.copy_(g)
-        for name, opt in pf10.items():
-            t0 = _clock()
-            opt.step()
-            times[name].append(_clock() - t0)
+        _timed_round(pf10, times)
     finite.update({k: _finite(o) for k, o in pf10.items()})
     for name in pf10:
         who = name.removesuffix(", pf=10 run")
@@ -346,11 +350,7 @@ def main() -> None:
 
     times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(args.repeats + 1):
-        for name, opt in runs.items():  # round-robin, as bench_step.py / shampoo_vs_commit.py
-            t0 = _clock()
-            opt.step()
-            if i:
-                times[name].append(_clock() - t0)
+        _timed_round(runs, times if i else None)  # the first round untimed
     finite = {k: _finite(o) for k, o in runs.items()}
     del runs
     gc.collect()
