@@ -100,12 +100,17 @@ def fixed_params(shapes: list[tuple[int, ...]], device: str = "cpu") -> Callable
     return make
 
 
+def device_sync(device: str) -> Callable[[], None]:
+    """What a step's timing calls before and after it: a CUDA step returns before its kernels
+    finish, so there time runs from an idle device to an idle device; elsewhere nothing."""
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
 def run_bench(
     shapes: list[tuple[int, ...]], selected: list[Any], warmup: int, repeats: int, device: str = "cpu"
 ) -> list[dict[str, Any]]:
     make_params = fixed_params(shapes, device)
-    # A CUDA step returns before its kernels finish: time from an idle device to an idle device.
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = device_sync(device)
     runs = []
     for row in selected:
         params = make_params()

@@ -54,7 +54,7 @@ ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.bench_step import fixed_params, llama_like  # noqa: E402
+from bench.bench_step import device_sync, fixed_params, llama_like  # noqa: E402
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -145,8 +145,7 @@ def run(
     if name == "muon":
         shapes = [s for s in shapes if len(s) == 2]
     make = fixed_params(shapes, device)
-    # A CUDA step returns before its kernels finish: time from an idle device to an idle device.
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = device_sync(device)
     grads = [p.grad.clone() for p in make()]  # type: ignore[union-attr]
     runs: list[tuple[str, torch.optim.Optimizer, list[torch.nn.Parameter], list[float]]] = []
     for label, factory in PAIRS[name]():
