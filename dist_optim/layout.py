@@ -16,6 +16,7 @@ Terms (see docs/design.md, "Vocabulary"):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ __all__ = [
     "ZeroShard",
     "ParamLayout",
     "local_layout",
+    "whole_layout",
     "range_boxes",
     "register_tp_reader",
     "read_tp_dim",
@@ -309,7 +311,14 @@ def range_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[Box]:
 
 def local_layout(tensor: torch.Tensor) -> ParamLayout:
     """The layout of a parameter that lives whole on this process."""
-    return ParamLayout(tuple(tensor.shape))
+    return whole_layout(tuple(tensor.shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def whole_layout(shape: tuple[int, ...]) -> ParamLayout:
+    """The layout of a whole tensor of ``shape``: one object per shape (layouts are frozen), as an
+    unbound optimizer asks for its parameters' layouts several times a step."""
+    return ParamLayout(shape)
 
 
 # ---- reading the TP split of a working param ------------------------------------------------
