@@ -35,6 +35,7 @@ __all__ = [
     "symmetric_product",
     "gram",
     "gram_update_",
+    "gram_updates_",
     "symmetrize_",
     "mirror_lower_",
     "packed_size",
@@ -48,6 +49,9 @@ __all__ = [
 MIN_SIZE = 256
 #: Columns per ``addmm_`` in :func:`gram_update_` (128 measured best of 96..256 at n = 704..1024).
 PANEL = 128
+#: The most bytes of ``rows @ rows.T`` products :func:`gram_updates_` holds at once (four of a
+#: 1024-side factor in fp32): the launches it saves flatten out well below, the memory does not.
+PRODUCT_BYTES = 16 * 2**20
 
 
 def blocked(t: torch.Tensor) -> bool:
@@ -164,15 +168,42 @@ def gram_update_(
     ``c * beta + (rows @ rows.T) * alpha``: early Shampoo factors of small blocks are nearly
     singular (rank-one sums plus a tiny epsilon) and SOAP's eigenbasis of their null space is
     decided by the last bits of the factor, so small blocks keep the plain formula's bits."""
+    gram_updates_([c], [rows], beta, alpha, min_size, panel)
+    return c
+
+
+def gram_updates_(
+    cs: list[torch.Tensor],
+    rows: list[torch.Tensor],
+    beta: float,
+    alpha: float,
+    min_size: int | None = None,
+    panel: int | None = None,
+) -> None:
+    """:func:`gram_update_` of every ``(c, rows)`` pair, with the same bits. The matrices updated
+    whole go in chunks of at most :data:`PRODUCT_BYTES` of products: one ``mm`` each, then
+    ``c * beta``, ``product * alpha`` and their sum as one ``torch._foreach_*`` call each over the
+    chunk (one launch per chunk on a GPU instead of one per matrix; the same per-tensor operations
+    on the CPU)."""
     min_size = MIN_SIZE if min_size is None else min_size
     panel = PANEL if panel is None else panel
-    n = c.shape[0]
-    if n <= min_size or not blocked(c):
-        return _scaled_add_(c, rows @ rows.T, beta, alpha)
-    for i in range(0, _panels_end(c, panel), panel):
-        j = min(n, i + panel)
-        c[i:, i:j].addmm_(rows[i:], rows[i:j].T, beta=beta, alpha=alpha)
-    return c
+    whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+    size = 0
+    for c, r in zip(cs, rows):
+        n = c.shape[0]
+        if n <= min_size or not blocked(c):
+            nbytes = n * n * c.element_size()
+            if whole and size + nbytes > PRODUCT_BYTES:
+                _scaled_adds_([w for w, _ in whole], [x @ x.T for _, x in whole], beta, alpha)
+                whole, size = [], 0
+            whole.append((c, r))
+            size += nbytes
+            continue
+        for i in range(0, _panels_end(c, panel), panel):
+            j = min(n, i + panel)
+            c[i:, i:j].addmm_(r[i:], r[i:j].T, beta=beta, alpha=alpha)
+    if whole:
+        _scaled_adds_([w for w, _ in whole], [x @ x.T for _, x in whole], beta, alpha)
 
 
 def symmetrize_(c: torch.Tensor, min_size: int | None = None, panel: int | None = None) -> torch.Tensor:
@@ -301,7 +332,10 @@ def _panels_end(c: torch.Tensor, panel: int) -> int:
     return min(panel, c.shape[0]) if c.is_meta else c.shape[0]
 
 
-def _scaled_add_(c: torch.Tensor, product: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
+def _scaled_adds_(cs: list[torch.Tensor], products: list[torch.Tensor], beta: float, alpha: float) -> None:
+    """``c <- c * beta + product * alpha`` for each pair, rounded as written."""
     if beta != 1.0:
-        c.mul_(beta)
-    return c.add_(product if alpha == 1.0 else product.mul_(alpha))
+        torch._foreach_mul_(cs, beta)
+    if alpha != 1.0:
+        torch._foreach_mul_(products, alpha)
+    torch._foreach_add_(cs, products)
