@@ -466,10 +466,10 @@ def _preconditioner_bytes(opt: Any) -> int:
 
 
 #: The public function (module, name) that does an owner's work: the preconditioner's statistics,
-#: roots and direction of one block (Shampoo) or one parameter (Kron), the iteration of one matrix
+#: roots and directions of a batch of blocks (Shampoo) or one parameter (Kron), the iteration of one matrix
 #: (Muon); --split times it where the optimizer's module calls it.
 _OWNER_WORK = {
-    "shampoo": ("dist_optim.shampoo.optimizer", "block_direction"),
+    "shampoo": ("dist_optim.shampoo.work", "block_directions"),
     "kron": ("dist_optim.kron.optimizer", "owner_direction"),
     "muon": ("dist_optim.muon.optimizer", "newton_schulz"),
 }

@@ -137,9 +137,13 @@ its whole matrices, so the distributed result stays the single-device one bit fo
 Cost (see docs/benchmarks.md): factors larger than ``structured.MIN_SIZE`` (256) are updated
 in one triangle only (:func:`blocking.kept_triangle`), ~0.56 of a full product's multiply-adds, and
 mirrored when a root is computed and by ``state_dict()`` / ``full_state()``, so
-``optimizer.state`` read directly between refreshes holds a stale triangle there. Adam
-grafting's moments and direction come from torch's fused Adam kernel (not for SOAP, see
-:func:`preconditioner.grafting.update_moments`).
+``optimizer.state`` read directly between refreshes holds a stale triangle there. An owner's
+blocks of a step go in batches (:mod:`.work`): Adam grafting's moments and directions come from
+one call of torch's fused Adam kernel per batch (not for SOAP, see
+:func:`preconditioner.grafting.update_moments`), the small factors' statistics, the grafting's
+norms and scaling and the updates from one ``torch._foreach_*`` call per operation, and only the
+matrix products go block by block; on a GPU that bounds the host's launches per block, which
+Meta's step had far fewer of (``bench/shampoo_vs_meta.py --host-blocks``, docs/benchmarks.md).
 
 The package, after Meta's split of preconditioners (math) and distributor (who computes what), with
 one :class:`~dist_optim.layout.ParamLayout` covering DDP, TP and ZeRO instead of a distributor per
@@ -149,8 +153,9 @@ parallelism:
 * :mod:`.blocking`: merged dims, blocks, kept triangles, products along every dim;
 * :mod:`.state`: a block's typed state (:class:`~.state.BlockState`) and its flat form in
   ``optimizer.state`` (``"block<i>.<name>"``, what checkpoints hold), reused scratch memory;
-* :mod:`.preconditioner`: one block's math on local tensors, no communication (grafting, factors,
-  root-inverse Shampoo, SOAP);
+* :mod:`.preconditioner`: a batch of blocks' math on local tensors, no communication (grafting,
+  factors, root-inverse Shampoo, SOAP);
+* :mod:`.work`: an owner's blocks of a step cut into batches, their directions applied or handed back;
 * :mod:`.routing`: owners of blocks and the movement of gradients and directions (on
   :mod:`dist_optim.owners`);
 * :mod:`.update`: momentum, decay and the parameter update;

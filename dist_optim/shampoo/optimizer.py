@@ -25,7 +25,6 @@ from ..placement import Route
 from .blocking import Block
 from .momentum import keeps_8bit_momentum, momentum_buffer, read_momenta
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
-from .preconditioner import block_direction
 from .routing import Plan, Routed, finish_routed, plan_owners, send_routed, total_failures
 from .state import (
     BlockState,
@@ -39,9 +38,10 @@ from .state import (
     keeps_saved_dtype,
     mirror_whole_factors,
     non_block_entries,
-    step_state,
 )
-from .update import apply_block_update, apply_update, join_blocks, whole_views
+from .update import apply_update, apply_updates, join_blocks, whole_views
+from .work import BlockWork
+from .work import run as run_work
 
 __all__ = ["DistributedShampoo"]
 
@@ -284,14 +284,16 @@ class DistributedShampoo(DistOptimizer):
         self._momenta = read_momenta(self.state, params, self.layout)
         shares: list[tuple[Owner, list[torch.Tensor]]] = []
         pending: list[tuple[dict[str, Any], torch.Tensor, list[torch.Tensor]]] = []
+        works: list[BlockWork] = []
         for group, p, g_full, t in bucket.held:
-            directions = self._held_directions(group, p, g_full, t, shares)
+            directions = self._held_work(group, p, g_full, t, works, shares)
             if directions is not None:
                 pending.append((group, p, directions))
+        self._run_work(works)
         routed = bucket.routed
         if routed:
             bucket.sending.wait()
-            finish_routed(routed, bucket.moved, self._block_direction, self.communication_dtype, self.bucket_bytes)
+            finish_routed(routed, bucket.moved, self._routed_work, self.communication_dtype, self.bucket_bytes)
             for r in routed:
                 update = r.update.to(r.p.dtype).view_as(r.p)  # type: ignore[union-attr]
                 apply_update(r.p.detach(), update, momentum_buffer(self._momenta, r.state), r.group)
@@ -303,65 +305,62 @@ class DistributedShampoo(DistOptimizer):
             plan = self._plans[p]
             whole = self._whole_views(p, plan)
             if whole is not None:
-                for block, d in zip(plan.blocks, directions):
-                    apply_block_update(*whole, block, d, group)
+                pv, bv = whole
+                bufs = [None if bv is None else bv[b.slices] for b in plan.blocks]
+                apply_updates([pv[b.slices] for b in plan.blocks], directions, bufs, group)
                 continue
             full = join_blocks(plan.view_shape, plan.blocks, directions).reshape(plan.full_shape)
             update = self.layout(p).take_local(full, copy=False).to(p.dtype).view_as(p)
             apply_update(p.detach(), update, momentum_buffer(self._momenta, self.state[p]), group)
         self._momenta.store()
 
-    def _held_directions(
+    def _held_work(
         self,
         group: dict[str, Any],
         p: torch.Tensor,
         g_full: torch.Tensor,
         t: int,
+        works: list[BlockWork],
         shares: list[tuple[Owner, list[torch.Tensor]]],
     ) -> list[torch.Tensor] | None:
-        """Directions of the blocks of a parameter with its full gradient: computed on their
-        owners, the others' to be filled by ``shares``. A parameter held whole whose blocks are all
-        this rank's is updated block by block as the directions come, through one reused scratch
-        tensor (fresh block-sized tensors cost page faults on the CPU comparable to the arithmetic
-        of the update): None then. ``shares`` gets the blocks that travel from their owners."""
+        """The blocks of a parameter with its full gradient: the ones this rank owns appended to
+        ``works``; returns their directions' tensors (the others' to be filled by ``shares``, which
+        gets the blocks that travel from their owners). A parameter held whole whose blocks are
+        all this rank's is updated by :func:`.work.run` batch by batch, through reused scratch
+        memory (fresh block-sized tensors cost page faults on the CPU comparable to the
+        arithmetic of the update): None then."""
         plan, state = self._plans[p], self.state[p]
         g_view = g_full.reshape(plan.view_shape)
         whole = self._whole_views(p, plan)
         if plan.work.size == 1 and whole is not None:
-            for i, block in enumerate(plan.blocks):
-                out = self._scratch.get(block.shape, g_full.dtype, g_full.device)
-                target = whole[0][block.slices] if whole[1] is None else None
-                d = self._block_direction(state, i, block, g_view[block.slices], group, t, out, target)
-                if d is not None:  # None: applied to the parameter by the fused kernel
-                    apply_block_update(*whole, block, d, group)
+            pv, bv = whole
+            for i, b in enumerate(plan.blocks):
+                buf = None if bv is None else bv[b.slices]
+                works.append(BlockWork(state, i, b, g_view[b.slices], group, t, param=pv[b.slices], buf=buf))
             return None
         directions: list[torch.Tensor] = []
-        for i, block in enumerate(plan.blocks):  # owners: a direction (no apply_to)
-            mine = plan.owner(i).mine
-            d = self._block_direction(state, i, block, g_view[block.slices], group, t) if mine else None
-            directions.append(torch.empty(block.shape, dtype=g_full.dtype, device=g_full.device) if d is None else d)
-            shares.append((plan.owner(i), [directions[-1]]))
+        for i, block in enumerate(plan.blocks):  # owners: a direction (no parameter to apply to)
+            d = torch.empty(block.shape, dtype=g_full.dtype, device=g_full.device)
+            if plan.owner(i).mine:
+                works.append(BlockWork(state, i, block, g_view[block.slices], group, t, out=d))
+            directions.append(d)
+            shares.append((plan.owner(i), [d]))
         return directions
 
-    def _block_direction(
-        self,
-        state: dict[str, Any],
-        index: int,
-        block: Block,
-        g: torch.Tensor,
-        group: dict[str, Any],
-        t: int,
-        out: torch.Tensor | None = None,
-        apply_to: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """An owner's work on block ``index`` of a parameter (``state``: its state):
-        :func:`.preconditioner.block_direction` on its typed state (8-bit moments as fp32 values,
-        stored again after it: :func:`.state.step_state`). One method, for ``bench_step.py --split``."""
-        batch = bnb.Batch8bit()  # the block's 8-bit moments: whole on their owner, no collective
-        bs = step_state(state, block_prefix(index), block, group, g.dtype, batch)
-        direction = block_direction(bs, block, g, group, t, state["step"], self._scratch, out, apply_to)
-        batch.store()
-        return direction
+    def _routed_work(self, items: list[tuple[Routed, int, torch.Tensor]]) -> list[torch.Tensor]:
+        """The directions of owned blocks of routed parameters (``(parameter, block index,
+        gradient)``), for :func:`.routing.finish_routed`."""
+        works = []
+        for r, i, g in items:
+            block = r.plan.blocks[i]
+            out = torch.empty(block.shape, dtype=g.dtype, device=g.device)
+            works.append(BlockWork(r.state, i, block, g, r.group, r.t, out=out))
+        self._run_work(works)
+        return [w.out for w in works]  # type: ignore[misc]
+
+    def _run_work(self, works: list[BlockWork]) -> None:
+        """:func:`.work.run` of this step's ``works`` (their directions in their ``out``, or applied)."""
+        run_work(works, self._scratch, self.bucket_bytes)
 
     def _whole_views(self, p: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         return whole_views(p, self.layout(p).is_local, momentum_buffer(self._momenta, self.state[p]), plan.view_shape)

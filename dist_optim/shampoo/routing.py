@@ -112,19 +112,17 @@ def send_routed(
 def finish_routed(
     routed: Sequence[Routed],
     moved: Sequence[Moved],
-    direction: Callable[..., torch.Tensor | None],
+    directions: Callable[[list[tuple[Routed, int, torch.Tensor]]], list[torch.Tensor]],
     share_dtype: torch.dtype,
     bucket_bytes: int | None = None,
 ) -> None:
-    """After :func:`send_routed` (waited for): ``direction(state, i, block, gradient, group, t)`` on
-    the owner of every block ``i`` of a parameter (the optimizer's state of it, its param group
-    and step), the directions' pieces back to every rank that holds them (in ``share_dtype``)
-    into each :attr:`Routed.update`. Nobody assembles a full direction."""
-    for r, m in zip(routed, moved):  # each owned block's gradient is replaced by its direction
-        for i, (g,) in m.boxes.items():
-            d = direction(r.state, i, r.plan.blocks[i], g, r.group, r.t)
-            assert d is not None  # no parameter to apply to: always a direction
-            m.results[i] = d
+    """After :func:`send_routed` (waited for): ``directions`` of every block ``i`` this rank owns
+    of a parameter, ``(routed parameter, i, gradient)``, all of the bucket in one call, then the
+    directions' pieces back to every rank that holds them (in ``share_dtype``) into each
+    :attr:`Routed.update`. Nobody assembles a full direction."""
+    owned = [(r, m, i, g) for r, m in zip(routed, moved) for i, (g,) in m.boxes.items()]
+    for (_, m, i, _), d in zip(owned, directions([(r, i, g) for r, _, i, g in owned])):
+        m.results[i] = d  # each owned block's gradient is replaced by its direction
     from_owners(moved, share_dtype, bucket_bytes)
     for r, m in zip(routed, moved):
         r.update = m.out

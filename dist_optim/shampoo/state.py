@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from .. import bnb_states, lowbit, structured
-from ..layout import ParamLayout
+from ..layout import whole_layout
 from .blocking import Block, kept_triangle
 from .options import SQUARED_GRAFTING_TYPES, uses_warm_refresh
 
@@ -343,6 +343,10 @@ class BlockState:
         return default
 
 
+#: Where :meth:`Scratch.split` starts each tensor: a multiple of this many bytes from the buffer's start.
+ALIGN_BYTES = 64
+
+
 class Scratch:
     """Reused scratch memory, one buffer per slot and dtype and device, grown as needed. On the CPU
     a fresh block-sized tensor costs page faults comparable to the arithmetic of a memory-bound
@@ -351,20 +355,46 @@ class Scratch:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        # The views handed out, by buffer and shapes: a step asks for the same ones block after
+        # block and step after step, and making them is two tensor operations each.
+        self._views: dict[
+            tuple[str, torch.dtype, torch.device], dict[tuple[tuple[int, ...], ...], list[torch.Tensor]]
+        ] = {}
 
-    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: str = "out") -> torch.Tensor:
-        """A contiguous tensor of ``shape`` over the memory of ``slot``: ``"out"`` (a block's
-        direction), ``"grad"`` (a contiguous copy of a strided block gradient), ``"left"`` (``R_0^T M``
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: str) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` over the memory of ``slot``: ``"left"`` (``R_0^T M``
         before it is multiplied by ``R_1``), SOAP's ``"rot"`` (a rotated block) and ``"den"`` (its
         denominator); with packing ``"factor<k>"`` and ``"root<k>"`` (whole matrices); with
         quantised eigenvectors ``"dequantized"``, ``"basis<k>"``, ``"scaled"`` (``Q diag(s)``) and
         ``"root<k>"``."""
-        n = math.prod(shape)
+        return self.split([shape], dtype, device, slot)[0]
+
+    def split(
+        self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, slot: str
+    ) -> list[torch.Tensor]:
+        """Contiguous tensors of ``shapes``, one after the other over the memory of ``slot``: a
+        batch of blocks' tensors that are all alive at once (``"outs"``: their directions,
+        ``"grad"``: their gradients' contiguous copies)."""
         key = (slot, dtype, device)
+        made = self._views.setdefault(key, {})
+        wanted = tuple(tuple(shape) for shape in shapes)
+        views = made.get(wanted)
+        if views is not None:
+            return views
+        # Each tensor starts on a 64-byte boundary, as a fresh allocation does: BLAS may round a
+        # product into a misaligned output differently, and a block's bits must not depend on
+        # its neighbours in the batch.
+        align = max(1, ALIGN_BYTES // dtype.itemsize)
+        offsets, n = [], 0
+        for shape in wanted:
+            offsets.append(n)
+            n += -(-math.prod(shape) // align) * align
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < n:
             buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
-        return buf[:n].view(shape)
+            made.clear()  # views of the old buffer
+        views = made[wanted] = [buf[o : o + math.prod(shape)].view(shape) for o, shape in zip(offsets, wanted)]
+        return views
 
 
 def unpacked(bs: BlockState, block: Block, scratch: Scratch, roots: bool) -> BlockState:
@@ -411,7 +441,7 @@ def step_state(
     step updates), an 8-bit one in a block that keeps 32 bits dequantised into the state, in
     ``dtype`` (the gradient's, as a new state's moments; SOAP's second moment in
     ``preconditioner_dtype``)."""
-    layout = ParamLayout(tuple(block.shape))
+    layout = whole_layout(tuple(block.shape))
     eight = keeps_8bit(block, group)
     values: dict[str, torch.Tensor] = {}
     for name, signed in EIGHT_BIT_MOMENTS.items():
@@ -438,7 +468,7 @@ def carry_over(state: dict[str, Any], prefix: str, block: Block, group: dict[str
     others are left as they are): a rank exports its state in the form the other ranks expect,
     where such a state was loaded and no step has been taken since."""
     eight = keeps_8bit(block, group)
-    layout = ParamLayout(tuple(block.shape))
+    layout = whole_layout(tuple(block.shape))
     batch = bnb_states.Batch8bit()
     for name, signed in EIGHT_BIT_MOMENTS.items():
         key = prefix + name

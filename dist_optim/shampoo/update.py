@@ -8,7 +8,7 @@ import torch
 
 from .blocking import Block
 
-__all__ = ["apply_update", "apply_block_update", "join_blocks", "whole_views"]
+__all__ = ["apply_update", "apply_updates", "join_blocks", "whole_views"]
 
 
 def apply_update(p: torch.Tensor, update: torch.Tensor, buf: torch.Tensor | None, group: dict[str, Any]) -> None:
@@ -27,12 +27,34 @@ def apply_update(p: torch.Tensor, update: torch.Tensor, buf: torch.Tensor | None
     p.add_(update, alpha=-group["lr"])
 
 
-def apply_block_update(
-    pv: torch.Tensor, bv: torch.Tensor | None, block: Block, d: torch.Tensor, group: dict[str, Any]
+def apply_updates(
+    ps: list[torch.Tensor], ds: list[torch.Tensor], bufs: list[torch.Tensor | None], group: dict[str, Any]
 ) -> None:
-    """:func:`apply_update` for one block of a parameter held whole (``pv``, ``bv``: the parameter
-    and its momentum buffer in the blocking's shape)."""
-    apply_update(pv[block.slices], d.to(pv.dtype), None if bv is None else bv[block.slices], group)
+    """:func:`apply_update` for pieces of parameters of ``group`` (``ps``: e.g. blocks of parameters
+    held whole), their directions ``ds`` (updated in place) and momentum buffers ``bufs``: one
+    ``torch._foreach_*`` call per operation over all of them (one kernel launch per operation on a
+    GPU; the same per-tensor operations, so the same bits, on the CPU); with a tensor learning
+    rate, or momentum where a buffer is missing, piece by piece."""
+    if not ps:
+        return
+    ds = [d if d.dtype == p.dtype else d.to(p.dtype) for p, d in zip(ps, ds)]
+    mom, lr = group["momentum"], group["lr"]
+    if isinstance(lr, torch.Tensor) or (mom > 0 and any(b is None for b in bufs)):
+        for p, d, b in zip(ps, ds, bufs):
+            apply_update(p, d, b, group)
+        return
+    wd = group["weight_decay"]
+    if wd != 0 and group["use_decoupled_weight_decay"]:
+        torch._foreach_add_(ds, ps, alpha=wd)
+    if mom > 0:
+        full = [b for b in bufs if b is not None]
+        torch._foreach_mul_(full, mom)
+        torch._foreach_add_(full, ds)
+        if group["use_nesterov"]:
+            torch._foreach_add_(ds, full, alpha=mom)
+        else:
+            ds = full
+    torch._foreach_add_(ps, ds, alpha=-lr)
 
 
 def join_blocks(view_shape: tuple[int, ...], blocks: list[Block], tensors: list[torch.Tensor]) -> torch.Tensor:

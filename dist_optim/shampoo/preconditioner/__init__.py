@@ -1,14 +1,22 @@
 """The preconditioners: per-block math on local tensors, no communication.
 
-:func:`block_direction` is one block's step on its owner: the moments and grafting state
-(:mod:`.grafting`), the factors' statistics and refresh schedule (:mod:`.factors`), then the
-root-inverse Shampoo direction (:mod:`.root_inverse`) or SOAP's (:mod:`.soap`). It reads and
-updates a typed :class:`~dist_optim.shampoo.state.BlockState`; where the block came from and where
-its direction goes is the optimizer's business (:mod:`dist_optim.shampoo.routing`).
+:func:`block_directions` is a batch of blocks' steps on their owner: the moments and grafting
+state (:mod:`.grafting`), the factors' statistics and refresh schedule (:mod:`.factors`), then
+the root-inverse Shampoo direction (:mod:`.root_inverse`) or SOAP's (:mod:`.soap`). It reads and
+updates each block's typed :class:`~dist_optim.shampoo.state.BlockState`; where the blocks came
+from and where their directions go is the optimizer's business
+(:mod:`dist_optim.shampoo.routing`).
+
+The work goes in phases over the whole batch, each element-wise phase one call over lists (the
+fused Adam kernel, ``torch._foreach_*`` norms and scaling) and the matrix products block by
+block: a step's fixed cost per block, in Python and kernel launches, is what a GPU cannot hide
+behind the products of small blocks. One block is the batch of one; the blocks' results do not
+depend on how they are batched.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,88 +32,112 @@ from ..state import (
     unpacked,
 )
 from . import quantized, root_inverse, soap
-from .factors import update_factors
-from .grafting import update_moments, updates_in_kernel
+from .factors import refresh_scale, update_statistics
+from .grafting import Moments, graft_norms, scale_directions, update_moments_all, updates_in_kernel
 
-__all__ = ["block_direction"]
-
-
-def block_direction(
-    bs: BlockState,
-    block: Block,
-    g: torch.Tensor,
-    group: dict[str, Any],
-    t: int,
-    step: torch.Tensor,
-    scratch: Scratch,
-    out: torch.Tensor | None = None,
-    apply_to: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """One block's state update and search direction ``P`` (before decoupled decay and momentum)
-    at the parameter's step ``t`` (``step``: its counter tensor), written into ``out`` (a
-    contiguous tensor of the block's shape and the gradient's dtype, e.g. reused scratch;
-    allocated when None) and returned. ``out`` is never state or the gradient: the caller updates
-    it in place.
-
-    ``apply_to``: the block of the parameter, when the caller applies the update itself. If the
-    step's direction is the grafting direction alone (before ``start_preconditioning_step``, or a
-    block without preconditioner) and it is Adam's, whose fused kernel can also make the update
-    ``W <- W - lr (D + weight_decay W)`` in the same pass, the update is made there and None is
-    returned (the caller then has nothing left to apply).
-
-    ``bs`` holds the moments the step updates: 8-bit ones (``optim_bits=8``) as their fp32 values,
-    read and stored quantised again by the caller (:func:`~dist_optim.shampoo.state.step_state`);
-    quantised eigenvectors (``preconditioner_bits``) are refreshed and decoded by
-    :func:`.quantized.refreshed`."""
-    assert not bs.absmax, "8-bit moments are read as fp32 values first (state.step_state)"
-    return _direction(bs, block, g, group, t, step, scratch, out, apply_to)
+__all__ = ["Job", "block_directions"]
 
 
-def _direction(
-    bs: BlockState,
-    block: Block,
-    g: torch.Tensor,
-    group: dict[str, Any],
-    t: int,
-    step: torch.Tensor,
-    scratch: Scratch,
-    out: torch.Tensor | None,
-    apply_to: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """:func:`block_direction` on the moments' values."""
-    if not g.is_contiguous():  # a block of a parameter split along a later dim
-        g = scratch.get(g.shape, g.dtype, g.device, "grad").copy_(g)
-    if out is None:
-        out = torch.empty(block.shape, dtype=g.dtype, device=g.device)
+@dataclass
+class Job:
+    """One block's part of :func:`block_directions`: its state, its gradient, its parameter's
+    step counter tensor (``step``), ``out`` (a contiguous tensor of the block's shape and the
+    gradient's dtype, e.g. reused scratch, never state or the gradient: the direction is written
+    there and the caller updates it in place) and ``apply_to``: the block of the parameter, when
+    the caller applies the update itself.
+
+    ``bs`` holds the moments the step updates: 8-bit ones (``optim_bits=8``) as their fp32
+    values, read and stored quantised again by the caller
+    (:func:`~dist_optim.shampoo.state.step_state`); quantised eigenvectors
+    (``preconditioner_bits``) are refreshed and decoded by :func:`.quantized.refreshed`."""
+
+    bs: BlockState
+    block: Block
+    g: torch.Tensor
+    step: torch.Tensor
+    out: torch.Tensor
+    apply_to: torch.Tensor | None = None
+
+
+def block_directions(jobs: list[Job], group: dict[str, Any], t: int, scratch: Scratch) -> list[torch.Tensor | None]:
+    """Each block's state update and search direction ``P`` (before decoupled decay and
+    momentum), all of one param ``group`` at the parameters' step ``t``: ``job.out``, or None
+    where the update was made on ``job.apply_to``. That is where the step's direction is the
+    grafting direction alone (before ``start_preconditioning_step``, or a block without
+    preconditioner) and it is Adam's, whose fused kernel can also make the update
+    ``W <- W - lr (D + weight_decay W)`` in the same pass."""
+    assert all(not j.bs.absmax for j in jobs), "8-bit moments are read as fp32 values first (state.step_state)"
     is_soap = group["eigenvalue_correction"]
     start = start_step(group)
-    if apply_to is not None and (is_soap or (block.precondition and t >= start) or not updates_in_kernel(group)):
-        apply_to = None
+    # A block of a parameter split along a later dim has a strided gradient: copied, each to its
+    # own part of one scratch buffer, as the phases below read every block's gradient in turn.
+    strided = [i for i, j in enumerate(jobs) if not j.g.is_contiguous()]
+    gs = [j.g for j in jobs]
+    if strided:
+        first = jobs[strided[0]].g
+        copies = scratch.split([jobs[i].g.shape for i in strided], first.dtype, first.device, "grad")
+        for i, c in zip(strided, copies):
+            gs[i] = c.copy_(jobs[i].g)
+    outs = [j.out for j in jobs]
+    preconditioned = [is_soap or (j.block.precondition and t >= start) for j in jobs]
+    in_kernel = not is_soap and updates_in_kernel(group)
+    apply_tos = [j.apply_to if in_kernel and not pre else None for j, pre in zip(jobs, preconditioned)]
+    moments: list[Moments | None] = [None] * len(jobs)
     # SOAP keeps the reference formula's rounding (see grafting.update_moments); without grafting
     # its first moment lives in the eigenbasis and soap.direction updates it.
-    moments = None
     if not (is_soap and keeps_moment_in_eigenbasis(group)):
-        moments = update_moments(bs, g, group, t, step, out, not is_soap, apply_to)
-    if block.precondition:
-        stored = bs
-        packed = group["use_symmetric_packing"]
-        if packed:  # the math on whole matrices (scratch), packed back below
-            bs = unpacked(stored, block, scratch, roots=not is_soap and t >= start)
-        scale = update_factors(bs, block, g, group, t, start)
-        if quantises_bases(block, group):  # the refresh, and the whole bases / roots the step uses
-            bs = quantized.refreshed(stored, bs, block, group, t, start, scale, scratch)
-        elif scale is not None and is_soap:
-            soap.refresh_bases(bs, scale, group, first=(t == start))
-        elif scale is not None:
-            root_inverse.refresh_roots(bs, block.order, scale, group, first=(t == start))
-        if packed:
-            if t % group["statistics_compute_steps"] == 0:
-                store_packed(stored.factors, bs.factors, block.order, factors=True)
-            if scale is not None and stored.roots:
-                store_packed(stored.roots, bs.roots, block.order, factors=False)
-    if is_soap:
-        return soap.direction(bs, moments, g, group, t, out, scratch)
-    assert moments is not None
-    if not block.precondition or t < start:
-        return None if moments.applied else moments.graft_direction(out)
-    return root_inverse.direction(bs, moments, group, out, scratch)
+        moments = list(
+            update_moments_all([j.bs for j in jobs], gs, group, t, [j.step for j in jobs], outs, not is_soap, apply_tos)
+        )
+    shaped = [i for i, pre in enumerate(preconditioned) if pre]
+    norm_ds = None
+    if group["grafting_config"] is not None and shaped:  # ||D||, before the products overwrite out
+        norm_ds = graft_norms([moments[i] for i in shaped], [outs[i] for i in shaped])  # type: ignore[misc]
+    packed = group["use_symmetric_packing"]
+    if not packed:  # packed factors are unpacked into scratch one block at a time, below
+        update_statistics([(j.bs, j.block, g) for j, g in zip(jobs, gs) if j.block.precondition], group, t)
+    for i, job in enumerate(jobs):
+        bs = _preconditioner_step(job, gs[i], group, t, start, scratch) if job.block.precondition else job.bs
+        if is_soap:
+            soap.direction(bs, moments[i], gs[i], group, t, outs[i], scratch)
+        elif preconditioned[i]:
+            root_inverse.product(bs, moments[i], group, outs[i], scratch)  # type: ignore[arg-type]
+    m_div = 1.0 if is_soap else moments[0].m_div if moments[0] is not None else 1.0
+    scale_directions([outs[i] for i in shaped], m_div, norm_ds)
+    directions: list[torch.Tensor | None] = []
+    for i, m in enumerate(moments):
+        if preconditioned[i]:
+            directions.append(outs[i])
+        else:
+            assert m is not None
+            directions.append(None if m.applied else m.graft_direction(outs[i]))
+    return directions
+
+
+def _preconditioner_step(
+    job: Job, g: torch.Tensor, group: dict[str, Any], t: int, start: int, scratch: Scratch
+) -> BlockState:
+    """A preconditioned block's factor statistics where they are packed (the others' are updated
+    for the whole batch before) and, on a refresh step, its roots or bases; returns the state its
+    direction reads (packed matrices unpacked into ``scratch``, quantised bases decoded, until the
+    next block's step reuses that scratch)."""
+    block, stored = job.block, job.bs
+    is_soap = group["eigenvalue_correction"]
+    bs = stored
+    packed = group["use_symmetric_packing"]
+    if packed:  # the math on whole matrices (scratch), packed back below
+        bs = unpacked(stored, block, scratch, roots=not is_soap and t >= start)
+        update_statistics([(bs, block, g)], group, t)
+    scale = refresh_scale(bs, block, group, t, start)
+    if quantises_bases(block, group):  # the refresh, and the whole bases / roots the step uses
+        bs = quantized.refreshed(stored, bs, block, group, t, start, scale, scratch)
+    elif scale is not None and is_soap:
+        soap.refresh_bases(bs, scale, group, first=(t == start))
+    elif scale is not None:
+        root_inverse.refresh_roots(bs, block.order, scale, group, first=(t == start))
+    if packed:
+        if t % group["statistics_compute_steps"] == 0:
+            store_packed(stored.factors, bs.factors, block.order, factors=True)
+        if scale is not None and stored.roots:
+            store_packed(stored.roots, bs.roots, block.order, factors=False)
+    return bs

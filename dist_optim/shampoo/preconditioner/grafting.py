@@ -1,8 +1,12 @@
-"""The first moment and the grafting direction of one block (step 3 of the package docstring).
+"""The first moment and the grafting direction of a step's blocks (step 3 of the package docstring).
 
-:func:`update_moments` updates ``M`` and the grafting state ``V`` and returns a :class:`Moments`
-that gives ``Mhat``, the grafting direction ``D`` and its norm. With Adam grafting (the usual
-configuration) both moments and ``D`` come from torch's fused Adam kernel in one pass.
+:func:`update_moments` updates one block's ``M`` and grafting state ``V`` and returns a
+:class:`Moments` that gives ``Mhat``, the grafting direction ``D`` and its norm;
+:func:`update_moments_all` does it for a batch of blocks, with Adam grafting (the usual
+configuration) all their moments and ``D`` s from one call of torch's fused Adam kernel.
+:func:`graft_norms` and :func:`scale_directions` are the grafting's norms and scaling over a
+batch (``torch._foreach_*``: one kernel launch per batch on a GPU, the same per-tensor operations
+on the CPU, so a block's bits do not depend on its batch).
 """
 
 from __future__ import annotations
@@ -17,7 +21,14 @@ from ...fused_adam import fused_applies
 from ..options import SQUARED_GRAFTING_TYPES, AdaGradGraftingConfig, AdamGraftingConfig
 from ..state import BlockState
 
-__all__ = ["Moments", "update_moments", "updates_in_kernel", "scale_direction"]
+__all__ = [
+    "Moments",
+    "update_moments",
+    "update_moments_all",
+    "updates_in_kernel",
+    "graft_norms",
+    "scale_directions",
+]
 
 
 @dataclass
@@ -61,13 +72,27 @@ def updates_in_kernel(group: dict[str, Any]) -> bool:
     )
 
 
-def scale_direction(p: torch.Tensor, m_div: float, norm_d: torch.Tensor | None) -> torch.Tensor:
-    """In place, one pass: ``P = p / m_div`` (``p`` was computed from the moment before its bias
-    correction), then grafted to ``||D||`` when ``norm_d`` is given: ``P ||D|| / (||P|| + 1e-16)``."""
-    if norm_d is None:
-        return p.div_(m_div) if m_div != 1.0 else p
-    norm_p = torch.linalg.vector_norm(p)
-    return p.mul_(norm_d / (norm_p + 1e-16 * m_div))
+def graft_norms(moments: list[Moments], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``||D||`` of each block (``outs``: as given to :func:`update_moments`), before the
+    preconditioned direction overwrites ``out``."""
+    if all(m.graft_in_out for m in moments):
+        return list(torch._foreach_norm(outs)) if outs else []
+    return [m.graft_norm(out) for m, out in zip(moments, outs)]
+
+
+def scale_directions(ps: list[torch.Tensor], m_div: float, norm_ds: list[torch.Tensor] | None) -> None:
+    """In place, each ``P = p / m_div`` (``p`` was computed from the moment before its bias
+    correction), then grafted to its ``||D||`` when ``norm_ds`` is given:
+    ``P ||D|| / (||P|| + 1e-16)`` (one multiplication: ``p ||D|| / (||p|| + 1e-16 m_div)``)."""
+    if not ps:
+        return
+    if norm_ds is None:
+        if m_div != 1.0:
+            torch._foreach_div_(ps, m_div)
+        return
+    norm_ps = torch._foreach_norm(ps)
+    torch._foreach_add_(norm_ps, 1e-16 * m_div)
+    torch._foreach_mul_(ps, torch._foreach_div(norm_ds, norm_ps))
 
 
 def update_moments(
@@ -101,7 +126,7 @@ def update_moments(
         m, v = bs.exp_avg, bs.graft_sq
         assert m is not None
         if fused and isinstance(graft, AdamGraftingConfig) and v is not None and fused_applies(out, g, m, v):
-            return _fused_adam(bs, g, group, t, step, out, apply_to)
+            return _fused_adam_all([m], [v], [g], group, t, [step], [out], [apply_to])[0]
         mom = m.mul_(b1).add_(g, alpha=1 - b1)
     if not isinstance(graft, SQUARED_GRAFTING_TYPES):
         return Moments(mom, m_div, False)
@@ -119,62 +144,87 @@ def update_moments(
     return moments
 
 
-def _fused_adam(
-    bs: BlockState,
-    g: torch.Tensor,
+def update_moments_all(
+    bss: list[BlockState],
+    gs: list[torch.Tensor],
     group: dict[str, Any],
     t: int,
-    step: torch.Tensor,
-    out: torch.Tensor,
-    apply_to: torch.Tensor | None,
-) -> Moments:
-    """:func:`update_moments` by torch's fused Adam kernel (Adam grafting, ``betas[0] > 0``)."""
+    steps: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    fused: bool,
+    apply_tos: list[torch.Tensor | None],
+) -> list[Moments]:
+    """:func:`update_moments` of a batch of blocks of ``group`` at step ``t``. Where the fused
+    kernel takes every block (Adam grafting, one dtype and device), it is called once for the
+    blocks it updates on their parameter (``apply_tos``) and once for the others, instead of once
+    per block: the same per-element arithmetic, so the same bits."""
+    graft = group["grafting_config"]
+    if fused and group["betas"][0] > 0 and isinstance(graft, AdamGraftingConfig) and bss:
+        ms = [bs.exp_avg for bs in bss]
+        vs = [bs.graft_sq for bs in bss]
+        if all(m is not None for m in ms) and all(v is not None for v in vs):
+            if fused_applies(*outs, *gs, *ms, *vs):  # type: ignore[arg-type]
+                return _fused_adam_all(ms, vs, gs, group, t, steps, outs, apply_tos)  # type: ignore[arg-type]
+    return [
+        update_moments(bs, g, group, t, step, out, fused, a)
+        for bs, g, step, out, a in zip(bss, gs, steps, outs, apply_tos)
+    ]
+
+
+def _fused_adam_all(
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    group: dict[str, Any],
+    t: int,
+    steps: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    apply_tos: list[torch.Tensor | None],
+) -> list[Moments]:
+    """:func:`update_moments_all` by torch's fused Adam kernel (Adam grafting, ``betas[0] > 0``)."""
     b1 = group["betas"][0]
     graft = group["grafting_config"]
     bc1 = 1.0 - b1**t
     m_div = bc1 if group["use_bias_correction"] else 1.0
-    m, v = bs.exp_avg, bs.graft_sq
-    assert m is not None and v is not None
-    # The kernel reads the step count on the block's device. A copy of the CPU counter would
-    # synchronise with the GPU once per block (39 waits a step on the bench set, an H100 idle
-    # between them); a fill of the same value ``t`` is queued like any kernel.
-    step = step if out.device.type == "cpu" else torch.full((), float(t), dtype=step.dtype, device=out.device)
-    if apply_to is not None and fused_applies(apply_to, g):
+    if outs[0].device.type != "cpu":
+        # The kernel reads the step count on the blocks' device. A copy of the CPU counter would
+        # synchronise with the GPU once per block (39 waits a step on the bench set, an H100 idle
+        # between them); a fill of the same value ``t`` is queued like any kernel.
+        steps = [torch.full((), float(t), dtype=steps[0].dtype, device=outs[0].device)] * len(outs)
+    kw = dict(beta1=b1, beta2=graft.beta2, eps=graft.epsilon, amsgrad=False, maximize=False)
+    # A block the kernel cannot update in place (a strided slice of its parameter) gets its
+    # direction, which the caller applies; each block's choice is its own, whatever its batch.
+    targets = {i: a for i, a in enumerate(apply_tos) if a is not None and fused_applies(a, gs[i])}
+    if targets:
         # W <- W (1 - lr wd) - lr Mhat / (sqrt(Vhat) + eps_g): AdamW's kernel, one pass over the
         # block instead of the direction's and then the update's.
         wd = group["weight_decay"] if group["use_decoupled_weight_decay"] else 0.0
         kernel = torch._fused_adamw_ if wd != 0 else torch._fused_adam_
         kernel(
-            [apply_to],
-            [g],
-            [m],
-            [v],
+            list(targets.values()),
+            [gs[i] for i in targets],
+            [ms[i] for i in targets],
+            [vs[i] for i in targets],
             [],
-            [step],
+            [steps[i] for i in targets],
             lr=float(group["lr"]),
-            beta1=b1,
-            beta2=graft.beta2,
             weight_decay=wd,
-            eps=graft.epsilon,
-            amsgrad=False,
-            maximize=False,
+            **kw,
         )
-        return Moments(m, m_div, True, applied=True)
-    out.zero_()
-    # lr / (1 - b1^t) is the kernel's step size: -1 (bias-corrected) or -(1 - b1^t).
-    torch._fused_adam_(
-        [out],
-        [g],
-        [m],
-        [v],
-        [],
-        [step],
-        lr=-1.0 if m_div != 1.0 else -bc1,
-        beta1=b1,
-        beta2=graft.beta2,
-        weight_decay=0.0,
-        eps=graft.epsilon,
-        amsgrad=False,
-        maximize=False,
-    )
-    return Moments(m, m_div, True)
+    rest = [i for i in range(len(outs)) if i not in targets]
+    if rest:
+        rest_outs = [outs[i] for i in rest]
+        torch._foreach_zero_(rest_outs)
+        # lr / (1 - b1^t) is the kernel's step size: -1 (bias-corrected) or -(1 - b1^t).
+        torch._fused_adam_(
+            rest_outs,
+            [gs[i] for i in rest],
+            [ms[i] for i in rest],
+            [vs[i] for i in rest],
+            [],
+            [steps[i] for i in rest],
+            lr=-1.0 if m_div != 1.0 else -bc1,
+            weight_decay=0.0,
+            **kw,
+        )
+    return [Moments(m, m_div, True, applied=i in targets) for i, m in enumerate(ms)]

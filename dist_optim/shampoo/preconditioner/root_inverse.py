@@ -12,9 +12,9 @@ from ... import matrix_functions
 from ..blocking import apply_each_dim
 from ..options import WARM
 from ..state import BlockState, Scratch
-from .grafting import Moments, scale_direction
+from .grafting import Moments
 
-__all__ = ["refresh_roots", "refresh_eigen", "direction"]
+__all__ = ["refresh_roots", "refresh_eigen", "product"]
 
 
 def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any], first: bool = False) -> None:
@@ -119,16 +119,12 @@ def _warm_root(
     return x, eig.eigenvectors, ok
 
 
-def direction(
-    bs: BlockState, moments: Moments, group: dict[str, Any], out: torch.Tensor, scratch: Scratch
-) -> torch.Tensor:
-    """``P = Mhat x_0 R_0 x_1 R_1 ...`` into ``out``, grafted to ``||D||`` when grafting is
-    configured."""
+def product(bs: BlockState, moments: Moments, group: dict[str, Any], out: torch.Tensor, scratch: Scratch) -> None:
+    """``Mhat x_0 R_0 x_1 R_1 ...`` before its bias correction and grafting (``mom`` for ``Mhat``)
+    into ``out``; :func:`.grafting.scale_directions` finishes the direction."""
     pdt = group["preconditioner_dtype"]
-    norm_d = moments.graft_norm(out) if group["grafting_config"] is not None else None
     x = moments.mom.to(pdt)
     tmp = scratch.get(x.shape, pdt, x.device, "left")
     p = apply_each_dim(x, bs.roots, transpose=False, out=out if pdt == out.dtype else None, tmp=tmp)
     if p is not out:
         out.copy_(p)
-    return scale_direction(out, moments.m_div, norm_d)

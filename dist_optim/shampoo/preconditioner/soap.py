@@ -12,7 +12,7 @@ from ... import matrix_functions
 from ..blocking import apply_each_dim
 from ..options import WARM
 from ..state import BlockState, Scratch
-from .grafting import Moments, scale_direction
+from .grafting import Moments
 
 __all__ = ["refresh_bases", "direction"]
 
@@ -95,11 +95,12 @@ def direction(
     t: int,
     out: torch.Tensor,
     scratch: Scratch,
-) -> torch.Tensor:
+) -> None:
     """``S <- b2 S + (1 - b2) Gr^2`` with ``Gr = G x_k Q_k^T``, then
     ``P = (Mhat x_k Q_k^T) / (sqrt(S / (1 - b2^t)) + epsilon)`` rotated back with ``x_k Q_k``, into
-    ``out``; grafted to ``||D||`` when grafting is configured. A block without preconditioner has
-    no basis: Adam in the identity basis.
+    ``out``, to be grafted to ``||D||`` (computed from ``out`` before this call) by
+    :func:`.grafting.scale_directions` when grafting is configured. A block without
+    preconditioner has no basis: Adam in the identity basis.
 
     ``moments`` None: the first moment is kept in the eigenbasis (``bs.exp_avg_eigen``,
     :func:`~dist_optim.shampoo.state.keeps_moment_in_eigenbasis`), ``Mr <- b1 Mr + (1 - b1) Gr``,
@@ -112,7 +113,6 @@ def direction(
     mats = bs.bases
     s = bs.exp_avg_sq
     assert s is not None
-    norm_d = None if moments is None or group["grafting_config"] is None else moments.graft_norm(out)
 
     def buf(slot: str) -> torch.Tensor:
         return scratch.get(s.shape, pdt, s.device, slot)
@@ -144,4 +144,3 @@ def direction(
     back = apply_each_dim(num, mats, transpose=True, out=out if out.dtype == pdt else None, tmp=buf("left"))
     if back.data_ptr() != out.data_ptr():
         out.copy_(back)
-    return scale_direction(out, 1.0, norm_d)

@@ -1,0 +1,98 @@
+"""An owner's work on its blocks at one step, in batches (step 3-5 of the package docstring).
+
+The optimizer lists the blocks whose directions this rank computes (:class:`BlockWork`: held
+whole, owned of a gathered parameter, or owned of a routed one); :func:`run` cuts the list into
+batches of one param group and step, reads their typed states, has
+:func:`.preconditioner.block_directions` compute a batch at once, and, for a parameter held
+whole by this rank alone, applies the batch's directions before the next batch reuses their
+scratch memory. A batch holds at most ``budget`` bytes of gradients (the step-memory budget,
+:mod:`dist_optim.budget`), so its directions' scratch stays within it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import bnb_states as bnb
+from .blocking import Block
+from .preconditioner import Job, block_directions
+from .state import Scratch, block_prefix, step_state
+from .update import apply_updates
+
+__all__ = ["BlockWork", "batches", "run"]
+
+
+@dataclass
+class BlockWork:
+    """Block ``index`` of a parameter (``state``: its optimizer state, ``group``: its param group,
+    ``t``: its step) with gradient ``g``. Its direction goes into ``out``, or, when ``out`` is
+    None, into scratch memory, and is then applied to ``param``, the block of the parameter held
+    whole, with ``buf``, the block of its momentum buffer (:func:`.update.whole_views`)."""
+
+    state: dict[str, Any]
+    index: int
+    block: Block
+    g: torch.Tensor
+    group: dict[str, Any]
+    t: int
+    out: torch.Tensor | None = None
+    param: torch.Tensor | None = None
+    buf: torch.Tensor | None = None
+
+
+def batches(works: list[BlockWork], budget: int | None) -> Iterator[list[BlockWork]]:
+    """Runs of consecutive ``works`` of one param group and step, gradient dtype and device,
+    each of at most ``budget`` bytes of gradients (a larger block alone; None: no limit)."""
+    batch: list[BlockWork] = []
+    size = 0
+    for w in works:
+        nbytes = w.g.numel() * w.g.element_size()
+        if batch:
+            first = batch[0]
+            same = first.group is w.group and first.t == w.t and first.g.dtype == w.g.dtype
+            if not same or first.g.device != w.g.device or (budget is not None and size + nbytes > budget):
+                yield batch
+                batch, size = [], 0
+        batch.append(w)
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def run(works: list[BlockWork], scratch: Scratch, budget: int | None) -> list[torch.Tensor | None]:
+    """Each work's direction (None: applied by the fused kernel to its parameter), batch by batch
+    (:func:`batches`); a work without ``out`` has its direction applied to ``whole`` before the next
+    batch, and gets None (its scratch is reused)."""
+    results: list[torch.Tensor | None] = []
+    for batch in batches(works, budget):
+        first = batch[0]
+        spare = [w for w in batch if w.out is None]
+        outs = iter(scratch.split([w.block.shape for w in spare], first.g.dtype, first.g.device, "outs"))
+        eight = bnb.Batch8bit()  # the blocks' 8-bit moments: whole on their owner, no collective
+        jobs = []
+        for w in batch:
+            bs = step_state(w.state, block_prefix(w.index), w.block, w.group, w.g.dtype, eight)
+            out = w.out if w.out is not None else next(outs)
+            # the fused kernel may update the parameter itself where no momentum buffer needs the direction
+            jobs.append(Job(bs, w.block, w.g, w.state["step"], out, w.param if w.buf is None else None))
+        directions = block_directions(jobs, first.group, first.t, scratch)
+        eight.store()
+        ps: list[torch.Tensor] = []
+        ds: list[torch.Tensor] = []
+        bufs: list[torch.Tensor | None] = []
+        for w, d in zip(batch, directions):
+            if w.out is not None:
+                results.append(d)
+                continue
+            if d is not None:
+                assert w.param is not None
+                ps.append(w.param)
+                ds.append(d)
+                bufs.append(w.buf)
+            results.append(None)
+        apply_updates(ps, ds, bufs, first.group)
+    return results

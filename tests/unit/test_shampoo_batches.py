@@ -1,0 +1,182 @@
+"""DistributedShampoo's owner work in batches (dist_optim.shampoo.work, .preconditioner): a block's
+result does not depend on the batch it is computed in, the batches are real (one fused Adam call
+and one foreach call per batch, counted at torch), and the list forms equal their one-element ones
+bit for bit (gram_updates_, apply_updates, Scratch.split)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import dist_optim
+from dist_optim import structured
+from dist_optim.shampoo.state import ALIGN_BYTES, Scratch
+from dist_optim.shampoo.update import apply_update, apply_updates
+
+# Blocks of at most 16: (30, 40) splits along its columns (strided block gradients), (5, 3, 4) is a
+# 3-D block, (7,) a vector whose 7 elements put the next block of a packed buffer off a 64-byte
+# boundary, (64, 10) four contiguous blocks, (300,) a vector of 19 blocks.
+SHAPES = [(20, 12), (7,), (30, 40), (5, 3, 4), (64, 10), (16, 16), (300,)]
+NONE_STEP, NONE_PARAM = 3, 1  # the vector gets no gradient at this step
+STEPS = 6
+ADAM = dist_optim.AdamGraftingConfig(beta2=0.999, epsilon=1e-8)
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "adam": dict(grafting_config=ADAM),
+    "adam-momentum-nesterov-wd": dict(grafting_config=ADAM, momentum=0.9, use_nesterov=True, weight_decay=0.1),
+    "adam-coupled-wd-stats2": dict(
+        grafting_config=ADAM, weight_decay=0.1, use_decoupled_weight_decay=False, statistics_compute_steps=2
+    ),
+    "adagrad": dict(grafting_config=dist_optim.AdaGradGraftingConfig(epsilon=1e-8)),
+    "no-grafting": dict(),
+    "packed": dict(grafting_config=ADAM, use_symmetric_packing=True),
+    "8bit-moments": dict(grafting_config=ADAM, optim_bits=8, min_8bit_size=16, momentum=0.9),
+    "8bit-eigenvectors": dict(grafting_config=ADAM, preconditioner_bits=8),
+    "soap-grafted": dict(grafting_config=ADAM, eigenvalue_correction=True),
+    "soap": dict(eigenvalue_correction=True),
+}
+
+
+def _run(config: dict[str, Any], bucket_bytes: int | None) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    kw: dict[str, Any] = dict(
+        lr=1e-2, max_preconditioner_dim=16, precondition_frequency=2, start_preconditioning_step=2
+    )
+    opt = dist_optim.DistributedShampoo(params, **{**kw, **config}, bucket_bytes=bucket_bytes)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(STEPS):
+        for i, p in enumerate(params):
+            p.grad = None if (step, i) == (NONE_STEP, NONE_PARAM) else torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach().clone() for p in params], opt.state_dict()
+
+
+def _flat(state: Any) -> list[tuple[str, Any]]:
+    if isinstance(state, dict):
+        return [(f"{k}.{n}", v) for k in state for n, v in _flat(state[k])]
+    if isinstance(state, (list, tuple)):
+        return [(f"{i}.{n}", v) for i, s in enumerate(state) for n, v in _flat(s)]
+    return [("", state)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_blocks_result_does_not_depend_on_its_batch(name: str) -> None:
+    """One block per batch (bucket_bytes=1), every block of the step in one batch (None) and
+    batches cut in between (700 bytes): the same parameters and state, bit for bit."""
+    params, state = _run(CONFIGS[name], 1)
+    for budget in (None, 700):
+        other_params, other_state = _run(CONFIGS[name], budget)
+        for i, (a, b) in enumerate(zip(params, other_params)):
+            assert torch.equal(a, b), f"{name}: parameter {i} {tuple(a.shape)}, bucket_bytes={budget}"
+        mine, theirs = _flat(state["state"]), _flat(other_state["state"])
+        assert [k for k, _ in mine] == [k for k, _ in theirs]
+        for (key, a), (_, b) in zip(mine, theirs):
+            same = torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+            assert same, f"{name}: state {key}, bucket_bytes={budget}"
+
+
+def test_a_step_is_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preconditioned step of the parameters above makes one fused Adam call and one call of each
+    grafting norm for all 34 blocks (counted at torch), and one per block with one
+    block per batch."""
+    calls: dict[str, list[int]] = {"_fused_adam_": [], "_foreach_norm": []}
+    for name in calls:
+        real = getattr(torch, name)
+
+        def counting(tensors: list[torch.Tensor], *a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+            calls[_name].append(len(tensors))
+            return _real(tensors, *a, **k)
+
+        monkeypatch.setattr(torch, name, counting)
+    blocks = 2 + 1 + 2 * 3 + 1 + 4 + 1 + 19
+    for budget, batches in ((None, 1), (1, blocks)):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+        opt = dist_optim.DistributedShampoo(
+            params, max_preconditioner_dim=16, grafting_config=ADAM, momentum=0.9, bucket_bytes=budget
+        )
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()  # preconditioned from the first step (start = frequency = 1)
+        for name in calls:
+            calls[name].clear()
+        opt.step()
+        assert calls["_fused_adam_"] == [blocks // batches] * batches, budget
+        # the gradients' finiteness check over the parameters, then ||D|| and ||P|| per batch
+        assert calls["_foreach_norm"] == [len(SHAPES)] + [blocks // batches] * 2 * batches, budget
+
+
+def test_gram_updates_round_as_each_factors_own_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gram_updates_ over factors updated whole (at most min_size 8) and in column panels (larger;
+    panels of 4), in chunks of at most two products (PRODUCT_BYTES lowered): a whole factor holds
+    exactly ``c * beta + (rows @ rows.T) * alpha``, a panelled one's lower triangle exactly the
+    panels' ``addmm_`` (both written out here), whatever its chunk."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [3, 12, 5, 8, 17, 2, 6]
+    cs = [torch.randn(n, n, generator=gen) for n in sizes]
+    rows = [torch.randn(n, 6, generator=gen) for n in sizes]
+    want = []
+    for c, r in zip(cs, rows):
+        n = c.shape[0]
+        if n <= 8:
+            want.append(c * 0.9 + (r @ r.T) * 0.1)
+            continue
+        w = c.clone()
+        for i in range(0, n, 4):
+            w[i:, i : i + 4].addmm_(r[i:], r[i : i + 4].T, beta=0.9, alpha=0.1)
+        want.append(w)
+    monkeypatch.setattr(structured, "PRODUCT_BYTES", 2 * 8 * 8 * 4)
+    structured.gram_updates_(cs, rows, 0.9, 0.1, min_size=8, panel=4)
+    for n, a, b in zip(sizes, cs, want):
+        assert torch.equal(a.tril(), b.tril()), n
+        if n <= 8:
+            assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("case", ["plain", "decoupled-wd", "coupled-wd", "momentum", "nesterov", "tensor-lr"])
+def test_apply_updates_equal_one_at_a_time(case: str) -> None:
+    group: dict[str, Any] = dict(
+        lr=0.1, weight_decay=0.0, use_decoupled_weight_decay=True, momentum=0.0, use_nesterov=False
+    )
+    group.update(
+        {
+            "plain": {},
+            "decoupled-wd": dict(weight_decay=0.01),
+            "coupled-wd": dict(weight_decay=0.01, use_decoupled_weight_decay=False),
+            "momentum": dict(momentum=0.9, weight_decay=0.01),
+            "nesterov": dict(momentum=0.9, use_nesterov=True),
+            "tensor-lr": dict(lr=torch.tensor(0.1), momentum=0.9),
+        }[case]
+    )
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4, 5), (7,), (3, 3)]
+    ps = [torch.randn(s, generator=gen) for s in shapes]
+    ds = [torch.randn(s, generator=gen) for s in shapes]
+    bufs = [torch.randn(s, generator=gen) for s in shapes]
+    want_p, want_b = [p.clone() for p in ps], [b.clone() for b in bufs]
+    for p, d, b in zip(want_p, [d.clone() for d in ds], want_b):
+        apply_update(p, d, b, group)
+    apply_updates(ps, ds, list(bufs), group)
+    for a, b in zip(ps + bufs, want_p + want_b):
+        assert torch.equal(a, b), case
+
+
+def test_scratch_split_aligns_and_reuses() -> None:
+    """Each tensor of a split starts on a 64-byte boundary of one buffer; the same shapes get the
+    same views; a larger request regrows the buffer and the views follow it."""
+    scratch = Scratch()
+    shapes = [(7,), (3, 5), (1,), (16, 16)]
+    views = scratch.split(shapes, torch.float32, torch.device("cpu"), "outs")
+    assert [tuple(v.shape) for v in views] == shapes and all(v.is_contiguous() for v in views)
+    base = views[0].data_ptr()
+    assert all((v.data_ptr() - base) % ALIGN_BYTES == 0 for v in views)
+    ends = [(v.data_ptr() - base) // 4 + v.numel() for v in views]
+    starts = [(v.data_ptr() - base) // 4 for v in views]
+    assert all(e <= s for e, s in zip(ends, starts[1:])), "views overlap"
+    assert scratch.split(shapes, torch.float32, torch.device("cpu"), "outs") is views
+    bigger = scratch.split([(64, 64)], torch.float32, torch.device("cpu"), "outs")[0]
+    again = scratch.split(shapes, torch.float32, torch.device("cpu"), "outs")
+    assert again is not views and again[0].data_ptr() == bigger.data_ptr()
