@@ -97,7 +97,10 @@ class DistributedShampoo(DistOptimizer):
             finish the parameters in buckets of at most this many bytes of full gradients (a
             parameter larger than that is its own bucket), one bucket after the other: caps the
             transient memory of gathered full gradients, of the owners' block gradients and of
-            the exchange buffers, at the cost of collectives per bucket. Default
+            the exchange buffers, at the cost of collectives per bucket. An owner's blocks are
+            computed in batches of at most this many bytes of gradients (one element-wise call
+            per batch, :mod:`.work`; bound or not), which also bounds the reused scratch of a
+            batch's directions. Default
             :data:`~dist_optim.budget.DEFAULT_BUCKET_BYTES`; None: all parameters at once, the
             fewest collectives. The result does not depend on it (bit for bit). Gradients are
             checked for NaN/Inf on the local pieces before any bucket moves (``nonfinite``).
@@ -350,13 +353,13 @@ class DistributedShampoo(DistOptimizer):
     def _routed_work(self, items: list[tuple[Routed, int, torch.Tensor]]) -> list[torch.Tensor]:
         """The directions of owned blocks of routed parameters (``(parameter, block index,
         gradient)``), for :func:`.routing.finish_routed`."""
-        works = []
+        works, outs = [], []
         for r, i, g in items:
             block = r.plan.blocks[i]
-            out = torch.empty(block.shape, dtype=g.dtype, device=g.device)
-            works.append(BlockWork(r.state, i, block, g, r.group, r.t, out=out))
+            outs.append(torch.empty(block.shape, dtype=g.dtype, device=g.device))
+            works.append(BlockWork(r.state, i, block, g, r.group, r.t, out=outs[-1]))
         self._run_work(works)
-        return [w.out for w in works]  # type: ignore[misc]
+        return outs
 
     def _run_work(self, works: list[BlockWork]) -> None:
         """:func:`.work.run` of this step's ``works`` (their directions in their ``out``, or applied)."""

@@ -63,11 +63,10 @@ def batches(works: list[BlockWork], budget: int | None) -> Iterator[list[BlockWo
         yield batch
 
 
-def run(works: list[BlockWork], scratch: Scratch, budget: int | None) -> list[torch.Tensor | None]:
-    """Each work's direction (None: applied by the fused kernel to its parameter), batch by batch
-    (:func:`batches`); a work without ``out`` has its direction applied to ``whole`` before the next
-    batch, and gets None (its scratch is reused)."""
-    results: list[torch.Tensor | None] = []
+def run(works: list[BlockWork], scratch: Scratch, budget: int | None) -> None:
+    """Each work's direction, batch by batch (:func:`batches`): into its ``out``, or, without one,
+    applied to its ``param`` before the next batch reuses the scratch it was computed in (by the
+    fused kernel already where :func:`.preconditioner.block_directions` could)."""
     for batch in batches(works, budget):
         first = batch[0]
         spare = [w for w in batch if w.out is None]
@@ -85,14 +84,11 @@ def run(works: list[BlockWork], scratch: Scratch, budget: int | None) -> list[to
         ds: list[torch.Tensor] = []
         bufs: list[torch.Tensor | None] = []
         for w, d in zip(batch, directions):
-            if w.out is not None:
-                results.append(d)
-                continue
-            if d is not None:
+            if w.out is None and d is not None:
                 assert w.param is not None
                 ps.append(w.param)
                 ds.append(d)
                 bufs.append(w.buf)
-            results.append(None)
+            else:
+                assert d is w.out or w.out is None  # an owner's direction is always its out
         apply_updates(ps, ds, bufs, first.group)
-    return results
