@@ -39,10 +39,11 @@ round-robin (one step of each optimizer in turn), the first round dropped, media
   by two ``mm`` into reused outputs. Its ratio to Meta's step is the lowest ratio any implementation
   of this math reaches with torch's BLAS on this machine; "ours / products only" is what we spend
   beyond it.
-* ``--host-blocks N`` (alone): the host time per block, the cost that does not shrink with the
-  block: N parameters of 16 x 16 (one block each, whose products are negligible), preconditioned
-  steps (start = frequency = 1, then no refresh), round-robin, the median step divided by N. On a
-  GPU this is the part of a step that kernels cannot hide (the bench set has 73 blocks).
+* ``--host-blocks N`` (with ``--device`` only): the host time per block, the cost that does not
+  shrink with the block: N parameters of 16 x 16 (one block each, whose products are negligible),
+  preconditioned steps (start = frequency = 1, then no refresh), round-robin, the median step
+  divided by N. On a GPU this is the part of a step that kernels cannot hide (the bench set has 73
+  blocks); with ``--device cuda`` it is timed there (each step synchronised).
 """
 
 from __future__ import annotations
@@ -135,10 +136,10 @@ def _timed_round(opts: dict[str, Any], times: dict[str, list[float]] | None) -> 
             times[name].append(_clock() - t0)
 
 
-def host_per_block(blocks: int, repeats: int) -> dict[str, float]:
+def host_per_block(blocks: int, repeats: int, device: str = "cpu") -> dict[str, float]:
     """``--host-blocks``: seconds per block of a preconditioned step on ``blocks`` 16 x 16
-    parameters, ours and Meta's (median over ``repeats`` round-robin steps)."""
-    make = fixed_params([(16, 16)] * blocks)
+    parameters on ``device``, ours and Meta's (median over ``repeats`` round-robin steps)."""
+    make = fixed_params([(16, 16)] * blocks, device)
     kw: dict[str, Any] = dict(
         lr=1e-3,
         betas=(0.9, 0.999),
@@ -166,9 +167,9 @@ def host_per_block(blocks: int, repeats: int) -> dict[str, float]:
     return {k: statistics.median(t) / blocks for k, t in times.items()}
 
 
-def _print_host(blocks: int) -> None:
-    per = host_per_block(blocks, 30)
-    print(f"{blocks} blocks of 16 x 16, {torch.get_num_threads()} threads, preconditioned steps:")
+def _print_host(blocks: int, device: str) -> None:
+    per = host_per_block(blocks, 30, device)
+    print(f"{blocks} blocks of 16 x 16 on {device}, {torch.get_num_threads()} threads, preconditioned steps:")
     for name, sec in per.items():
         print(f"  {name:5s} {1e6 * sec:6.0f} us per block")
     print(f"  ours / Meta's: {per['ours'] / per['Meta']:.2f}x")
@@ -291,7 +292,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.host_blocks:
-        _print_host(args.host_blocks)
+        _print_host(args.host_blocks, args.device)
         return
 
     shapes = llama_like()
