@@ -102,8 +102,9 @@ def block_directions(jobs: list[Job], group: dict[str, Any], t: int, scratch: Sc
             soap.direction(bs, moments[i], gs[i], group, t, outs[i], scratch)
         elif preconditioned[i]:
             root_inverse.product(bs, moments[i], group, outs[i], scratch)  # type: ignore[arg-type]
-    m_div = 1.0 if is_soap else moments[0].m_div if moments[0] is not None else 1.0
-    scale_directions([outs[i] for i in shaped], m_div, norm_ds)
+    # One group at one step: one bias correction for the batch (SOAP's products apply their own).
+    lead = moments[0]
+    scale_directions([outs[i] for i in shaped], 1.0 if is_soap or lead is None else lead.m_div, norm_ds)
     directions: list[torch.Tensor | None] = []
     for i, m in enumerate(moments):
         if preconditioned[i]:
