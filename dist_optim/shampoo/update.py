@@ -12,49 +12,37 @@ __all__ = ["apply_update", "apply_updates", "join_blocks", "whole_views"]
 
 
 def apply_update(p: torch.Tensor, update: torch.Tensor, buf: torch.Tensor | None, group: dict[str, Any]) -> None:
-    """``P + weight_decay W`` (decoupled), momentum / Nesterov, ``W <- W - lr P`` on matching pieces
-    of a parameter, its direction (updated in place) and its momentum buffer."""
-    wd = group["weight_decay"]
-    if wd != 0 and group["use_decoupled_weight_decay"]:
-        update.add_(p, alpha=wd)
-    mom = group["momentum"]
-    if mom > 0 and buf is not None:
-        buf.mul_(mom).add_(update)
-        if group["use_nesterov"]:
-            update.add_(buf, alpha=mom)
-        else:
-            update = buf
-    p.add_(update, alpha=-group["lr"])
+    """:func:`apply_updates` of one piece of a parameter, its direction (updated in place) and its
+    momentum buffer."""
+    apply_updates([p], [update], [buf], group)
 
 
 def apply_updates(
     ps: list[torch.Tensor], ds: list[torch.Tensor], bufs: list[torch.Tensor | None], group: dict[str, Any]
 ) -> None:
-    """:func:`apply_update` for pieces of parameters of ``group`` (``ps``: e.g. blocks of parameters
-    held whole), their directions ``ds`` (updated in place) and momentum buffers ``bufs``: one
+    """``P + weight_decay W`` (decoupled), momentum / Nesterov where a piece has a buffer,
+    ``W <- W - lr P`` on pieces of parameters of ``group`` (``ps``: e.g. blocks of parameters held
+    whole), their directions ``ds`` (updated in place) and momentum buffers ``bufs``: one
     ``torch._foreach_*`` call per operation over all of them (one kernel launch per operation on a
-    GPU; the same per-tensor operations, so the same bits, on the CPU); with a tensor learning
-    rate, or momentum where a buffer is missing, piece by piece."""
+    GPU; the same per-tensor operations, so the same bits, on the CPU)."""
     if not ps:
         return
     ds = [d if d.dtype == p.dtype else d.to(p.dtype) for p, d in zip(ps, ds)]
-    mom, lr = group["momentum"], group["lr"]
-    if isinstance(lr, torch.Tensor) or (mom > 0 and any(b is None for b in bufs)):
-        for p, d, b in zip(ps, ds, bufs):
-            apply_update(p, d, b, group)
-        return
     wd = group["weight_decay"]
     if wd != 0 and group["use_decoupled_weight_decay"]:
         torch._foreach_add_(ds, ps, alpha=wd)
-    if mom > 0:
-        full = [b for b in bufs if b is not None]
-        torch._foreach_mul_(full, mom)
-        torch._foreach_add_(full, ds)
+    mom = group["momentum"]
+    moving = [(i, b) for i, b in enumerate(bufs) if b is not None] if mom > 0 else []
+    if moving:
+        held = [b for _, b in moving]
+        torch._foreach_mul_(held, mom)
+        torch._foreach_add_(held, [ds[i] for i, _ in moving])
         if group["use_nesterov"]:
-            torch._foreach_add_(ds, full, alpha=mom)
+            torch._foreach_add_([ds[i] for i, _ in moving], held, alpha=mom)
         else:
-            ds = full
-    torch._foreach_add_(ps, ds, alpha=-lr)
+            for i, b in moving:
+                ds[i] = b
+    torch._foreach_add_(ps, ds, alpha=-group["lr"])
 
 
 def join_blocks(view_shape: tuple[int, ...], blocks: list[Block], tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import dist_optim
 from dist_optim import structured
 from dist_optim.shampoo.state import ALIGN_BYTES, Scratch
-from dist_optim.shampoo.update import apply_update, apply_updates
+from dist_optim.shampoo.update import apply_updates
 
 # Blocks of at most 16: (30, 40) splits along its columns (strided block gradients), (5, 3, 4) is a
 # 3-D block, (7,) a vector whose 7 elements put the next block of a packed buffer off a 64-byte
@@ -136,8 +136,13 @@ def test_gram_updates_round_as_each_factors_own_update(monkeypatch: pytest.Monke
             assert torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("case", ["plain", "decoupled-wd", "coupled-wd", "momentum", "nesterov", "tensor-lr"])
-def test_apply_updates_equal_one_at_a_time(case: str) -> None:
+@pytest.mark.parametrize(
+    "case", ["plain", "decoupled-wd", "coupled-wd", "momentum", "nesterov", "momentum-one-buffer-missing"]
+)
+def test_apply_updates_follow_the_formula(case: str) -> None:
+    """apply_updates over pieces of three shapes against the update written out here, piece by
+    piece: ``P = D + wd W`` (decoupled), ``B <- mom B + P`` and ``P = P + mom B`` (Nesterov) or
+    ``P = B`` where a piece has a buffer, ``W <- W - lr P``; the same bits."""
     group: dict[str, Any] = dict(
         lr=0.1, weight_decay=0.0, use_decoupled_weight_decay=True, momentum=0.0, use_nesterov=False
     )
@@ -148,20 +153,31 @@ def test_apply_updates_equal_one_at_a_time(case: str) -> None:
             "coupled-wd": dict(weight_decay=0.01, use_decoupled_weight_decay=False),
             "momentum": dict(momentum=0.9, weight_decay=0.01),
             "nesterov": dict(momentum=0.9, use_nesterov=True),
-            "tensor-lr": dict(lr=torch.tensor(0.1), momentum=0.9),
+            "momentum-one-buffer-missing": dict(momentum=0.9, use_nesterov=True, weight_decay=0.01),
         }[case]
     )
     gen = torch.Generator().manual_seed(0)
     shapes = [(4, 5), (7,), (3, 3)]
     ps = [torch.randn(s, generator=gen) for s in shapes]
     ds = [torch.randn(s, generator=gen) for s in shapes]
-    bufs = [torch.randn(s, generator=gen) for s in shapes]
-    want_p, want_b = [p.clone() for p in ps], [b.clone() for b in bufs]
-    for p, d, b in zip(want_p, [d.clone() for d in ds], want_b):
-        apply_update(p, d, b, group)
+    bufs: list[torch.Tensor | None] = [torch.randn(s, generator=gen) for s in shapes]
+    if case == "momentum-one-buffer-missing":
+        bufs[1] = None
+    want_p = [p.clone() for p in ps]
+    want_b = [None if b is None else b.clone() for b in bufs]
+    wd, mom, lr = group["weight_decay"], group["momentum"], group["lr"]
+    for i, d in enumerate(ds):  # each ``x + a y`` as torch's scaled add, which rounds it once
+        u = d.add(want_p[i], alpha=wd) if group["use_decoupled_weight_decay"] else d.clone()
+        b = want_b[i]
+        if mom > 0 and b is not None:
+            b.mul_(mom).add_(u)
+            u = u.add(b, alpha=mom) if group["use_nesterov"] else b
+        want_p[i].add_(u, alpha=-lr)
     apply_updates(ps, ds, list(bufs), group)
-    for a, b in zip(ps + bufs, want_p + want_b):
-        assert torch.equal(a, b), case
+    for i in range(len(shapes)):
+        assert torch.equal(ps[i], want_p[i]), (case, i)
+        b, wb = bufs[i], want_b[i]
+        assert (b is None and wb is None) or (b is not None and wb is not None and torch.equal(b, wb)), (case, i)
 
 
 def test_scratch_split_aligns_and_reuses() -> None:
