@@ -39,7 +39,7 @@ round-robin (one step of each optimizer in turn), the first round dropped, media
   by two ``mm`` into reused outputs. Its ratio to Meta's step is the lowest ratio any implementation
   of this math reaches with torch's BLAS on this machine; "ours / products only" is what we spend
   beyond it.
-* ``--host-blocks N`` (with ``--device`` only): the host time per block, the cost that does not
+* ``--host-blocks N`` (alone, or with ``--device``): the host time per block, the cost that does not
   shrink with the block: N parameters of 16 x 16 (one block each, whose products are negligible),
   preconditioned steps (start = frequency = 1, then no refresh), round-robin, the median step
   divided by N. On a GPU this is the part of a step that kernels cannot hide (the bench set has 73

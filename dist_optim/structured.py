@@ -194,7 +194,7 @@ def gram_updates_(
         if n <= min_size or not blocked(c):
             nbytes = n * n * c.element_size()
             if whole and size + nbytes > PRODUCT_BYTES:
-                _scaled_adds_([w for w, _ in whole], [x @ x.T for _, x in whole], beta, alpha)
+                _gram_adds_(whole, beta, alpha)
                 whole, size = [], 0
             whole.append((c, r))
             size += nbytes
@@ -203,7 +203,7 @@ def gram_updates_(
             j = min(n, i + panel)
             c[i:, i:j].addmm_(r[i:], r[i:j].T, beta=beta, alpha=alpha)
     if whole:
-        _scaled_adds_([w for w, _ in whole], [x @ x.T for _, x in whole], beta, alpha)
+        _gram_adds_(whole, beta, alpha)
 
 
 def symmetrize_(c: torch.Tensor, min_size: int | None = None, panel: int | None = None) -> torch.Tensor:
@@ -332,8 +332,10 @@ def _panels_end(c: torch.Tensor, panel: int) -> int:
     return min(panel, c.shape[0]) if c.is_meta else c.shape[0]
 
 
-def _scaled_adds_(cs: list[torch.Tensor], products: list[torch.Tensor], beta: float, alpha: float) -> None:
-    """``c <- c * beta + product * alpha`` for each pair, rounded as written."""
+def _gram_adds_(pairs: list[tuple[torch.Tensor, torch.Tensor]], beta: float, alpha: float) -> None:
+    """``c <- c * beta + (rows @ rows.T) * alpha`` for each ``(c, rows)`` pair, rounded as written."""
+    cs = [c for c, _ in pairs]
+    products = [r @ r.T for _, r in pairs]
     if beta != 1.0:
         torch._foreach_mul_(cs, beta)
     if alpha != 1.0:
