@@ -20,13 +20,15 @@ communication:
 
 Success flags and errors are tensors; nothing here synchronises with the host except the early
 exit of the iterative methods (one scalar read per iteration) and the warm refresh's criterion
-(one read per matrix), and these run only when a root is refreshed, every
+(one read for all the matrices given to :func:`warm_criteria`: the Shampoo and SOAP refreshes give
+it a batch of blocks' factors at a time), and these run only when a root is refreshed, every
 ``precondition_frequency`` steps.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -44,7 +46,9 @@ __all__ = [
     "all_finite",
     "off_diagonal_ratio",
     "warm_eigh",
+    "warm_criteria",
     "residual_ratio",
+    "WarmCriterion",
     "WarmEigh",
     "inverse_root_from_eigen",
     "inverse_root_spectrum",
@@ -290,7 +294,36 @@ def residual_ratio(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Ten
     return d, torch.where(total > 0, off / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0)
 
 
-def warm_eigh(matrix: torch.Tensor, basis: torch.Tensor, *, tolerance: float, max_iterations: int) -> WarmEigh:
+class WarmCriterion(NamedTuple):
+    """:func:`warm_eigh`'s criterion for one ``(matrix, basis)`` pair, as :func:`warm_criteria`
+    returns it."""
+
+    eigenvalues: torch.Tensor  # d = diag(Q^T A Q)
+    keep: bool  # rho <= tolerance: the basis is kept, d are the eigenvalues
+
+
+def warm_criteria(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], tolerance: float) -> list[WarmCriterion]:
+    """:func:`warm_eigh`'s criterion (:func:`residual_ratio`, ``rho <= tolerance``) for every
+    ``(matrix, basis)`` pair, with one host read for all of them: on a GPU each read waits for
+    the device to finish what was queued, so a refresh that read per factor stalled the host once
+    per factor. Each comparison is made in its pair's own dtype (the tolerance rounded to it, as
+    a tensor comparison does), so a pair's decision does not depend on the others."""
+    # Consumed one pair at a time: a caller's generator then holds one matrix, not all of them.
+    found = [residual_ratio(matrix, basis) for matrix, basis in pairs]
+    if not found:
+        return []
+    keeps = torch.stack([ratio <= tolerance for _, ratio in found]).tolist()
+    return [WarmCriterion(d, bool(keep)) for (d, _), keep in zip(found, keeps)]
+
+
+def warm_eigh(
+    matrix: torch.Tensor,
+    basis: torch.Tensor,
+    *,
+    tolerance: float,
+    max_iterations: int,
+    criterion: WarmCriterion | None = None,
+) -> WarmEigh:
     """The eigendecomposition of a symmetric positive semi-definite ``matrix`` warm-started from an
     orthonormal ``basis`` (the previous refresh's eigenvectors).
 
@@ -315,11 +348,14 @@ def warm_eigh(matrix: torch.Tensor, basis: torch.Tensor, *, tolerance: float, ma
     recomputation happens, ``||A - Q diag(d) Q^T||_F <= tolerance ||A||_F`` up to the rounding of
     ``A Q`` and of ``Q``'s orthonormality (kept: ``rho``; after QR steps: the ratio of the ``B``
     they end with, relative to ``||B||_F``); ``tolerance=0`` recomputes unless ``A Q = Q diag(d)``
-    exactly. One host read for the criterion (refreshes only), one per QR step.
+    exactly. One host read for the criterion (refreshes only), none where the caller gives the
+    ``criterion`` of this pair (from :func:`warm_criteria`, which reads many at once), one per QR
+    step.
     """
-    d, ratio = residual_ratio(matrix, basis)
-    if bool(ratio <= tolerance):
-        return WarmEigh(d, basis, None, 0, False)
+    if criterion is None:
+        (criterion,) = warm_criteria([(matrix, basis)], tolerance)
+    if criterion.keep:
+        return WarmEigh(criterion.eigenvalues, basis, None, 0, False)
     if max_iterations > 0 and (stepped := _qr_steps(matrix, basis, tolerance, max_iterations)) is not None:
         return stepped
     lam, vectors = torch.linalg.eigh(matrix)

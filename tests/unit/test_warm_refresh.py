@@ -49,6 +49,33 @@ def test_previous_eigenvectors_kept_within_the_tolerance() -> None:
     torch.testing.assert_close(kept.eigenvalues, torch.diagonal(q.T @ a2 @ q), rtol=1e-13, atol=0)
 
 
+def test_criteria_read_together_decide_as_each_alone() -> None:
+    """warm_criteria over pairs of two dtypes and three sizes, two kept and one not at one
+    tolerance (between their ratios by this file's float64 formula): the decisions that formula
+    makes, each pair's ``d`` bit for bit that of warm_criteria on the pair alone, and a kept pair's
+    warm_eigh given its criterion returns it as it is."""
+    pairs, ratios = [], []
+    for i, (d, dtype, size) in enumerate(
+        ((40, torch.float64, 0.005), (30, torch.float32, 0.1), (50, torch.float32, 0.005))
+    ):
+        a = _psd(d, 10 + i)
+        _, q = torch.linalg.eigh(a)
+        a2 = _perturbed(a, size, 20 + i)
+        ratios.append(_ratio(q.T @ a2 @ q))
+        pairs.append((a2.to(dtype), q.to(dtype)))
+    assert max(ratios[0], ratios[2]) < ratios[1] / 2, ratios
+    tol = (max(ratios[0], ratios[2]) + ratios[1]) / 2
+    together = matrix_functions.warm_criteria(pairs, tol)
+    assert [c.keep for c in together] == [True, False, True]
+    for pair, c in zip(pairs, together):
+        (alone,) = matrix_functions.warm_criteria([pair], tol)
+        assert alone.keep == c.keep and torch.equal(alone.eigenvalues, c.eigenvalues)
+        res = matrix_functions.warm_eigh(*pair, tolerance=tol, max_iterations=0, criterion=c)
+        assert res.kept == c.keep
+        if c.keep:
+            assert res.eigenvalues is c.eigenvalues and res.eigenvectors is pair[1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_the_criterion_is_the_off_diagonal_ratio_of_q_t_a_q(dtype: torch.dtype) -> None:
     """Kept exactly when ``||B - diag B||_F <= tol ||B||_F`` for ``B = Q^T A Q`` (this file's
