@@ -34,7 +34,8 @@ Per parameter, with ``t`` its 1-based step (steps without a gradient do not coun
    by decreasing ``diag(B)``) until the criterion holds; else ``eigh`` as ``root_inverse="eigh"``
    (the same root bit for bit). Accuracy: the root taken is exact for a matrix within
    ``refresh_tolerance`` of ``A + epsilon I`` in relative Frobenius norm; docs/benchmarks.md gives
-   the roots' measured error against float64 ``eigh`` and the refresh's cost.
+   the roots' measured error against float64 ``eigh`` and the refresh's cost. The criteria of a
+   batch of blocks are read by the host at once (:mod:`.preconditioner.warm`), not once per factor.
 5. Direction: before ``start`` ``P = D``; then ``P = Mhat x_0 R_0 x_1 R_1 ...`` scaled per block to
    ``||D||``: ``P <- P ||D|| / (||P|| + 1e-16)`` (no rescaling without grafting).
 6. ``P <- P + weight_decay W`` (decoupled); momentum ``B <- momentum B + P`` and ``P = B`` (or

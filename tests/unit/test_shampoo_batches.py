@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import dist_optim
 from dist_optim import structured
@@ -36,6 +37,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "8bit-eigenvectors": dict(grafting_config=ADAM, preconditioner_bits=8),
     "soap-grafted": dict(grafting_config=ADAM, eigenvalue_correction=True),
     "soap": dict(eigenvalue_correction=True),
+    # warm refreshes at steps 4 and 6 (2 is the first): some factors kept, some refined, some recomputed
+    "warm": dict(grafting_config=ADAM, root_inverse="warm", refresh_tolerance=0.05, refresh_iterations=2),
+    "warm-packed": dict(
+        grafting_config=ADAM,
+        root_inverse="warm",
+        refresh_tolerance=0.05,
+        refresh_iterations=2,
+        use_symmetric_packing=True,
+    ),
+    "warm-8bit-eigenvectors": dict(
+        grafting_config=ADAM, root_inverse="warm", refresh_tolerance=0.05, refresh_iterations=2, preconditioner_bits=8
+    ),
+    "soap-warm": dict(eigenvalue_correction=True, eigenbasis="warm", refresh_tolerance=0.05, refresh_iterations=2),
 }
 
 
@@ -107,6 +121,69 @@ def test_a_step_is_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert calls["_fused_adam_"] == [blocks // batches] * batches, budget
         # the gradients' finiteness check over the parameters, then ||D|| and ||P|| per batch
         assert calls["_foreach_norm"] == [len(SHAPES)] + [blocks // batches] * 2 * batches, budget
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the reads of tensor values by the host (``item``, ``tolist``, ``bool``, ``float``,
+    ``int``), at torch: each is a synchronisation on a GPU."""
+
+    READS = {
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__bool__,
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def _refresh_step_reads(config: dict[str, Any], bucket_bytes: int | None) -> int:
+    """Host reads of the second refresh (step 4; the first, step 2, has no previous eigenvectors)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = dist_optim.DistributedShampoo(
+        params,
+        max_preconditioner_dim=16,
+        precondition_frequency=2,
+        start_preconditioning_step=2,
+        bucket_bytes=bucket_bytes,
+        **config,
+    )
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 5):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        if step < 4:
+            opt.step()
+    with _HostReads() as reads:
+        opt.step()
+    return reads.count
+
+
+# Blocks that read their own criteria: none where factors and bases are whole in state, every
+# block where factors are packed, the 14 blocks of 2 or more dims where eigenvectors are quantised
+# (vectors' are not: state.quantises_bases).
+@pytest.mark.parametrize(
+    "name, own", [("warm", 0), ("soap-warm", 0), ("warm-packed", 34), ("warm-8bit-eigenvectors", 14)]
+)
+def test_a_warm_refresh_reads_its_criteria_once_per_batch(name: str, own: int) -> None:
+    """A warm refresh's host reads beyond those of the same step refreshed by ``eigh`` (its
+    criteria; no QR steps here): one for a batch's blocks whose factors and bases are whole in
+    state, one per block for the others (unpacked / decoded one block at a time); not one per
+    factor (49 factors in the 34 blocks)."""
+    config = {**CONFIGS[name], "refresh_iterations": 0}
+    mode = "eigenbasis" if config.get("eigenvalue_correction") else "root_inverse"
+    blocks = 2 + 1 + 2 * 3 + 1 + 4 + 1 + 19
+    for budget in (None, 1):  # one batch; one block per batch
+        extra = _refresh_step_reads(config, budget) - _refresh_step_reads({**config, mode: "eigh"}, budget)
+        assert extra == (own + (own < blocks) if budget is None else blocks), (name, budget, extra)
 
 
 def test_gram_updates_round_as_each_factors_own_update(monkeypatch: pytest.MonkeyPatch) -> None:

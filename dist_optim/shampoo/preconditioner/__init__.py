@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ...matrix_functions import WarmCriterion
 from ..blocking import Block
 from ..options import start_step
 from ..state import (
@@ -31,7 +32,7 @@ from ..state import (
     store_packed,
     unpacked,
 )
-from . import quantized, root_inverse, soap
+from . import quantized, root_inverse, soap, warm
 from .factors import refresh_scale, update_statistics
 from .grafting import Moments, graft_norms, scale_directions, update_moments_all, updates_in_kernel
 
@@ -94,10 +95,16 @@ def block_directions(jobs: list[Job], group: dict[str, Any], t: int, scratch: Sc
     if group["grafting_config"] is not None and shaped:  # ||D||, before the products overwrite out
         norm_ds = graft_norms([moments[i] for i in shaped], [outs[i] for i in shaped])  # type: ignore[misc]
     packed = group["use_symmetric_packing"]
+    scales: list[float | None] = [None] * len(jobs)
+    criteria: list[list[WarmCriterion] | None] = [None] * len(jobs)
     if not packed:  # packed factors are unpacked into scratch one block at a time, below
         update_statistics([(j.bs, j.block, g) for j, g in zip(jobs, gs) if j.block.precondition], group, t)
+        scales = [refresh_scale(j.bs, j.block, group, t, start) if j.block.precondition else None for j in jobs]
+        criteria = _warm_criteria(jobs, scales, group, t == start)
     for i, job in enumerate(jobs):
-        bs = _preconditioner_step(job, gs[i], group, t, start, scratch) if job.block.precondition else job.bs
+        bs = job.bs
+        if job.block.precondition:
+            bs = _preconditioner_step(job, gs[i], group, t, start, scratch, scales[i], criteria[i])
         if is_soap:
             soap.direction(bs, moments[i], gs[i], group, t, outs[i], scratch)
         elif preconditioned[i]:
@@ -115,13 +122,39 @@ def block_directions(jobs: list[Job], group: dict[str, Any], t: int, scratch: Sc
     return directions
 
 
+def _warm_criteria(
+    jobs: list[Job], scales: list[float | None], group: dict[str, Any], first: bool
+) -> list[list[WarmCriterion] | None]:
+    """On a warm refresh, the criteria of the blocks whose factors and bases are whole in state
+    (not quantised bases), with one host read for the batch (:mod:`.warm`); None for the others,
+    which read their own in their refresh."""
+    found: list[list[WarmCriterion] | None] = [None] * len(jobs)
+    if not warm.takes(group, first):
+        return found
+    whole: list[tuple[int, BlockState, float]] = []
+    for i, (job, scale) in enumerate(zip(jobs, scales)):
+        if scale is not None and not quantises_bases(job.block, group):
+            whole.append((i, job.bs, scale))
+    for (i, _, _), c in zip(whole, warm.criteria([(bs, scale) for _, bs, scale in whole], group)):
+        found[i] = c
+    return found
+
+
 def _preconditioner_step(
-    job: Job, g: torch.Tensor, group: dict[str, Any], t: int, start: int, scratch: Scratch
+    job: Job,
+    g: torch.Tensor,
+    group: dict[str, Any],
+    t: int,
+    start: int,
+    scratch: Scratch,
+    scale: float | None,
+    criteria: list[WarmCriterion] | None,
 ) -> BlockState:
-    """A preconditioned block's factor statistics where they are packed (the others' are updated
-    for the whole batch before) and, on a refresh step, its roots or bases; returns the state its
-    direction reads (packed matrices unpacked into ``scratch``, quantised bases decoded, until the
-    next block's step reuses that scratch)."""
+    """A preconditioned block's factor statistics and refresh scale where they are packed (the
+    others' were made for the whole batch before: ``scale``, and on a warm refresh the
+    ``criteria``) and, on a refresh step, its roots or bases; returns the state its direction
+    reads (packed matrices unpacked into ``scratch``, quantised bases decoded, until the next
+    block's step reuses that scratch)."""
     block, stored = job.block, job.bs
     is_soap = group["eigenvalue_correction"]
     bs = stored
@@ -129,13 +162,13 @@ def _preconditioner_step(
     if packed:  # the math on whole matrices (scratch), packed back below
         bs = unpacked(stored, block, scratch, roots=not is_soap and t >= start)
         update_statistics([(bs, block, g)], group, t)
-    scale = refresh_scale(bs, block, group, t, start)
+        scale = refresh_scale(bs, block, group, t, start)
     if quantises_bases(block, group):  # the refresh, and the whole bases / roots the step uses
         bs = quantized.refreshed(stored, bs, block, group, t, start, scale, scratch)
     elif scale is not None and is_soap:
-        soap.refresh_bases(bs, scale, group, first=(t == start))
+        soap.refresh_bases(bs, scale, group, first=(t == start), criteria=criteria)
     elif scale is not None:
-        root_inverse.refresh_roots(bs, block.order, scale, group, first=(t == start))
+        root_inverse.refresh_roots(bs, block.order, scale, group, first=(t == start), criteria=criteria)
     if packed:
         if t % group["statistics_compute_steps"] == 0:
             store_packed(stored.factors, bs.factors, block.order, factors=True)

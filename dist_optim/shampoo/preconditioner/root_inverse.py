@@ -13,11 +13,21 @@ from ..blocking import apply_each_dim
 from ..options import WARM
 from ..state import BlockState, Scratch
 from .grafting import Moments
+from .warm import criteria as warm_criteria
+from .warm import takes as takes_warm
+from .warm import target
 
 __all__ = ["refresh_roots", "refresh_eigen", "product"]
 
 
-def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any], first: bool = False) -> None:
+def refresh_roots(
+    bs: BlockState,
+    order: int,
+    scale: float,
+    group: dict[str, Any],
+    first: bool = False,
+    criteria: list[matrix_functions.WarmCriterion] | None = None,
+) -> None:
     """``R_k = (scale L_k + epsilon I)^(-exponent_multiplier / r)``; a root that is not finite or
     whose iteration error exceeds ``inverse_failure_threshold`` keeps the previous one and counts
     in ``failures``. A root is stored as the mirror of its lower triangle (the products that make
@@ -28,15 +38,21 @@ def refresh_roots(bs: BlockState, order: int, scale: float, group: dict[str, Any
     of the damped factor started from the block's previous eigenvectors ``Q_k`` (kept with the
     root), except at the ``first`` refresh, which has none (``Q_k = I``) and goes to ``eigh`` at
     once: testing the identity and taking QR steps from it would only add to the ``eigh`` that
-    nearly always follows."""
+    nearly always follows. The warm criteria are the caller's (``criteria``, one per factor, read
+    for a batch of blocks at once: :mod:`.warm`) or read here for the block's factors at once."""
     failures = bs.failures
     assert failures is not None
     root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
     warm = group["root_inverse"] == WARM
+    if not takes_warm(group, first):
+        criteria = None  # the first refresh goes to eigh
+    elif criteria is None:
+        (criteria,) = warm_criteria([(bs, scale)], group)
     for k, (factor, r_k) in enumerate(zip(bs.factors, bs.roots)):
         try:
             if warm:
-                x, q, ok = _warm_root(factor * scale, bs.bases[k], mult / root, group, first)
+                c = None if criteria is None else criteria[k]
+                x, q, ok = _warm_root(target(factor, scale, group), bs.bases[k], mult / root, group, c)
                 if q is not bs.bases[k]:  # kept eigenvectors are the basis itself
                     torch.where(ok, q.to(r_k.dtype), bs.bases[k], out=bs.bases[k])
             else:
@@ -71,19 +87,25 @@ def refresh_eigen(
     (:func:`~dist_optim.matrix_functions.inverse_root_spectrum`, the root ``eigh`` makes being
     ``Q_k diag(s_k) Q_k^T``), handed to ``store(k, Q_k, s_k, ok)`` (``Q_k`` None: the warm refresh
     kept the eigenvectors, whose codes then stay as they are); a refresh that is not finite
-    (``ok`` false) or fails keeps the previous pair and counts in ``failures``."""
+    (``ok`` false) or fails keeps the previous pair and counts in ``failures``. The warm criteria
+    of the block's factors are read at once (:mod:`.warm`: its bases are decoded into scratch one
+    block at a time, so not for the whole batch)."""
     failures = bs.failures
     assert failures is not None
     root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
     epsilon = group["epsilon"]
-    warm = group["root_inverse"] == WARM and not first
+    warm = takes_warm(group, first)
+    criteria = warm_criteria([(bs, scale)], group)[0] if warm else []
     for k, factor in enumerate(bs.factors):
-        a = factor * scale
-        a.diagonal().add_(epsilon)
+        a = target(factor, scale, group)
         try:
             if warm:
                 eig = matrix_functions.warm_eigh(
-                    a, bs.bases[k], tolerance=group["refresh_tolerance"], max_iterations=group["refresh_iterations"]
+                    a,
+                    bs.bases[k],
+                    tolerance=group["refresh_tolerance"],
+                    max_iterations=group["refresh_iterations"],
+                    criterion=criteria[k],
                 )
                 lam, q = eig.eigenvalues, eig.eigenvectors
             else:
@@ -98,19 +120,27 @@ def refresh_eigen(
 
 
 def _warm_root(
-    a: torch.Tensor, basis: torch.Tensor, alpha: float, group: dict[str, Any], first: bool
+    a: torch.Tensor,
+    basis: torch.Tensor,
+    alpha: float,
+    group: dict[str, Any],
+    criterion: matrix_functions.WarmCriterion | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(A + epsilon I)^-alpha`` from the warm-started eigendecomposition of the damped ``a`` (a
-    fresh tensor, overwritten), its eigenvectors and whether both are finite. Recomputed by
-    ``eigh``, the root is bit for bit ``root_inverse="eigh"``'s."""
+    """``a^-alpha`` from the warm-started eigendecomposition of the damped ``a = A + epsilon I``
+    (:func:`.warm.target`) given its ``criterion``, or from ``eigh`` where there is none (the
+    first refresh), its eigenvectors and whether both are finite. Recomputed by ``eigh``, the root
+    is bit for bit ``root_inverse="eigh"``'s."""
     epsilon = group["epsilon"]
-    a.diagonal().add_(epsilon)
-    if first:
+    if criterion is None:
         lam, q = torch.linalg.eigh(a)
         eig = matrix_functions.WarmEigh(lam, q, None, 0, True)
     else:
         eig = matrix_functions.warm_eigh(
-            a, basis, tolerance=group["refresh_tolerance"], max_iterations=group["refresh_iterations"]
+            a,
+            basis,
+            tolerance=group["refresh_tolerance"],
+            max_iterations=group["refresh_iterations"],
+            criterion=criterion,
         )
     x = matrix_functions.inverse_root_from_eigen(eig.eigenvalues, eig.eigenvectors, epsilon, alpha)
     ok = matrix_functions.all_finite(x)

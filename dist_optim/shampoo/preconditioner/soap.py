@@ -10,9 +10,11 @@ import torch
 
 from ... import matrix_functions
 from ..blocking import apply_each_dim
-from ..options import WARM
 from ..state import BlockState, Scratch
 from .grafting import Moments
+from .warm import criteria as warm_criteria
+from .warm import takes as takes_warm
+from .warm import target
 
 __all__ = ["refresh_bases", "direction"]
 
@@ -23,6 +25,7 @@ def refresh_bases(
     group: dict[str, Any],
     first: bool,
     store: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    criteria: list[matrix_functions.WarmCriterion] | None = None,
 ) -> None:
     """``Q_k`` from ``A = scale L_k`` by ``eigenbasis`` (``first``: the refresh at the start step,
     which ``"qr-eigh-start"`` and ``"warm"`` make by ``eigh``); a refresh that is not finite keeps
@@ -34,23 +37,29 @@ def refresh_bases(
     ``store(k, new, ok)``, given for quantised bases (``preconditioner_bits``), keeps a new basis
     where ``ok`` and sets ``bs.bases[k]`` to what is kept, decoded (the rotation of the first
     moment then uses the bases the steps use); a basis kept as it is (``"warm"`` within its
-    tolerance) is not stored again, so that its codes do not drift by repeated quantisation."""
+    tolerance) is not stored again, so that its codes do not drift by repeated quantisation.
+
+    ``"warm"``'s criteria are the caller's (``criteria``, one per factor, read for a batch of
+    blocks at once: :mod:`.warm`) or read here for the block's factors at once."""
     failures, s = bs.failures, bs.exp_avg_sq
     assert failures is not None and s is not None
     mode = group["eigenbasis"]
+    if not takes_warm(group, first):
+        criteria = None
+    elif criteria is None:
+        (criteria,) = warm_criteria([(bs, scale)], group)
     previous = [q.clone() for q in bs.bases] if bs.exp_avg_eigen is not None else []
     for k, (factor, q) in enumerate(zip(bs.factors, bs.bases)):
-        a = factor * scale
         perm = None
         try:
-            if mode == "qr":
-                q_new, ok = matrix_functions.qr_algorithm_step(a, q, group["epsilon"])
+            if criteria is not None:  # "warm" after the first refresh
+                q_new, perm, ok = _warm_basis(target(factor, scale, group), q, group, criteria[k])
+            elif mode == "qr":
+                q_new, ok = matrix_functions.qr_algorithm_step(factor * scale, q, group["epsilon"])
             elif mode == "eigh" or first:
-                q_new, ok = matrix_functions.eigenbasis(a)
-            elif mode == WARM:
-                q_new, perm, ok = _warm_basis(a, q, group)
+                q_new, ok = matrix_functions.eigenbasis(factor * scale)
             else:  # "qr-eigh-start" after its first refresh
-                q_new, perm, ok = matrix_functions.qr_power_step(a, q)
+                q_new, perm, ok = matrix_functions.qr_power_step(factor * scale, q)
         except torch.linalg.LinAlgError:
             q_new, perm, ok = q, None, torch.zeros((), dtype=torch.bool)
         if store is None:
@@ -67,19 +76,19 @@ def refresh_bases(
 
 
 def _warm_basis(
-    a: torch.Tensor, basis: torch.Tensor, group: dict[str, Any]
+    a: torch.Tensor, basis: torch.Tensor, group: dict[str, Any], criterion: matrix_functions.WarmCriterion
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``eigenbasis="warm"`` after the first refresh: :func:`~dist_optim.matrix_functions.warm_eigh`
-    from the current basis; a recomputed basis in :func:`~dist_optim.matrix_functions.eigenbasis`'s
-    convention (decreasing eigenvalues, canonical signs), as ``"eigh"`` makes it. Returns the basis,
-    the permutation of the current basis's columns (for ``S``; None: none) and whether it is finite."""
-    # Symmetrised as eigenbasis() does: a recomputation is then "eigh"'s basis bit for bit (small
-    # factors are full products, not always exactly symmetric).
+    of ``a`` (:func:`.warm.target`, symmetrised) from the current basis, given its ``criterion``;
+    a recomputed basis in :func:`~dist_optim.matrix_functions.eigenbasis`'s convention (decreasing
+    eigenvalues, canonical signs), as ``"eigh"`` makes it. Returns the basis, the permutation of
+    the current basis's columns (for ``S``; None: none) and whether it is finite."""
     eig = matrix_functions.warm_eigh(
-        matrix_functions.symmetric_part(a),
+        a,
         basis,
         tolerance=group["refresh_tolerance"],
         max_iterations=group["refresh_iterations"],
+        criterion=criterion,
     )
     q = eig.eigenvectors
     if eig.recomputed:

@@ -1,0 +1,54 @@
+"""The warm refresh's criteria (``root_inverse="warm"``, ``eigenbasis="warm"``): for every factor
+of a batch of blocks, whether its previous eigenvectors still diagonalise it
+(:func:`~dist_optim.matrix_functions.warm_criteria`), decided with one host read for the batch.
+
+On a GPU a host read waits for every kernel queued before it, so a refresh that read one
+criterion per factor stalled the host once per factor (73 times a refresh on the bench set of
+``bench/shampoo_vs_meta.py``, which makes one batch: now once).
+:func:`~dist_optim.shampoo.preconditioner.block_directions` computes the criteria of the blocks
+whose factors and bases are whole in state for the whole batch; a packed block (unpacked into
+scratch one block at a time) or one with quantised bases (decoded into scratch) reads its own,
+once per block, in its refresh. The criterion of a factor is the same tensor computation either
+way, so the decisions and the results do not depend on the batching.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import matrix_functions
+from ...matrix_functions import WarmCriterion
+from ..options import WARM
+from ..state import BlockState
+
+__all__ = ["takes", "target", "criteria"]
+
+
+def takes(group: dict[str, Any], first: bool) -> bool:
+    """Whether this refresh of ``group``'s blocks is warm: ``eigenbasis="warm"`` (SOAP) or
+    ``root_inverse="warm"`` (Shampoo), after the ``first`` refresh (which has no previous
+    eigenvectors and goes to ``eigh``)."""
+    mode = group["eigenbasis"] if group["eigenvalue_correction"] else group["root_inverse"]
+    return mode == WARM and not first
+
+
+def target(factor: torch.Tensor, scale: float, group: dict[str, Any]) -> torch.Tensor:
+    """The matrix a refresh decomposes, a fresh tensor: SOAP's ``scale L_k`` symmetrised (as
+    :func:`~dist_optim.matrix_functions.eigenbasis` does, so that a recomputation is ``"eigh"``'s
+    basis bit for bit), Shampoo's damped ``scale L_k + epsilon I``."""
+    a = factor * scale
+    if group["eigenvalue_correction"]:
+        return matrix_functions.symmetric_part(a)
+    a.diagonal().add_(group["epsilon"])
+    return a
+
+
+def criteria(blocks: list[tuple[BlockState, float]], group: dict[str, Any]) -> list[list[WarmCriterion]]:
+    """The criterion of every factor of the ``(state, scale)`` blocks against its basis
+    (``bs.bases``: decoded ones for quantised bases), per block, with one host read in all. The
+    targets are made one at a time (a generator), so that no more than one is held."""
+    pairs = ((target(f, scale, group), q) for bs, scale in blocks for f, q in zip(bs.factors, bs.bases))
+    flat = iter(matrix_functions.warm_criteria(pairs, group["refresh_tolerance"]))
+    return [[next(flat) for _ in bs.factors] for bs, _ in blocks]
