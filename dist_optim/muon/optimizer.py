@@ -103,7 +103,9 @@ class DistributedMuon(DistOptimizer):
         ns_steps: iterations with a single triple (1 to 100).
         adjust_lr_fn: None / ``"original"`` or ``"match_rms_adamw"`` (see :func:`adjusted_lr`).
         ns_dtype: dtype of the iteration (None: the parameter's; torch's and KellerJordan's Muon
-            iterate in bfloat16, so their conversions set ``torch.bfloat16``).
+            iterate in bfloat16, so their conversions set ``torch.bfloat16``). On a CPU without
+            bf16 instructions (AVX2 only) torch's bf16 products took 30-60x its fp32 ones
+            (docs/benchmarks.md): keep None there.
         communication_dtype: dtype in which pieces of ``C`` travel to the owners and the
             orthogonalized pieces back (None: the parameters' dtype; bfloat16 halves the bytes).
         momentum_ema: keep the momentum as an exponential moving average (KellerJordan's and
