@@ -104,7 +104,7 @@ class DistributedMuon(DistOptimizer):
         adjust_lr_fn: None / ``"original"`` or ``"match_rms_adamw"`` (see :func:`adjusted_lr`).
         ns_dtype: dtype of the iteration (None: the parameter's; torch's and KellerJordan's Muon
             iterate in bfloat16, so their conversions set ``torch.bfloat16``). On a CPU without
-            bf16 instructions (AVX2 only) torch's bf16 products took 30-60x its fp32 ones
+            bf16 instructions (AVX2 only) an iteration's bf16 products took 31-36x their fp32 time
             (docs/benchmarks.md): keep None there.
         communication_dtype: dtype in which pieces of ``C`` travel to the owners and the
             orthogonalized pieces back (None: the parameters' dtype; bfloat16 halves the bytes).
