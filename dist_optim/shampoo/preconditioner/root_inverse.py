@@ -12,10 +12,8 @@ from ... import matrix_functions
 from ..blocking import apply_each_dim
 from ..options import WARM
 from ..state import BlockState, Scratch
+from . import warm
 from .grafting import Moments
-from .warm import criteria as warm_criteria
-from .warm import takes as takes_warm
-from .warm import target
 
 __all__ = ["refresh_roots", "refresh_eigen", "product"]
 
@@ -43,16 +41,16 @@ def refresh_roots(
     failures = bs.failures
     assert failures is not None
     root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
-    warm = group["root_inverse"] == WARM
-    if not takes_warm(group, first):
+    is_warm = group["root_inverse"] == WARM
+    if not warm.takes(group, first):
         criteria = None  # the first refresh goes to eigh
     elif criteria is None:
-        (criteria,) = warm_criteria([(bs, scale)], group)
+        (criteria,) = warm.criteria([(bs, scale)], group)
     for k, (factor, r_k) in enumerate(zip(bs.factors, bs.roots)):
         try:
-            if warm:
+            if is_warm:
                 c = None if criteria is None else criteria[k]
-                x, q, ok = _warm_root(target(factor, scale, group), bs.bases[k], mult / root, group, c)
+                x, q, ok = _warm_root(warm.target(factor, scale, group), bs.bases[k], mult / root, group, c)
                 if q is not bs.bases[k]:  # kept eigenvectors are the basis itself
                     torch.where(ok, q.to(r_k.dtype), bs.bases[k], out=bs.bases[k])
             else:
@@ -94,12 +92,12 @@ def refresh_eigen(
     assert failures is not None
     root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
     epsilon = group["epsilon"]
-    warm = takes_warm(group, first)
-    criteria = warm_criteria([(bs, scale)], group)[0] if warm else []
+    is_warm = warm.takes(group, first)
+    criteria = warm.criteria([(bs, scale)], group)[0] if is_warm else []
     for k, factor in enumerate(bs.factors):
-        a = target(factor, scale, group)
+        a = warm.target(factor, scale, group)
         try:
-            if warm:
+            if is_warm:
                 eig = matrix_functions.warm_eigh(
                     a,
                     bs.bases[k],
@@ -115,7 +113,7 @@ def refresh_eigen(
             continue
         s = matrix_functions.inverse_root_spectrum(lam, epsilon, mult / root)
         ok = matrix_functions.all_finite(s) & matrix_functions.all_finite(q)
-        store(k, None if warm and q is bs.bases[k] else q, s, ok)
+        store(k, None if is_warm and q is bs.bases[k] else q, s, ok)
         failures.add_((~ok).to(failures.dtype))
 
 

@@ -11,10 +11,8 @@ import torch
 from ... import matrix_functions
 from ..blocking import apply_each_dim
 from ..state import BlockState, Scratch
+from . import warm
 from .grafting import Moments
-from .warm import criteria as warm_criteria
-from .warm import takes as takes_warm
-from .warm import target
 
 __all__ = ["refresh_bases", "direction"]
 
@@ -44,16 +42,16 @@ def refresh_bases(
     failures, s = bs.failures, bs.exp_avg_sq
     assert failures is not None and s is not None
     mode = group["eigenbasis"]
-    if not takes_warm(group, first):
+    if not warm.takes(group, first):
         criteria = None
     elif criteria is None:
-        (criteria,) = warm_criteria([(bs, scale)], group)
+        (criteria,) = warm.criteria([(bs, scale)], group)
     previous = [q.clone() for q in bs.bases] if bs.exp_avg_eigen is not None else []
     for k, (factor, q) in enumerate(zip(bs.factors, bs.bases)):
         perm = None
         try:
             if criteria is not None:  # "warm" after the first refresh
-                q_new, perm, ok = _warm_basis(target(factor, scale, group), q, group, criteria[k])
+                q_new, perm, ok = _warm_basis(warm.target(factor, scale, group), q, group, criteria[k])
             elif mode == "qr":
                 q_new, ok = matrix_functions.qr_algorithm_step(factor * scale, q, group["epsilon"])
             elif mode == "eigh" or first:
