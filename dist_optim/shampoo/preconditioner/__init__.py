@@ -131,11 +131,12 @@ def _warm_criteria(
     found: list[list[WarmCriterion] | None] = [None] * len(jobs)
     if not warm.takes(group, first):
         return found
-    whole: list[tuple[int, BlockState, float]] = []
-    for i, (job, scale) in enumerate(zip(jobs, scales)):
-        if scale is not None and not quantises_bases(job.block, group):
-            whole.append((i, job.bs, scale))
-    for (i, _, _), c in zip(whole, warm.criteria([(bs, scale) for _, bs, scale in whole], group)):
+    whole = [
+        (i, job.bs, s)
+        for i, (job, s) in enumerate(zip(jobs, scales))
+        if s is not None and not quantises_bases(job.block, group)
+    ]
+    for (i, _, _), c in zip(whole, warm.criteria([(bs, s) for _, bs, s in whole], group)):
         found[i] = c
     return found
 
