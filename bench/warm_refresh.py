@@ -34,29 +34,38 @@ BASES = {"Shampoo": ("Shampoo", 0.0046, "root_inverse"), "SOAP": ("SOAP", 0.014,
 
 
 class WarmTally:
-    """What every :func:`dist_optim.matrix_functions.warm_eigh` call did while it is entered (the
-    bench's own count, around the function the refreshes call)."""
+    """What the warm refreshes did while it is entered, counted at the two functions of
+    :mod:`dist_optim.matrix_functions` they call (the bench's own count): a factor kept its
+    eigenvectors where :func:`~dist_optim.matrix_functions.warm_criteria` decided so (the
+    refresh then needs no more of it); every other factor goes to
+    :func:`~dist_optim.matrix_functions.warm_eigh`, which took QR steps or recomputed it."""
 
     def __init__(self) -> None:
         self.kept = self.refined = self.recomputed = 0
-        self._real = matrix_functions.warm_eigh
+        self._criteria = matrix_functions.warm_criteria
+        self._eigh = matrix_functions.warm_eigh
 
     def __enter__(self) -> WarmTally:
-        def counted(*args: Any, **kwargs: Any) -> matrix_functions.WarmEigh:
-            res = self._real(*args, **kwargs)
+        def criteria(*args: Any, **kwargs: Any) -> list[matrix_functions.WarmCriterion]:
+            found = self._criteria(*args, **kwargs)
+            self.kept += sum(c.keep for c in found)
+            return found
+
+        def eigh(*args: Any, **kwargs: Any) -> matrix_functions.WarmEigh:
+            res = self._eigh(*args, **kwargs)
             if res.recomputed:
                 self.recomputed += 1
             elif res.iterations:
                 self.refined += 1
-            else:
-                self.kept += 1
-            return res
+            return res  # a kept result was counted with its criterion
 
-        matrix_functions.warm_eigh = counted  # type: ignore[assignment]
+        matrix_functions.warm_criteria = criteria  # type: ignore[assignment]
+        matrix_functions.warm_eigh = eigh  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        matrix_functions.warm_eigh = self._real  # type: ignore[assignment]
+        matrix_functions.warm_criteria = self._criteria  # type: ignore[assignment]
+        matrix_functions.warm_eigh = self._eigh  # type: ignore[assignment]
 
     def __str__(self) -> str:
         return f"{self.kept} kept, {self.refined} refined by QR steps, {self.recomputed} recomputed"

@@ -301,6 +301,13 @@ class WarmCriterion(NamedTuple):
     eigenvalues: torch.Tensor  # d = diag(Q^T A Q)
     keep: bool  # rho <= tolerance: the basis is kept, d are the eigenvalues
 
+    def kept(self, basis: torch.Tensor) -> WarmEigh:
+        """:func:`warm_eigh`'s result for a pair whose criterion keeps ``basis`` (its
+        eigenvalues the criterion's ``d``): it needs no more of the matrix, so a caller holding
+        the criterion need not build the matrix again."""
+        assert self.keep, "the criterion does not keep the basis"
+        return WarmEigh(self.eigenvalues, basis, None, 0, False)
+
 
 def warm_criteria(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], tolerance: float) -> list[WarmCriterion]:
     """:func:`warm_eigh`'s criterion (:func:`residual_ratio`, ``rho <= tolerance``) for every
@@ -355,7 +362,7 @@ def warm_eigh(
     if criterion is None:
         (criterion,) = warm_criteria([(matrix, basis)], tolerance)
     if criterion.keep:
-        return WarmEigh(criterion.eigenvalues, basis, None, 0, False)
+        return criterion.kept(basis)
     if max_iterations > 0 and (stepped := _qr_steps(matrix, basis, tolerance, max_iterations)) is not None:
         return stepped
     lam, vectors = torch.linalg.eigh(matrix)

@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import dist_optim
 from dist_optim import structured
+from dist_optim.shampoo.preconditioner import warm
 from dist_optim.shampoo.state import ALIGN_BYTES, Scratch
 from dist_optim.shampoo.update import apply_updates
 
@@ -144,8 +145,9 @@ class _HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _refresh_step_reads(config: dict[str, Any], bucket_bytes: int | None) -> int:
-    """Host reads of the second refresh (step 4; the first, step 2, has no previous eigenvectors)."""
+def _before_refresh(config: dict[str, Any], bucket_bytes: int | None) -> torch.optim.Optimizer:
+    """The optimizer ready for its second refresh (step 4, its gradients set; the first, step 2,
+    has no previous eigenvectors)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = dist_optim.DistributedShampoo(
@@ -162,6 +164,12 @@ def _refresh_step_reads(config: dict[str, Any], bucket_bytes: int | None) -> int
             p.grad = torch.randn(p.shape, generator=gen)
         if step < 4:
             opt.step()
+    return opt
+
+
+def _refresh_step_reads(config: dict[str, Any], bucket_bytes: int | None) -> int:
+    """Host reads of the second refresh."""
+    opt = _before_refresh(config, bucket_bytes)
     with _HostReads() as reads:
         opt.step()
     return reads.count
@@ -184,6 +192,38 @@ def test_a_warm_refresh_reads_its_criteria_once_per_batch(name: str, own: int) -
     for budget in (None, 1):  # one batch; one block per batch
         extra = _refresh_step_reads(config, budget) - _refresh_step_reads({**config, mode: "eigh"}, budget)
         assert extra == (own + (own < blocks) if budget is None else blocks), (name, budget, extra)
+
+
+class _Eighs(TorchFunctionMode):
+    """Counts ``torch.linalg.eigh`` calls, at torch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func is torch.linalg.eigh
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["warm", "soap-warm", "warm-packed", "warm-8bit-eigenvectors"])
+def test_a_warm_refresh_builds_a_kept_factors_matrix_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm refresh builds the matrix it decomposes (:func:`warm.target`) once per factor for
+    the criterion, and once more only for a factor that is recomputed (no QR steps here: by
+    ``eigh``, counted at torch): at tolerance 1 (every factor kept), 0.3 (some kept) and 0 (none)."""
+    factors = 2 * 2 + 1 + 6 * 2 + 3 + 4 * 2 + 2 + 19  # a 2-D block has two factors, a 3-D one three
+    built = []
+    real = warm.target
+    monkeypatch.setattr(warm, "target", lambda *a: built.append(1) or real(*a))
+    eighs = {}
+    for tolerance in (1.0, 0.3, 0.0):
+        opt = _before_refresh({**CONFIGS[name], "refresh_iterations": 0, "refresh_tolerance": tolerance}, None)
+        built.clear()
+        with _Eighs() as counted:
+            opt.step()
+        assert len(built) == factors + counted.count, (name, tolerance, len(built), counted.count)
+        eighs[tolerance] = counted.count
+    assert eighs[1.0] == 0 and 0 < eighs[0.3] < factors and eighs[0.0] == factors, (name, eighs)
 
 
 def test_gram_updates_round_as_each_factors_own_update(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -49,8 +49,8 @@ def refresh_roots(
     for k, (factor, r_k) in enumerate(zip(bs.factors, bs.roots)):
         try:
             if is_warm:
-                c = None if criteria is None else criteria[k]
-                x, q, ok = _warm_root(warm.target(factor, scale, group), bs.bases[k], mult / root, group, c)
+                start = None if criteria is None else (bs.bases[k], criteria[k])
+                x, q, ok = _warm_root(warm.eigen(factor, scale, group, start), bs.bases[k], mult / root, group)
                 if q is not bs.bases[k]:  # kept eigenvectors are the basis itself
                     torch.where(ok, q.to(r_k.dtype), bs.bases[k], out=bs.bases[k])
             else:
@@ -93,21 +93,12 @@ def refresh_eigen(
     root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
     epsilon = group["epsilon"]
     is_warm = warm.takes(group, first)
-    criteria = warm.criteria([(bs, scale)], group)[0] if is_warm else []
+    criteria = warm.criteria([(bs, scale)], group)[0] if is_warm else None
     for k, factor in enumerate(bs.factors):
-        a = warm.target(factor, scale, group)
         try:
-            if is_warm:
-                eig = matrix_functions.warm_eigh(
-                    a,
-                    bs.bases[k],
-                    tolerance=group["refresh_tolerance"],
-                    max_iterations=group["refresh_iterations"],
-                    criterion=criteria[k],
-                )
-                lam, q = eig.eigenvalues, eig.eigenvectors
-            else:
-                lam, q = torch.linalg.eigh(a)
+            start = None if criteria is None else (bs.bases[k], criteria[k])
+            eig = warm.eigen(factor, scale, group, start)
+            lam, q = eig.eigenvalues, eig.eigenvectors
         except torch.linalg.LinAlgError:
             failures.add_(1)
             continue
@@ -118,29 +109,13 @@ def refresh_eigen(
 
 
 def _warm_root(
-    a: torch.Tensor,
-    basis: torch.Tensor,
-    alpha: float,
-    group: dict[str, Any],
-    criterion: matrix_functions.WarmCriterion | None,
+    eig: matrix_functions.WarmEigh, basis: torch.Tensor, alpha: float, group: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``a^-alpha`` from the warm-started eigendecomposition of the damped ``a = A + epsilon I``
-    (:func:`.warm.target`) given its ``criterion``, or from ``eigh`` where there is none (the
-    first refresh), its eigenvectors and whether both are finite. Recomputed by ``eigh``, the root
-    is bit for bit ``root_inverse="eigh"``'s."""
-    epsilon = group["epsilon"]
-    if criterion is None:
-        lam, q = torch.linalg.eigh(a)
-        eig = matrix_functions.WarmEigh(lam, q, None, 0, True)
-    else:
-        eig = matrix_functions.warm_eigh(
-            a,
-            basis,
-            tolerance=group["refresh_tolerance"],
-            max_iterations=group["refresh_iterations"],
-            criterion=criterion,
-        )
-    x = matrix_functions.inverse_root_from_eigen(eig.eigenvalues, eig.eigenvectors, epsilon, alpha)
+    """``a^-alpha`` of the damped ``a = A + epsilon I`` (:func:`.warm.target`) from its
+    eigendecomposition ``eig`` (:func:`.warm.eigen`: warm-started from ``basis``, or ``eigh``'s on
+    a first refresh), its eigenvectors and whether both are finite. Recomputed by ``eigh``, the
+    root is bit for bit ``root_inverse="eigh"``'s."""
+    x = matrix_functions.inverse_root_from_eigen(eig.eigenvalues, eig.eigenvectors, group["epsilon"], alpha)
     ok = matrix_functions.all_finite(x)
     if eig.eigenvectors is not basis:  # kept only if the criterion computed from it was finite
         ok = ok & matrix_functions.all_finite(eig.eigenvectors)

@@ -51,7 +51,7 @@ def refresh_bases(
         perm = None
         try:
             if criteria is not None:  # "warm" after the first refresh
-                q_new, perm, ok = _warm_basis(warm.target(factor, scale, group), q, group, criteria[k])
+                q_new, perm, ok = _warm_basis(warm.eigen(factor, scale, group, (q, criteria[k])))
             elif mode == "qr":
                 q_new, ok = matrix_functions.qr_algorithm_step(factor * scale, q, group["epsilon"])
             elif mode == "eigh" or first:
@@ -73,21 +73,12 @@ def refresh_bases(
         m.copy_(apply_each_dim(back, bs.bases, transpose=False))
 
 
-def _warm_basis(
-    a: torch.Tensor, basis: torch.Tensor, group: dict[str, Any], criterion: matrix_functions.WarmCriterion
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``eigenbasis="warm"`` after the first refresh: :func:`~dist_optim.matrix_functions.warm_eigh`
-    of ``a`` (:func:`.warm.target`, symmetrised) from the current basis, given its ``criterion``;
-    a recomputed basis in :func:`~dist_optim.matrix_functions.eigenbasis`'s convention (decreasing
-    eigenvalues, canonical signs), as ``"eigh"`` makes it. Returns the basis, the permutation of
-    the current basis's columns (for ``S``; None: none) and whether it is finite."""
-    eig = matrix_functions.warm_eigh(
-        a,
-        basis,
-        tolerance=group["refresh_tolerance"],
-        max_iterations=group["refresh_iterations"],
-        criterion=criterion,
-    )
+def _warm_basis(eig: matrix_functions.WarmEigh) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``eigenbasis="warm"`` after the first refresh, from the warm-started eigendecomposition
+    ``eig`` of the symmetrised ``scale L_k`` (:func:`.warm.eigen`): a recomputed basis in
+    :func:`~dist_optim.matrix_functions.eigenbasis`'s convention (decreasing eigenvalues,
+    canonical signs), as ``"eigh"`` makes it. Returns the basis, the permutation of the current
+    basis's columns (for ``S``; None: none) and whether it is finite."""
     q = eig.eigenvectors
     if eig.recomputed:
         q = matrix_functions.canonical_signs(q.flip(-1))

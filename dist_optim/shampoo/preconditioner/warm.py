@@ -9,7 +9,9 @@ criterion per factor stalled the host once per factor (73 times a refresh on the
 whose factors and bases are whole in state for the whole batch; a packed block (unpacked into
 scratch one block at a time) or one with quantised bases (decoded into scratch) reads its own,
 once per block, in its refresh. The criterion of a factor is the same tensor computation either
-way, so the decisions and the results do not depend on the batching.
+way, so the decisions and the results do not depend on the batching. A factor whose criterion
+keeps its eigenvectors needs nothing more (:func:`eigen`): its target is built once, for the
+criterion.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from typing import Any
 import torch
 
 from ... import matrix_functions
-from ...matrix_functions import WarmCriterion
+from ...matrix_functions import WarmCriterion, WarmEigh
 from ..options import WARM
 from ..state import BlockState
 
-__all__ = ["takes", "target", "criteria"]
+__all__ = ["takes", "target", "criteria", "eigen"]
 
 
 def takes(group: dict[str, Any], first: bool) -> bool:
@@ -52,3 +54,26 @@ def criteria(blocks: list[tuple[BlockState, float]], group: dict[str, Any]) -> l
     pairs = ((target(f, scale, group), q) for bs, scale in blocks for f, q in zip(bs.factors, bs.bases))
     flat = iter(matrix_functions.warm_criteria(pairs, group["refresh_tolerance"]))
     return [[next(flat) for _ in bs.factors] for bs, _ in blocks]
+
+
+def eigen(
+    factor: torch.Tensor, scale: float, group: dict[str, Any], start: tuple[torch.Tensor, WarmCriterion] | None
+) -> WarmEigh:
+    """The eigendecomposition a refresh makes of ``factor``'s :func:`target`: ``eigh``'s without a
+    warm ``start`` (a first refresh, or ``root_inverse="eigh"`` with quantised eigenvectors), else
+    :func:`~dist_optim.matrix_functions.warm_eigh`'s from the start's ``(basis, criterion)``. A
+    kept factor's result is its criterion's own, the target not built a second time."""
+    if start is not None and start[1].keep:
+        return start[1].kept(start[0])
+    a = target(factor, scale, group)
+    if start is None:
+        lam, q = torch.linalg.eigh(a)
+        return WarmEigh(lam, q, None, 0, True)
+    basis, criterion = start
+    return matrix_functions.warm_eigh(
+        a,
+        basis,
+        tolerance=group["refresh_tolerance"],
+        max_iterations=group["refresh_iterations"],
+        criterion=criterion,
+    )
