@@ -153,6 +153,15 @@ class ParamLayout:
             groups.append(self.tp.group)
         return tuple(groups)
 
+    @property
+    def geometry(self) -> ParamLayout:
+        """This layout without its process groups (equal to it: groups take no part in a layout's
+        equality): the key for a cache of what depends only on where the piece sits, which then
+        does not keep a destroyed group, and its communicator, alive."""
+        tp = None if self.tp is None else TPSplit(self.tp.dim, self.tp.size, self.tp.rank)
+        zero = None if self.zero is None else ZeroShard(self.zero.size, self.zero.rank, self.zero.padding)
+        return ParamLayout(self.full_shape, tp, zero)
+
     def is_split_along(self, dim: int) -> bool:
         return self.tp is not None and self.tp.dim == dim % self.ndim
 

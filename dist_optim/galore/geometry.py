@@ -7,7 +7,6 @@ dense rectangles of the full matrix (:func:`matrix_pieces`), each a view of the 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,12 @@ class Piece:
     col0: int
 
 
-@functools.lru_cache(maxsize=4096)
+#: matrix_pieces by layout, each kept under its layout's group-free geometry (an lru_cache would
+#: keep the first layout it was asked about, and its groups, alive).
+_PIECES: dict[ParamLayout, tuple[Piece, ...]] = {}
+_MAX_PIECES = 4096
+
+
 def matrix_pieces(layout: ParamLayout) -> tuple[Piece, ...]:
     """The rectangles of the full 2-D matrix that this rank's tensor holds.
 
@@ -41,6 +45,15 @@ def matrix_pieces(layout: ParamLayout) -> tuple[Piece, ...]:
     (TP-local) ``m x n`` matrix is at most three: the tail of row ``s // n``, the whole rows after
     it, and the head of the row where the chunk ends; padding and empty chunks give none.
     """
+    found = _PIECES.get(layout)
+    if found is None:
+        if len(_PIECES) >= _MAX_PIECES:
+            _PIECES.clear()
+        found = _PIECES[layout.geometry] = _matrix_pieces(layout)
+    return found
+
+
+def _matrix_pieces(layout: ParamLayout) -> tuple[Piece, ...]:
     if layout.ndim != 2:
         raise ValueError(f"matrix_pieces: expected a 2-D layout, got full shape {layout.full_shape}")
     boxes = layout.local_boxes(layout.full_shape)

@@ -197,3 +197,16 @@ def test_routes_refuse_holdings_that_do_not_tile() -> None:
     assert not _route_all(full, overlapping, [lay.take_local(full) for lay in overlapping], 2)
     gap = [halves[0], halves[0]]  # the second half is held by nobody
     assert not _route_all(full, gap, [lay.take_local(full) for lay in gap], 2)
+
+
+def test_geometry_is_the_layout_without_its_groups() -> None:
+    """ParamLayout.geometry: equal to the layout (same hash), the same split and shard, and no
+    process group held (a cache keyed by it keeps none alive)."""
+    tp_group, zero_group = object(), object()
+    layout = ParamLayout((8, 6), TPSplit(0, 2, 1, tp_group), ZeroShard(4, 3, 0, zero_group))
+    geometry = layout.geometry
+    assert geometry == layout and hash(geometry) == hash(layout)
+    assert geometry.tp == layout.tp and geometry.zero == layout.zero
+    assert geometry.tp is not None and geometry.tp.group is None
+    assert geometry.zero is not None and geometry.zero.group is None
+    assert ParamLayout((5,)).geometry == ParamLayout((5,))
