@@ -62,6 +62,7 @@ __all__ = [
     "group_key",
     "ordered_groups",
     "topology_token",
+    "release_groups",
     "barrier",
     "group_size",
     "group_rank",
@@ -512,13 +513,32 @@ _GRIDS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 _GRID_OF: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Any, Any]] = {}
 
 
+#: How many times :func:`release_groups` ran: part of :func:`topology_token`, so that plans kept
+#: by the token (and the groups they hold) are let go with the cached places.
+_RELEASES = 0
+
+
 def topology_token() -> Any:
     """Changes wherever group_size, group_rank, group_key or grid_of may answer otherwise for the same
-    groups (a new default group, a grid made): plans of them are kept by it (:mod:`dist_optim.partition`).
-    None where they are not torch.distributed's own (collectives_through; no process group): not kept."""
+    groups (a new default group, a grid made) and at each :func:`release_groups`: plans of them are
+    kept by it (:mod:`dist_optim.partition`, which keeps one token's plans). None where they are not
+    torch.distributed's own (collectives_through; no process group): not kept."""
     if dist is not _TORCH_DIST or not dist.is_available() or not dist.is_initialized():
         return None
-    return dist.group.WORLD, len(_GRID_OF)
+    return dist.group.WORLD, len(_GRID_OF), _RELEASES
+
+
+def release_groups() -> None:
+    """Let go of the process groups this process's caches hold: the places of :func:`group_size`
+    and the partition plans kept by :func:`topology_token` (made again on their next use; the grids
+    of :func:`grid_groups`, live groups made once per job, stay). A cache holding a group keeps it
+    alive after ``torch.distributed.destroy_process_group`` (as a ColossalAI plugin's groups are
+    destroyed when the plugin is collected), and with it its communicator: gloo's polls on a thread
+    of its own every 10 ms, NCCL's holds device memory. A process that makes plugin after plugin
+    (the test pool's workers, a notebook) calls this after the old one is collected."""
+    global _RELEASES
+    _PLACES.clear()
+    _RELEASES += 1
 
 
 def grid_of(base: Any, tp: Any) -> Any:

@@ -132,7 +132,9 @@ def _kept(kind: str, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
     full = (kind, token, grid_of, key)
     plan = _PLANS.get(full)
     if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
+        # Plans of another token are never asked for again; dropping them lets their groups go
+        # (comm.release_groups).
+        if len(_PLANS) >= _MAX_PLANS or any(k[1] != token for k in _PLANS):
             _PLANS.clear()
         plan = _PLANS[full] = make()
     return plan

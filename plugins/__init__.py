@@ -29,6 +29,7 @@ from colossalai.booster.plugin import TorchFSDPPlugin as _TorchFSDPPlugin
 from colossalai.logging import get_dist_logger
 
 from dist_optim.base import DistOptimizer
+from dist_optim.comm import release_groups
 from dist_optim.layout import local_layout
 from dist_optim.registry import class_path, convert, lookup
 
@@ -73,6 +74,9 @@ def swap_optimizer(optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = 
     ColossalAI's wrappers; an LR scheduler built on the original is re-pointed at it."""
     if optimizer is None:
         return None
+    # The groups of an earlier plugin, destroyed when it was collected, are freed only once
+    # dist_optim's caches let them go (a notebook or sweep boosting plugin after plugin).
+    release_groups()
     swapped = convert(optimizer, strict=False)
     if swapped is not optimizer:
         _log(f"swapped {class_path(type(optimizer))} for {class_path(type(swapped))}; {options_summary(swapped)}")

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .. import comm
+
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("DIST_OPTIM_TEST_TIMEOUT", "120")))
 
 
@@ -52,8 +54,11 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
         # LayoutConverter reuses a cached gather plan while its group is alive. Left to the cyclic
         # collector, a task's plugin dies at a different moment on each rank, so one rank gathers
         # on the old group and another on the new one: a hang. Collecting on every rank between
-        # tasks makes that moment the same everywhere.
+        # tasks makes that moment the same everywhere. The destroyed groups are then freed only
+        # once dist_optim's caches let them go: kept, each task's plugin left its gloo groups'
+        # polling threads behind (hundreds per worker by the end of the suite, most of its CPU).
         gc.collect()
+        comm.release_groups()
         results.put(result)
     # destroy_process_group() can hang with gloo on torch 2.5.1; a barrier then exit is clean.
     try:
