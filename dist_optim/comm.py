@@ -1,26 +1,23 @@
 """Every collective dist_optim issues goes through this module.
 
-Optimizers do their math on local tensors and hand the cross-process parts to a few
-layout-aware, *bucketed* operations:
+Optimizers do their math on local tensors and hand the cross-process parts to a few layout-aware,
+*bucketed* operations:
 
-* :class:`SumBucket`: queue tensors whose values are partial sums over a parameter's shards
-  (sums of squares for norms, row/column bins for factored statistics), then ``flush()`` once:
-  one ``all_reduce`` per process group for the whole step, not one per parameter.
-* :func:`gather_full`: turn local pieces (TP slices, ZeRO chunks) back into full tensors, one
+* :class:`SumBucket`: queue tensors whose values are partial sums over a parameter's shards (sums of
+  squares for norms, row/column bins for factored statistics), then ``flush()`` once: one
+  ``all_reduce`` per process group for the whole step, not one per parameter.
+* :func:`gather_full`: local pieces (TP slices, ZeRO chunks) back into full tensors, one
   ``all_gather`` per group for all the tensors of a call.
 * :func:`broadcast_from`: bucketed broadcast of results computed by one owner rank.
-* :func:`share_owned`: results computed by different owner ranks, to every rank, in one
-  ``all_gather``.
-* :func:`exchange`: pieces from each rank to the ranks that need them (gradient pieces to the
-  owners of blocks, the owners' results back to the holders of the pieces), in one
-  ``all_to_all``: each rank receives what it uses, not everything.
-* :func:`reduce_scatter` / :func:`all_gather_chunks`: sums split into equal chunks, one per rank,
-  and back to whole tensors; one collective each per call. The sum is made in rank order on the
-  chunk's rank: its value does not depend on the other tensors of the call (nor on buckets).
+* :func:`share_owned`: results computed by different owner ranks, to every rank, in one ``all_gather``.
+* :func:`exchange`: pieces from each rank to the ranks that need them (gradient pieces to the owners
+  of blocks, the owners' results back), in one ``all_to_all``: each rank receives what it uses.
+* :func:`reduce_scatter` / :func:`all_gather_chunks`: sums split into equal chunks, one per rank, and
+  back to whole tensors; one collective each per call. The sum is made in rank order on the chunk's
+  rank: its value does not depend on the other tensors of the call (nor on buckets).
 
 Each is a no-op for a parameter whose layout is local. ``COUNTS`` counts the collectives issued
-(tests and benchmarks read it to prove that the number per step does not grow with the number of
-parameters).
+(tests and benchmarks: the number per step does not grow with the number of parameters).
 
 Ordering: a process takes part in several groups (its TP group, its ZeRO group, ...). Buckets are
 flushed group by group in one global order (the sorted member ranks of each group), which every
@@ -92,13 +89,11 @@ def reset_counts() -> None:
     COUNTS.clear()
 
 
-#: (size, rank, member ranks) of process groups of torch.distributed itself, with the group, by
-#: ``id(group)``: a group's members never change, and asking torch.distributed costs microseconds a
-#: call where a step of a hundred parameters asks hundreds of times. The entry holds its group, so
-#: that its id is not reused by a later group with other members (whose stale key would order
-#: collectives differently on different ranks), and is checked to be that group. Not for ``None``
-#: (the world is re-made by each ``init_process_group``) nor for another backend
-#: (``collectives_through``'s).
+#: (size, rank, member ranks) of torch.distributed's groups, with the group, by ``id(group)``:
+#: asking torch.distributed costs microseconds, hundreds of times a step. The entry holds its group
+#: (until release_groups), so that its id is not reused by a group with other members (a stale key
+#: would order collectives differently on different ranks). Not for ``None`` (re-made by each
+#: ``init_process_group``) nor for another backend (``collectives_through``'s).
 _PLACES: dict[int, tuple[Any, tuple[int, int, tuple[int, ...]]]] = {}
 _TORCH_DIST = dist  # ``dist`` itself is rebound inside collectives_through
 
@@ -141,8 +136,7 @@ def ordered_groups(groups: Iterable[Any]) -> list[Any]:
     return [unique[k] for k in sorted(unique, key=lambda k: k[0])]
 
 
-#: A stage a :class:`SumBucket` request skips (``first_stage``).
-_SKIPPED = object()
+_SKIPPED = object()  # a stage a SumBucket request skips (first_stage)
 
 
 @dataclass
@@ -156,8 +150,7 @@ class SumBucket:
 
     ``first_stage`` (default 0) puts a request's first group at a later stage: a tensor summed
     over a TP group only, beside tensors summed over their ZeRO group and then that TP group, joins
-    their TP all-reduce (stage 1) instead of adding one of its own at stage 0.
-    """
+    their TP all-reduce (stage 1) instead of adding one of its own at stage 0."""
 
     _requests: list[tuple[torch.Tensor, tuple[Any, ...]]] = field(default_factory=list)
 
@@ -234,11 +227,8 @@ def gather_full(
 ) -> list[torch.Tensor]:
     """Full tensors from local pieces: ZeRO chunks are gathered over their ZeRO group, padding is
     dropped, then TP slices are gathered over their TP group and concatenated along the split dim.
-
     All items sharing a group are gathered in one collective. ``dtype`` optionally sets the
-    communication precision (e.g. bf16 to halve the bytes); the result is returned in the input's
-    dtype.
-    """
+    communication precision (e.g. bf16 to halve the bytes); the result is in the input's dtype."""
     results: list[torch.Tensor] = []
     for layout, tensor in items:
         if tensor.numel() != layout.chunk_numel:
@@ -309,12 +299,10 @@ def share_owned(
     dtype: torch.dtype | None = None,
 ) -> None:
     """Every rank of ``group`` gets every tensor, each computed by its owner (rank in group).
-
     ``tensors`` are allocated with their final shapes on every rank; on the owner they hold the
-    result, elsewhere anything. One ``all_gather`` of per-rank flat buffers (padded to the
-    largest) fills them all in place. ``dtype`` sets the communication precision (e.g. bf16),
-    results are written back in each tensor's own dtype.
-    """
+    result, elsewhere anything. One ``all_gather`` of per-rank flat buffers (padded to the largest)
+    fills them all in place. ``dtype`` sets the communication precision (e.g. bf16), results are
+    written back in each tensor's own dtype."""
     size = group_size(group)
     if size == 1 or not tensors:
         return
@@ -378,11 +366,10 @@ def exchange(
     once: they were copied into the send buffer).
 
     ``rounds`` (the same on every rank; at most the group's size counts) splits the exchange into
-    that many all_to_alls, each moving the pieces of the pairs
-    :func:`dist_optim.chunks.exchange_round` gives it:
-    the send and receive buffers then hold about ``1/rounds`` of the pieces each, where one owner
-    sending a whole tensor's pieces to every holder would otherwise copy all of it at once. Run
-    one after the other (``wait`` is ignored: None is returned); the same values."""
+    that many all_to_alls, each moving the pieces of the pairs :func:`dist_optim.chunks.exchange_round`
+    gives it: the send and receive buffers then hold about ``1/rounds`` of the pieces each, where one
+    owner sending a whole tensor's pieces to every holder would otherwise copy all of it at once.
+    Run one after the other (``wait`` is ignored: None is returned); the same values."""
     size = group_size(group)
     if len(send) != size or len(recv) != size:
         raise ValueError(f"exchange: one list of pieces per rank of the group ({size}) to send and to receive")
@@ -513,29 +500,22 @@ _GRIDS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 _GRID_OF: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Any, Any]] = {}
 
 
-#: How many times :func:`release_groups` ran: part of :func:`topology_token`, so that plans kept
-#: by the token (and the groups they hold) are let go with the cached places.
-_RELEASES = 0
+_RELEASES = 0  # bumped by release_groups: part of topology_token
 
 
 def topology_token() -> Any:
     """Changes wherever group_size, group_rank, group_key or grid_of may answer otherwise for the same
-    groups (a new default group, a grid made) and at each :func:`release_groups`: plans of them are
-    kept by it (:mod:`dist_optim.partition`, which keeps one token's plans). None where they are not
-    torch.distributed's own (collectives_through; no process group): not kept."""
+    groups (a new default group, a grid made, :func:`release_groups`): :mod:`dist_optim.partition`
+    keeps its plans by it. None where not torch.distributed's own (collectives_through; no group)."""
     if dist is not _TORCH_DIST or not dist.is_available() or not dist.is_initialized():
         return None
     return dist.group.WORLD, len(_GRID_OF), _RELEASES
 
 
 def release_groups() -> None:
-    """Let go of the process groups this process's caches hold: the places of :func:`group_size`
-    and the partition plans kept by :func:`topology_token` (made again on their next use; the grids
-    of :func:`grid_groups`, live groups made once per job, stay). A cache holding a group keeps it
-    alive after ``torch.distributed.destroy_process_group`` (as a ColossalAI plugin's groups are
-    destroyed when the plugin is collected), and with it its communicator: gloo's polls on a thread
-    of its own every 10 ms, NCCL's holds device memory. A process that makes plugin after plugin
-    (the test pool's workers, a notebook) calls this after the old one is collected."""
+    """Let go of the groups the caches hold (places; partition plans, by the token; not the live
+    grids), so that destroyed ones are freed with their communicators (a gloo thread polling every
+    10 ms, NCCL's memory): booster.boost and the test pool call it once a plugin is collected."""
     global _RELEASES
     _PLACES.clear()
     _RELEASES += 1
