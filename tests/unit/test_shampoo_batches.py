@@ -124,25 +124,27 @@ def test_a_step_is_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert calls["_foreach_norm"] == [len(SHAPES)] + [blocks // batches] * 2 * batches, budget
 
 
-class _HostReads(TorchFunctionMode):
-    """Counts the reads of tensor values by the host (``item``, ``tolist``, ``bool``, ``float``,
-    ``int``), at torch: each is a synchronisation on a GPU."""
+class _Calls(TorchFunctionMode):
+    """Counts the calls of ``funcs``, at torch."""
 
-    READS = {
-        torch.Tensor.item,
-        torch.Tensor.tolist,
-        torch.Tensor.__bool__,
-        torch.Tensor.__float__,
-        torch.Tensor.__int__,
-    }
-
-    def __init__(self) -> None:
+    def __init__(self, funcs: set[Any]) -> None:
         super().__init__()
+        self.funcs = funcs
         self.count = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func in self.READS
+        self.count += func in self.funcs
         return func(*args, **(kwargs or {}))
+
+
+#: The reads of tensor values by the host: each is a synchronisation on a GPU.
+HOST_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+}
 
 
 def _before_refresh(config: dict[str, Any], bucket_bytes: int | None) -> torch.optim.Optimizer:
@@ -170,7 +172,7 @@ def _before_refresh(config: dict[str, Any], bucket_bytes: int | None) -> torch.o
 def _refresh_step_reads(config: dict[str, Any], bucket_bytes: int | None) -> int:
     """Host reads of the second refresh."""
     opt = _before_refresh(config, bucket_bytes)
-    with _HostReads() as reads:
+    with _Calls(HOST_READS) as reads:
         opt.step()
     return reads.count
 
@@ -194,18 +196,6 @@ def test_a_warm_refresh_reads_its_criteria_once_per_batch(name: str, own: int) -
         assert extra == (own + (own < blocks) if budget is None else blocks), (name, budget, extra)
 
 
-class _Eighs(TorchFunctionMode):
-    """Counts ``torch.linalg.eigh`` calls, at torch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func is torch.linalg.eigh
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("name", ["warm", "soap-warm", "warm-packed", "warm-8bit-eigenvectors"])
 def test_a_warm_refresh_builds_a_kept_factors_matrix_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A warm refresh builds the matrix it decomposes (:func:`warm.target`) once per factor for
@@ -219,7 +209,7 @@ def test_a_warm_refresh_builds_a_kept_factors_matrix_once(name: str, monkeypatch
     for tolerance in (1.0, 0.3, 0.0):
         opt = _before_refresh({**CONFIGS[name], "refresh_iterations": 0, "refresh_tolerance": tolerance}, None)
         built.clear()
-        with _Eighs() as counted:
+        with _Calls({torch.linalg.eigh}) as counted:
             opt.step()
         assert len(built) == factors + counted.count, (name, tolerance, len(built), counted.count)
         eighs[tolerance] = counted.count
