@@ -108,7 +108,11 @@ def upper_times_upper(a: torch.Tensor, b: torch.Tensor, min_size: int | None = N
 
 
 def symmetric_product(
-    a: torch.Tensor, b: torch.Tensor, min_size: int | None = None, mirrored: bool = False
+    a: torch.Tensor,
+    b: torch.Tensor,
+    min_size: int | None = None,
+    mirrored: bool = False,
+    add: tuple[torch.Tensor, float, float] | None = None,
 ) -> torch.Tensor:
     """``a @ b`` for a product known to be symmetric: a Gram matrix ``r @ r.T``, or two symmetric
     matrices that commute (polynomials in one matrix, as in Muon's Newton-Schulz iteration in Gram
@@ -119,16 +123,24 @@ def symmetric_product(
     upper blocks' rounding. On a GPU (:func:`blocked`) one ``mm``, symmetric up to rounding.
     ``mirrored``: exactly symmetric everywhere, bit for bit what :func:`mirror_lower_` of the
     result would make, by mirroring only what is not yet (the diagonal blocks' ``mm``, or the whole
-    product on a GPU): for a result stored as symmetric, without a pass over all of it."""
+    product on a GPU): for a result stored as symmetric, without a pass over all of it.
+    ``add=(c, beta, alpha)`` (a symmetric ``c``): ``beta c + alpha a @ b``, each block one ``addmm``, so
+    each element is rounded once, as ``torch.addmm`` rounds it (in bfloat16 a separate sum would
+    round twice)."""
     min_size = MIN_SIZE if min_size is None else min_size
     n = a.shape[0]
     if n <= min_size or not blocked(a):
-        return mirror_lower_(a @ b) if mirrored else a @ b
+        out = a @ b if add is None else torch.addmm(add[0], a, b, beta=add[1], alpha=add[2])
+        return mirror_lower_(out) if mirrored else out
     h = n // 2
     out = torch.empty(n, n, dtype=torch.result_type(a, b), device=a.device)
-    out[:h, :h] = symmetric_product(a[:h], b[:, :h], min_size, mirrored)
-    out[h:, h:] = symmetric_product(a[h:], b[:, h:], min_size, mirrored)
-    off = a[:h] @ b[:, h:]
+    for part in (slice(None, h), slice(h, None)):
+        sub = None if add is None else (add[0][part, part], add[1], add[2])
+        out[part, part] = symmetric_product(a[part], b[:, part], min_size, mirrored, sub)
+    if add is None:
+        off = a[:h] @ b[:, h:]
+    else:
+        off = torch.addmm(add[0][:h, h:], a[:h], b[:, h:], beta=add[1], alpha=add[2])
     out[:h, h:] = off
     out[h:, :h] = off.T
     return out

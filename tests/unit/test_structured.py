@@ -78,6 +78,22 @@ def test_symmetric_product_of_commuting_symmetric_matrices(n: int, min_size: int
 
 
 @pytest.mark.parametrize("min_size", [1, 3, 256])
+@pytest.mark.parametrize("n", SIZES)
+def test_symmetric_product_with_an_added_matrix_is_addmm(n: int, min_size: int) -> None:
+    """``add=(c, beta, alpha)`` is ``torch.addmm(c, a, b, beta=beta, alpha=alpha)`` for a symmetric
+    ``c`` (Muon's Gram-space updates ``a Q + B Q``): equal in float64, and in bfloat16 each block is
+    one ``addmm`` of the same operands, so with no blocking the result is addmm's bit for bit."""
+    gen = torch.Generator().manual_seed(n)
+    r = torch.randn(n, n + 3, generator=gen, dtype=torch.float64)
+    a = r @ r.T
+    p = 0.5 * a @ a - 2.0 * a
+    _close(symmetric_product(p, a, min_size, add=(a, 3.4, -0.7)), torch.addmm(a, p, a, beta=3.4, alpha=-0.7))
+    a16, p16 = a.bfloat16(), p.bfloat16()
+    unblocked = symmetric_product(p16, a16, max(n, 1), add=(a16, 3.4, -0.7))
+    assert torch.equal(unblocked, torch.addmm(a16, p16, a16, beta=3.4, alpha=-0.7))
+
+
+@pytest.mark.parametrize("min_size", [1, 3, 256])
 @pytest.mark.parametrize("n", [*SIZES, 300, 513])
 def test_mirrored_symmetric_product_is_the_mirror_of_its_lower_triangle(n: int, min_size: int) -> None:
     """``mirrored=True`` (a stored root) is bit for bit ``mirror_lower_`` of the plain result, the
