@@ -2,13 +2,14 @@
 layers in neural networks", kellerjordan.github.io/posts/muon) on one local matrix, and its cost as
 torch's ``FlopCounterMode`` counts it (the owners' cost model, :mod:`dist_optim.muon`).
 
-Deviations from the formula as written, fp32/fp64 only (:data:`REORDERED_DTYPES`): every product
+Deviations from the formula as written: in fp32/fp64 (:data:`REORDERED_DTYPES`) every product
 known to be symmetric is computed one off-diagonal block at a time
-(:func:`~dist_optim.structured.symmetric_product`); and, opt-in (``gram_space=True``,
-``DistributedMuon(ns_gram_space=True)``), a wide matrix iterates in Gram space
-(:func:`newton_schulz_gram_space`), which is faster but less accurate on rank-deficient and
-ill-conditioned inputs (measured in its docstring). bfloat16/float16 iterations keep the
-formula's order.
+(:func:`~dist_optim.structured.symmetric_product`); and, opt-in in every dtype
+(``gram_space=True``, ``DistributedMuon(ns_gram_space=True)``), a wide matrix iterates in Gram
+space, restarted every :data:`GRAM_SPACE_RESTART_EVERY` iterations
+(:func:`newton_schulz_gram_space`), which is faster and somewhat less accurate (measured at
+:data:`GRAM_SPACE_RESTART_EVERY`). Otherwise bfloat16/float16 iterations keep the formula's order
+(torch.optim.Muon's, so that its conversions compute exactly what it does).
 """
 
 from __future__ import annotations
@@ -34,15 +35,27 @@ __all__ = [
 
 Coefficients = tuple[float, float, float]
 
-#: With ``gram_space=True``, a wide ``m x n`` matrix (``n >= GRAM_SPACE_RATIO * m``) iterates in
-#: Gram space. Counting every symmetric product at 3/4 of a general one (one halving), five
-#: iterations of the formula cost ``17.5 m^2 n + 7.5 m^3`` multiply-adds x2 and Gram space
-#: ``3.5 m^2 n + 25.5 m^3``: they cross at ``n = 1.3 m``; 2 leaves a margin (Llama's shapes are
-#: square or at least 2.7 wide).
+#: With ``gram_space=True``, a wide ``m x n`` matrix (``n >= GRAM_SPACE_RATIO * m``) iterates in Gram
+#: space. Counting every symmetric product at 3/4 of a general one (one halving), five iterations
+#: of the formula cost ``17.5 m^2 n + 7.5 m^3`` flops and Gram space (blocks of 3 and 2)
+#: ``7 m^2 n + 21 m^3``: they cross at ``n = 1.3 m``; 2 leaves a margin (Llama's shapes are square
+#: or at least 2.7 wide).
 GRAM_SPACE_RATIO = 2.0
-#: Only fp32/fp64 iterations are reordered (symmetric products, Gram space): in bfloat16
+#: Gram space restarts from ``X`` (``X_k = Q_k X_0`` and a fresh ``A``) after this many iterations
+#: (:func:`gram_space_blocks`; 5 iterations: blocks of 3 and 2). Measured by
+#: ``bench/ns_accuracy.py`` as the distance to the formula run in float64, relative to the
+#: formula's own in the same dtype (max-abs; relative Frobenius for bf16/fp16), on momenta of rank
+#: 8, with singular values log-spaced over 1..1e-6, and Gaussian: in fp32 (512 x 1376 to 2048 x
+#: 5504) 1.0-3.1x with restarts against up to 58x without (4.5-58x at rank 8); in bfloat16 and
+#: float16 (256 x 704 to 1376 x 512) 0.83-0.87x on the first two kinds and 1.45-1.71x on Gaussian
+#: ones (under 3e-2, the bound tests/unit/test_muon.py holds the bf16 formula to) against 8-49x
+#: without on the first two (the failure the Gram Newton-Schulz authors restart for); every 2
+#: iterations measured 0.86-1.28x, for 0.85x instead of 0.78x the formula's unblocked flops at a
+#: Llama MLP's aspect 2.7.
+GRAM_SPACE_RESTART_EVERY = 3
+#: Only fp32/fp64 iterations are reordered by default (symmetric products): in bfloat16
 #: (torch.optim.Muon's and KellerJordan's iteration dtype) the formula's own order is kept, so
-#: conversions from them compute exactly what they do.
+#: conversions from them compute exactly what they do; Gram space, opt-in, reorders every dtype.
 REORDERED_DTYPES = (torch.float32, torch.float64)
 #: Diagonal blocks of a symmetric product halve down to this size (Muon's products are one-off,
 #: unlike Kron's, so its own measured value): NS time at 512 x 512 / 512 x 1376 / 1024 x 1024 on
@@ -59,11 +72,11 @@ IN_PLACE_MIN_BYTES = 64 * 2**20
 IN_PLACE_BLOCK_BYTES = 32 * 2**20
 
 
-def takes_gram_space(rows: int, cols: int, steps: int, dtype: torch.dtype, gram_space: bool) -> bool:
+def takes_gram_space(rows: int, cols: int, steps: int, gram_space: bool) -> bool:
     """Whether :func:`newton_schulz` iterates a ``rows x cols`` matrix in Gram space: only when
-    asked, in fp32/fp64, with more than one iteration and ``max >= GRAM_SPACE_RATIO * min``."""
+    asked, with more than one iteration and ``max >= GRAM_SPACE_RATIO * min``, in every dtype."""
     m, n = min(rows, cols), max(rows, cols)
-    return gram_space and dtype in REORDERED_DTYPES and steps > 1 and n >= GRAM_SPACE_RATIO * m
+    return gram_space and steps > 1 and n >= GRAM_SPACE_RATIO * m
 
 
 def newton_schulz(
@@ -101,14 +114,17 @@ def newton_schulz(
     scale = norm.clamp(min=eps) if eps_form == "max" else norm + eps
     # In place where x is not the caller's (a dtype conversion made it) or the caller allows it.
     x = x.div_(scale) if overwrite or converted else x / scale
-    if x.dtype not in REORDERED_DTYPES:
+    if takes_gram_space(x.size(0), x.size(1), len(coefficients), gram_space):
+        start = 0
+        for length in gram_space_blocks(len(coefficients)):
+            x = newton_schulz_gram_space(x, coefficients[start : start + length])
+            start += length
+    elif x.dtype not in REORDERED_DTYPES:
         for a, b, cc in coefficients:
             gram = x @ x.T
             # b A + c A A and a X + B X in one kernel each, as torch.optim.Muon computes them.
             poly = torch.addmm(gram, gram, gram, beta=b, alpha=cc)
             x = torch.addmm(x, poly, x, beta=a)
-    elif takes_gram_space(x.size(0), x.size(1), len(coefficients), x.dtype, gram_space):
-        x = newton_schulz_gram_space(x, coefficients)
     else:
         in_place = x.numel() * x.element_size() > IN_PLACE_MIN_BYTES  # x is this call's own tensor
         for a, b, cc in coefficients:
@@ -131,37 +147,49 @@ def _update_by_columns_(x: torch.Tensor, poly: torch.Tensor, a: float) -> torch.
     return x
 
 
+def gram_space_blocks(steps: int) -> list[int]:
+    """The iterations of each Gram-space block (:func:`newton_schulz_gram_space`) of ``steps``
+    iterations: a restart from ``X`` after every :data:`GRAM_SPACE_RESTART_EVERY` (the last block
+    shorter)."""
+    every = GRAM_SPACE_RESTART_EVERY
+    return [min(every, steps - start) for start in range(0, steps, every)]
+
+
 def newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficients]) -> torch.Tensor:
     """The iterations of :func:`newton_schulz` on a normalised wide ``x`` (``m x n``, ``n >= 2m``),
-    computed in ``m x m`` space: opt-in (``DistributedMuon(ns_gram_space=True)``), since it is
-    less accurate than the formula on rank-deficient and ill-conditioned momenta.
+    computed in ``m x m`` space (one block: :func:`newton_schulz` restarts from the result), as in
+    the Gram Newton-Schulz of Dao AI Lab (2026, dao-lab.ai/blog/2026/gram-newton-schulz): opt-in
+    (``DistributedMuon(ns_gram_space=True)``), since it is less accurate than the formula.
 
-    Every ``P_k = a I + b A_k + c A_k^2`` is a polynomial in ``A_0 = X_0 X_0^T``, so they commute:
-    ``X_k = P_k ... P_1 X_0`` and ``A_{k+1} = P_k A_k P_k^T = P_k^2 A_k``. One Gram product and one
-    final ``Q X_0`` cost ``4 m^2 n`` flops, the ``m x m`` products ``(8k - 6) m^3``; the formula as
-    written costs ``k (4 m^2 n + 2 m^3)``: 0.70x at ``n = 2.7 m`` (a Llama MLP) with 5 iterations.
-    Every ``m x m`` product here is of commuting symmetric matrices, hence symmetric, and is
-    computed as one (:func:`~dist_optim.structured.symmetric_product`), as is ``A_0``.
+    Every ``P_k = a I + B_k``, ``B_k = b A_k + c A_k^2``, is a polynomial in ``A_0 = X_0 X_0^T``,
+    so they commute: ``X_k = Q_k X_0`` with ``Q_k = P_k Q_{k-1}`` and ``A_{k+1} = P_k (P_k A_k)``.
+    Each update is one ``addmm`` of ``B_k`` (``Q <- a Q + B Q``, ``A <- a A + B A``), never a
+    product with ``P_k`` formed: ``a I + B_k`` rounded to bfloat16 loses the diagonal of ``B_k``
+    below the spacing of ``a`` (3.4: 1/64), which measured 1.8-2.4x the formula's error on Gaussian
+    momenta (1.5-1.6x with these updates; a throwaway comparison). Only ``Q_1 = P_1`` is formed (a
+    block of one iteration is the formula's own ``a X + B X``). Every ``m x m`` product here is of
+    commuting symmetric matrices, hence symmetric, and is computed as one
+    (:func:`~dist_optim.structured.symmetric_product`), as is ``A_0``. Flops:
+    :func:`newton_schulz_flops`.
 
     Equal in exact arithmetic, not in rounding: the formula recomputes ``A`` from ``X`` every
-    iteration, while here the rounding of ``A_0`` (of relative size eps, squared condition number)
-    is carried and multiplied by about ``a^2`` per iteration in the directions ``X_0`` lacks.
-    Measured in fp32 with 5 default iterations (``bench/ns_accuracy.py``, 512 x 1376 to 2048 x
-    5504), max ``|x - ref| / max |ref|`` against the formula run in float64: 4.2e-3 to 8.1e-3 on
-    gradients of rank 8 (12-250x the plain formula's own fp32 error, 123-250x up to 1024 x 2752),
-    1.7e-4 to 4.4e-4 with singular values log-spaced over 1..1e-6 (1.0-49x), 0.96-1.03x on
-    Gaussian matrices. Restarting from ``X`` (``X_k = Q X_0`` and a fresh ``A``) after iterations 2
-    and 4, or after 3, still measured up to 2.8x / 2.9x on rank 8 and 2.5x / 2.8x log-spaced, for
-    0.85x / 0.78x the formula's unblocked flops at ``n = 2.7 m``, so no restart is offered."""
-    a_mat = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
+    iteration, while here the rounding of ``A_0`` and of each update is carried through the block;
+    the restarts (:func:`gram_space_blocks`) bound it. Accuracy: :data:`GRAM_SPACE_RESTART_EVERY`."""
+    gram = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
     q: torch.Tensor | None = None
     last = len(coefficients) - 1
     for k, (a, b, cc) in enumerate(coefficients):
-        poly = symmetric_product(a_mat, a_mat, SYMMETRIC_MIN_SIZE).mul_(cc).add_(a_mat, alpha=b)
-        poly.diagonal().add_(a)
-        q = poly if q is None else symmetric_product(poly, q, SYMMETRIC_MIN_SIZE)
+        poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE, add=(gram, b, cc))
+        if q is None:
+            if k == last:
+                return torch.addmm(x, poly, x, beta=a)
+            q = poly.clone()
+            q.diagonal().add_(a)
+        else:
+            q = symmetric_product(poly, q, SYMMETRIC_MIN_SIZE, add=(q, a, 1.0))
         if k < last:
-            a_mat = symmetric_product(poly, symmetric_product(poly, a_mat, SYMMETRIC_MIN_SIZE), SYMMETRIC_MIN_SIZE)
+            half = symmetric_product(poly, gram, SYMMETRIC_MIN_SIZE, add=(gram, a, 1.0))
+            gram = symmetric_product(poly, half, SYMMETRIC_MIN_SIZE, add=(half, a, 1.0))
     assert q is not None
     return q @ x
 
@@ -193,14 +221,17 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, dtype: torch.dtype, gr
       (``m T``) and the general ``P X`` (``2 m^2 n``): ``steps (n T + m T + 2 m^2 n)``, i.e.
       ``(1 + f) / 2`` of the unblocked ``4 m^2 n`` and ``f`` of ``2 m^3``: the blocking runs
       0.75x the unblocked count at 512 x 512, 0.78x at 512 x 1376, 0.75x at 1024 x 2752;
-    * Gram space (:func:`takes_gram_space`): ``A_0`` (``n T``), the final ``Q X_0`` (``2 m^2 n``)
-      and ``4 steps - 3`` symmetric ``m x m`` products: ``n T + 2 m^2 n + (4 steps - 3) m T``
-      (unblocked: ``4 m^2 n + (8 steps - 6) m^3``; blocked, 5 iterations: 0.60x the formula's
-      count at 512 x 1376, 0.58x at 1024 x 2752)."""
+    * Gram space (:func:`takes_gram_space`, every dtype), per block of ``L`` iterations
+      (:func:`gram_space_blocks`): ``A`` (``n T``), the final ``Q X`` (``2 m^2 n``) and ``4 L - 3``
+      symmetric ``m x m`` products: ``n T + 2 m^2 n + (4 L - 3) m T`` (a block of one is the
+      formula's iteration, the same count). 5 iterations in blocks of 3 and 2, unblocked:
+      ``8 m^2 n + 28 m^3``, 0.78x the formula's ``20 m^2 n + 10 m^3`` at ``n = 2.7 m`` and 0.67x at
+      ``n = 4 m``; blocked, 0.70x the fp32 formula's count at 512 x 1376 (bfloat16: 0.55x its plain
+      formula's)."""
     m, n = min(rows, cols), max(rows, cols)
+    t = float(symmetric_product_flops(m, SYMMETRIC_MIN_SIZE))
+    if takes_gram_space(rows, cols, steps, gram_space):
+        return sum(n * t + 2.0 * m * m * n + (4 * length - 3) * m * t for length in gram_space_blocks(steps))
     if dtype not in REORDERED_DTYPES:
         return steps * (4.0 * m * m * n + 2.0 * float(m) ** 3)
-    t = float(symmetric_product_flops(m, SYMMETRIC_MIN_SIZE))
-    if takes_gram_space(rows, cols, steps, dtype, gram_space):
-        return n * t + 2.0 * m * m * n + (4 * steps - 3) * m * t
     return steps * (n * t + m * t + 2.0 * m * m * n)

@@ -110,12 +110,14 @@ class DistributedMuon(DistOptimizer):
             orthogonalized pieces back (None: the parameters' dtype; bfloat16 halves the bytes).
         momentum_ema: keep the momentum as an exponential moving average (KellerJordan's and
             torch's implementations) instead of the sum ``momentum * B + G``.
-        ns_gram_space: iterate a wide fp32/fp64 matrix (long side at least twice the short one) in
-            Gram space (:func:`dist_optim.newton_schulz.newton_schulz_gram_space`): 0.70x the
-            formula's unblocked flops at a Llama MLP's aspect, but on rank-deficient or
-            ill-conditioned momenta measured up to 250x the formula's own fp32 error (8.1e-3 of
-            the update's scale at rank 8, where the formula's bfloat16 run measured 0.78-0.95).
-            Default False: the formula.
+        ns_gram_space: iterate a wide matrix (long side at least twice the short one) in Gram
+            space, in every ``ns_dtype``, restarting from ``X`` every 3 iterations
+            (:func:`dist_optim.newton_schulz.newton_schulz_gram_space`, the Gram Newton-Schulz of
+            Dao AI Lab, 2026): 0.78x the formula's unblocked flops at a Llama MLP's aspect 2.7,
+            0.67x at 4; measured 1.0-3.1x the formula's own fp32 error on rank-8, ill-conditioned
+            and Gaussian momenta, and in bfloat16/float16 0.83-1.71x the formula's error in that
+            dtype (:data:`dist_optim.newton_schulz.GRAM_SPACE_RESTART_EVERY`). Default False: the
+            formula (a converted torch or KellerJordan Muon computes exactly what it did).
         stacked: a parameter with 3+ dims is a stack of matrices along its first dim (experts or
             heads stored in one tensor): each ``p[i]``, seen as ``shape[1] x prod(shape[2:])``, is
             orthogonalized on its own (on its own owner rank) with that shape's lr adjustment.

@@ -167,7 +167,9 @@ def test_blocked_symmetric_products_match_float64(
 ) -> None:
     """fp32 iterations compute their symmetric products block by block (in the formula's loop, and
     with gram_space=True wide ones in Gram space); with blocks forced down to 4 rows (several
-    halvings, uneven cuts), the result lands where float64 does, element-wise at 1e-5."""
+    halvings, uneven cuts), the result lands where float64 does, element-wise at 1e-5 (the
+    formula's own fp32 run measured up to 0.92x of it on these shapes), Gram space at 2e-5
+    (measured up to 1.34e-5: its blocked ``addmm`` updates round more often)."""
     gen = torch.Generator().manual_seed(sum(shape))
     c = torch.randn(*shape, generator=gen)
     coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
@@ -175,7 +177,7 @@ def test_blocked_symmetric_products_match_float64(
     unblocked = newton_schulz.newton_schulz(c, coeffs, 1e-7, gram_space=gram_space)
     monkeypatch.setattr(newton_schulz, "SYMMETRIC_MIN_SIZE", 4)
     blocked = newton_schulz.newton_schulz(c, coeffs, 1e-7, gram_space=gram_space)
-    assert_close(blocked.double(), exact, rtol=1e-5)
+    assert_close(blocked.double(), exact, rtol=2e-5 if gram_space else 1e-5)
     assert not torch.equal(blocked, unblocked)  # the blocked products really ran
 
 
@@ -199,7 +201,8 @@ def test_symmetric_product_flops_is_what_runs(size: int, min_size: int) -> None:
      ((512, 512), torch.float32, 5, False), ((512, 1376), torch.float32, 5, False),
      ((1376, 512), torch.float32, 5, True), ((512, 1376), torch.float64, 5, True),
      ((1024, 2752), torch.float32, 5, False), ((1024, 2752), torch.float32, 5, True),
-     ((4096, 11008), torch.float32, 5, False), ((2752, 1024), torch.bfloat16, 5, False)],
+     ((4096, 11008), torch.float32, 5, False), ((2752, 1024), torch.bfloat16, 5, False),
+     ((512, 1376), torch.bfloat16, 5, True), ((2048, 512), torch.float16, 6, True), ((24, 56), torch.float32, 4, True)],
 )  # fmt: skip
 def test_owner_cost_is_the_iterations_counted_flops(
     shape: tuple[int, int], dtype: torch.dtype, steps: int, gram_space: bool
@@ -301,13 +304,55 @@ def test_fp32_step_is_as_accurate_as_the_formula(shape: tuple[int, int], kind: s
     assert ours <= FORMULA_ERROR_FACTOR * floor, f"{ours:.3g} vs the formula's fp32 {floor:.3g} ({ours / floor:.3g}x)"
 
 
+#: ns_gram_space=True's fp32 error may be at most this many times the plain formula's (measured
+#: 1.0-3.1x by bench/ns_accuracy.py from 512 x 1376 to 2048 x 5504, 3.08x on the rank-8 512 x 1536
+#: gradient below; 17-58x there without its restarts).
+GRAM_SPACE_ERROR_FACTOR = 4.0
+
+
 def test_gram_space_option_error_is_the_documented_one() -> None:
     """ns_gram_space=True takes the Gram-space form on a wide matrix: on a rank-8 512 x 1536
-    gradient it is within 1e-2 of the update's scale (measured 7.2e-3 here, 4.2e-3 to 8.1e-3 at
-    rank 8 over bench/ns_accuracy.py's shapes) and more than FORMULA_ERROR_FACTOR times the
-    formula's fp32 error (why it is not the default)."""
+    gradient (its worst measured case in fp32) it is within GRAM_SPACE_ERROR_FACTOR times the
+    formula's fp32 error, and more than FORMULA_ERROR_FACTOR times it (why it is not the default)."""
     ours, floor = _one_step_error(stress_momentum((512, 1536), "rank8"), ns_gram_space=True)
-    assert FORMULA_ERROR_FACTOR * floor < ours <= 1e-2, (ours, floor)
+    assert FORMULA_ERROR_FACTOR * floor < ours <= GRAM_SPACE_ERROR_FACTOR * floor, (ours, floor, ours / floor)
+
+
+def _rel_fro(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+#: Half-precision Gram space against the formula in the same dtype on the momenta that stress it,
+#: relative Frobenius distance to the formula run in float64: measured 0.83-0.87x the formula's
+#: own on rank 8 and log-spaced momenta (bench/ns_accuracy.py, 256 x 704 to 1376 x 512), 8-49x
+#: without the restarts.
+HALF_GRAM_STRESS_FACTOR = 1.2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gram_space_against_float64(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ns_gram_space=True with a bfloat16/float16 iteration (Gram space restarted every
+    GRAM_SPACE_RESTART_EVERY iterations): on Gaussian momenta within the formula's own low-precision
+    bound (LOW_PRECISION_REL_FRO; measured 1.45-1.71x the formula's distance, under the bound), and
+    on rank-8 and log-spaced ones at most HALF_GRAM_STRESS_FACTOR times the formula's distance in the
+    same dtype, which fails without the restarts (the failure they are there for)."""
+    coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
+    gen = torch.Generator().manual_seed(12)
+    for shape in [s for s in LOW_PRECISION_SHAPES if max(s) >= 2 * min(s)]:
+        c = torch.randn(shape, generator=gen, dtype=torch.float64)
+        ref = plain_newton_schulz(c, coeffs)
+        err = _rel_fro(newton_schulz.newton_schulz(c.float(), coeffs, 1e-7, dtype=dtype, gram_space=True), ref)
+        assert err <= LOW_PRECISION_REL_FRO[dtype], (shape, err)
+    for shape, kind in [((256, 704), "rank8"), ((704, 256), "log-spaced")]:
+        c = stress_momentum(shape, kind)
+        ref = plain_newton_schulz(c.double(), coeffs)
+        floor = _rel_fro(newton_schulz.newton_schulz(c, coeffs, 1e-7, dtype=dtype), ref)
+        ours = _rel_fro(newton_schulz.newton_schulz(c, coeffs, 1e-7, dtype=dtype, gram_space=True), ref)
+        assert ours <= HALF_GRAM_STRESS_FACTOR * floor, (shape, kind, ours, floor)
+        monkeypatch.setattr(newton_schulz, "GRAM_SPACE_RESTART_EVERY", 5)
+        unrestarted = _rel_fro(newton_schulz.newton_schulz(c, coeffs, 1e-7, dtype=dtype, gram_space=True), ref)
+        monkeypatch.undo()
+        assert unrestarted > 4 * floor, (shape, kind, unrestarted, floor)
 
 
 # ---- the usual split of a model ------------------------------------------------------------------
