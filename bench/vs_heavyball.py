@@ -31,7 +31,9 @@ benchmarking matrix-product kernels after 120 s for the Muon pair alone: allow m
   beta 0.95, epsilon 1e-8, decoupled weight decay 0.01, ``precondition_frequency`` 10 (heavyball's
   schedule off), 1-D parameters preconditioned, no dim merging, fp32 states.
 * Muon: the 2-D parameters, momentum 0.95 with Nesterov, 5 Newton-Schulz steps; ours in bf16
-  (``ns_dtype=torch.bfloat16``) and with its default fp32 iteration, heavyball's in its own dtype.
+  (``ns_dtype=torch.bfloat16``), in bf16 with the wide matrices (the MLP's and the embeddings,
+  2.7 and 4 wide) in Gram space (``ns_gram_space=True``), and with its default fp32 iteration;
+  heavyball's in its own dtype.
 * Kron: the preconditioner updated every step on both sides (probability 1), triangular factors
   up to 2048, no dim merging; the rest each package's default (they differ in details, e.g.
   heavyball's cached and delayed preconditioner: its figure is for orientation, not a parity).
@@ -102,6 +104,10 @@ def muon_pair() -> list[tuple[str, Factory]]:
 
     return [
         ("ours Muon bf16", lambda ps: dist_optim.DistributedMuon(ps, lr=0.02, ns_dtype=torch.bfloat16)),
+        (
+            "ours Muon bf16 Gram space",
+            lambda ps: dist_optim.DistributedMuon(ps, lr=0.02, ns_dtype=torch.bfloat16, ns_gram_space=True),
+        ),
         ("ours Muon fp32 (default)", lambda ps: dist_optim.DistributedMuon(ps, lr=0.02)),
         ("heavyball Muon", lambda ps: heavyball.Muon(ps, lr=0.02, betas=(0.95, 0.95), nesterov=True)),
     ]
