@@ -306,7 +306,7 @@ def test_fp32_step_is_as_accurate_as_the_formula(shape: tuple[int, int], kind: s
 
 #: ns_gram_space=True's fp32 error may be at most this many times the plain formula's (measured
 #: 1.0-3.1x by bench/ns_accuracy.py from 512 x 1376 to 2048 x 5504, 3.08x on the rank-8 512 x 1536
-#: gradient below; 17-58x there without its restarts).
+#: gradient below; 57.8x there without its restarts).
 GRAM_SPACE_ERROR_FACTOR = 4.0
 
 
