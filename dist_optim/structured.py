@@ -130,20 +130,28 @@ def symmetric_product(
     min_size = MIN_SIZE if min_size is None else min_size
     n = a.shape[0]
     if n <= min_size or not blocked(a):
-        out = a @ b if add is None else torch.addmm(add[0], a, b, beta=add[1], alpha=add[2])
+        out = _times(a, b, add)
         return mirror_lower_(out) if mirrored else out
     h = n // 2
     out = torch.empty(n, n, dtype=torch.result_type(a, b), device=a.device)
     for part in (slice(None, h), slice(h, None)):
-        sub = None if add is None else (add[0][part, part], add[1], add[2])
-        out[part, part] = symmetric_product(a[part], b[:, part], min_size, mirrored, sub)
-    if add is None:
-        off = a[:h] @ b[:, h:]
-    else:
-        off = torch.addmm(add[0][:h, h:], a[:h], b[:, h:], beta=add[1], alpha=add[2])
+        out[part, part] = symmetric_product(a[part], b[:, part], min_size, mirrored, _block(add, part, part))
+    off = _times(a[:h], b[:, h:], _block(add, slice(None, h), slice(h, None)))
     out[:h, h:] = off
     out[h:, :h] = off.T
     return out
+
+
+def _times(a: torch.Tensor, b: torch.Tensor, add: tuple[torch.Tensor, float, float] | None) -> torch.Tensor:
+    """``a @ b``, or with ``add=(c, beta, alpha)`` one ``addmm``: ``beta c + alpha a @ b``."""
+    return a @ b if add is None else torch.addmm(add[0], a, b, beta=add[1], alpha=add[2])
+
+
+def _block(
+    add: tuple[torch.Tensor, float, float] | None, rows: slice, cols: slice
+) -> tuple[torch.Tensor, float, float] | None:
+    """The block ``rows x cols`` of ``add``'s matrix, with its coefficients."""
+    return None if add is None else (add[0][rows, cols], add[1], add[2])
 
 
 def gram(rows: torch.Tensor, min_size: int | None = None) -> torch.Tensor:
