@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
@@ -29,8 +30,9 @@ ROOT = __file__.rsplit("/bench/", 1)[0]
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import dist_optim.newton_schulz as ns_module  # noqa: E402
 from dist_optim.muon import DEFAULT_NS_COEFFICIENTS  # noqa: E402
-from dist_optim.newton_schulz import newton_schulz, newton_schulz_gram_space  # noqa: E402
+from dist_optim.newton_schulz import newton_schulz  # noqa: E402
 from dist_optim.testing import STRESS_KINDS, plain_newton_schulz, stress_momentum  # noqa: E402
 
 COEFFS = [DEFAULT_NS_COEFFICIENTS] * 5
@@ -45,12 +47,10 @@ def plain(c: torch.Tensor) -> torch.Tensor:
 
 
 def restarted(c: torch.Tensor, every: int, dtype: torch.dtype) -> torch.Tensor:
-    """Gram space in ``dtype`` restarting from ``X`` after every ``every`` iterations."""
-    x = (c.T if c.size(0) > c.size(1) else c).to(dtype)
-    x = x / x.norm().clamp(min=1e-7)
-    for start in range(0, len(COEFFS), every):
-        x = newton_schulz_gram_space(x, COEFFS[start : start + every])
-    return x.T if c.size(0) > c.size(1) else x
+    """Gram space in ``dtype`` as :func:`newton_schulz` runs it, restarting from ``X`` after every
+    ``every`` iterations instead of ``GRAM_SPACE_RESTART_EVERY``."""
+    with mock.patch.object(ns_module, "GRAM_SPACE_RESTART_EVERY", every):
+        return newton_schulz(c, COEFFS, 1e-7, dtype=dtype, gram_space=True)
 
 
 def paths(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
