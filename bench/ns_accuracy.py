@@ -9,7 +9,9 @@ Accuracy: the distance to the plain formula run in float64 on the same fp32 inpu
 max |ref| and relative Frobenius ``||x - ref|| / ||ref||``, for the floor (the plain formula in fp32;
 in bf16/fp16 ``newton_schulz`` in that dtype, which is torch.optim.Muon's formula), the default path
 (fp32: the formula with blocked symmetric products), Gram space as it runs (``gram_space=True``,
-restarted every ``GRAM_SPACE_RESTART_EVERY`` iterations), and Gram space with the restarts moved
+restarted every ``GRAM_SPACE_RESTART_EVERY`` iterations; on a matrix less than twice as wide, the
+formula with blocked symmetric products that ``gram_space=True`` takes there, in every dtype, and
+the restart columns with it), and Gram space with the restarts moved
 (``gram/5``: none; ``gram/2``: every 2), each also as a ratio to the floor. Speed (``--speed``,
 Gaussian input): the median of ``--repeats`` round-robin runs of each path as a ratio to the plain
 formula's, in one process.

@@ -8,8 +8,9 @@ known to be symmetric is computed one off-diagonal block at a time
 (``gram_space=True``, ``DistributedMuon(ns_gram_space=True)``), a wide matrix iterates in Gram
 space, restarted every :data:`GRAM_SPACE_RESTART_EVERY` iterations
 (:func:`newton_schulz_gram_space`), which is faster and somewhat less accurate (measured at
-:data:`GRAM_SPACE_RESTART_EVERY`). Otherwise bfloat16/float16 iterations keep the formula's order
-(torch.optim.Muon's, so that its conversions compute exactly what it does).
+:data:`GRAM_SPACE_RESTART_EVERY`), and the other matrices take the blocked symmetric products in
+bfloat16/float16 too (:func:`reorders`). Otherwise bfloat16/float16 iterations keep the formula's
+order (torch.optim.Muon's, so that its conversions compute exactly what it does).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "newton_schulz",
     "newton_schulz_gram_space",
     "newton_schulz_flops",
+    "reorders",
     "symmetric_product_flops",
     "takes_gram_space",
 ]
@@ -55,18 +57,20 @@ GRAM_SPACE_RATIO = 2.0
 GRAM_SPACE_RESTART_EVERY = 3
 #: Only fp32/fp64 iterations are reordered by default (symmetric products): in bfloat16
 #: (torch.optim.Muon's and KellerJordan's iteration dtype) the formula's own order is kept, so
-#: conversions from them compute exactly what they do; Gram space, opt-in, reorders every dtype.
+#: conversions from them compute exactly what they do; ``gram_space=True``, opt-in, reorders every
+#: dtype (:func:`reorders`).
 REORDERED_DTYPES = (torch.float32, torch.float64)
 #: Diagonal blocks of a symmetric product halve down to this size (Muon's products are one-off,
 #: unlike Kron's, so its own measured value): NS time at 512 x 512 / 512 x 1376 / 1024 x 1024 on
 #: the 2-core CPU, one thread, vs plain ``mm``: 0.93 / 0.87 / 0.82 at 256, 0.87 / 0.81 / 0.79 at
 #: 128, 0.89 / 0.82 / 0.78 at 64; with two threads within run-to-run noise at every size.
 SYMMETRIC_MIN_SIZE = 128
-#: fp32/fp64 matrices of more bytes than this update ``X <- a X + P X`` in place, one block of
-#: columns at a time (:data:`IN_PLACE_BLOCK_BYTES` per block's product), instead of allocating a
-#: new ``X`` per iteration: the owner of a 70B MLP matrix (8192 x 28672, 0.94 GB in fp32) holds one
-#: ``X`` and the ``m x m`` products, not two ``X`` (part of the step-memory budget,
-#: :mod:`dist_optim.budget`). Below it, one ``addmm`` (the fastest on small matrices).
+#: Matrices of more bytes than this, in a reordered iteration (:func:`reorders`), update
+#: ``X <- a X + P X`` in place, one block of columns at a time (:data:`IN_PLACE_BLOCK_BYTES` per
+#: block's product), instead of allocating a new ``X`` per iteration: the owner of a 70B MLP
+#: matrix (8192 x 28672, 0.94 GB in fp32) holds one ``X`` and the ``m x m`` products, not two
+#: ``X`` (part of the step-memory budget, :mod:`dist_optim.budget`). Below it, one ``addmm`` (the
+#: fastest on small matrices).
 IN_PLACE_MIN_BYTES = 64 * 2**20
 #: The bytes of one column block's product in the in-place update (a block has at least one column).
 IN_PLACE_BLOCK_BYTES = 32 * 2**20
@@ -77,6 +81,14 @@ def takes_gram_space(rows: int, cols: int, steps: int, gram_space: bool) -> bool
     asked, with more than one iteration and ``max >= GRAM_SPACE_RATIO * min``, in every dtype."""
     m, n = min(rows, cols), max(rows, cols)
     return gram_space and steps > 1 and n >= GRAM_SPACE_RATIO * m
+
+
+def reorders(dtype: torch.dtype, gram_space: bool) -> bool:
+    """Whether :func:`newton_schulz` computes its symmetric products one off-diagonal block at a
+    time (:func:`~dist_optim.structured.symmetric_product`) in ``dtype``: always in fp32/fp64
+    (:data:`REORDERED_DTYPES`), in every dtype with ``gram_space=True`` (the opt-in reordering:
+    Gram space for wide matrices, these products for the rest)."""
+    return gram_space or dtype in REORDERED_DTYPES
 
 
 def newton_schulz(
@@ -93,8 +105,8 @@ def newton_schulz(
     ``coefficients``, on the wide orientation (``X`` transposed when ``m > n``, so that ``A`` is
     the smaller Gram matrix), in ``dtype`` (default ``c``'s). A new tensor and ``c`` unchanged,
     unless ``overwrite`` (``c`` is the caller's scratch, e.g. a block an owner received): then
-    ``c`` is normalised in place and, in fp32/fp64 above :data:`IN_PLACE_MIN_BYTES`, iterated in
-    place and returned (one matrix held instead of two).
+    ``c`` is normalised in place and, reordered (:func:`reorders`) above
+    :data:`IN_PLACE_MIN_BYTES`, iterated in place and returned (one matrix held instead of two).
 
     In fp32/fp64 (:data:`REORDERED_DTYPES`) the symmetric products ``A = X X^T`` and ``A A`` are
     computed one off-diagonal block at a time (:func:`~dist_optim.structured.symmetric_product`):
@@ -103,8 +115,11 @@ def newton_schulz(
     float64, on 512-1536 wide gradients of rank 8, with singular values log-spaced over 1..1e-6, and
     Gaussian (measured 0.94-1.28x by ``bench/ns_accuracy.py``, up to 2048 x 5504). With
     ``gram_space=True`` a wide matrix (:func:`takes_gram_space`) iterates in Gram space instead
-    (:func:`newton_schulz_gram_space`, its accuracy there). In bfloat16/float16 the formula is
-    computed in its own order."""
+    (:func:`newton_schulz_gram_space`, its accuracy there), and in bfloat16/float16 the others
+    take the same blocked products, ``b A + c A A`` one ``addmm`` per block (rounded once, as the
+    formula's ``addmm`` rounds it): tests/unit/test_muon.py asserts at most 1.1x the plain formula's
+    relative Frobenius distance to float64 in that dtype (bit-equal on the 2-core CPU's kernels).
+    Otherwise in bfloat16/float16 the formula is computed in its own order."""
     converted = dtype is not None and dtype != c.dtype  # then x is a new tensor
     x = c.to(dtype) if converted else c
     tall = x.size(0) > x.size(1)
@@ -119,7 +134,7 @@ def newton_schulz(
         for length in gram_space_blocks(len(coefficients)):
             x = newton_schulz_gram_space(x, coefficients[start : start + length])
             start += length
-    elif x.dtype not in REORDERED_DTYPES:
+    elif not reorders(x.dtype, gram_space):
         for a, b, cc in coefficients:
             gram = x @ x.T
             # b A + c A A and a X + B X in one kernel each, as torch.optim.Muon computes them.
@@ -129,7 +144,12 @@ def newton_schulz(
         in_place = x.numel() * x.element_size() > IN_PLACE_MIN_BYTES  # x is this call's own tensor
         for a, b, cc in coefficients:
             gram = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
-            poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE).mul_(cc).add_(gram, alpha=b)
+            if x.dtype in REORDERED_DTYPES:
+                # A separate scale and sum: on 4-row blocks one addmm measured 1.1-2.7x their error.
+                poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE).mul_(cc).add_(gram, alpha=b)
+            else:
+                # One rounding per element, as the formula's addmm: two measured 1.6x its bf16 error.
+                poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE, add=(gram, b, cc))
             del gram
             x = _update_by_columns_(x, poly, a) if in_place else torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
@@ -216,9 +236,10 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, dtype: torch.dtype, gr
     With ``m <= n`` the sides and ``T = symmetric_product_flops(m, SYMMETRIC_MIN_SIZE)`` (``2 m^2``
     unblocked, ``f 2 m^2`` blocked, ``f`` = 5/8 at ``m = 512``, 9/16 at 1024):
 
-    * bfloat16/float16 (plain products): ``steps (4 m^2 n + 2 m^3)``;
-    * fp32/fp64, the formula with blocked symmetric products ``A = X X^T`` (``n T``) and ``A A``
-      (``m T``) and the general ``P X`` (``2 m^2 n``): ``steps (n T + m T + 2 m^2 n)``, i.e.
+    * bfloat16/float16 by default (plain products): ``steps (4 m^2 n + 2 m^3)``;
+    * fp32/fp64, and every dtype with ``gram_space=True`` (:func:`reorders`), the formula with
+      blocked symmetric products ``A = X X^T`` (``n T``) and ``A A`` (``m T``) and the general
+      ``P X`` (``2 m^2 n``): ``steps (n T + m T + 2 m^2 n)``, i.e.
       ``(1 + f) / 2`` of the unblocked ``4 m^2 n`` and ``f`` of ``2 m^3``: the blocking runs
       0.75x the unblocked count at 512 x 512, 0.78x at 512 x 1376, 0.75x at 1024 x 2752;
     * Gram space (:func:`takes_gram_space`, every dtype), per block of ``L`` iterations
@@ -232,6 +253,6 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, dtype: torch.dtype, gr
     t = float(symmetric_product_flops(m, SYMMETRIC_MIN_SIZE))
     if takes_gram_space(rows, cols, steps, gram_space):
         return sum(n * t + 2.0 * m * m * n + (4 * length - 3) * m * t for length in gram_space_blocks(steps))
-    if dtype not in REORDERED_DTYPES:
+    if not reorders(dtype, gram_space):
         return steps * (4.0 * m * m * n + 2.0 * float(m) ** 3)
     return steps * (n * t + m * t + 2.0 * m * m * n)

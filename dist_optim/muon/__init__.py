@@ -20,7 +20,8 @@ matrices ``shape[1] x prod(shape[2:])``: experts or heads stored in one tensor) 
 
 The iteration runs in ``ns_dtype`` (default: the parameter's dtype), in fp32/fp64 with its
 symmetric products computed blockwise, and with ``ns_gram_space=True`` for wide matrices in Gram
-space in any dtype (fewer flops, somewhat less accurate: :mod:`dist_optim.newton_schulz`). The defaults and the sum form
+space in any dtype (fewer flops, somewhat less accurate: :mod:`dist_optim.newton_schulz`), the
+other matrices then blockwise in bfloat16/float16 too. The defaults and the sum form
 of the momentum are ``torch.optim.Muon``'s documented algorithm. Two variants exist for exact
 conversions (:func:`dist_optim.convert`):
 

@@ -116,8 +116,11 @@ class DistributedMuon(DistOptimizer):
             Dao AI Lab, 2026): 0.78x the formula's unblocked flops at a Llama MLP's aspect 2.7,
             0.67x at 4; measured 1.0-3.1x the formula's own fp32 error on rank-8, ill-conditioned
             and Gaussian momenta, and in bfloat16/float16 0.83-1.71x the formula's error in that
-            dtype (:data:`dist_optim.newton_schulz.GRAM_SPACE_RESTART_EVERY`). Default False: the
-            formula (a converted torch or KellerJordan Muon computes exactly what it did).
+            dtype (:data:`dist_optim.newton_schulz.GRAM_SPACE_RESTART_EVERY`). The other matrices
+            then compute their symmetric products blockwise in bfloat16/float16 too, as fp32 does
+            by default (on a CPU; 0.8x the time at 512 x 512 in bf16): as accurate as the formula
+            (:func:`dist_optim.newton_schulz.reorders`). Default False: the formula (a converted
+            torch or KellerJordan Muon computes exactly what it did).
         stacked: a parameter with 3+ dims is a stack of matrices along its first dim (experts or
             heads stored in one tensor): each ``p[i]``, seen as ``shape[1] x prod(shape[2:])``, is
             orthogonalized on its own (on its own owner rank) with that shape's lr adjustment.

@@ -202,13 +202,15 @@ def test_symmetric_product_flops_is_what_runs(size: int, min_size: int) -> None:
      ((1376, 512), torch.float32, 5, True), ((512, 1376), torch.float64, 5, True),
      ((1024, 2752), torch.float32, 5, False), ((1024, 2752), torch.float32, 5, True),
      ((4096, 11008), torch.float32, 5, False), ((2752, 1024), torch.bfloat16, 5, False),
-     ((512, 1376), torch.bfloat16, 5, True), ((2048, 512), torch.float16, 6, True), ((24, 56), torch.float32, 4, True)],
+     ((512, 1376), torch.bfloat16, 5, True), ((2048, 512), torch.float16, 6, True), ((24, 56), torch.float32, 4, True),
+     ((40, 40), torch.bfloat16, 5, True), ((512, 512), torch.bfloat16, 5, True), ((1000, 600), torch.float16, 4, True)],
 )  # fmt: skip
 def test_owner_cost_is_the_iterations_counted_flops(
     shape: tuple[int, int], dtype: torch.dtype, steps: int, gram_space: bool
 ) -> None:
     """The owners' cost model is what the iteration really multiplies, on the path it takes
-    (formula, Gram space, bf16's formula, one step), counted by torch's FlopCounterMode, with the
+    (formula, Gram space, bf16's formula, one step; with gram_space=True a square or less than twice
+    as wide bf16/fp16 matrix's blocked formula), counted by torch's FlopCounterMode, with the
     blocked symmetric products of production shapes (512 and up: 0.75x the unblocked count at
     512 x 512, 0.78x at 512 x 1376; on meta tensors, which count the same ops without the time)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -353,6 +355,53 @@ def test_half_precision_gram_space_against_float64(dtype: torch.dtype, monkeypat
         unrestarted = _rel_fro(newton_schulz.newton_schulz(c, coeffs, 1e-7, dtype=dtype, gram_space=True), ref)
         monkeypatch.undo()
         assert unrestarted > 4 * floor, (shape, kind, unrestarted, floor)
+
+
+#: With gram_space=True a bfloat16/float16 matrix that is not wide enough for Gram space takes the
+#: formula with blocked symmetric products; its distance to the formula run in float64 may be at
+#: most this many times the plain formula's in the same dtype (measured 1.00x: bit-equal on the
+#: 2-core AMD EPYC's kernels, which round each block's dot products as the whole product's; a
+#: blocked product that rounds differently is as accurate, 1.1 leaves room for that, while rounding
+#: ``b A + c A A`` twice measured 1.6x on Gaussian momenta).
+HALF_REORDERED_FACTOR = 1.1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_reordered_formula_rounds_as_the_formula(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ns_gram_space=True in bfloat16/float16 on square and less than twice as wide matrices (the
+    formula with its symmetric products blocked, here down to 4 rows: many halvings, uneven cuts)
+    is within HALF_REORDERED_FACTOR of the plain formula's relative Frobenius distance to the
+    formula run in float64, on Gaussian, rank-8 and log-spaced momenta."""
+    coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
+    monkeypatch.setattr(newton_schulz, "SYMMETRIC_MIN_SIZE", 4)
+    for shape, kind in [((256, 256), "gaussian"), ((300, 420), "gaussian"), ((256, 256), "rank8"),
+                        ((420, 300), "log-spaced")]:  # fmt: skip
+        assert not newton_schulz.takes_gram_space(*shape, len(coeffs), True)
+        c = stress_momentum(shape, kind)
+        ref = plain_newton_schulz(c.double(), coeffs)
+        floor = _rel_fro(newton_schulz.newton_schulz(c, coeffs, 1e-7, dtype=dtype), ref)
+        ours = _rel_fro(newton_schulz.newton_schulz(c, coeffs, 1e-7, dtype=dtype, gram_space=True), ref)
+        assert ours <= HALF_REORDERED_FACTOR * floor, (shape, kind, ours, floor, ours / floor)
+
+
+def test_half_precision_reordered_formula_multiplies_less() -> None:
+    """The blocked products really run: a 512 x 512 bf16 iteration with gram_space=True counts
+    (FlopCounterMode) 3/4 of the plain formula's flops: per iteration ``A = X X^T`` and ``A A`` at
+    5/8 of a plain product each (two halvings down to 128 rows) and the general ``P X``, 4.5 m^3
+    against 6 m^3."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    c = torch.empty(512, 512, device="meta")
+    coeffs = [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * 5
+    counts = []
+    for gram_space in (False, True):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            newton_schulz.newton_schulz(c, coeffs, 1e-7, dtype=torch.bfloat16, gram_space=gram_space)
+        counts.append(counter.get_total_flops())
+    assert counts[0] == 5 * 6 * 512**3 and counts[1] == 5 * 4.5 * 512**3, counts
 
 
 # ---- the usual split of a model ------------------------------------------------------------------
