@@ -32,7 +32,8 @@ benchmarking matrix-product kernels after 120 s for the Muon pair alone: allow m
   schedule off), 1-D parameters preconditioned, no dim merging, fp32 states.
 * Muon: the 2-D parameters, momentum 0.95 with Nesterov, 5 Newton-Schulz steps; ours in bf16
   (``ns_dtype=torch.bfloat16``), in bf16 with the wide matrices (the MLP's and the embeddings,
-  2.7 and 4 wide) in Gram space (``ns_gram_space=True``), and with its default fp32 iteration;
+  2.7 and 4 wide) in Gram space and the square ones' symmetric products blocked on a CPU
+  (``ns_gram_space=True``), and with its default fp32 iteration;
   heavyball's in its own dtype.
 * Kron: the preconditioner updated every step on both sides (probability 1), triangular factors
   up to 2048, no dim merging; the rest each package's default (they differ in details, e.g.
