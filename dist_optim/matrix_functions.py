@@ -48,6 +48,7 @@ __all__ = [
     "warm_eigh",
     "warm_criteria",
     "residual_ratio",
+    "Shifted",
     "WarmCriterion",
     "WarmEigh",
     "inverse_root_from_eigen",
@@ -165,14 +166,27 @@ def matrix_inverse_root(
     return x, best_err, all_finite(x) & torch.isfinite(best_err)
 
 
-def inverse_root_from_eigen(lam: torch.Tensor, q: torch.Tensor, epsilon: float, alpha: float) -> torch.Tensor:
+def inverse_root_from_eigen(
+    lam: torch.Tensor,
+    q: torch.Tensor,
+    epsilon: float,
+    alpha: float,
+    work: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``Q diag(lam'^-alpha) Q^T`` from the eigenpairs of a damped matrix ``A + epsilon I``, with
     ``lam' = lam + max(0, epsilon - min(lam))``: round-off that made the damped matrix less
     definite than ``epsilon`` is undone by shifting every eigenvalue up (:func:`matrix_inverse_root`'s
     ``eigh`` method and :func:`warm_eigh`'s callers share this). Exactly symmetric: the mirror of
     its lower triangle (``structured.symmetric_product(..., mirrored=True)``), the form a stored
-    root takes."""
-    return symmetric_product(q * inverse_root_spectrum(lam, epsilon, alpha), q.T, mirrored=True)
+    root takes. ``work``: two contiguous tensors of ``q``'s shape and dtype, for the result and
+    ``Q diag(lam'^-alpha)``, made here without them (the result is the first; a caller's reused
+    ones save the page faults of fresh block-sized tensors on the CPU). ``Q diag(lam'^-alpha)`` is
+    contiguous either way, whatever ``q``'s layout (``eigh``'s is column-major): the products, and
+    so the root's bits, do not depend on who made the work tensors."""
+    if work is None:
+        work = (q.new_empty(q.shape), q.new_empty(q.shape))
+    scaled = torch.mul(q, inverse_root_spectrum(lam, epsilon, alpha), out=work[1])
+    return symmetric_product(scaled, q.T, mirrored=True, out=work[0])
 
 
 def inverse_root_spectrum(lam: torch.Tensor, epsilon: float, alpha: float) -> torch.Tensor:
@@ -273,7 +287,19 @@ class WarmEigh(NamedTuple):
         return self.iterations == 0 and not self.recomputed
 
 
-def residual_ratio(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class Shifted(NamedTuple):
+    """``scale M + shift I`` for a symmetric ``M``, the matrix a refresh decomposes, given to
+    :func:`residual_ratio` (and :func:`warm_criteria`) without being formed: a block-sized tensor
+    and its pass less per factor; the criterion is computed from ``M Q``, ``A Q`` never formed."""
+
+    matrix: torch.Tensor
+    scale: float = 1.0
+    shift: float = 0.0
+
+
+def residual_ratio(
+    matrix: torch.Tensor | Shifted, basis: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d, rho)`` for a symmetric ``A`` and an orthonormal ``Q``: ``d = diag(Q^T A Q)``, the
     column dot products ``d_i = q_i . (A q_i)``, and ``rho = ||A Q - Q diag(d)||_F / ||A||_F`` (0
     for a zero ``A``).
@@ -285,12 +311,29 @@ def residual_ratio(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Ten
     denominator is ``||A||_F`` itself (what the accuracy statement of :func:`warm_eigh` is about;
     ``||B||_F`` equals it up to the rounding of ``Q``'s orthonormality). The residual is formed
     explicitly, not as ``||A Q||_F^2 - ||d||^2``, whose cancellation in fp32 is as large as the
-    squared ratio at tolerances near 1e-3."""
-    aq = matrix @ basis
-    d = (basis * aq).sum(0)
+    squared ratio at tolerances near 1e-3.
+
+    ``A`` may be given as :class:`Shifted` ``(M, s, e)``: its criterion is ``M``'s scaled, from one
+    product ``M Q``. With ``d_M = diag(Q^T M Q)``, ``d = s d_M + e`` (``q_i . q_i = 1``) and ``A Q -
+    Q diag(d) = s (M Q - Q diag(d_M))``: the shift, which moves no eigenvector, drops out of the
+    residual. ``||A||_F^2 = s^2 ||M||_F^2 + e (2 s tr M + n e)`` (exact for a symmetric ``M``; the
+    last term is not negative for a positive semi-definite one). ``work``: two contiguous tensors
+    of ``basis``'s shape and dtype, for ``M Q`` and the products of the dot products, made here
+    without them (a fresh block-sized tensor costs page faults on the CPU: :func:`warm_criteria`
+    reuses them)."""
+    m, scale, shift = matrix if isinstance(matrix, Shifted) else (matrix, 1.0, 0.0)
+    if work is None:  # the same layouts as given ones: the bits do not depend on who made them
+        work = (basis.new_empty(basis.shape), basis.new_empty(basis.shape))
+    mq = torch.mm(m, basis, out=work[0])
+    d = torch.mul(basis, mq, out=work[1]).sum(0)
     # In place: a fresh block-sized temporary costs page faults on the CPU (state.Scratch).
-    off = torch.linalg.vector_norm(aq.addcmul_(basis, d, value=-1))
-    total = torch.linalg.vector_norm(matrix)
+    off = torch.linalg.vector_norm(mq.addcmul_(basis, d, value=-1))
+    total = torch.linalg.vector_norm(m)
+    if isinstance(matrix, Shifted):
+        off = off * abs(scale)
+        d = d * scale + shift
+        shifted = shift * (2 * scale * torch.diagonal(m).sum() + m.shape[0] * shift)
+        total = torch.hypot(total * abs(scale), shifted.clamp(min=0).sqrt())
     return d, torch.where(total > 0, off / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0)
 
 
@@ -309,14 +352,23 @@ class WarmCriterion(NamedTuple):
         return WarmEigh(self.eigenvalues, basis, None, 0, False)
 
 
-def warm_criteria(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], tolerance: float) -> list[WarmCriterion]:
+def warm_criteria(
+    pairs: Iterable[tuple[torch.Tensor | Shifted, torch.Tensor]], tolerance: float
+) -> list[WarmCriterion]:
     """:func:`warm_eigh`'s criterion (:func:`residual_ratio`, ``rho <= tolerance``) for every
     ``(matrix, basis)`` pair, with one host read for all of them: on a GPU each read waits for
     the device to finish what was queued, so a refresh that read per factor stalled the host once
     per factor. Each comparison is made in its pair's own dtype (the tolerance rounded to it, as
     a tensor comparison does), so a pair's decision does not depend on the others."""
     # Consumed one pair at a time: a caller's generator then holds one matrix, not all of them.
-    found = [residual_ratio(matrix, basis) for matrix, basis in pairs]
+    # The work tensors of one shape serve every pair of that shape (the d are fresh vectors).
+    works: dict[tuple[tuple[int, ...], torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+    found = []
+    for matrix, basis in pairs:
+        key = (tuple(basis.shape), basis.dtype, basis.device)
+        if key not in works:
+            works[key] = (basis.new_empty(basis.shape), basis.new_empty(basis.shape))
+        found.append(residual_ratio(matrix, basis, works[key]))
     if not found:
         return []
     keeps = torch.stack([ratio <= tolerance for _, ratio in found]).tolist()

@@ -113,6 +113,7 @@ def symmetric_product(
     min_size: int | None = None,
     mirrored: bool = False,
     add: tuple[torch.Tensor, float, float] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a @ b`` for a product known to be symmetric: a Gram matrix ``r @ r.T``, or two symmetric
     matrices that commute (polynomials in one matrix, as in Muon's Newton-Schulz iteration in Gram
@@ -126,25 +127,36 @@ def symmetric_product(
     product on a GPU): for a result stored as symmetric, without a pass over all of it.
     ``add=(c, beta, alpha)`` (a symmetric ``c``): ``beta c + alpha a @ b``, each block one ``addmm``, so
     each element is rounded once, as ``torch.addmm`` rounds it (in bfloat16 a separate sum would
-    round twice)."""
+    round twice).
+    ``out``: an ``n x n`` tensor (a view with unit column stride will do, as a block of a larger
+    matrix) the result is written to and returned, each block by its own product (no block-sized
+    temporaries and copies: on the CPU a fresh one costs page faults), bit for bit the result
+    without it."""
     min_size = MIN_SIZE if min_size is None else min_size
     n = a.shape[0]
     if n <= min_size or not blocked(a):
-        out = _times(a, b, add)
+        out = _times(a, b, add, out)
         return mirror_lower_(out) if mirrored else out
     h = n // 2
-    out = torch.empty(n, n, dtype=torch.result_type(a, b), device=a.device)
+    if out is None:
+        out = torch.empty(n, n, dtype=torch.result_type(a, b), device=a.device)
     for part in (slice(None, h), slice(h, None)):
-        out[part, part] = symmetric_product(a[part], b[:, part], min_size, mirrored, _block(add, part, part))
-    off = _times(a[:h], b[:, h:], _block(add, slice(None, h), slice(h, None)))
-    out[:h, h:] = off
+        symmetric_product(a[part], b[:, part], min_size, mirrored, _block(add, part, part), out=out[part, part])
+    off = _times(a[:h], b[:, h:], _block(add, slice(None, h), slice(h, None)), out[:h, h:])
     out[h:, :h] = off.T
     return out
 
 
-def _times(a: torch.Tensor, b: torch.Tensor, add: tuple[torch.Tensor, float, float] | None) -> torch.Tensor:
-    """``a @ b``, or with ``add=(c, beta, alpha)`` one ``addmm``: ``beta c + alpha a @ b``."""
-    return a @ b if add is None else torch.addmm(add[0], a, b, beta=add[1], alpha=add[2])
+def _times(
+    a: torch.Tensor, b: torch.Tensor, add: tuple[torch.Tensor, float, float] | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``a @ b``, or with ``add=(c, beta, alpha)`` one ``addmm``: ``beta c + alpha a @ b``; into
+    ``out`` if given."""
+    if add is None:
+        return a @ b if out is None else torch.mm(a, b, out=out)
+    if out is None:
+        return torch.addmm(add[0], a, b, beta=add[1], alpha=add[2])
+    return torch.addmm(add[0], a, b, beta=add[1], alpha=add[2], out=out)
 
 
 def _block(

@@ -366,7 +366,7 @@ class Scratch:
         before it is multiplied by ``R_1``), SOAP's ``"rot"`` (a rotated block) and ``"den"`` (its
         denominator); with packing ``"factor<k>"`` and ``"root<k>"`` (whole matrices); with
         quantised eigenvectors ``"dequantized"``, ``"basis<k>"``, ``"scaled"`` (``Q diag(s)``) and
-        ``"root<k>"``."""
+        ``"root<k>"``; a warm root refresh's ``"refresh"`` (the new root) and ``"refresh-scaled"``."""
         return self.split([shape], dtype, device, slot)[0]
 
     def split(

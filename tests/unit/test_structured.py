@@ -111,6 +111,29 @@ def test_mirrored_symmetric_product_is_the_mirror_of_its_lower_triangle(n: int, 
         assert not torch.equal(plain, plain.T)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("min_size", [1, 3, 256])
+@pytest.mark.parametrize("n", [*SIZES, 300, 513])
+def test_symmetric_product_into_out_is_the_product_without_it(n: int, min_size: int, dtype: torch.dtype) -> None:
+    """``out=`` (a warm root refresh's scratch, each block written by its own product) gives the
+    bits of the product without it, plain, mirrored and with ``add``, into a contiguous tensor and
+    into a block of a larger one (a view at an unaligned offset), which is returned and whose
+    surroundings are left as they were."""
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(n, n, generator=gen).to(dtype)
+    scaled = q * torch.rand(n, generator=gen).to(dtype)
+    c = scaled @ scaled.T
+    for mirrored, add in ((False, None), (True, None), (False, (c, 0.7, -1.3))):
+        want = symmetric_product(scaled, q.T, min_size, mirrored, add)
+        whole = torch.full((n + 2, n + 3), 7.0, dtype=dtype)
+        for out in (torch.empty(n, n, dtype=dtype), whole[1 : n + 1, 3:]):
+            got = symmetric_product(scaled, q.T, min_size, mirrored, add, out=out)
+            assert got is out and torch.equal(got, want), (mirrored, add is not None)
+        untouched = torch.ones_like(whole, dtype=torch.bool)
+        untouched[1 : n + 1, 3:] = False
+        assert bool((whole[untouched] == 7.0).all())
+
+
 @pytest.mark.parametrize("n", [5, 37, 64])
 def test_gram_is_the_symmetric_product_of_rows_and_their_transpose(n: int) -> None:
     """gram keeps its bits (Kron's statistics): the same blocks as symmetric_product(rows, rows.T)."""

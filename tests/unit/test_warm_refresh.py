@@ -93,6 +93,45 @@ def test_the_criterion_is_the_off_diagonal_ratio_of_q_t_a_q(dtype: torch.dtype) 
             assert res.kept == kept and res.recomputed != kept, (d, factor)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_criterion_of_a_shifted_matrix_is_that_of_the_matrix_formed(dtype: torch.dtype) -> None:
+    """``Shifted(M, s, e)`` (a refresh's ``s L + e I``, not formed; the code drops the shift from the
+    residual and takes ``||A||_F`` from ``M``'s norm and trace) decides as this file's float64
+    formula on ``B = Q^T (s M + e I) Q`` formed: a tolerance 1% above the measured ratio keeps, 1%
+    below recomputes; ``d`` is ``diag(B)`` (float64: to 1e-12 relative; fp32: to 1e-5); with work
+    tensors the same bits as without. The scale and the shift are large enough that leaving
+    either out of the ratio moves it by more than 1%."""
+    for d, size, seed, scale, shift in ((40, 0.02, 1, 2.5, 3.0), (300, 0.01, 2, 0.4, 0.8)):
+        m = _psd(d, seed)
+        _, q = torch.linalg.eigh(m)
+        m2 = _perturbed(m, size, seed + 10)
+        a = scale * m2 + shift * torch.eye(d, dtype=torch.float64)
+        b = q.T @ a @ q
+        measured = _ratio(b)
+        assert 1e-3 < measured < 0.2 and abs(_ratio(q.T @ m2 @ q) / measured - 1) > 0.05
+        shifted = matrix_functions.Shifted(m2.to(dtype), scale, shift)
+        for factor, kept in ((1.01, True), (0.99, False)):
+            (c,) = matrix_functions.warm_criteria([(shifted, q.to(dtype))], measured * factor)
+            assert c.keep == kept, (d, factor)
+        d_plain, ratio = matrix_functions.residual_ratio(shifted, q.to(dtype))
+        rtol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(d_plain.double(), torch.diagonal(b), rtol=rtol, atol=0)
+        work = (torch.empty(d, d, dtype=dtype), torch.empty(d, d, dtype=dtype))
+        d_work, ratio_work = matrix_functions.residual_ratio(shifted, q.to(dtype), work)
+        assert torch.equal(d_work, d_plain) and torch.equal(ratio_work, ratio)
+
+
+def test_a_root_made_in_work_tensors_is_the_root_made_without() -> None:
+    """inverse_root_from_eigen with ``work`` (a warm root refresh's scratch) returns its first
+    tensor holding the bits of the root made without it (fp32, past the blocked products)."""
+    a = _psd(300, 7).float()
+    lam, q = torch.linalg.eigh(a)
+    work = (torch.empty(300, 300), torch.empty(300, 300))
+    got = matrix_functions.inverse_root_from_eigen(lam, q, 1e-6, 0.25, work)
+    assert got is work[0]
+    assert torch.equal(got, matrix_functions.inverse_root_from_eigen(lam, q, 1e-6, 0.25))
+
+
 def test_qr_steps_meet_the_tolerance_they_report() -> None:
     a = _psd(40, 2)
     _, q = torch.linalg.eigh(a)

@@ -169,7 +169,7 @@ def _preconditioner_step(
     elif scale is not None and is_soap:
         soap.refresh_bases(bs, scale, group, first=(t == start), criteria=criteria)
     elif scale is not None:
-        root_inverse.refresh_roots(bs, block.order, scale, group, first=(t == start), criteria=criteria)
+        root_inverse.refresh_roots(bs, block.order, scale, group, t == start, criteria, scratch)
     if packed:
         if t % group["statistics_compute_steps"] == 0:
             store_packed(stored.factors, bs.factors, block.order, factors=True)

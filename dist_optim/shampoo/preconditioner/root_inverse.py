@@ -25,6 +25,7 @@ def refresh_roots(
     group: dict[str, Any],
     first: bool = False,
     criteria: list[matrix_functions.WarmCriterion] | None = None,
+    scratch: Scratch | None = None,
 ) -> None:
     """``R_k = (scale L_k + epsilon I)^(-exponent_multiplier / r)``; a root that is not finite or
     whose iteration error exceeds ``inverse_failure_threshold`` keeps the previous one and counts
@@ -37,7 +38,9 @@ def refresh_roots(
     root), except at the ``first`` refresh, which has none (``Q_k = I``) and goes to ``eigh`` at
     once: testing the identity and taking QR steps from it would only add to the ``eigh`` that
     nearly always follows. The warm criteria are the caller's (``criteria``, one per factor, read
-    for a batch of blocks at once: :mod:`.warm`) or read here for the block's factors at once."""
+    for a batch of blocks at once: :mod:`.warm`) or read here for the block's factors at once. A
+    warm root is made in ``scratch`` (slots ``"refresh"`` and ``"refresh-scaled"``) before it
+    replaces the stored one, where it is given."""
     failures = bs.failures
     assert failures is not None
     root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
@@ -50,7 +53,12 @@ def refresh_roots(
         try:
             if is_warm:
                 start = None if criteria is None else (bs.bases[k], criteria[k])
-                x, q, ok = _warm_root(warm.eigen(factor, scale, group, start), bs.bases[k], mult / root, group)
+                eig = warm.eigen(factor, scale, group, start)
+                work = None
+                if scratch is not None:
+                    args = (tuple(eig.eigenvectors.shape), eig.eigenvectors.dtype, eig.eigenvectors.device)
+                    work = (scratch.get(*args, "refresh"), scratch.get(*args, "refresh-scaled"))
+                x, q, ok = _warm_root(eig, bs.bases[k], mult / root, group, work)
                 if q is not bs.bases[k]:  # kept eigenvectors are the basis itself
                     torch.where(ok, q.to(r_k.dtype), bs.bases[k], out=bs.bases[k])
             else:
@@ -109,13 +117,18 @@ def refresh_eigen(
 
 
 def _warm_root(
-    eig: matrix_functions.WarmEigh, basis: torch.Tensor, alpha: float, group: dict[str, Any]
+    eig: matrix_functions.WarmEigh,
+    basis: torch.Tensor,
+    alpha: float,
+    group: dict[str, Any],
+    work: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``a^-alpha`` of the damped ``a = A + epsilon I`` (:func:`.warm.target`) from its
     eigendecomposition ``eig`` (:func:`.warm.eigen`: warm-started from ``basis``, or ``eigh``'s on
-    a first refresh), its eigenvectors and whether both are finite. Recomputed by ``eigh``, the
-    root is bit for bit ``root_inverse="eigh"``'s."""
-    x = matrix_functions.inverse_root_from_eigen(eig.eigenvalues, eig.eigenvectors, group["epsilon"], alpha)
+    a first refresh), its eigenvectors and whether both are finite; the root in ``work``'s first
+    tensor where it is given. Recomputed by ``eigh``, the root is bit for bit
+    ``root_inverse="eigh"``'s."""
+    x = matrix_functions.inverse_root_from_eigen(eig.eigenvalues, eig.eigenvectors, group["epsilon"], alpha, work)
     ok = matrix_functions.all_finite(x)
     if eig.eigenvectors is not basis:  # kept only if the criterion computed from it was finite
         ok = ok & matrix_functions.all_finite(eig.eigenvectors)

@@ -10,8 +10,8 @@ whose factors and bases are whole in state for the whole batch; a packed block (
 scratch one block at a time) or one with quantised bases (decoded into scratch) reads its own,
 once per block, in its refresh. The criterion of a factor is the same tensor computation either
 way, so the decisions and the results do not depend on the batching. A factor whose criterion
-keeps its eigenvectors needs nothing more (:func:`eigen`): its target is built once, for the
-criterion.
+keeps its eigenvectors needs nothing more (:func:`eigen`): its target is never built (the
+criterion multiplies the factor itself).
 """
 
 from __future__ import annotations
@@ -50,8 +50,14 @@ def target(factor: torch.Tensor, scale: float, group: dict[str, Any]) -> torch.T
 def criteria(blocks: list[tuple[BlockState, float]], group: dict[str, Any]) -> list[list[WarmCriterion]]:
     """The criterion of every factor of the ``(state, scale)`` blocks against its basis
     (``bs.bases``: decoded ones for quantised bases), per block, with one host read in all. The
-    targets are made one at a time (a generator), so that no more than one is held."""
-    pairs = ((target(f, scale, group), q) for bs, scale in blocks for f, q in zip(bs.factors, bs.bases))
+    :func:`target` is not formed (:class:`~dist_optim.matrix_functions.Shifted`: the criterion
+    comes from the factor's product with the basis): a kept factor never builds it. The factor is exactly
+    symmetric here (mirrored by :func:`~dist_optim.shampoo.preconditioner.factors.refresh_scale`), so
+    SOAP's symmetrised ``scale L_k`` is ``scale L_k``."""
+    shift = 0.0 if group["eigenvalue_correction"] else group["epsilon"]
+    pairs = (
+        (matrix_functions.Shifted(f, scale, shift), q) for bs, scale in blocks for f, q in zip(bs.factors, bs.bases)
+    )
     flat = iter(matrix_functions.warm_criteria(pairs, group["refresh_tolerance"]))
     return [[next(flat) for _ in bs.factors] for bs, _ in blocks]
 
