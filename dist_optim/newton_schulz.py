@@ -227,11 +227,16 @@ def symmetric_product_flops(size: int, min_size: int) -> int:
     return symmetric_product_flops(h, min_size) + symmetric_product_flops(size - h, min_size) + 2 * h * (size - h)
 
 
-def newton_schulz_flops(rows: int, cols: int, steps: int, dtype: torch.dtype, gram_space: bool = False) -> float:
+def newton_schulz_flops(
+    rows: int, cols: int, steps: int, dtype: torch.dtype, gram_space: bool = False, blocked: bool = True
+) -> float:
     """The floating-point operations of :func:`newton_schulz` on a ``rows x cols`` matrix with
     ``steps`` iterations in ``dtype``, exactly as torch's ``FlopCounterMode`` counts them (2 per
     multiply-add of every matrix product) on the path it takes: the owners' cost model
     (:func:`dist_optim.placement.assign_owners`), so owners balance the work that runs.
+    ``blocked``: whether the symmetric products take their blocked forms, as on the CPU (and meta
+    tensors); on a GPU each is one ``mm`` (:func:`dist_optim.structured.blocked` of the matrix is
+    False), and ``T = 2 m^2`` below.
 
     With ``m <= n`` the sides and ``T = symmetric_product_flops(m, SYMMETRIC_MIN_SIZE)`` (``2 m^2``
     unblocked, ``f 2 m^2`` blocked, ``f`` = 5/8 at ``m = 512``, 9/16 at 1024):
@@ -250,7 +255,7 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, dtype: torch.dtype, gr
       ``n = 4 m``; blocked, 0.70x the fp32 formula's count at 512 x 1376 (bfloat16: 0.55x its plain
       formula's)."""
     m, n = min(rows, cols), max(rows, cols)
-    t = float(symmetric_product_flops(m, SYMMETRIC_MIN_SIZE))
+    t = float(symmetric_product_flops(m, SYMMETRIC_MIN_SIZE if blocked else m))
     if takes_gram_space(rows, cols, steps, gram_space):
         return sum(n * t + 2.0 * m * m * n + (4 * length - 3) * m * t for length in gram_space_blocks(steps))
     if not reorders(dtype, gram_space):

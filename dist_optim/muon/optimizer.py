@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .. import bnb_states as bnb
+from .. import structured
 from ..base import DistOptimizer, check_range
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..comm import gather_full
@@ -297,9 +298,9 @@ class DistributedMuon(DistOptimizer):
     def _ensure_tasks(self) -> dict[torch.Tensor, Task]:
         """Each Muon parameter's owner :class:`~dist_optim.owners.Task`: its matrices
         (:func:`_matrix_boxes`) owned in its work group, balancing the iteration's cost
-        (:func:`newton_schulz_flops`). The iteration's dtype is the group's ``ns_dtype`` or the
-        parameter's, the same on every rank of the work group, so every rank computes the same
-        owners."""
+        (:func:`newton_schulz_flops`, with the products' forms on the parameters' device). The
+        iteration's dtype is the group's ``ns_dtype`` or the parameter's, the same on every rank of
+        the work group, so every rank computes the same owners."""
         if self._tasks is not None:
             return self._tasks
         groups = {p: g for g in self.param_groups for p in g["params"]}
@@ -310,7 +311,8 @@ class DistributedMuon(DistOptimizer):
             m, n = _matrix_shape(layout.full_shape, group)
             boxes = _matrix_boxes(layout.full_shape, group)
             dtype = group["ns_dtype"] or p.dtype
-            flops = newton_schulz_flops(m, n, len(_schedule(group)), dtype, group["ns_gram_space"])
+            steps, gram_space = len(_schedule(group)), group["ns_gram_space"]
+            flops = newton_schulz_flops(m, n, steps, dtype, gram_space, structured.blocked(p))
             items.append((self._work.of(layout), layout, layout.full_shape, boxes, [flops] * len(boxes)))
         self._tasks = dict(zip(params, plan_tasks(items)))
         self._routed = False

@@ -225,6 +225,56 @@ def test_owner_cost_is_the_iterations_counted_flops(
     assert counter.get_total_flops() == dist_optim.muon.newton_schulz_flops(*shape, steps, dtype, gram_space)
 
 
+@pytest.mark.parametrize(
+    "shape,dtype,steps,gram_space",
+    [((512, 512), torch.float32, 5, False), ((512, 1376), torch.float32, 5, True),
+     ((1376, 512), torch.float32, 5, False), ((1024, 2752), torch.bfloat16, 5, True),
+     ((512, 512), torch.bfloat16, 5, True), ((40, 40), torch.float32, 5, False)],
+)  # fmt: skip
+def test_owner_cost_on_a_gpu_is_the_unblocked_count(
+    shape: tuple[int, int], dtype: torch.dtype, steps: int, gram_space: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the products' GPU forms (``structured.blocked`` False: one ``mm`` each) the model with
+    ``blocked=False`` is FlopCounterMode's count, and at 512 and up it differs from the CPU's
+    blocked count (so owners on a GPU balance the work that runs there, not the CPU's)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    monkeypatch.setattr(structured, "blocked", lambda t: False)
+    c = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to("meta")
+    counter = FlopCounterMode(display=False)
+    with counter:
+        newton_schulz.newton_schulz(
+            c, [dist_optim.muon.DEFAULT_NS_COEFFICIENTS] * steps, 1e-7, dtype=dtype, gram_space=gram_space
+        )
+    model = dist_optim.muon.newton_schulz_flops
+    assert counter.get_total_flops() == model(*shape, steps, dtype, gram_space, blocked=False)
+    if min(shape) >= 512:
+        assert model(*shape, steps, dtype, gram_space, blocked=True) < counter.get_total_flops()
+
+
+def test_owners_cost_the_products_of_the_parameters_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DistributedMuon's owners are planned with the cost model of the products its parameters'
+    device runs: ``blocked`` as ``structured.blocked`` decides for each parameter (patched to
+    False here, as a GPU parameter's)."""
+    import dist_optim.muon.optimizer as muon_optimizer
+
+    seen: list[bool] = []
+    real = muon_optimizer.newton_schulz_flops
+
+    def recording(*args: Any) -> float:
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(muon_optimizer, "newton_schulz_flops", recording)
+    for device_blocks in (True, False):
+        monkeypatch.setattr(structured, "blocked", lambda t, b=device_blocks: b)
+        seen.clear()
+        p = torch.nn.Parameter(torch.randn(6, 10))
+        p.grad = torch.randn(6, 10)
+        DistributedMuon([p], lr=1e-2).step()
+        assert seen == [device_blocks], (device_blocks, seen)
+
+
 def test_bfloat16_iteration_keeps_the_formula() -> None:
     """In bfloat16 (torch.optim.Muon's iteration dtype) the formula's own order is kept, so a
     converted optimizer computes what torch's does."""
