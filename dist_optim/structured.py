@@ -128,10 +128,10 @@ def symmetric_product(
     ``add=(c, beta, alpha)`` (a symmetric ``c``): ``beta c + alpha a @ b``, each block one ``addmm``, so
     each element is rounded once, as ``torch.addmm`` rounds it (in bfloat16 a separate sum would
     round twice).
-    ``out``: an ``n x n`` tensor (a view with unit column stride will do, as a block of a larger
-    matrix) the result is written to and returned, each block by its own product (no block-sized
-    temporaries and copies: on the CPU a fresh one costs page faults), bit for bit the result
-    without it."""
+    ``out``: a contiguous ``n x n`` tensor the result is written to and returned, each block by its
+    own product (no block-sized temporaries and copies: on the CPU a fresh one costs page faults),
+    bit for bit the result without it; on the CPU a block of a larger matrix (unit column stride)
+    will do, as the recursion writes its diagonal blocks so."""
     min_size = MIN_SIZE if min_size is None else min_size
     n = a.shape[0]
     if n <= min_size or not blocked(a):

@@ -51,9 +51,10 @@ def criteria(blocks: list[tuple[BlockState, float]], group: dict[str, Any]) -> l
     """The criterion of every factor of the ``(state, scale)`` blocks against its basis
     (``bs.bases``: decoded ones for quantised bases), per block, with one host read in all. The
     :func:`target` is not formed (:class:`~dist_optim.matrix_functions.Shifted`: the criterion
-    comes from the factor's product with the basis): a kept factor never builds it. The factor is exactly
-    symmetric here (mirrored by :func:`~dist_optim.shampoo.preconditioner.factors.refresh_scale`), so
-    SOAP's symmetrised ``scale L_k`` is ``scale L_k``."""
+    comes from the factor's product with the basis): a kept factor never builds it. The factor is
+    exactly symmetric here (mirrored by
+    :func:`~dist_optim.shampoo.preconditioner.factors.refresh_scale`), so SOAP's symmetrised
+    ``scale L_k`` is ``scale L_k``."""
     shift = 0.0 if group["eigenvalue_correction"] else group["epsilon"]
     pairs = (
         (matrix_functions.Shifted(f, scale, shift), q) for bs, scale in blocks for f, q in zip(bs.factors, bs.bases)
