@@ -366,7 +366,7 @@ class Scratch:
         before it is multiplied by ``R_1``), SOAP's ``"rot"`` (a rotated block) and ``"den"`` (its
         denominator); with packing ``"factor<k>"`` and ``"root<k>"`` (whole matrices); with
         quantised eigenvectors ``"dequantized"``, ``"basis<k>"``, ``"scaled"`` (``Q diag(s)``) and
-        ``"root<k>"``; a warm root refresh's ``"refresh"`` (the new root) and ``"refresh-scaled"``."""
+        ``"root<k>"``."""
         return self.split([shape], dtype, device, slot)[0]
 
     def split(
@@ -374,7 +374,8 @@ class Scratch:
     ) -> list[torch.Tensor]:
         """Contiguous tensors of ``shapes``, one after the other over the memory of ``slot``: a
         batch of blocks' tensors that are all alive at once (``"outs"``: their directions,
-        ``"grad"``: their gradients' contiguous copies)."""
+        ``"grad"``: their gradients' contiguous copies; ``"refresh"``: a warm root refresh's new
+        root and ``Q diag(s)``)."""
         key = (slot, dtype, device)
         made = self._views.setdefault(key, {})
         wanted = tuple(tuple(shape) for shape in shapes)

@@ -99,8 +99,9 @@ def test_the_criterion_of_a_shifted_matrix_is_that_of_the_matrix_formed(dtype: t
     residual and takes ``||A||_F`` from ``M``'s norm and trace) decides as this file's float64
     formula on ``B = Q^T (s M + e I) Q`` formed: a tolerance 1% above the measured ratio keeps, 1%
     below recomputes; ``d`` is ``diag(B)`` (float64: to 1e-12 relative; fp32: to 1e-5); with work
-    tensors the same bits as without. The scale and the shift are large enough that leaving
-    either out of the ratio moves it by more than 1%."""
+    tensors the same bits as without. The shift is large enough that leaving it out of the ratio
+    (the ratio of ``M`` alone) moves the ratio by more than 5% (asserted); leaving the scale out of
+    the residual moves it by the factor ``s`` (2.5 and 0.4)."""
     for d, size, seed, scale, shift in ((40, 0.02, 1, 2.5, 3.0), (300, 0.01, 2, 0.4, 0.8)):
         m = _psd(d, seed)
         _, q = torch.linalg.eigh(m)

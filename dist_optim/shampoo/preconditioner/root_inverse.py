@@ -39,7 +39,7 @@ def refresh_roots(
     once: testing the identity and taking QR steps from it would only add to the ``eigh`` that
     nearly always follows. The warm criteria are the caller's (``criteria``, one per factor, read
     for a batch of blocks at once: :mod:`.warm`) or read here for the block's factors at once. A
-    warm root is made in ``scratch`` (slots ``"refresh"`` and ``"refresh-scaled"``) before it
+    warm root and its ``Q diag(s)`` are made in ``scratch`` (slot ``"refresh"``) before the root
     replaces the stored one, where it is given."""
     failures = bs.failures
     assert failures is not None
@@ -56,8 +56,9 @@ def refresh_roots(
                 eig = warm.eigen(factor, scale, group, start)
                 work = None
                 if scratch is not None:
-                    args = (tuple(eig.eigenvectors.shape), eig.eigenvectors.dtype, eig.eigenvectors.device)
-                    work = (scratch.get(*args, "refresh"), scratch.get(*args, "refresh-scaled"))
+                    q_k = eig.eigenvectors
+                    root_k, scaled_k = scratch.split([q_k.shape, q_k.shape], q_k.dtype, q_k.device, "refresh")
+                    work = (root_k, scaled_k)
                 x, q, ok = _warm_root(eig, bs.bases[k], mult / root, group, work)
                 if q is not bs.bases[k]:  # kept eigenvectors are the basis itself
                     torch.where(ok, q.to(r_k.dtype), bs.bases[k], out=bs.bases[k])
