@@ -133,6 +133,60 @@ def test_a_root_made_in_work_tensors_is_the_root_made_without() -> None:
     assert torch.equal(got, matrix_functions.inverse_root_from_eigen(lam, q, 1e-6, 0.25))
 
 
+@pytest.mark.parametrize("n", [1, 7, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_symmetric_eigh_is_eigh_in_lapacks_layout(n: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """symmetric_eigh of an exactly symmetric matrix is ``torch.linalg.eigh``'s result bit for bit,
+    row-major or column-major, and eigh is handed the column-major one (its copy of the input into
+    the eigenvector buffer then straight); the eigenvectors come back column-major."""
+    a = matrix_functions.symmetric_part(_psd(n, 11).to(dtype))
+    lam, vec = torch.linalg.eigh(a)
+    seen: list[tuple[int, ...]] = []
+    eigh = torch.linalg.eigh
+
+    def recording(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(x.stride())
+        return eigh(x)
+
+    monkeypatch.setattr(torch.linalg, "eigh", recording)
+    for given in (a, a.mT.contiguous().mT):
+        got_lam, got_vec = matrix_functions.symmetric_eigh(given)
+        assert torch.equal(got_lam, lam) and torch.equal(got_vec, vec)
+        assert got_vec.mT.is_contiguous()
+    assert seen == [(1, n), (1, n)]
+
+
+def test_column_major_eigenvectors_are_read_in_their_own_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """all_finite reads a column-major matrix through its transpose (same entries) and finds a NaN
+    or an infinity anywhere in it; inverse_root_from_eigen writes ``Q diag(s)`` in ``q``'s layout:
+    column-major for eigh's eigenvectors, row-major for a row-major basis."""
+    a = _psd(50, 3).float()
+    lam, q = torch.linalg.eigh(a)
+    assert matrix_functions.column_major(q) and not matrix_functions.column_major(q.contiguous())
+    assert not matrix_functions.column_major(torch.ones(1, 1).mT) and not matrix_functions.column_major(lam)
+    seen: list[bool] = []
+    aminmax = torch.aminmax
+
+    def recording(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(x.is_contiguous())
+        return aminmax(x)
+
+    monkeypatch.setattr(torch, "aminmax", recording)
+    assert bool(matrix_functions.all_finite(q))
+    assert seen == [True]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = q.clone(memory_format=torch.preserve_format)
+        assert matrix_functions.column_major(broken)
+        broken[17, 3] = bad
+        assert not bool(matrix_functions.all_finite(broken))
+    spectrum = matrix_functions.inverse_root_spectrum(lam, 1e-6, 0.25)
+    for basis in (q, q.contiguous()):
+        work = (torch.empty(50, 50), torch.empty(50, 50))
+        matrix_functions.inverse_root_from_eigen(lam, basis, 1e-6, 0.25, work)
+        laid = work[1].mT if matrix_functions.column_major(basis) else work[1]
+        assert torch.equal(laid, basis * spectrum)
+
+
 def test_qr_steps_meet_the_tolerance_they_report() -> None:
     a = _psd(40, 2)
     _, q = torch.linalg.eigh(a)
@@ -152,7 +206,7 @@ def test_qr_steps_meet_the_tolerance_they_report() -> None:
 
 
 def test_unmet_tolerance_recomputes_by_eigh_bit_for_bit() -> None:
-    a = _psd(30, 4)
+    a = matrix_functions.symmetric_part(_psd(30, 4))  # exactly symmetric, as a refresh's target is
     basis = torch.linalg.qr(torch.randn(30, 30, generator=torch.Generator().manual_seed(5), dtype=torch.float64))[0]
     for steps in (0, 2):
         res = matrix_functions.warm_eigh(a, basis, tolerance=1e-12, max_iterations=steps)

@@ -74,7 +74,7 @@ def eigen(
         return start[1].kept(start[0])
     a = target(factor, scale, group)
     if start is None:
-        lam, q = torch.linalg.eigh(a)
+        lam, q = matrix_functions.symmetric_eigh(a)
         return WarmEigh(lam, q, None, 0, True)
     basis, criterion = start
     return matrix_functions.warm_eigh(
