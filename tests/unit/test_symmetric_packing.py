@@ -77,6 +77,23 @@ def test_pack_and_unpack_by_formula(n: int, monkeypatch: pytest.MonkeyPatch) -> 
     assert structured.pack_lower(meta).shape == (n * (n + 1) // 2,)
 
 
+@pytest.mark.parametrize("n", [5, 300])
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed-view"])
+def test_mirror_is_the_packings_round_trip_to_the_bit(n: int, transposed: bool) -> None:
+    """On the CPU (panels of 128, the last one partial at n=300; panels of 2 at n=5) the mirror is
+    pure copies, as ``unpack_symmetric(pack_lower(c))``: the same bits, a negative zero on the
+    diagonal, in a diagonal tile's lower part or below the tiles staying negative on both sides."""
+    gen = torch.Generator().manual_seed(n)
+    a = torch.randn(n, n, generator=gen)
+    for i, j in ((0, 0), (4, 1), (n - 1, 2), (n - 1, n - 1)):
+        a[i, j] = -0.0
+    c = a.T.contiguous().T if transposed else a.clone()
+    expected = structured.unpack_symmetric(structured.pack_lower(c), n)
+    got = structured.mirror_lower_(c, panel=2 if n == 5 else None)
+    assert torch.equal(got.contiguous().view(torch.int32), expected.view(torch.int32))
+    assert bool(torch.signbit(got[1, 4])) and bool(torch.signbit(got[n - 1, n - 1]))
+
+
 def test_pack_refuses_a_strided_view() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         structured.pack_lower(torch.zeros(8, 8)[::2, ::2])
