@@ -420,8 +420,8 @@ def warm_eigh(
     of the QR algorithm on ``B`` follow until :func:`off_diagonal_ratio` ``(B) <= tolerance`` or
     ``max_iterations`` were taken: ``Q' R = qr(B)`` (``R``'s diagonal made non-negative, so that a
     basis that already diagonalises ``A`` maps to itself), ``B <- R Q'``, ``Q <- Q Q'``. If the
-    tolerance is still not met, ``torch.linalg.eigh(A)`` is the result (by :func:`symmetric_eigh`), as it returns it
-    (increasing eigenvalues, LAPACK's signs: a root made from it is bit for bit
+    tolerance is still not met, ``torch.linalg.eigh(A)`` is the result (by :func:`symmetric_eigh`),
+    as it returns it (increasing eigenvalues, LAPACK's signs: a root made from it is bit for bit
     :func:`matrix_inverse_root`'s).
 
     Meta's ``distributed_shampoo`` has the two halves separately: ``EighEigendecompositionConfig(
