@@ -24,7 +24,16 @@ the count. ``--no-muon-fp32`` leaves out our fp32 Muon (the slowest of the three
 puts the parameters on the GPU and times each step from an idle device to an idle device
 (``torch.cuda.synchronize`` before and after); the wall clock is then the one that means anything.
 On an H100 heavyball's compilation (its default ``max-autotune-no-cudagraphs`` mode) was still
-benchmarking matrix-product kernels after 120 s for the Muon pair alone: allow minutes.
+benchmarking matrix-product kernels after 120 s for the Muon pair alone, and on an H200 it took
+150-200 s or more: allow minutes.
+
+``--muon-host`` times no heavyball (it runs on the pinned torch too): our bf16 Muon on the set's 16
+matrices at 1/16 of their sides (32 x 32 to 128 x 32: the products negligible, the step's host
+time and launches all that is left), with the Newton-Schulz iteration per matrix and in batches of
+one shape (``dist_optim.newton_schulz.newton_schulz_many``: the GPU's path, forced here on a CPU),
+timed round-robin, and the aten operators a step dispatches (each one kernel launch on a GPU or
+less), counted at torch. On a GPU, where the bench set's Muon step is its host time (its products
+take well under a millisecond), the ratio is what batching takes off the step.
 
 * SOAP: Vyas et al.'s recipe on both sides (eigenvectors at the first refresh, then one QR power
   step from the current basis: ours ``eigenbasis="qr-eigh-start"``), betas (0.9, 0.95), the factors'
@@ -43,15 +52,18 @@ benchmarking matrix-product kernels after 120 s for the Muon pair alone: allow m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
@@ -176,6 +188,76 @@ def run(
     return [(label, t) for label, _opt, _params, t in runs]
 
 
+class _Ops(TorchDispatchMode):
+    """The aten operators dispatched, counted at torch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _batches(on: bool) -> Iterator[None]:
+    """Muon's iteration in batches (``on``) or per matrix, whatever the device (the bench's switch)."""
+    from dist_optim import newton_schulz
+
+    old = newton_schulz.batches
+    newton_schulz.batches = lambda t: on  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        newton_schulz.batches = old  # type: ignore[assignment]
+
+
+#: ``--muon-host``'s iteration dtype: bf16 on a GPU (the comparison's); fp32 on a CPU, whose bf16
+#: products without bf16 instructions cost tens of microseconds even at these sides.
+HOST_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+def muon_host(warmup: int, repeats: int, clock: Callable[[], float], device: str) -> None:
+    """``--muon-host``: our bf16 Muon step on the set's matrices at 1/16 of their sides, per matrix
+    and in batches, median of round-robin steps and the aten operators of one step."""
+    import dist_optim
+
+    shapes = [s for s in llama_like(32, 86, 2, 128) if len(s) == 2]
+    make = fixed_params(shapes, device)
+    sync = device_sync(device)
+    grads = [p.grad.clone() for p in make()]  # type: ignore[union-attr]
+    runs = []
+    for label, on in (("per matrix", False), ("in batches", True)):
+        params = make()
+        opt = dist_optim.DistributedMuon(params, lr=0.02, ns_dtype=HOST_DTYPE[device.split(":")[0]])
+        runs.append((label, on, opt, params, [], _Ops()))
+    dtype, kinds = HOST_DTYPE[device.split(":")[0]], sorted(set(shapes))
+    print(f"our {dtype} Muon, {len(shapes)} matrices of {kinds} on {device}, {torch.get_num_threads()} threads")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(warmup + repeats + 1):
+            for _label, on, opt, params, times, ops in runs:
+                for p, g in zip(params, grads):
+                    p.grad = g.clone()
+                gc.collect()
+                sync()
+                with _batches(on):
+                    if i == warmup + repeats:
+                        with ops:
+                            opt.step()
+                        continue
+                    t0 = clock()
+                    opt.step()
+                    sync()
+                if i >= warmup:
+                    times.append(clock() - t0)
+    base = statistics.median(runs[0][4])
+    for label, _on, _opt, _params, times, ops in runs:
+        median = statistics.median(times)
+        print(f"  {label:11s} {1e3 * median:7.2f} ms a step ({median / base:.2f}x), {ops.count} aten operators")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", choices=sorted(PAIRS), default=["soap", "muon", "kron"])
@@ -186,10 +268,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--muon-fp32", action=argparse.BooleanOptionalAction, default=True, help="time our fp32 Muon")
     ap.add_argument("--device", default="cpu", help="where the parameters live (cuda: GPU timings, synchronised)")
+    ap.add_argument(
+        "--muon-host",
+        action="store_true",
+        help="no heavyball: our bf16 Muon's host time and operators per step, per matrix and in batches",
+    )
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.muon_host:
+        muon_host(args.warmup, args.repeats, clock, args.device)
+        return
     skip = () if args.muon_fp32 else ("ours Muon fp32 (default)",)
     from importlib.metadata import version
 

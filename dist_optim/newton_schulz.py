@@ -11,24 +11,33 @@ space, restarted every :data:`GRAM_SPACE_RESTART_EVERY` iterations
 :data:`GRAM_SPACE_RESTART_EVERY`), and the other matrices take the blocked symmetric products in
 bfloat16/float16 too (:func:`reorders`). Otherwise bfloat16/float16 iterations keep the formula's
 order (torch.optim.Muon's, so that its conversions compute exactly what it does).
+
+On a GPU, where a Muon step of small matrices is bound by the host's kernel launches rather than
+by the products, :func:`newton_schulz_many` iterates the matrices of one shape together, one
+batched product per product of the formula: the same formula, in the batched kernels' rounding.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from .structured import symmetric_product
+from .structured import blocked, symmetric_product
 
 __all__ = [
     "Coefficients",
     "GRAM_SPACE_RATIO",
     "REORDERED_DTYPES",
     "SYMMETRIC_MIN_SIZE",
+    "BATCH_BYTES",
+    "batches",
     "newton_schulz",
+    "newton_schulz_batched",
     "newton_schulz_gram_space",
+    "newton_schulz_many",
     "newton_schulz_flops",
     "reorders",
     "symmetric_product_flops",
@@ -74,6 +83,12 @@ SYMMETRIC_MIN_SIZE = 128
 IN_PLACE_MIN_BYTES = 64 * 2**20
 #: The bytes of one column block's product in the in-place update (a block has at least one column).
 IN_PLACE_BLOCK_BYTES = 32 * 2**20
+#: The most bytes of one batch of :func:`newton_schulz_many` (its matrices stacked in their own
+#: dtype; the iteration then holds the stack in the iteration's dtype, its Gram matrices and the
+#: next stack): a bound on what batching adds to the step's transient memory, far below the
+#: default ``bucket_bytes`` (256 MiB). A matrix of more than half of it goes alone: its products
+#: are large enough to keep a GPU busy without company.
+BATCH_BYTES = 32 * 2**20
 
 
 def takes_gram_space(rows: int, cols: int, steps: int, gram_space: bool) -> bool:
@@ -153,6 +168,91 @@ def newton_schulz(
             del gram
             x = _update_by_columns_(x, poly, a) if in_place else torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
+
+
+def batches(t: torch.Tensor) -> bool:
+    """Whether :func:`newton_schulz_many` iterates matrices like ``t`` in batches: where products
+    are one kernel each (:func:`~dist_optim.structured.blocked` is False: a GPU), so that a
+    step's launches, not its flops, bound it. The CPU (and the planner's meta tensors, which
+    follow it) keeps the per-matrix iteration and its blocked products."""
+    return not blocked(t)
+
+
+def newton_schulz_many(
+    cs: Sequence[torch.Tensor],
+    coefficients: Sequence[Coefficients],
+    eps: float,
+    eps_form: str = "max",
+    dtype: torch.dtype | None = None,
+    gram_space: bool = False,
+    overwrite: bool = False,
+    batch: bool | None = None,
+) -> list[torch.Tensor]:
+    """:func:`newton_schulz` of each 2-D matrix of ``cs`` (the same options for all), in order.
+    With ``batch`` (default :func:`batches` of the first matrix: on a GPU) the matrices of one
+    shape in the wide orientation, dtype and device are iterated together by
+    :func:`newton_schulz_batched`, in batches of at most :data:`BATCH_BYTES`; a matrix that
+    iterates in Gram space (:func:`takes_gram_space`), one of more than half of
+    :data:`BATCH_BYTES`, and one without a partner go through :func:`newton_schulz` (``overwrite``
+    applies to these). Without ``batch`` this is :func:`newton_schulz` per matrix, bit for bit."""
+    if batch is None:
+        batch = bool(cs) and batches(cs[0])
+    out: list[torch.Tensor | None] = [None] * len(cs)
+    alone: list[int] = []
+    kinds: dict[tuple[Any, ...], list[list[int]]] = {}
+    for i, c in enumerate(cs):
+        rows, cols = c.shape
+        nbytes = c.numel() * c.element_size()
+        if not batch or takes_gram_space(rows, cols, len(coefficients), gram_space) or 2 * nbytes > BATCH_BYTES:
+            alone.append(i)
+            continue
+        runs = kinds.setdefault((min(rows, cols), max(rows, cols), c.dtype, c.device), [[]])
+        if (len(runs[-1]) + 1) * nbytes > BATCH_BYTES:
+            runs.append([])
+        runs[-1].append(i)
+    for runs in kinds.values():
+        for run in runs:
+            if len(run) == 1:
+                alone += run
+                continue
+            wide = [cs[i].T if cs[i].size(0) > cs[i].size(1) else cs[i] for i in run]
+            x = newton_schulz_batched(torch.stack(wide), coefficients, eps, eps_form, dtype)
+            for k, i in enumerate(run):
+                out[i] = x[k].T if cs[i].size(0) > cs[i].size(1) else x[k]
+    for i in alone:
+        out[i] = newton_schulz(cs[i], coefficients, eps, eps_form, dtype, gram_space, overwrite)
+    return [x for x in out if x is not None]
+
+
+def newton_schulz_batched(
+    x: torch.Tensor,
+    coefficients: Sequence[Coefficients],
+    eps: float,
+    eps_form: str = "max",
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The formula of :func:`newton_schulz` on each wide matrix ``x[k]`` of a ``K x m x n`` stack
+    (``m <= n``; ``x`` is the caller's scratch and may be overwritten), one batched product per
+    product of the formula: ``b A + c A A`` one ``baddbmm`` in bfloat16/float16 (rounded once, as
+    the formula's ``addmm``), a product, scale and sum in fp32/fp64 (as :func:`newton_schulz`
+    computes it there), each matrix normalised by its own Frobenius norm. Products are never
+    blocked (this is the GPU's path, :func:`batches`). The result's ``[k]`` is
+    :func:`newton_schulz` of ``x[k]`` in exact arithmetic, in the batched kernels' rounding
+    (tests/unit/test_muon_batches.py holds each matrix to the per-matrix iteration's own distance to
+    float64)."""
+    if dtype is not None and dtype != x.dtype:
+        x = x.to(dtype)
+    norm = torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
+    x = x.div_(norm.clamp_(min=eps) if eps_form == "max" else norm.add_(eps))
+    for a, b, cc in coefficients:
+        gram = torch.bmm(x, x.mT)
+        if x.dtype in REORDERED_DTYPES:
+            poly = torch.bmm(gram, gram).mul_(cc).add_(gram, alpha=b)
+        else:
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=cc)
+        del gram
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return x
 
 
 def _update_by_columns_(x: torch.Tensor, poly: torch.Tensor, a: float) -> torch.Tensor:

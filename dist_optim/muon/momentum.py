@@ -11,9 +11,13 @@ import torch
 from .. import bnb_states as bnb
 from ..layout import ParamLayout
 
-__all__ = ["momentum_directions", "momentum_direction"]
+__all__ = ["FOREACH_DTYPES", "momentum_directions", "momentum_direction", "momentum_foreach"]
 
 KEY = "momentum_buffer"
+#: Momenta of these dtypes are updated by ``torch._foreach_*`` (:func:`momentum_foreach`); on the
+#: CPU ``_foreach_mul_`` by a scalar rounds bf16/fp16 otherwise than ``mul_`` (torch.optim.Muon's),
+#: so those go per tensor.
+FOREACH_DTYPES = (torch.float32, torch.float64)
 
 
 def momentum_directions(
@@ -26,22 +30,44 @@ def momentum_directions(
     fp32 (as bitsandbytes' 8-bit kernels use the fp32 moment before storing it), then stored
     quantised again, all of the bucket's at once (:class:`dist_optim.bnb_states.Batch8bit`: blocks
     of the full tensor, one max-reduction of the absmax per process group). A momentum saved
-    with the other ``optim_bits`` is carried over (quantised, or dequantised into the state)."""
-    out = []
+    with the other ``optim_bits`` is carried over (quantised, or dequantised into the state). The
+    fp32/fp64 momenta of one param group and dtype are updated together (:func:`momentum_foreach`:
+    a few launches per group on a GPU instead of a few per matrix; :data:`FOREACH_DTYPES`)."""
+    out: list[torch.Tensor | None] = [None] * len(bucket)
+    plain: dict[tuple[int, torch.dtype], tuple[dict[str, Any], list[int]]] = {}
     batch = bnb.Batch8bit()
-    for group, p, g, layout in bucket:
+    for i, (group, p, g, layout) in enumerate(bucket):
         state = states[p]
         if eight_bit(layout):
             buf = batch.read(state, KEY, True, layout, g)
-            out.append(momentum_direction(buf, g.float(), group).to(g.dtype))
+            out[i] = momentum_direction(buf, g.float(), group).to(g.dtype)
             continue
         if KEY not in state:
             state[KEY] = torch.zeros_like(g, memory_format=torch.preserve_format)
         else:
             batch.to_32bit(state, KEY, True, layout, g.device, g.dtype)
-        out.append(momentum_direction(state[KEY], g, group))
+        if g.dtype in FOREACH_DTYPES:
+            plain.setdefault((id(group), g.dtype), (group, []))[1].append(i)
+        else:
+            out[i] = momentum_direction(state[KEY], g, group)
     batch.store()
-    return out
+    for group, idx in plain.values():
+        bufs = [states[bucket[i][1]][KEY] for i in idx]
+        for i, c in zip(idx, momentum_foreach(bufs, [bucket[i][2] for i in idx], group)):
+            out[i] = c
+    return [c for c in out if c is not None]
+
+
+def momentum_foreach(bufs: list[torch.Tensor], gs: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
+    """:func:`momentum_direction` of each ``(buf, g)`` pair, by ``torch._foreach_*`` (on the CPU
+    the per-tensor kernels, bit for bit :func:`momentum_direction`'s in :data:`FOREACH_DTYPES`)."""
+    mu = group["momentum"]
+    if group["momentum_ema"]:
+        torch._foreach_lerp_(bufs, gs, 1.0 - mu)
+        return list(torch._foreach_lerp(gs, bufs, mu)) if group["nesterov"] else bufs
+    torch._foreach_mul_(bufs, mu)
+    torch._foreach_add_(bufs, gs)
+    return list(torch._foreach_add(gs, bufs, alpha=mu)) if group["nesterov"] else bufs
 
 
 def momentum_direction(buf: torch.Tensor, g: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..comm import gather_full
 from ..dtypes import check_communication_dtype
 from ..layout import ParamLayout
-from ..newton_schulz import Coefficients, newton_schulz, newton_schulz_flops
+from ..newton_schulz import Coefficients, newton_schulz_flops, newton_schulz_many
 from ..owners import (
     Moved,
     Owner,
@@ -31,7 +31,7 @@ from ..owners import (
     to_owners,
 )
 from .adamw import adamw_step
-from .momentum import momentum_directions
+from .momentum import FOREACH_DTYPES, momentum_directions
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
 
@@ -387,34 +387,49 @@ class DistributedMuon(DistOptimizer):
         full_of = dict(zip(gathered, fulls))
         held: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
         shares: list[tuple[Owner, list[torch.Tensor]]] = []
+        jobs: list[tuple[torch.Tensor, dict[str, Any], bool]] = []
+        into: list[tuple[int, tuple[slice, ...] | None]] = []  # held[i], whole (None) or a box
         for i, (group, p, c) in enumerate(plain):
             task = tasks[p]
             whole = full_of.get(i, c).reshape(task.layout.full_shape)
             if task.work.size == 1:
-                held.append((group, p, self._orthogonalize(whole, group)))
+                into.append((len(held), None))
+                jobs.append((whole, group, False))
+                held.append((group, p, whole))
                 continue
             x = torch.empty_like(whole)
             for b, box in enumerate(task.boxes):
                 sl = tuple(slice(lo, hi) for lo, hi in box)
                 if task.owner(b).mine:
-                    x[sl] = self._orthogonalize(whole[sl], group)
+                    into.append((len(held), sl))
+                    jobs.append((whole[sl], group, False))
                 shares.append((task.owner(b), [x[sl]]))
             held.append((group, p, x))
+        for (h, box_of), result in zip(into, self._orthogonalize_all(jobs)):
+            group, p, x = held[h]
+            if box_of is None:
+                held[h] = (group, p, result)
+            else:
+                x[box_of] = result
         share_results(shares, self.communication_dtype)
+        applied = []
         for group, p, x in held:
             layout = self.layout(p)
-            update = x if layout.is_local else layout.take_local(x, copy=False).view_as(p)
-            _apply(p, update, layout, group)
+            applied.append((p, x if layout.is_local else layout.take_local(x, copy=False).view_as(p), layout, group))
+        _apply_all(applied)
 
         # Pieces of C to the owners, X back to the holders: one all_to_all per work group each way.
         sending.wait()
-        for (group, _, _), m in zip(routed, moved):
-            for b, (c_box,) in m.boxes.items():
-                m.results[b] = self._orthogonalize(c_box, group, overwrite=m.sent)
+        owned = [(m, b, c_box, group) for (group, _, _), m in zip(routed, moved) for b, (c_box,) in m.boxes.items()]
+        results = self._orthogonalize_all([(c_box, group, m.sent) for m, _, c_box, group in owned])
+        for (m, b, _, _), result in zip(owned, results):
+            m.results[b] = result
         from_owners(moved, self.communication_dtype, self.bucket_bytes)
+        applied = []
         for (group, p, _), m in zip(routed, moved):
             assert m.out is not None
-            _apply(p, m.out.view_as(p), self.layout(p), group)
+            applied.append((p, m.out.view_as(p), self.layout(p), group))
+        _apply_all(applied)
 
     def eight_bit(self, layout: ParamLayout) -> bool:
         """Whether a parameter of this layout keeps its momentum (Muon) or moments (AdamW) in 8 bits
@@ -427,15 +442,33 @@ class DistributedMuon(DistOptimizer):
         return key.startswith(("momentum_buffer", "exp_avg")) and eight
 
     @staticmethod
-    def _orthogonalize(c: torch.Tensor, group: dict[str, Any], overwrite: bool = False) -> torch.Tensor:
-        """X of ``c``: a whole parameter's C, or with ``stacked`` a slice of one or all its
-        slices (each its own matrix), in ``c``'s shape; ``overwrite``: ``c`` is scratch (a block
-        received by its owner) that the iteration may work in."""
-        shape = tuple(c.shape)
-        options = (_schedule(group), group["eps"], group["eps_form"], group["ns_dtype"], group["ns_gram_space"])
-        if not _is_stacked(shape, group):
-            return newton_schulz(c.reshape(shape[0], -1), *options, overwrite=overwrite).reshape(shape)
-        return torch.stack([newton_schulz(s.reshape(shape[1], -1), *options) for s in c]).reshape(shape)
+    def _orthogonalize_all(jobs: Sequence[tuple[torch.Tensor, dict[str, Any], bool]]) -> list[torch.Tensor]:
+        """X of each job's ``c`` (in ``c``'s shape): a whole parameter's C, or with ``stacked`` a
+        slice of one or all its slices (each its own matrix); ``overwrite``: ``c`` is scratch (a
+        block received by its owner) that the iteration may work in. The matrices of one param
+        group go to :func:`~dist_optim.newton_schulz.newton_schulz_many` together, which on a GPU
+        iterates those of one shape as one batch (the step's launches, not its flops, bind a GPU
+        on small matrices); on the CPU each is :func:`~dist_optim.newton_schulz.newton_schulz`
+        as before, bit for bit."""
+        calls: dict[tuple[int, bool], tuple[dict[str, Any], list[tuple[int, int]], list[torch.Tensor]]] = {}
+        pieces: list[list[torch.Tensor]] = []
+        for j, (c, group, overwrite) in enumerate(jobs):
+            shape = tuple(c.shape)
+            stacked = _is_stacked(shape, group)
+            mats = [s.reshape(shape[1], -1) for s in c] if stacked else [c.reshape(shape[0], -1)]
+            _, where, todo = calls.setdefault((id(group), overwrite and not stacked), (group, [], []))
+            where += [(j, k) for k in range(len(mats))]
+            todo += mats
+            pieces.append(mats)
+        for (_, overwrite), (group, where, todo) in calls.items():
+            options = (_schedule(group), group["eps"], group["eps_form"], group["ns_dtype"], group["ns_gram_space"])
+            for (j, k), x in zip(where, newton_schulz_many(todo, *options, overwrite=overwrite)):
+                pieces[j][k] = x
+        out = []
+        for (c, group, _), mats in zip(jobs, pieces):
+            shape = tuple(c.shape)
+            out.append((torch.stack(mats) if _is_stacked(shape, group) else mats[0]).reshape(shape))
+        return out
 
     # ---- owners -------------------------------------------------------------------------------
     def owners_of(self, param: torch.Tensor) -> list[int]:
@@ -447,12 +480,34 @@ class DistributedMuon(DistOptimizer):
         return self._ensure_tasks()[param].work.rank
 
 
-def _apply(p: torch.Tensor, update: torch.Tensor, layout: ParamLayout, group: dict[str, Any]) -> None:
-    m, n = _matrix_shape(layout.full_shape, group)
-    lr = group["lr"]
-    if group["weight_decay"] != 0:
-        p.mul_(1.0 - lr * group["weight_decay"])
-    p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], m, n))
+def _apply_all(items: Sequence[tuple[torch.Tensor, torch.Tensor, ParamLayout, dict[str, Any]]]) -> None:
+    """Each ``(param, update, layout, group)``: decoupled weight decay, then ``-adjusted_lr``
+    times the update, by ``torch._foreach_*`` over the parameters of one factor and step size (a
+    launch per few parameters on a GPU; on the CPU the per-tensor kernels, bit for bit; the decay
+    of bf16/fp16 parameters per tensor). An update in a
+    narrower dtype (a bfloat16 iteration's) is added by type promotion, exactly as converted
+    first; a wider one (an fp32 iteration of bfloat16 parameters) is rounded to the parameter's
+    dtype first, as before."""
+    decays: dict[float, list[torch.Tensor]] = {}
+    steps: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for p, update, layout, group in items:
+        m, n = _matrix_shape(layout.full_shape, group)
+        lr = group["lr"]
+        if group["weight_decay"] != 0:
+            decays.setdefault(1.0 - lr * group["weight_decay"], []).append(p)
+        params, updates = steps.setdefault(-adjusted_lr(lr, group["adjust_lr_fn"], m, n), ([], []))
+        params.append(p)
+        updates.append(update if torch.promote_types(update.dtype, p.dtype) == p.dtype else update.to(p.dtype))
+    for factor, params in decays.items():
+        # On the CPU _foreach_mul_ by a scalar rounds bf16/fp16 otherwise than mul_ (torch.optim.Muon's).
+        wide = [p for p in params if p.dtype in FOREACH_DTYPES]
+        if wide:
+            torch._foreach_mul_(wide, factor)
+        for p in params:
+            if p.dtype not in FOREACH_DTYPES:
+                p.mul_(factor)
+    for alpha, (params, updates) in steps.items():
+        torch._foreach_add_(params, updates, alpha=alpha)
 
 
 # Saved state dicts and checkpoints name the class by this path (base.class_path).

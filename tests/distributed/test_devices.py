@@ -57,6 +57,9 @@ SHAPES = {"w": (24, 16), "v": (16, 40), "t3": (4, 6, 5), "b": (24,)}
 # bitsandbytes pages states of >= 1e5 elements (dist_optim.bnb_states.PAGED_MIN_NUMEL): a plain
 # parameter that large, for the paged cases.
 BIG = {"big": (256, 400)}
+# Two more matrices of w's shape, one of them transposed: on a GPU Muon iterates the three as one
+# batch (dist_optim.newton_schulz.newton_schulz_many), the other matrices one at a time.
+PAIRED = {"w2": (24, 16), "w3": (16, 24)}
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class DeviceCase:
     galore: dict[str, Any] | None = None  # GaLore options of the matrices' group
     vectors: dict[str, Any] | None = None  # options of a group of its own for the vectors (Muon's AdamW)
     big: bool = False
+    paired: bool = False  # PAIRED's matrices too
     # Options of the float64 run only: its preconditioners in float64 too (fp32 by default).
     ref_kwargs: dict[str, Any] = field(default_factory=dict)
     # The largest error measured on this CPU (fp32 against float64, STEPS steps, every parameter's
@@ -290,6 +294,7 @@ CASES = [
         dist_optim.DistributedMuon,
         dict(lr=2e-2, weight_decay=1e-2),
         vectors=dict(use_muon=False),
+        paired=True,
         measured_u=185.7,
     ),
     # 8-bit Muon momentum and 8-bit AdamW moments of the vector "b" (min_8bit_size=16): every
@@ -299,6 +304,7 @@ CASES = [
         dist_optim.DistributedMuon,
         dict(lr=2e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=16),
         vectors=dict(use_muon=False),
+        paired=True,
         measured_u=1.0,
     ),
 ]
@@ -370,7 +376,7 @@ def _quantise_on(device: str, case: DeviceCase, monkeypatch: pytest.MonkeyPatch)
 # ---- runs and comparison --------------------------------------------------------------------
 def _inputs(case: DeviceCase) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     """fp32 initial parameters and per-step gradients (CPU), the same for both runs."""
-    shapes = dict(SHAPES, **(BIG if case.big else {}))
+    shapes = dict(SHAPES, **(BIG if case.big else {}), **(PAIRED if case.paired else {}))
     gen = torch.Generator().manual_seed(0)
     init = {n: torch.randn(s, generator=gen) * 0.5 for n, s in shapes.items()}
     grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(STEPS)]

@@ -12,6 +12,23 @@ from typing import Any
 
 import torch
 
+#: Every option of a reference group at DistributedMuon's defaults (a group spells all of them out).
+DEFAULTS: dict[str, Any] = dict(
+    lr=1e-3,
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    ns_coefficients=(3.4445, -4.775, 2.0315),
+    eps=1e-7,
+    ns_steps=5,
+    adjust_lr_fn=None,
+    momentum_ema=False,
+    eps_form="max",
+    adamw_betas=(0.9, 0.95),
+    adamw_eps=1e-10,
+    stacked=False,
+)
+
 
 def _orthogonalize(
     c: torch.Tensor, coefficients: list[tuple[float, float, float]], eps: float, add: bool

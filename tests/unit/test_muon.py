@@ -19,7 +19,7 @@ from dist_optim.testing import plain_newton_schulz, stress_momentum
 from tests.helpers import parity
 from tests.helpers.check import assert_close, max_rel_err
 from tests.helpers.collectives import counting_collectives
-from tests.helpers.muon_reference import MuonReference
+from tests.helpers.muon_reference import DEFAULTS, MuonReference
 
 STEPS = 20
 NONE_STEP = 7
@@ -30,22 +30,6 @@ NONE_STEP = 7
 #: edit of ``_apply``) measured 2.7e6-6.1e6x this tolerance against the reference (0.6x of the
 #: earlier rtol 1e-5: it passed) and 1.5e8x against KellerJordan's.
 FLOAT64_RTOL = 1e-12
-#: The options every group of the reference needs (DistributedMuon's defaults).
-DEFAULTS = dict(
-    lr=1e-3,
-    weight_decay=0.1,
-    momentum=0.95,
-    nesterov=True,
-    ns_coefficients=(3.4445, -4.775, 2.0315),
-    eps=1e-7,
-    ns_steps=5,
-    adjust_lr_fn=None,
-    momentum_ema=False,
-    eps_form="max",
-    adamw_betas=(0.9, 0.95),
-    adamw_eps=1e-10,
-    stacked=False,
-)
 POLAR = [(8.28721, -23.5959, 17.3004), (4.10706, -2.94785, 0.544843), (3.94869, -2.9089, 0.551819)]
 
 

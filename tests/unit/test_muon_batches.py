@@ -1,0 +1,195 @@
+"""Muon's Newton-Schulz iteration in batches (``newton_schulz.newton_schulz_many``): on a GPU the
+matrices of one shape iterate as one stack, since a step of small matrices is bound by its kernel
+launches there. The batched path is forced on this CPU (``batch=True``, or ``batches``
+monkeypatched for the optimizer); the CPU's own path must stay the per-matrix iteration bit for
+bit. Launches are counted at torch (``torch.bmm`` and friends), accuracy against float64."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from dist_optim import DistributedMuon, newton_schulz
+from dist_optim.muon import DEFAULT_NS_COEFFICIENTS
+from tests.helpers.check import assert_close
+from tests.helpers.muon_reference import DEFAULTS, MuonReference
+
+COEFFS = [DEFAULT_NS_COEFFICIENTS] * 5
+#: Both sides in float64: the batched and the per-matrix iteration measured within 2e-16 of each
+#: other and of the reference (tests/unit/test_muon.py's FLOAT64_RTOL, 1e-12, leaves 75x or more).
+FLOAT64_RTOL = 1e-12
+#: A batched matrix's relative Frobenius distance to the float64 iteration, against the per-matrix
+#: iteration's own in the same dtype: measured 0.86-1.06x in fp32 (tall matrices, stored
+#: transposed in the stack) and 1.00x in bfloat16 on this CPU; 1.5 leaves a margin for other BLAS.
+ACCURACY_RATIO = 1.5
+#: Wide, tall (the same matrix transposed), square, and shapes of one matrix each.
+SHAPES = [(24, 40), (40, 24), (24, 40), (32, 32), (32, 32), (20, 70), (48, 20)]
+
+
+class _Calls(TorchFunctionMode):
+    """The calls of each torch function, by name, at torch (``x @ y`` counts as ``matmul``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: dict[str, int] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        self.count[name] = self.count.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _matrices(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=dtype) for s in SHAPES]
+
+
+def _products(calls: _Calls) -> dict[str, int]:
+    names = ("bmm", "baddbmm", "mm", "addmm", "matmul")
+    return {n: calls.count.get(n, 0) for n in names if calls.count.get(n, 0)}
+
+
+def test_the_cpus_path_is_each_matrix_on_its_own_bit_for_bit() -> None:
+    """Without ``batch`` (on the CPU: ``batches`` is False) every matrix is ``newton_schulz``'s,
+    bit for bit, in every iteration dtype and with Gram space, and no batched product runs."""
+    cs = _matrices() + [torch.randn(300, 200)]  # 200 rows: blocked symmetric products
+    assert not newton_schulz.batches(cs[0])
+    for dtype in (None, torch.bfloat16):
+        for gram_space in (False, True):
+            with _Calls() as calls:
+                got = newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, "max", dtype, gram_space)
+            assert "bmm" not in calls.count and "baddbmm" not in calls.count
+            for c, x in zip(cs, got):
+                assert torch.equal(x, newton_schulz.newton_schulz(c, COEFFS, 1e-7, "max", dtype, gram_space))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps_form", ["max", "add"])
+def test_batched_matrices_are_as_accurate_as_one_at_a_time(dtype: torch.dtype, eps_form: str) -> None:
+    """Forced batches: each matrix's result (its own shape, tall ones transposed back) is within
+    ACCURACY_RATIO of the per-matrix iteration's relative Frobenius distance to the float64
+    iteration, over three draws; in float64 both agree element-wise at FLOAT64_RTOL."""
+    for seed in range(3):
+        cs = _matrices(seed=seed)
+        ref = [newton_schulz.newton_schulz(c.double(), COEFFS, 1e-7, eps_form) for c in cs]
+        one = [newton_schulz.newton_schulz(c, COEFFS, 1e-7, eps_form, dtype) for c in cs]
+        got = newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, eps_form, dtype, batch=True)
+        assert [tuple(x.shape) for x in got] == SHAPES and all(x.dtype == dtype for x in got)
+        for c, r, o, x in zip(cs, ref, one, got):
+            err = float((x.double() - r).norm() / r.norm())
+            bound = ACCURACY_RATIO * float((o.double() - r).norm() / r.norm())
+            assert err <= bound, (tuple(c.shape), err, bound)
+        wide = newton_schulz.newton_schulz_many([c.double() for c in cs], COEFFS, 1e-7, eps_form, batch=True)
+        for r, x in zip(ref, wide):
+            assert_close(x, r, rtol=FLOAT64_RTOL)
+
+
+def test_batches_are_the_matrices_of_one_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced batches of SHAPES: one stack for the three 24 x 40 (one of them tall) and one for the
+    two 32 x 32, three batched products per iteration each (bfloat16: ``A``, then two
+    ``baddbmm``); the 20 x 70 and the 48 x 20 alone, three products per iteration each. A stack
+    over BATCH_BYTES splits; with Gram space a wide 20 x 70 (ratio 3.5) still goes alone."""
+    cs = _matrices()
+    steps = len(COEFFS)
+    with _Calls() as calls:
+        newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, "max", torch.bfloat16, batch=True)
+    assert _products(calls) == {"bmm": 2 * steps, "baddbmm": 4 * steps, "matmul": 2 * steps, "addmm": 4 * steps}
+    # fp32: the polynomial as a product, a scale and a sum (as the per-matrix fp32 iteration)
+    with _Calls() as calls:
+        newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, "max", None, batch=True)
+    assert calls.count["bmm"] == 4 * steps and calls.count["baddbmm"] == 2 * steps
+    # two 24 x 40 fp32 matrices fill a batch: the third goes alone (a run of one)
+    monkeypatch.setattr(newton_schulz, "BATCH_BYTES", 2 * 24 * 40 * 4)
+    with _Calls() as calls:
+        newton_schulz.newton_schulz_many(cs[:3], COEFFS, 1e-7, "max", torch.bfloat16, batch=True)
+    assert _products(calls) == {"bmm": steps, "baddbmm": 2 * steps, "matmul": steps, "addmm": 2 * steps}
+    monkeypatch.undo()
+    with _Calls() as calls:
+        newton_schulz.newton_schulz_many(cs[5:6] * 2, COEFFS, 1e-7, "max", torch.bfloat16, True, batch=True)
+    assert "bmm" not in calls.count and "baddbmm" not in calls.count
+
+
+def _feed(params: list[torch.Tensor], step: int) -> None:
+    gen = torch.Generator().manual_seed(200 + step)
+    for i, p in enumerate(params):
+        p.grad = None if (step == 3 and i == 1) else torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_batched_steps_match_the_float64_reference(monkeypatch: pytest.MonkeyPatch, stacked: bool) -> None:
+    """DistributedMuon with batches forced (``batches`` True, as on a GPU) over 8 float64 steps,
+    one with a ``None`` gradient: parameters and momenta element-wise at FLOAT64_RTOL against the
+    reference (tests/helpers/muon_reference.py); the step ran batched products (counted at torch)."""
+    monkeypatch.setattr(newton_schulz, "batches", lambda t: True)
+    shapes = [(6, 10), (10, 6), (6, 10), (4, 3, 2, 2), (4, 3, 2, 2), (7, 7), (5,)]
+    gen = torch.Generator().manual_seed(1)
+    init = [torch.randn(s, generator=gen, dtype=torch.float64) * 0.3 for s in shapes]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    theirs = [torch.nn.Parameter(t.clone()) for t in init]
+
+    def groups(ps: list[torch.Tensor]) -> list[dict[str, Any]]:
+        return [
+            {"params": ps[:5], "stacked": stacked},
+            {"params": ps[5:6], "lr": 2e-3},
+            {"params": ps[6:], "use_muon": False, "lr": 3e-3},
+        ]
+
+    opt = DistributedMuon(groups(ours))
+    ref = MuonReference([{**DEFAULTS, "use_muon": True, **g} for g in groups(theirs)])
+    batched = 0
+    for step in range(8):
+        _feed(ours, step)
+        _feed(theirs, step)
+        with _Calls() as calls:
+            opt.step()
+        batched += calls.count.get("bmm", 0)
+        ref.step()
+    assert batched > 0
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert_close(a.detach(), b.detach(), rtol=FLOAT64_RTOL, msg=f"param {i}")
+        rs = ref.state[id(b)]
+        key = "momentum_buffer" if "momentum_buffer" in rs else "exp_avg"
+        assert_close(opt.state[a][key], rs[key], rtol=FLOAT64_RTOL, msg=f"param {i} {key}")
+    assert all(not torch.equal(a.detach(), t) for a, t in zip(ours, init))
+
+
+DTYPE_PAIRS = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, None)]
+
+
+@pytest.mark.parametrize(("param_dtype", "ns_dtype"), DTYPE_PAIRS)
+@pytest.mark.parametrize("ema", [False, True])
+def test_momenta_and_updates_together_are_the_per_matrix_step_bit_for_bit(
+    param_dtype: torch.dtype, ns_dtype: torch.dtype | None, ema: bool
+) -> None:
+    """On the CPU the momenta (``torch._foreach_*`` per param group) and the updates (per factor
+    and step size) give each matrix's own step bit for bit: momentum, Newton-Schulz, weight decay
+    and ``-adjusted_lr`` times the update, a narrower update added by promotion and a wider one
+    rounded to the parameter's dtype first. Written per matrix from public pieces, 3 steps."""
+    from dist_optim.muon import adjusted_lr
+    from dist_optim.muon.momentum import momentum_direction
+
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(6, 10), (10, 6), (7, 7)]
+    init = [torch.randn(s, generator=gen).to(param_dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(param_dtype) for s in shapes] for _ in range(3)]
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    options = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, momentum_ema=ema, ns_dtype=ns_dtype)
+    opt = DistributedMuon(params, **options)  # type: ignore[arg-type]
+    want = [t.clone() for t in init]
+    bufs = [torch.zeros_like(t) for t in init]
+    group = dict(opt.param_groups[0])
+    for step in range(3):
+        for p, g in zip(params, grads[step]):
+            p.grad = g.clone()
+        opt.step()
+        for i, (w, g) in enumerate(zip(want, grads[step])):
+            c = momentum_direction(bufs[i], g, group)
+            x = newton_schulz.newton_schulz(c, COEFFS, 1e-7, "max", ns_dtype)
+            w.mul_(1 - 0.02 * 0.1)
+            w.add_(x.to(w.dtype), alpha=-adjusted_lr(0.02, None, *w.shape))
+    for i, (p, w) in enumerate(zip(params, want)):
+        assert torch.equal(p.detach(), w), i
+        assert torch.equal(opt.state[p]["momentum_buffer"], bufs[i]), i
