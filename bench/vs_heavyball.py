@@ -27,13 +27,14 @@ On an H100 heavyball's compilation (its default ``max-autotune-no-cudagraphs`` m
 benchmarking matrix-product kernels after 120 s for the Muon pair alone, and on an H200 it took
 150-200 s or more: allow minutes.
 
-``--muon-host`` times no heavyball (it runs on the pinned torch too): our bf16 Muon on the set's 16
-matrices at 1/16 of their sides (32 x 32 to 128 x 32: the products negligible, the step's host
-time and launches all that is left), with the Newton-Schulz iteration per matrix and in batches of
-one shape (``dist_optim.newton_schulz.newton_schulz_many``: the GPU's path, forced here on a CPU),
-timed round-robin, and the aten operators a step dispatches (each one kernel launch on a GPU or
-less), counted at torch. On a GPU, where the bench set's Muon step is its host time (its products
-take well under a millisecond), the ratio is what batching takes off the step.
+``--muon-host`` times no heavyball (it runs on the pinned torch too): our Muon (bf16 iteration on a
+GPU, fp32 on a CPU: ``HOST_DTYPE``) on the set's 15 matrices at 1/16 of their sides (32 x 32 to
+128 x 32: the products negligible, the step's host time and launches all that is left), with the
+Newton-Schulz iteration per matrix and in batches of one shape
+(``dist_optim.newton_schulz.newton_schulz_many``: the GPU's path, forced here on a CPU), timed
+round-robin, and the aten operators a step dispatches (each one kernel launch on a GPU or less),
+counted at torch. On a GPU, where the bench set's Muon step is its host time (its products take
+well under a millisecond), the ratio is what batching takes off the step.
 
 * SOAP: Vyas et al.'s recipe on both sides (eigenvectors at the first refresh, then one QR power
   step from the current basis: ours ``eigenbasis="qr-eigh-start"``), betas (0.9, 0.95), the factors'
@@ -219,7 +220,7 @@ HOST_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
 def muon_host(warmup: int, repeats: int, clock: Callable[[], float], device: str) -> None:
-    """``--muon-host``: our bf16 Muon step on the set's matrices at 1/16 of their sides, per matrix
+    """``--muon-host``: our Muon step (``HOST_DTYPE``) on the set's matrices at 1/16 of their sides, per matrix
     and in batches, median of round-robin steps and the aten operators of one step."""
     import dist_optim
 
@@ -227,12 +228,12 @@ def muon_host(warmup: int, repeats: int, clock: Callable[[], float], device: str
     make = fixed_params(shapes, device)
     sync = device_sync(device)
     grads = [p.grad.clone() for p in make()]  # type: ignore[union-attr]
+    dtype = HOST_DTYPE[device.split(":")[0]]
     runs = []
     for label, on in (("per matrix", False), ("in batches", True)):
         params = make()
-        opt = dist_optim.DistributedMuon(params, lr=0.02, ns_dtype=HOST_DTYPE[device.split(":")[0]])
-        runs.append((label, on, opt, params, [], _Ops()))
-    dtype, kinds = HOST_DTYPE[device.split(":")[0]], sorted(set(shapes))
+        runs.append((label, on, dist_optim.DistributedMuon(params, lr=0.02, ns_dtype=dtype), params, [], _Ops()))
+    kinds = sorted(set(shapes))
     print(f"our {dtype} Muon, {len(shapes)} matrices of {kinds} on {device}, {torch.get_num_threads()} threads")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -271,7 +272,7 @@ def main() -> None:
     ap.add_argument(
         "--muon-host",
         action="store_true",
-        help="no heavyball: our bf16 Muon's host time and operators per step, per matrix and in batches",
+        help="no heavyball: our Muon's host time and operators per step, per matrix and in batches",
     )
     args = ap.parse_args()
     if args.threads is not None:

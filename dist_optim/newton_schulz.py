@@ -215,13 +215,15 @@ def newton_schulz_many(
             if len(run) == 1:
                 alone += run
                 continue
-            wide = [cs[i].T if cs[i].size(0) > cs[i].size(1) else cs[i] for i in run]
+            tall = [cs[i].size(0) > cs[i].size(1) for i in run]
+            wide = [cs[i].T if t else cs[i] for i, t in zip(run, tall)]
             x = newton_schulz_batched(torch.stack(wide), coefficients, eps, eps_form, dtype)
-            for k, i in enumerate(run):
-                out[i] = x[k].T if cs[i].size(0) > cs[i].size(1) else x[k]
+            for k, (i, t) in enumerate(zip(run, tall)):
+                out[i] = x[k].T if t else x[k]
     for i in alone:
         out[i] = newton_schulz(cs[i], coefficients, eps, eps_form, dtype, gram_space, overwrite)
-    return [x for x in out if x is not None]
+    assert all(x is not None for x in out)  # every matrix went alone or into one run
+    return out  # type: ignore[return-value]
 
 
 def newton_schulz_batched(

@@ -55,7 +55,8 @@ def momentum_directions(
         bufs = [states[bucket[i][1]][KEY] for i in idx]
         for i, c in zip(idx, momentum_foreach(bufs, [bucket[i][2] for i in idx], group)):
             out[i] = c
-    return [c for c in out if c is not None]
+    assert all(c is not None for c in out)  # every matrix took the 8-bit, per-tensor or foreach path
+    return out  # type: ignore[return-value]
 
 
 def momentum_foreach(bufs: list[torch.Tensor], gs: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
