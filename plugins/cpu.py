@@ -17,7 +17,11 @@ What it fills in, and why (docs/design.md, "Running ColossalAI on CPU"):
   builds without HCCL lack: answered "not NCCL/HCCL" on gloo;
 * gloo has no ``all_to_all`` / ``all_to_all_single`` / list-form ``reduce_scatter`` (sequence
   parallelism and MoE dispatch use them): emulated with point-to-point messages and an all-reduce
-  for the modules that call them (:class:`GlooCollectives`).
+  for the modules that call them (:class:`GlooCollectives`);
+* on a torch without a CUDA device, ``torch.manual_seed`` still queues a CUDA seeding for a CUDA
+  that can never initialise, formatting the caller's stack each time (~5 ms): ColossalAI's
+  sharded layers seed 32 times per ``booster.boost``, about a tenth of a small boost's time on
+  these ranks. There the queueing is skipped (:func:`_skip_queued_cuda_seeding`).
 
 Limits on CPU: ZeRO needs ``overlap_communication=False`` (``record_stream`` has no CPU
 implementation) and fp16 an initial loss scale of 2**16 (2**32 overflows every step).
@@ -59,7 +63,18 @@ def install() -> None:
     _relax_zero_device_check()
     _patch_pipeline_p2p()
     _patch_gloo_collectives()
+    _skip_queued_cuda_seeding()
     _INSTALLED = True
+
+
+def _skip_queued_cuda_seeding() -> None:
+    """Without a CUDA device, make ``torch.cuda.manual_seed(_all)`` do nothing: torch would queue
+    the seeding (with the caller's formatted stack) until CUDA initialises, which cannot happen, so
+    the queued call never runs either way."""
+    if torch.cuda.is_available():
+        return
+    torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+    torch.cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
 
 
 class FullCpuAccelerator(CpuAccelerator):
