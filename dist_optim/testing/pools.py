@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -96,6 +97,7 @@ class DistPool:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self.world_size = world_size
         self.backend = backend
+        self._background: ThreadPoolExecutor | None = None
         self._start()
 
     def _start(self) -> None:
@@ -146,6 +148,15 @@ class DistPool:
             )
         return [out[r] for r in range(self.world_size)]
 
+    def submit(self, fn: Callable[..., Any], *args: Any, timeout: float = 600, **kwargs: Any) -> Future[list[Any]]:
+        """:meth:`run` from a background thread: the caller computes its own side meanwhile (a
+        plan, a reference run), which would otherwise leave the workers' cores idle and wait for
+        them. ``.result()`` gives run's list or raises its error. Tasks run one at a time, in the
+        order submitted."""
+        if self._background is None:
+            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist_pool")
+        return self._background.submit(self.run, fn, *args, timeout=timeout, **kwargs)
+
     def _restart(self) -> None:
         self._kill()
         self._start()
@@ -161,6 +172,9 @@ class DistPool:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def close(self) -> None:
+        if self._background is not None:
+            self._background.shutdown(wait=True)
+            self._background = None
         for q in self._tasks:
             q.put(None)
         for p in self._procs:
