@@ -61,6 +61,7 @@ from .base import DistOptimizer, check_adam_options, check_range
 from .budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from .comm import SumBucket
 from .layout import ParamLayout
+from .multi_tensor import scale_
 from .registry import Conversion, PlanEntry, register, register_plan
 
 __all__ = ["DistributedLamb"]
@@ -166,7 +167,7 @@ class DistributedLamb(DistOptimizer):
                 sq.index_copy_(1, index, reduced)
             scale = _trust_scale(group, sq, steps)
             if params[0].device.type != "cpu":
-                torch._foreach_mul_(updates, list(scale.to(updates[0].dtype).unbind()))
+                scale_(updates, list(scale.to(updates[0].dtype).unbind()))
                 torch._foreach_add_(params, updates)
             else:
                 # On the CPU a scalar read is no device sync; one fused pass per tensor.
@@ -305,9 +306,9 @@ def _updates_foreach(
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Moments, updates and the local sums of squares ([2, n]: params, updates), multi-tensor."""
     beta1, beta2 = group["betas"]
-    torch._foreach_mul_(exp_avgs, beta1)
+    scale_(exp_avgs, beta1)
     torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
+    scale_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_add_(denom, group["eps"])
@@ -315,8 +316,19 @@ def _updates_foreach(
     del denom
     if group["weight_decay"] != 0:
         torch._foreach_add_(updates, params, alpha=group["weight_decay"])
-    norms = [torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates))]
-    return updates, torch.stack(norms).float().square_()
+    return updates, torch.stack([_norms(params), _norms(updates)]).float().square_()
+
+
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's 2-norm accumulated as :func:`_updates_per_tensor` accumulates it: in fp32 for
+    low-precision tensors (``_foreach_norm`` without a dtype returns a bf16 norm, rounded before the
+    trust ratio), in float64 for float64 ones."""
+    acc = {torch.promote_types(t.dtype, torch.float32) for t in tensors}
+    if len(acc) == 1:
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=acc.pop()))
+    return torch.stack(
+        [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
+    )
 
 
 def _updates_per_tensor(

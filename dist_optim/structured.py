@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .multi_tensor import scale_
+
 __all__ = [
     "blocked",
     "matmul_triangular",
@@ -389,7 +391,7 @@ def _gram_adds_(pairs: list[tuple[torch.Tensor, torch.Tensor]], beta: float, alp
     cs = [c for c, _ in pairs]
     products = [r @ r.T for _, r in pairs]
     if beta != 1.0:
-        torch._foreach_mul_(cs, beta)
+        scale_(cs, beta)
     if alpha != 1.0:
-        torch._foreach_mul_(products, alpha)
+        scale_(products, alpha)
     torch._foreach_add_(cs, products)

@@ -18,6 +18,7 @@ import torch
 from .. import bnb_states as bnb
 from ..fused_adam import fused_applies
 from ..layout import ParamLayout
+from ..multi_tensor import scale_
 from .state import init_low_rank_state
 
 __all__ = [
@@ -108,9 +109,9 @@ def low_rank_adamw(
             exp_avg.append(m)
             exp_avg_sq.append(v)
             ts.append(float(state["step"]))
-        torch._foreach_mul_(exp_avg, beta1)
+        scale_(exp_avg, beta1)
         torch._foreach_add_(exp_avg, lows, alpha=1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sq, beta2)
+        scale_(exp_avg_sq, beta2)
         torch._foreach_addcmul_(exp_avg_sq, lows, lows, value=1.0 - beta2)
         norms = torch._foreach_div(exp_avg, denominators(group, adam_style, exp_avg_sq, ts))
         for state, blocks, m, v in quantised:

@@ -26,6 +26,7 @@ from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..comm import group_size
 from ..layout import ParamLayout
+from ..multi_tensor import scale_
 from ..owners import Task, WorkGroups
 from ..partition import all_gather_parts, live_groups, partition_span
 from .adamw import fused_plain_adamw, low_rank_adamw, plain_adamw_update
@@ -421,7 +422,7 @@ class DistributedGaLore(DistOptimizer):
         if not any(eight) and fused_plain_adamw(group, self.adam_style, states, params, grads):
             return
         if self.adam_style == "bnb" and wd > 0.0:
-            torch._foreach_mul_(params, 1.0 - lr * wd)
+            scale_(params, 1.0 - lr * wd)
         sharded = shared_absmax(states, params, grads, layouts, eight, group["betas"])
         for i, (p, grad, layout, state, e) in enumerate(zip(params, grads, layouts, states, eight)):
             # A whole tensor: bitsandbytes computes each block's absmax itself (None).

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..multi_tensor import scale_
 from ..structured import gram, gram_update_, matmul_triangular, symmetrize_, upper_times_upper
 from .blocks import Blocks, block_plan, factor_block
 from .options import precond_dtype
@@ -192,7 +193,7 @@ def balance(factors: list[torch.Tensor]) -> None:
     """Rescale the factors to a common max-abs (their geometric mean); the product is unchanged."""
     norms = torch.stack([q.abs().max() for q in factors])
     target = norms.log().mean().exp()
-    torch._foreach_mul_(factors, list((target / norms).unbind()))
+    scale_(factors, list((target / norms).unbind()))
 
 
 def precondition(factors: Sequence[torch.Tensor], g: torch.Tensor) -> torch.Tensor:

@@ -10,14 +10,11 @@ import torch
 
 from .. import bnb_states as bnb
 from ..layout import ParamLayout
+from ..multi_tensor import FOREACH_DTYPES, scale_
 
-__all__ = ["FOREACH_DTYPES", "momentum_directions", "momentum_direction", "momentum_foreach"]
+__all__ = ["momentum_directions", "momentum_direction", "momentum_foreach"]
 
 KEY = "momentum_buffer"
-#: Momenta of these dtypes are updated by ``torch._foreach_*`` (:func:`momentum_foreach`); on the
-#: CPU ``_foreach_mul_`` by a scalar rounds bf16/fp16 otherwise than ``mul_`` (torch.optim.Muon's),
-#: so those go per tensor.
-FOREACH_DTYPES = (torch.float32, torch.float64)
 
 
 def momentum_directions(
@@ -32,7 +29,7 @@ def momentum_directions(
     of the full tensor, one max-reduction of the absmax per process group). A momentum saved
     with the other ``optim_bits`` is carried over (quantised, or dequantised into the state). The
     fp32/fp64 momenta of one param group and dtype are updated together (:func:`momentum_foreach`:
-    a few launches per group on a GPU instead of a few per matrix; :data:`FOREACH_DTYPES`)."""
+    a few launches per group on a GPU instead of a few per matrix; :data:`dist_optim.multi_tensor.FOREACH_DTYPES`)."""
     out: list[torch.Tensor | None] = [None] * len(bucket)
     plain: dict[tuple[int, torch.dtype], tuple[dict[str, Any], list[int]]] = {}
     batch = bnb.Batch8bit()
@@ -61,12 +58,13 @@ def momentum_directions(
 
 def momentum_foreach(bufs: list[torch.Tensor], gs: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
     """:func:`momentum_direction` of each ``(buf, g)`` pair, by ``torch._foreach_*`` (on the CPU
-    the per-tensor kernels, bit for bit :func:`momentum_direction`'s in :data:`FOREACH_DTYPES`)."""
+    the per-tensor kernels, bit for bit :func:`momentum_direction`'s in
+    :data:`dist_optim.multi_tensor.FOREACH_DTYPES`)."""
     mu = group["momentum"]
     if group["momentum_ema"]:
         torch._foreach_lerp_(bufs, gs, 1.0 - mu)
         return list(torch._foreach_lerp(gs, bufs, mu)) if group["nesterov"] else bufs
-    torch._foreach_mul_(bufs, mu)
+    scale_(bufs, mu)
     torch._foreach_add_(bufs, gs)
     return list(torch._foreach_add(gs, bufs, alpha=mu)) if group["nesterov"] else bufs
 

@@ -16,6 +16,7 @@ from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..comm import gather_full
 from ..dtypes import check_communication_dtype
 from ..layout import ParamLayout
+from ..multi_tensor import scale_
 from ..newton_schulz import Coefficients, newton_schulz_flops, newton_schulz_many
 from ..owners import (
     Moved,
@@ -31,7 +32,7 @@ from ..owners import (
     to_owners,
 )
 from .adamw import adamw_step
-from .momentum import FOREACH_DTYPES, momentum_directions
+from .momentum import momentum_directions
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
 
@@ -484,7 +485,7 @@ def _apply_all(items: Sequence[tuple[torch.Tensor, torch.Tensor, ParamLayout, di
     """Each ``(param, update, layout, group)``: decoupled weight decay, then ``-adjusted_lr``
     times the update, by ``torch._foreach_*`` over the parameters of one factor and step size (a
     launch per few parameters on a GPU; on the CPU the per-tensor kernels, bit for bit; the decay
-    of bf16/fp16 parameters per tensor). An update in a
+    by :func:`dist_optim.multi_tensor.scale_`, per tensor in bf16/fp16). An update in a
     narrower dtype (a bfloat16 iteration's) is added by type promotion, exactly as converted
     first; a wider one (an fp32 iteration of bfloat16 parameters) is rounded to the parameter's
     dtype first, as before."""
@@ -499,13 +500,7 @@ def _apply_all(items: Sequence[tuple[torch.Tensor, torch.Tensor, ParamLayout, di
         params.append(p)
         updates.append(update if torch.promote_types(update.dtype, p.dtype) == p.dtype else update.to(p.dtype))
     for factor, params in decays.items():
-        # On the CPU _foreach_mul_ by a scalar rounds bf16/fp16 otherwise than mul_ (torch.optim.Muon's).
-        wide = [p for p in params if p.dtype in FOREACH_DTYPES]
-        if wide:
-            torch._foreach_mul_(wide, factor)
-        for p in params:
-            if p.dtype not in FOREACH_DTYPES:
-                p.mul_(factor)
+        scale_(params, factor)
     for alpha, (params, updates) in steps.items():
         torch._foreach_add_(params, updates, alpha=alpha)
 

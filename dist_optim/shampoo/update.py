@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..multi_tensor import scale_
 from .blocking import Block
 
 __all__ = ["apply_update", "apply_updates", "join_blocks", "whole_views"]
@@ -35,7 +36,7 @@ def apply_updates(
     moving = [(i, b) for i, b in enumerate(bufs) if b is not None] if mom > 0 else []
     if moving:
         held = [b for _, b in moving]
-        torch._foreach_mul_(held, mom)
+        scale_(held, mom)
         torch._foreach_add_(held, [ds[i] for i, _ in moving])
         if group["use_nesterov"]:
             torch._foreach_add_([ds[i] for i, _ in moving], held, alpha=mom)

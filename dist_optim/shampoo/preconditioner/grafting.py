@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ...fused_adam import fused_applies
+from ...multi_tensor import scale_
 from ..options import SQUARED_GRAFTING_TYPES, AdaGradGraftingConfig, AdamGraftingConfig
 from ..state import BlockState
 
@@ -92,7 +93,7 @@ def scale_directions(ps: list[torch.Tensor], m_div: float, norm_ds: list[torch.T
         return
     norm_ps = torch._foreach_norm(ps)
     torch._foreach_add_(norm_ps, 1e-16 * m_div)
-    torch._foreach_mul_(ps, torch._foreach_div(norm_ds, norm_ps))
+    scale_(ps, torch._foreach_div(norm_ds, norm_ps))
 
 
 def update_moments(
