@@ -41,9 +41,9 @@ def _losses(path: str) -> dict[int, str]:
 
 
 def test_killed_rank_fails_the_job_and_resume_continues_the_trajectory(pool4, tmp_path) -> None:
-    # The uninterrupted run, on the pool's 4 processes (tests/helpers/recipe.py: the recipe's train()
-    # as torchrun's launch would run it, a launch of imports cheaper); the killed and the resumed
-    # runs are launched as a user launches them.
+    # The uninterrupted and the resumed runs on the pool's 4 processes (tests/helpers/recipe.py: the
+    # recipe's train() as torchrun's launch would run it, a launch of imports cheaper); the killed run
+    # is launched as a user launches it (a resume so launched is test_recipes.py's).
     straight_log = str(tmp_path / "straight.csv")
     pool4.run(run_recipe, _args(str(tmp_path / "ck0"), straight_log))
 
@@ -75,8 +75,8 @@ def test_killed_rank_fails_the_job_and_resume_continues_the_trajectory(pool4, tm
     assert resumed_from in (2, 4, 6), resumed_from
     with open(log) as f:
         rows_before = len(list(csv.DictReader(f)))
-    out = subprocess.run(_cmd(ckpt, log, "--resume"), cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)
-    assert f"at step {resumed_from}" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+    out = pool4.run(run_recipe, _args(ckpt, log, "--resume"))[0]
+    assert f"at step {resumed_from}" in out, out[-3000:]
     with open(log) as f:
         appended = [int(r["step"]) for r in list(csv.DictReader(f))[rows_before:]]
     # The resumed run logged exactly the steps after its checkpoint, and they are the uninterrupted

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from recipes import corpus
+from tests.helpers.recipe import run_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,21 +22,24 @@ def _torchrun(script: str, *args: str) -> str:
     return out
 
 
-def test_recipe_checkpoint_and_resume(tmp_path) -> None:
+def test_recipe_checkpoint_and_resume(tmp_path, pool4) -> None:
+    """Two steps and a checkpoint, then a launch that resumes from it for a third. The first run is
+    the recipe's train() on the pool's 4 processes (tests/helpers/recipe.py: what torchrun's launch
+    runs, without a launch's imports); the resume is launched as a user launches it."""
     ckpt, log, board = str(tmp_path / "ckpt"), str(tmp_path / "train.csv"), str(tmp_path / "tb")
     common = ["--plugin", "hybrid", "--tp", "2", "--zero", "1", "--no-progress", "--ckpt-dir", ckpt, "--log-csv", log]
     common += ["--tensorboard", board]
     common += ["--optimizer", "transformers.optimization.Adafactor", "--lr", "1e-2"]
     common += ["--optimizer-args", '{"relative_step": false, "scale_parameter": false}']
-    out = _torchrun("recipes/train.py", *common, "--steps", "2", "--ckpt-every", "2")
+    pool4.run(run_recipe, [*common, "--steps", "2", "--ckpt-every", "2"])
+    assert os.path.exists(os.path.join(ckpt, "step_0000002", "optimizer", "dist_optim_optimizer.index.json"))
+    out = _torchrun("recipes/train.py", *common, "--steps", "3", "--resume")
     assert "dist_optim: swapped" in out  # the plugin's log line (ColossalAI's logger wraps it)
     assert "optimizer: dist_optim.adafactor.DistributedAdafactor" in out
     # No --data: the books of recipes/corpus.py train, their held-out part is held out (byte tokens,
     # --seq-len 64: ASCII text, a byte a character).
     train, held = (os.path.getsize(f) // 64 for f in (corpus.TRAIN, corpus.HELDOUT))
     assert f"data: {train} training and {held} held-out sequences of 64 tokens" in out
-    assert os.path.exists(os.path.join(ckpt, "step_0000002", "optimizer", "dist_optim_optimizer.index.json"))
-    out = _torchrun("recipes/train.py", *common, "--steps", "3", "--resume")
     assert "resumed from" in out and "final loss" in out
     with open(log) as f:
         rows = list(csv.DictReader(f))
