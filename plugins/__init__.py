@@ -49,8 +49,8 @@ __all__ = [
 
 
 def _log(message: str) -> None:
-    # ColossalAI's logger inspects the whole call stack on every rank before it checks the rank
-    # (~0.2 s per message on a CPU rank); the other ranks print nothing, so they skip the call.
+    # ColossalAI's logger inspects the whole call stack (every frame's source) on every rank
+    # before it checks the rank; the other ranks print nothing, so they skip the call.
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         get_dist_logger().info(f"dist_optim: {message}")
 

@@ -19,9 +19,9 @@ What it fills in, and why (docs/design.md, "Running ColossalAI on CPU"):
   parallelism and MoE dispatch use them): emulated with point-to-point messages and an all-reduce
   for the modules that call them (:class:`GlooCollectives`);
 * on a torch without a CUDA device, ``torch.manual_seed`` still queues a CUDA seeding for a CUDA
-  that can never initialise, formatting the caller's stack each time (~5 ms): ColossalAI's
-  sharded layers seed 32 times per ``booster.boost``, about a tenth of a small boost's time on
-  these ranks. There the queueing is skipped (:func:`_skip_queued_cuda_seeding`).
+  that can never initialise, formatting the caller's stack each time: ColossalAI's sharded layers
+  seed 32 times per ``booster.boost``, about 6% of a small boosted run on these ranks (docs/design.md).
+  There the queueing is skipped (:func:`_skip_queued_cuda_seeding`).
 
 Limits on CPU: ZeRO needs ``overlap_communication=False`` (``record_stream`` has no CPU
 implementation) and fp16 an initial loss scale of 2**16 (2**32 overflows every step).
