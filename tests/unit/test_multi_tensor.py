@@ -44,12 +44,13 @@ def test_scale_by_tensors_rounds_as_mul() -> None:
 def test_torch_foreach_is_why() -> None:
     """The measurement the module's docstring states: on this torch, CPU ``_foreach_mul_`` of bf16
     by 0.99 differs from ``mul_`` (if a later torch fixes it, scale_ stays correct, only slower)."""
+    if not torch.__version__.startswith("2.5."):
+        pytest.skip(f"measured on torch 2.5.1, the project's pin; this is {torch.__version__}")
     t = _tensors(0)[2]
     plain = t.clone().mul_(0.99)
     fused = [t.clone()]
     torch._foreach_mul_(fused, 0.99)
-    if torch.__version__.startswith("2.5."):
-        assert int((plain != fused[0]).sum()) > 1000
+    assert int((plain != fused[0]).sum()) > 1000
 
 
 def test_lamb_multi_tensor_path_steps_bf16_as_per_tensor() -> None:
