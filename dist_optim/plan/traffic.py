@@ -241,7 +241,7 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **kwargs)
         results = tensors_in(out)
         if self.answer_meta_items:
-            self._shadow(func, args, kwargs, out, results)
+            self._shadow(func, args, kwargs, results)
         made = [t for t in results if not _is_sparse(t)]
         if made:
             existing = {a.untyped_storage()._cdata for a in tensors_in((args, kwargs)) if not _is_sparse(a)}
@@ -249,10 +249,10 @@ class LiveBytes(TorchDispatchMode):
                 self._track(t, existing)
         return out
 
-    def _shadow(self, func: Any, args: Any, kwargs: Any, out: Any, results: list[torch.Tensor]) -> None:
+    def _shadow(self, func: Any, args: Any, kwargs: Any, results: list[torch.Tensor]) -> None:
         """Compute ``func`` on the CPU shadows of its inputs when every meta input is a small tensor
         with a shadow, and keep the results as the shadows of its small meta outputs (``results``:
-        the tensors in ``out``)."""
+        the tensors among its outputs, :func:`tensors_in`)."""
         if func.overloadpacket.__name__ in UNDEFINED_VALUES:
             return  # uninitialised memory: no value to shadow (a CPU one would hold whatever it held)
         outs = [t for t in results if t.is_meta]
@@ -282,11 +282,10 @@ class LiveBytes(TorchDispatchMode):
                 self._shadows.pop(id(t), None)
             return
         result = func(*cpu_args, **cpu_kwargs)
-        leaves = results
-        cpu_leaves = tensors_in(result)
-        if result is None or len(leaves) != len(cpu_leaves):
+        cpu_results = tensors_in(result)
+        if result is None or len(results) != len(cpu_results):
             return  # an in-place op without outputs: the shadows were updated in place
-        for t, c in zip(leaves, cpu_leaves):
+        for t, c in zip(results, cpu_results):
             if t.is_meta and id(t) not in self._shadows:
                 self._shadows[id(t)] = c
                 weakref.finalize(t, self._shadows.pop, id(t), None)
