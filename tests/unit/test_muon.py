@@ -342,16 +342,32 @@ def test_fp32_step_is_as_accurate_as_the_formula(shape: tuple[int, int], kind: s
 
 #: ns_gram_space=True's fp32 error may be at most this many times the plain formula's (measured
 #: 1.0-3.1x by bench/ns_accuracy.py from 512 x 1376 to 2048 x 5504, 3.08x on the rank-8 512 x 1536
-#: gradient below; 57.8x there without its restarts).
+#: gradient below on an AMD EPYC CPU and 1.76x on an Intel Xeon with AVX-512: the ratio is a
+#: property of the machine's fp32 kernels as much as of the form; 57.8x without its restarts).
 GRAM_SPACE_ERROR_FACTOR = 4.0
 
 
 def test_gram_space_option_error_is_the_documented_one() -> None:
-    """ns_gram_space=True takes the Gram-space form on a wide matrix: on a rank-8 512 x 1536
+    """ns_gram_space=True takes the Gram-space form on a wide matrix, and on a rank-8 512 x 1536
     gradient (its worst measured case in fp32) it is within GRAM_SPACE_ERROR_FACTOR times the
-    formula's fp32 error, and more than FORMULA_ERROR_FACTOR times it (why it is not the default)."""
-    ours, floor = _one_step_error(stress_momentum((512, 1536), "rank8"), ns_gram_space=True)
-    assert FORMULA_ERROR_FACTOR * floor < ours <= GRAM_SPACE_ERROR_FACTOR * floor, (ours, floor, ours / floor)
+    formula's fp32 error. That the form ran is read from the products torch counts (its own count,
+    0.70x the formula's here), not from the error: how much larger than the formula's the error
+    comes out depends on the CPU's kernels (3.08x measured on one, 1.76x on another)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    g = stress_momentum((512, 1536), "rank8")
+    flops = {}
+    for gram_space in (False, True):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            _one_step_error(g, ns_gram_space=gram_space)
+        flops[gram_space] = counter.get_total_flops()
+    formula_ns = dist_optim.muon.newton_schulz_flops(512, 1536, 5, torch.float32)  # ns_steps=5, the default
+    gram_ns = dist_optim.muon.newton_schulz_flops(512, 1536, 5, torch.float32, gram_space=True)
+    # The step also runs the plain formula twice (the references, the same in both runs).
+    assert flops[True] - flops[False] == gram_ns - formula_ns < 0, flops
+    ours, floor = _one_step_error(g, ns_gram_space=True)
+    assert ours <= GRAM_SPACE_ERROR_FACTOR * floor, (ours, floor, ours / floor)
 
 
 def _rel_fro(x: torch.Tensor, ref: torch.Tensor) -> float:
