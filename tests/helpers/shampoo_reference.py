@@ -130,6 +130,12 @@ class ReferenceShampoo:
         self.graft, self.soap, self.basis_mode = graft, eigenvalue_correction, eigenbasis
         self.merge, self.override, self.mult = merge_small_dims, exponent_override, exponent_multiplier
         self.state: list[dict[str, Any]] = [{} for _ in self.params]
+        #: The smallest gap between neighbouring eigenvalues of a factor whose eigenvectors became a
+        #: SOAP basis (:func:`eig_desc`), relative to its largest eigenvalue: where it is ~0 (a
+        #: repeated eigenvalue, e.g. the null space of a rank-deficient factor) the basis within
+        #: that eigenspace is LAPACK's choice and SOAP's update depends on it, so no reference can
+        #: pin the result down.
+        self.min_eigen_gap = float("inf")
 
     def _view(self, p: torch.Tensor) -> tuple[int, ...]:
         shape = tuple(p.shape) or (1,)
@@ -247,7 +253,10 @@ class ReferenceShampoo:
                 if self.basis_mode == "qr":  # S is not permuted: Meta's keeps it per column
                     st[f"{key}basis{k}"] = qr_algorithm_refresh(a, st[f"{key}basis{k}"], eps)
                 elif self.basis_mode == "eigh" or t == self.start:
-                    st[f"{key}basis{k}"] = eig_desc(a)[1]
+                    lam, st[f"{key}basis{k}"] = eig_desc(a)
+                    if lam.numel() > 1:
+                        gap = float((lam[:-1] - lam[1:]).min() / lam.abs().max().clamp(min=1e-300))
+                        self.min_eigen_gap = min(self.min_eigen_gap, gap)
                 else:  # "qr-eigh-start"
                     st[f"{key}basis{k}"], perm = qr_power_refresh(a, st[f"{key}basis{k}"])
                     s = s.index_select(k, perm)
