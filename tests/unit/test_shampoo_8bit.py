@@ -273,8 +273,11 @@ def test_a_32bit_state_is_quantised_at_its_first_step(kind: str, via_full_state:
     """Moments, grafting state and momentum saved at 32 bits, loaded by an 8-bit optimizer: its
     first step updates their saved values (not zeros, not their codes) and stores the result as
     codes, the nearest ones of the 32-bit optimizer's new values (the same step from the same
-    state); the parameters equal that step's within 1e-6 of its size (SOAP's second moment, kept
-    in float64 at 32 bits, is updated from its fp32 value: measured 0 and 2e-8)."""
+    state); the parameters equal that step's within 1e-6 of its size beyond one fp32 ulp of the
+    parameter (SOAP's second moment, kept in float64 at 32 bits, is updated from its fp32 value:
+    the two steps differ by 0 and 2e-8 of the step before the parameters are rounded, and where
+    that straddles a rounding boundary the two parameters land one ulp apart, which one Intel
+    Xeon's kernels with OMP_NUM_THREADS=1 showed, 2.4e-7 at a step of 0.18)."""
     eight, p8 = _carried_run(kind, 32, 8, via_full_state)
     plain, p32 = _carried_run(kind, 32, 32, via_full_state)
     expected = _moments(plain, p32)
@@ -290,7 +293,8 @@ def test_a_32bit_state_is_quantised_at_its_first_step(kind: str, via_full_state:
     assert not_nearest <= 0.01 * total, (not_nearest, total)
     for a, b, w in zip(p8, p32, _params()):
         scale = float((b - w).abs().max())
-        assert float((a - b).abs().max()) <= 1e-6 * scale
+        ulp = b.detach().abs() * 2**-23  # at least one fp32 ulp of each element
+        assert float(((a - b).abs() - ulp).max()) <= 1e-6 * scale
 
 
 @pytest.mark.parametrize("via_full_state", [False, True], ids=["state_dict", "full_state"])
