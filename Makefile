@@ -10,7 +10,10 @@ CORPUS := recipes/data/gutenberg/SOURCE.json
 
 .PHONY: setup test test-gpu demo bench lint clean
 
+# tools/check_disk.py: the pinned stack needs ~9 GiB free while it installs (a CUDA torch from PyPI);
+# with less, one line says so before pip runs out of disk minutes in.
 $(STAMP): requirements.txt requirements-dev.txt setup.py pyproject.toml
+	$(PYTHON) tools/check_disk.py $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade "pip>=24" "setuptools>=68" wheel
 	$(PY) -m pip install -r requirements-dev.txt
@@ -24,8 +27,8 @@ setup: $(STAMP) $(CORPUS)
 
 # ruff (rules, format, complexity <= 15: pyproject.toml) everywhere; mypy over the package.
 lint: setup
-	$(PY) -m ruff check dist_optim plugins tests bench recipes
-	$(PY) -m ruff format --check dist_optim plugins tests bench recipes
+	$(PY) -m ruff check dist_optim plugins tests bench recipes tools
+	$(PY) -m ruff format --check dist_optim plugins tests bench recipes tools
 	$(PY) -m mypy
 
 # runs/junit.xml: the outcomes the README's support table is built from (python -m tests.helpers.support
