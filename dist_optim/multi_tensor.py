@@ -10,7 +10,7 @@ of a scalar) and ``_foreach_mul_`` by a list of tensors round as their per-tenso
 same measurement). So every list of tensors is scaled through :func:`scale_`: fp32/fp64 tensors in
 one multi-tensor call (a few launches on a GPU instead of one per tensor), the others per tensor,
 on every device, so that a bf16 state steps alike on CPUs and GPUs. tests/unit/test_multi_tensor.py
-checks it bit for bit and that no other module calls ``torch._foreach_mul_``.
+checks it bit for bit; tests/unit/test_layering.py that no other module uses ``torch._foreach_mul_``.
 """
 
 from __future__ import annotations

@@ -72,26 +72,33 @@ def test_modules_and_classes_stay_readable() -> None:
     assert too_long == []
 
 
-#: The owner mechanism's primitives and the only modules that may call them: an optimizer reaches
-#: owners, routes and exchanges through dist_optim.owners alone (one interface, nothing re-written).
-OWNER_PRIMITIVES = {
+#: Primitives with one home and the only modules that may use them (call them, or name them as an
+#: attribute, ``torch._foreach_mul_`` say): an optimizer reaches owners, routes and exchanges through
+#: dist_optim.owners alone (one interface, nothing re-written), and scales a list of tensors through
+#: dist_optim.multi_tensor.scale_ (torch 2.5.1's CPU ``_foreach_mul_`` by a number rounds it to a
+#: bf16/fp16 list's dtype first).
+ONE_HOME = {
     "assign_owners": {"dist_optim/placement.py", "dist_optim/owners.py"},
     "plan_route": {"dist_optim/placement.py", "dist_optim/owners.py"},
     "exchange": {"dist_optim/comm.py", "dist_optim/owners.py"},
     "share_owned": {"dist_optim/comm.py", "dist_optim/owners.py"},
     "work_grids": {"dist_optim/owners.py"},
     "work_group": {"dist_optim/owners.py"},
+    "_foreach_mul_": {"dist_optim/multi_tensor.py"},
 }
 
 
-def test_owner_primitives_are_called_only_by_the_owner_modules() -> None:
-    calls = []
+def test_one_home_primitives_are_used_only_by_their_modules() -> None:
+    uses = []
     for path in sorted((ROOT / "dist_optim").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), rel)):
-            if isinstance(node, ast.Call):
-                func = node.func
-                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-                if name in OWNER_PRIMITIVES and rel not in OWNER_PRIMITIVES[name]:
-                    calls.append(f"{rel}:{node.lineno}: {name}")
-    assert calls == []
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                name = node.func.id
+            else:
+                continue
+            if name in ONE_HOME and rel not in ONE_HOME[name]:
+                uses.append(f"{rel}:{node.lineno}: {name}")
+    assert uses == []

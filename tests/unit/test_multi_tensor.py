@@ -1,12 +1,10 @@
 """dist_optim.multi_tensor.scale_: every list of tensors scaled as ``Tensor.mul_`` scales each,
 bit for bit, in every dtype (torch 2.5.1's CPU ``_foreach_mul_`` by a Python scalar rounds the
 scalar to bf16/fp16 first); the optimizers' multi-tensor paths then step bf16 states as their
-per-tensor paths do; and no other module of the package calls ``torch._foreach_mul_``."""
+per-tensor paths do. That no other module of the package uses ``torch._foreach_mul_`` is
+tests/unit/test_layering.py's (``ONE_HOME``)."""
 
 from __future__ import annotations
-
-import ast
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ import torch
 from dist_optim.lamb import DistributedLamb
 from dist_optim.multi_tensor import scale_
 
-ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -72,17 +69,3 @@ def test_lamb_multi_tensor_path_steps_bf16_as_per_tensor() -> None:
         assert torch.equal(a, b)
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(sa[key], sb[key]), key
-
-
-def _foreach_mul_calls(path: Path) -> list[int]:
-    tree = ast.parse(path.read_text(), str(path))
-    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "_foreach_mul_"]
-
-
-def test_only_multi_tensor_calls_foreach_mul() -> None:
-    found = {
-        path.relative_to(ROOT).as_posix(): lines
-        for path in sorted((ROOT / "dist_optim").rglob("*.py"))
-        if path.name != "multi_tensor.py" and (lines := _foreach_mul_calls(path))
-    }
-    assert found == {}, f"scale lists through dist_optim.multi_tensor.scale_: {found}"
