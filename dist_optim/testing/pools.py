@@ -3,18 +3,26 @@
 :class:`DistPool` spawns N workers once (file-based rendezvous, no fixed ports), keeps them and
 their process group alive, and runs module-level functions on all of them; a failure on any rank
 is re-raised in pytest with that rank's traceback, and the pool is then replaced (a failed rank
-may have left the others inside a collective). Spawning and importing torch/colossalai is the
-slow part of a distributed test on two cores, so it is paid once per session, not per test.
+may have left the others inside a collective). A rank that does not answer in time has its Python
+stacks (every thread) in the error, read with :mod:`faulthandler`; the pool is replaced as well
+when the wait for results is interrupted from outside (pytest-timeout's signal, Ctrl-C), so a hung
+task cannot leave its workers busy, and its late results, to the next test. Spawning and importing
+torch/colossalai is the slow part of a distributed test on two cores, so it is paid once per
+session, not per test.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib
 import os
 import queue
 import shutil
+import signal
+import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,8 +37,20 @@ from .. import comm
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("DIST_OPTIM_TEST_TIMEOUT", "120")))
 
+#: The signal on which a worker writes its Python stacks (every thread) to :func:`stacks_file`.
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def stacks_file(directory: str, rank: int) -> str:
+    """Where rank ``rank`` of the pool whose rendezvous lives in ``directory`` writes its stacks."""
+    return os.path.join(directory, f"stacks.{rank}")
+
 
 def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any, backend: str = "gloo") -> None:
+    # Kept open for the life of the process: faulthandler writes to its descriptor from the signal
+    # handler, which works while the rank is blocked inside C++ (a gloo wait) holding the GIL.
+    stacks = open(stacks_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     os.environ.update(
@@ -124,23 +144,31 @@ class DistPool:
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = timeout
-        while len(out) + len(failures) < self.world_size:
-            try:
-                rank, ok, payload = self._results.get(timeout=deadline)
-            except queue.Empty:
-                missing = sorted(set(range(self.world_size)) - set(out) - set(failures))
-                self._restart()
-                msg = f"ranks {missing} did not finish {fn.__name__} within {deadline:.0f}s"
-                if failures:
-                    msg += "\n" + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-                raise AssertionError(msg) from None
-            if ok:
-                out[rank] = payload
-            else:
-                failures[rank] = payload
-                # The other ranks may be stuck in a collective with the failed one: give them a
-                # short while to fail on their own, then replace the pool.
-                deadline = min(deadline, 15)
+        try:
+            while len(out) + len(failures) < self.world_size:
+                try:
+                    rank, ok, payload = self._results.get(timeout=deadline)
+                except queue.Empty:
+                    break
+                if ok:
+                    out[rank] = payload
+                else:
+                    failures[rank] = payload
+                    # The other ranks may be stuck in a collective with the failed one: give them a
+                    # short while to fail on their own, then replace the pool.
+                    deadline = min(deadline, 15)
+        except BaseException:
+            # Interrupted from outside while the workers still run the task: kept, they would take
+            # the next test's task only after this one, and put this one's results where the next
+            # test reads its own. The stacks say where they were.
+            missing = sorted(set(range(self.world_size)) - set(out) - set(failures))
+            print(f"DistPool: {fn.__name__} interrupted\n{self._replace(missing)}", file=sys.stderr)
+            raise
+        missing = sorted(set(range(self.world_size)) - set(out) - set(failures))
+        if missing:
+            msg = f"ranks {missing} did not finish {fn.__name__} within {deadline:.0f}s"
+            msg += "".join(f"\n--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items()))
+            raise AssertionError(msg + "\n" + self._replace(missing))
         if failures:
             self._restart()
             raise AssertionError(
@@ -160,6 +188,44 @@ class DistPool:
     def _restart(self) -> None:
         self._kill()
         self._start()
+
+    def _replace(self, ranks: list[int]) -> str:
+        """The Python stacks of ``ranks`` (those still running a task), then a fresh pool."""
+        stacks = self.stacks(ranks)
+        self._restart()
+        return stacks
+
+    def stacks(self, ranks: list[int], wait: float = 5.0) -> str:
+        """What ``ranks`` are doing now: each writes its Python stacks (every thread) on
+        :data:`STACKS_SIGNAL`; what a rank wrote within ``wait`` seconds, or that it wrote nothing."""
+
+        def size(r: int) -> int:
+            path = stacks_file(self._dir, r)
+            return os.path.getsize(path) if os.path.exists(path) else 0
+
+        before = {r: size(r) for r in ranks}
+        for r in ranks:
+            pid = self._procs[r].pid
+            if self._procs[r].is_alive() and pid is not None:
+                os.kill(pid, STACKS_SIGNAL)
+        end = time.monotonic() + wait
+        last = dict(before)
+        while time.monotonic() < end:
+            time.sleep(0.25)
+            now = {r: size(r) for r in ranks}
+            # faulthandler writes a whole dump from its handler: written, and no longer growing.
+            if all(now[r] > before[r] and now[r] == last[r] for r in ranks):
+                break
+            last = now
+        parts = []
+        for r in ranks:
+            text = ""
+            if size(r) > before[r]:
+                with open(stacks_file(self._dir, r)) as f:
+                    f.seek(before[r])
+                    text = f.read().strip()
+            parts.append(f"--- rank {r}: stacks ---\n{text or '(nothing written: the process is gone or blocked)'}")
+        return "\n".join(parts)
 
     def _kill(self) -> None:
         for p in self._procs:

@@ -1,10 +1,13 @@
 """The session's process pool (``dist_optim.testing.pools``): its workers freeze what importing
-made before their first task, and nothing a task makes."""
+made before their first task, and nothing a task makes; a task that hangs is reported with its
+ranks' stacks and leaves a fresh pool, also when the wait is interrupted from outside."""
 
 from __future__ import annotations
 
 import gc
 import os
+import signal
+import time
 from typing import Any
 
 import pytest
@@ -104,3 +107,68 @@ def test_a_new_boost_frees_the_collected_plugins_groups(pool4: DistPool) -> None
     as many threads as one does."""
     for first, third in pool4.run(_boost_thrice):
         assert third == first, (first, third)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _hang_here_on_rank_1() -> None:
+    """Rank 1 waits in a barrier that rank 0 never joins (gloo's own timeout is minutes away)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        dist.barrier()
+
+
+def test_a_hung_rank_is_reported_with_its_stacks_and_the_pool_replaced(pool2: DistPool) -> None:
+    """A rank that does not answer within the run's timeout: the error names it and shows where it
+    is (its Python stack, written by the worker itself on a signal), and the next task runs on
+    fresh workers, not behind the hung one."""
+    assert pool2.run(_rank) == [0, 1]  # started (a fresh pool spends seconds importing)
+    with pytest.raises(AssertionError) as failed:
+        pool2.run(_hang_here_on_rank_1, timeout=5)
+    message = str(failed.value)
+    assert "ranks [1] did not finish _hang_here_on_rank_1 within 5s" in message, message
+    stacks = message.split("--- rank 1: stacks ---", 1)[-1]
+    assert "_hang_here_on_rank_1" in stacks and "barrier" in stacks, message
+    assert pool2.run(_rank, timeout=120) == [0, 1]
+
+
+class _Interrupted(BaseException):
+    """What pytest-timeout's signal method raises in the waiting test (also not an Exception)."""
+
+
+def _sleep_then_answer(seconds: float) -> str:
+    time.sleep(seconds)
+    return "the interrupted task's answer"
+
+
+def _answer(token: str) -> str:
+    return token
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise _Interrupted
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="interrupts the wait with SIGALRM")
+def test_an_interrupted_wait_replaces_the_pool(pool2: DistPool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The wait for a task's results interrupted from outside, as pytest-timeout interrupts a test
+    that runs too long: the workers still running that task are replaced (their stacks printed),
+    so the next task gets its own results at once, not the interrupted task's when it ends."""
+    assert pool2.run(_rank) == [0, 1]  # started, so the interruption finds the task running
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        with pytest.raises(_Interrupted):
+            pool2.run(_sleep_then_answer, 20.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    printed = capsys.readouterr().err
+    assert "_sleep_then_answer interrupted" in printed and "--- rank 0: stacks ---" in printed, printed
+    assert "in _sleep_then_answer" in printed, printed
+    assert pool2.run(_answer, "the next task's answer", timeout=10) == ["the next task's answer"] * 2
