@@ -11,7 +11,17 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["chunk_numel", "chunk_span", "exchange_round", "pack_chunks", "unpack_chunks", "scratch"]
+__all__ = [
+    "aligns_for",
+    "chunk_numel",
+    "chunk_span",
+    "exchange_round",
+    "pack_chunks",
+    "unpack_chunks",
+    "flat_to",
+    "to_flat",
+    "scratch",
+]
 
 
 def chunk_numel(numel: int, size: int, align: int = 1) -> int:
@@ -34,6 +44,11 @@ def exchange_round(source: int, target: int, size: int, rounds: int) -> int:
     ``rounds`` consecutive runs of offsets (``rounds == size``: round k pairs each rank with the one
     k places on). Both ends of a pair compute it alike."""
     return ((target - source) % size) * rounds // size
+
+
+def aligns_for(align: int | Sequence[int], n: int) -> list[int]:
+    """The chunk alignment of each of ``n`` tensors: one for all (an int), or one each."""
+    return [align] * n if isinstance(align, int) else list(align)
 
 
 def pack_chunks(flats: Sequence[torch.Tensor], widths: Sequence[int], out: torch.Tensor) -> None:
@@ -78,6 +93,24 @@ _SCRATCH: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
 #: The smallest buffer :func:`scratch` keeps: smaller ones came from memory glibc had kept.
 SCRATCH_MIN_BYTES = 2**20
+
+
+def flat_to(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Fill ``tensors`` (or views) in turn from consecutive elements of the 1-D ``flat``."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view(t.shape))
+        offset += n
+
+
+def to_flat(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """The inverse of :func:`flat_to`: ``tensors`` (or views, strided ones too) in turn into ``flat``."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        flat[offset : offset + n].view(t.shape).copy_(t)
+        offset += n
 
 
 def scratch(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

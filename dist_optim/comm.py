@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .chunks import chunk_numel, exchange_round, pack_chunks, scratch, unpack_chunks
+from .chunks import aligns_for, chunk_numel, exchange_round, flat_to, pack_chunks, scratch, to_flat, unpack_chunks
 from .dtypes import widest_dtype
 from .layout import ParamLayout
 
@@ -199,16 +199,7 @@ def _all_reduce_many(tensors: list[torch.Tensor], group: Any, op: str = "sum") -
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, op=reduce_op, group=group)
-    _copy_into(flat, tensors)
-
-
-def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Fill ``tensors`` (or views) in turn from consecutive elements of the 1-D ``flat``."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view(t.shape))
-        offset += n
+    flat_to(flat, tensors)
 
 
 def _all_gather_flat(flat: torch.Tensor, group: Any, wait: bool = True) -> tuple[torch.Tensor, Any]:
@@ -289,7 +280,7 @@ def broadcast_from(tensors: Sequence[torch.Tensor], src_rank_in_group: int, grou
         src=dist.get_global_rank(group, src_rank_in_group) if group is not None else src_rank_in_group,
         group=group,
     )
-    _copy_into(flat, tensors)
+    flat_to(flat, tensors)
 
 
 def share_owned(
@@ -325,7 +316,7 @@ def share_owned(
     for rank, idx in enumerate(per_rank):
         if rank == me:
             continue
-        _copy_into(gathered[rank], [tensors[i] for i in idx])
+        flat_to(gathered[rank], [tensors[i] for i in idx])
 
 
 @dataclass
@@ -341,7 +332,7 @@ class Pending:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        _copy_into(self.out, self.recv)
+        flat_to(self.out, self.recv)
         self.recv = []
 
 
@@ -395,11 +386,7 @@ def exchange(
         # flattening each would copy it first, all of them alive at once.
         torch.cat([t.reshape(-1) for t in pieces], out=flat)
     else:
-        offset = 0
-        for t in pieces:
-            n = t.numel()
-            flat[offset : offset + n].view(t.shape).copy_(t)
-            offset += n
+        to_flat(pieces, flat)
     out, work = _all_to_all(flat, send_counts, recv_counts, group, wait)
     pending = Pending(work, out, [t for pieces in recv for t in pieces])
     if wait:
@@ -419,10 +406,6 @@ def _all_to_all(
     return out, dist.all_to_all_single(out, flat, recv, send, group=group, async_op=not wait)
 
 
-def _aligns(align: int | Sequence[int], n: int) -> list[int]:
-    return [align] * n if isinstance(align, int) else list(align)
-
-
 def reduce_scatter(tensors: Sequence[torch.Tensor], group: Any, align: int | Sequence[int] = 1) -> list[torch.Tensor]:
     """The sum over the ranks of ``group`` of each of ``tensors`` (same shapes on every rank), each rank
     getting only its chunk (:func:`chunk_span`, of the flattened tensor; ``align``: one for all, or one
@@ -434,7 +417,7 @@ def reduce_scatter(tensors: Sequence[torch.Tensor], group: Any, align: int | Seq
     flats = [t.reshape(-1) for t in tensors]
     if size == 1:
         return [f.clone() for f in flats]
-    widths = [chunk_numel(f.numel(), size, a) for f, a in zip(flats, _aligns(align, len(flats)))]
+    widths = [chunk_numel(f.numel(), size, a) for f, a in zip(flats, aligns_for(align, len(flats)))]
     mine = [max(0, min(f.numel(), (me + 1) * w) - me * w) for f, w in zip(flats, widths)]
     dtype, device, width = flats[0].dtype, flats[0].device, sum(widths)
     # Row r of ``send``: this rank's chunk of every tensor for rank r, zero-padded to its width. What
@@ -475,7 +458,7 @@ def start_all_gather_chunks(
     size = group_size(group)
     if size == 1:
         return Gathering(None, torch.cat([c.reshape(1, -1) for c in chunks], dim=1), numels, numels)
-    widths = [chunk_numel(n, size, a) for n, a in zip(numels, _aligns(align, len(numels)))]
+    widths = [chunk_numel(n, size, a) for n, a in zip(numels, aligns_for(align, len(numels)))]
     # Not a scratch buffer: the all_gather is in flight after this returns.
     flat = torch.empty(sum(widths), dtype=chunks[0].dtype, device=chunks[0].device)
     pack_chunks([c.reshape(-1) for c in chunks], widths, flat.view(1, -1))
@@ -494,11 +477,9 @@ def all_gather_chunks(
 #: the default group they were made under: a re-initialised job makes them again.
 _GRIDS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
-
 #: Grids whose ranks are in the order of parts partitioned over a data-parallel group, then TP
 #: (:func:`grid_of`), by the keys of the two groups, with the default group they were made under.
 _GRID_OF: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Any, Any]] = {}
-
 
 _RELEASES = 0  # bumped by release_groups: part of topology_token
 
