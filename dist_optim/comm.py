@@ -60,6 +60,7 @@ __all__ = [
     "ordered_groups",
     "topology_token",
     "release_groups",
+    "freeing_groups",
     "barrier",
     "group_size",
     "group_rank",
@@ -498,8 +499,25 @@ def release_groups() -> None:
     grids), so that destroyed ones are freed with their communicators (a gloo thread polling every
     10 ms, NCCL's memory): booster.boost and the test pool call it once a plugin is collected."""
     global _RELEASES
-    _PLACES.clear()
+    with freeing_groups():
+        _PLACES.clear()
     _RELEASES += 1
+
+
+@contextlib.contextmanager
+def freeing_groups() -> Iterator[None]:
+    """Groups known at entry (torch.distributed's, the caches') whose last reference goes inside the block keep
+    their backends until it ends, which frees them with the GIL released. torch 2.5.1 frees a backend under the GIL
+    (pytorch#154976 changed that later); a gloo backend's destructor waits for its threads, and one freeing a
+    collective that has just finished needs the GIL: both then wait for ever."""
+    world = getattr(_TORCH_DIST.distributed_c10d, "_world", None)
+    groups = [*(world.pg_map if world is not None else ()), *(g for g, _ in _PLACES.values())]
+    held = [g._get_backend(d) for g in groups for d in getattr(g, "_device_types", ())]
+    del groups  # else this frame would hold the groups until after their backends
+    try:
+        yield
+    finally:
+        held.clear()  # a backend's own Python object frees it without the GIL
 
 
 def grid_of(base: Any, tp: Any) -> Any:

@@ -78,8 +78,11 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
         # tasks makes that moment the same everywhere. The destroyed groups are then freed only
         # once dist_optim's caches let them go: kept, each task's plugin left its gloo groups'
         # polling threads behind (hundreds per worker by the end of the suite, most of its CPU).
-        gc.collect()
-        comm.release_groups()
+        # Freed inside freeing_groups: freed under the GIL, a group whose last collective had just
+        # finished could hang its rank for ever (torch 2.5.1).
+        with comm.freeing_groups():
+            gc.collect()
+            comm.release_groups()
         results.put(result)
     # destroy_process_group() can hang with gloo on torch 2.5.1; a barrier then exit is clean.
     try:
