@@ -26,6 +26,7 @@ and took 4.9x its time, host-bound (``bench/bench_step.py --device cuda``, docs/
 from __future__ import annotations
 
 import torch
+from torch.torch_version import TorchVersion
 
 from .multi_tensor import scale_
 
@@ -40,6 +41,7 @@ __all__ = [
     "gram_updates_",
     "symmetrize_",
     "mirror_lower_",
+    "FP16_CPU_GEMM_DETOUR",
     "packed_size",
     "pack_lower",
     "unpack_symmetric",
@@ -54,6 +56,13 @@ PANEL = 128
 #: The most bytes of ``rows @ rows.T`` products :func:`gram_updates_` holds at once (four of a
 #: 1024-side factor in fp32): the launches it saves flatten out well below, the memory does not.
 PRODUCT_BYTES = 16 * 2**20
+#: Whether :func:`_times` routes CPU fp16 products around torch 2.5's slow gemm path: from row-major
+#: blocks of larger matrices (a 75 x 300 by 300 x 75 product: 47 ms, 0.12 ms from copies) or into
+#: such a block (128 x 1376 by 1376 x 128: 650 ms, 0.4 ms made whole and copied in). Gram space in
+#: fp16 ran 270-540x faster with it (bench/structured_half.py). Not for bf16: its whole iteration
+#: timed 0.94-1.11x with the detour (noise about 1). Measured on torch 2.5.1 (the pinned stack) and
+#: 2.13 (no such path there: off); versions between were not measured, and are left as 2.13.
+FP16_CPU_GEMM_DETOUR = TorchVersion(torch.__version__) < "2.6"
 
 
 def blocked(t: torch.Tensor) -> bool:
@@ -153,12 +162,25 @@ def _times(
     a: torch.Tensor, b: torch.Tensor, add: tuple[torch.Tensor, float, float] | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``a @ b``, or with ``add=(c, beta, alpha)`` one ``addmm``: ``beta c + alpha a @ b``; into
-    ``out`` if given."""
+    ``out`` if given. In fp16 off a GPU (:func:`blocked`: the CPU, and the planner's meta tensors,
+    which follow it) with :data:`FP16_CPU_GEMM_DETOUR`: operands that are blocks of larger matrices
+    are copied whole first, and a product into a block of a larger ``out`` is made whole and copied
+    in. The kernel then differs, not the product: Gram space's fp16 iteration gave the same bits or
+    (after 5 steps) differed by a few fp16 ulps, within the accuracy tests' bounds either way."""
+    if FP16_CPU_GEMM_DETOUR and a.dtype == torch.float16 and blocked(a):
+        a, b = _gemm_ready(a), _gemm_ready(b)
+        if out is not None and not out.is_contiguous():
+            return out.copy_(_times(a, b, add))
     if add is None:
         return a @ b if out is None else torch.mm(a, b, out=out)
     if out is None:
         return torch.addmm(add[0], a, b, beta=add[1], alpha=add[2])
     return torch.addmm(add[0], a, b, beta=add[1], alpha=add[2], out=out)
+
+
+def _gemm_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where it is neither contiguous nor the transpose of a contiguous one."""
+    return t if t.is_contiguous() or t.T.is_contiguous() else t.contiguous()
 
 
 def _block(

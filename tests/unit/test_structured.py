@@ -111,7 +111,7 @@ def test_mirrored_symmetric_product_is_the_mirror_of_its_lower_triangle(n: int, 
         assert not torch.equal(plain, plain.T)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("min_size", [1, 3, 256])
 @pytest.mark.parametrize("n", [*SIZES, 300, 513])
 def test_symmetric_product_into_out_is_the_product_without_it(n: int, min_size: int, dtype: torch.dtype) -> None:
@@ -217,3 +217,36 @@ def test_meta_panels_leave_the_whole_loops_state_and_peak(
     every = measure()
     assert first == every
     assert first[0] > 0  # the panels' temporaries were seen
+
+
+def _gemm_ready(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.T.is_contiguous()
+
+
+def test_fp16_products_avoid_torch_2_5s_slow_cpu_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FP16_CPU_GEMM_DETOUR (torch 2.5's CPU fp16 gemm is slow from row-major blocks of larger
+    matrices and into them; set here whatever the torch): every ``mm``/``addmm`` that Muon's
+    blocked symmetric products issue in fp16 takes operands that are contiguous or transposed
+    contiguous, and none writes into a block of a larger matrix. Seen at torch's dispatcher, as
+    the kernels are called."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[tuple[str, bool, bool]] = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                out = kwargs.get("out")
+                seen.append((str(func), all(_gemm_ready(t) for t in args[-2:]), out is None or out.is_contiguous()))
+            return func(*args, **kwargs)
+
+    monkeypatch.setattr(structured, "FP16_CPU_GEMM_DETOUR", True)
+    x = torch.randn(300, 700, generator=torch.Generator().manual_seed(0)).half()
+    g = x @ x.T
+    with Products():
+        symmetric_product(x, x.T, 64)
+        symmetric_product(g, g, 64, add=(g, 0.5, 2.0))
+    assert len(seen) > 20, seen  # the blocked recursion ran
+    bad = [s for s in seen if not (s[1] and s[2])]
+    assert not bad, bad[:5]
