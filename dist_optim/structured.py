@@ -59,7 +59,8 @@ PRODUCT_BYTES = 16 * 2**20
 #: Whether :func:`_times` routes CPU fp16 products around torch 2.5's slow gemm path: from row-major
 #: blocks of larger matrices (a 75 x 300 by 300 x 75 product: 47 ms, 0.12 ms from copies) or into
 #: such a block (128 x 1376 by 1376 x 128: 650 ms, 0.4 ms made whole and copied in). Gram space in
-#: fp16 ran 270-540x faster with it (bench/structured_half.py). Not for bf16: its whole iteration
+#: fp16 ran 180-540x faster with it, Kron's products of a 600-side factor 35-110x
+#: (bench/structured_half.py). Not for bf16: Muon's whole iteration
 #: timed 0.94-1.11x with the detour (noise about 1). Measured on torch 2.5.1 (the pinned stack) and
 #: 2.13 (no such path there: off); versions between were not measured, and are left as 2.13.
 FP16_CPU_GEMM_DETOUR = TorchVersion(torch.__version__) < "2.6"
@@ -80,15 +81,15 @@ def matmul_triangular(
     min_size = MIN_SIZE if min_size is None else min_size
     n = t.shape[0]
     if n <= min_size or not blocked(t):
-        return f @ (t.triu() if upper else t.tril())
+        return _times(f, t.triu() if upper else t.tril(), None)
     h = n // 2
     f1, f2 = f[:, :h], f[:, h:]
     out = torch.empty(f.shape[0], n, dtype=torch.result_type(f, t), device=f.device)
     if upper:  # [F1 U11, F1 U12 + F2 U22]
         out[:, :h] = matmul_triangular(f1, t[:h, :h], True, min_size)
-        out[:, h:] = torch.addmm(matmul_triangular(f2, t[h:, h:], True, min_size), f1, t[:h, h:])
+        out[:, h:] = _times(f1, t[:h, h:], (matmul_triangular(f2, t[h:, h:], True, min_size), 1.0, 1.0))
     else:  # [F1 L11 + F2 L21, F2 L22]
-        out[:, :h] = torch.addmm(matmul_triangular(f1, t[:h, :h], False, min_size), f2, t[h:, :h])
+        out[:, :h] = _times(f2, t[h:, :h], (matmul_triangular(f1, t[:h, :h], False, min_size), 1.0, 1.0))
         out[:, h:] = matmul_triangular(f2, t[h:, h:], False, min_size)
     return out
 
@@ -106,7 +107,7 @@ def upper_times_upper(a: torch.Tensor, b: torch.Tensor, min_size: int | None = N
     min_size = MIN_SIZE if min_size is None else min_size
     n = a.shape[0]
     if n <= min_size or not blocked(a):
-        return a.triu() @ b.triu()
+        return _times(a.triu(), b.triu(), None)
     h = n // 2
     out = torch.zeros(n, n, dtype=torch.result_type(a, b), device=a.device)
     out[:h, :h] = upper_times_upper(a[:h, :h], b[:h, :h], min_size)
@@ -162,11 +163,13 @@ def _times(
     a: torch.Tensor, b: torch.Tensor, add: tuple[torch.Tensor, float, float] | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``a @ b``, or with ``add=(c, beta, alpha)`` one ``addmm``: ``beta c + alpha a @ b``; into
-    ``out`` if given. In fp16 off a GPU (:func:`blocked`: the CPU, and the planner's meta tensors,
+    ``out`` if given (in place where ``out`` is ``c``). Every product of this module goes through
+    it. In fp16 off a GPU (:func:`blocked`: the CPU, and the planner's meta tensors,
     which follow it) with :data:`FP16_CPU_GEMM_DETOUR`: operands that are blocks of larger matrices
     are copied whole first, and a product into a block of a larger ``out`` is made whole and copied
     in. The kernel then differs, not the product: Gram space's fp16 iteration gave the same bits or
-    (after 5 steps) differed by a few fp16 ulps, within the accuracy tests' bounds either way."""
+    (after 5 steps) differed by a few fp16 ulps, within the accuracy tests' bounds either way; in
+    fp32, bf16 and fp64 the bits are those of the plain ``torch`` call."""
     if FP16_CPU_GEMM_DETOUR and a.dtype == torch.float16 and blocked(a):
         a, b = _gemm_ready(a), _gemm_ready(b)
         if out is not None and not out.is_contiguous():
@@ -175,6 +178,8 @@ def _times(
         return a @ b if out is None else torch.mm(a, b, out=out)
     if out is None:
         return torch.addmm(add[0], a, b, beta=add[1], alpha=add[2])
+    if out is add[0]:
+        return out.addmm_(a, b, beta=add[1], alpha=add[2])
     return torch.addmm(add[0], a, b, beta=add[1], alpha=add[2], out=out)
 
 
@@ -257,7 +262,8 @@ def gram_updates_(
             continue
         for i in range(0, _panels_end(c, panel), panel):
             j = min(n, i + panel)
-            c[i:, i:j].addmm_(r[i:], r[i:j].T, beta=beta, alpha=alpha)
+            block = c[i:, i:j]
+            _times(r[i:], r[i:j].T, (block, beta, alpha), out=block)
     if whole:
         _gram_adds_(whole, beta, alpha)
 
@@ -411,7 +417,7 @@ def _panels_end(c: torch.Tensor, panel: int) -> int:
 def _gram_adds_(pairs: list[tuple[torch.Tensor, torch.Tensor]], beta: float, alpha: float) -> None:
     """``c <- c * beta + (rows @ rows.T) * alpha`` for each ``(c, rows)`` pair, rounded as written."""
     cs = [c for c, _ in pairs]
-    products = [r @ r.T for _, r in pairs]
+    products = [_times(r, r.T, None) for _, r in pairs]
     if beta != 1.0:
         scale_(cs, beta)
     if alpha != 1.0:

@@ -225,28 +225,39 @@ def _gemm_ready(t: torch.Tensor) -> bool:
 
 def test_fp16_products_avoid_torch_2_5s_slow_cpu_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
     """With FP16_CPU_GEMM_DETOUR (torch 2.5's CPU fp16 gemm is slow from row-major blocks of larger
-    matrices and into them; set here whatever the torch): every ``mm``/``addmm`` that Muon's
-    blocked symmetric products issue in fp16 takes operands that are contiguous or transposed
-    contiguous, and none writes into a block of a larger matrix. Seen at torch's dispatcher, as
-    the kernels are called."""
+    matrices and into them; set here whatever the torch): every ``mm``/``addmm``/``addmm_`` that the
+    blocked products issue in fp16 (Muon's symmetric products, Kron's triangular products and Gram
+    updates) takes operands that are contiguous or transposed contiguous, and none writes into a
+    block of a larger matrix. Seen at torch's dispatcher, as the kernels are called."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen: list[tuple[str, bool, bool]] = []
+    products = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
 
     class Products(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
-            if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-                out = kwargs.get("out")
+            if func._overloadpacket in products:
+                out = args[0] if func._overloadpacket is torch.ops.aten.addmm_ else kwargs.get("out")
                 seen.append((str(func), all(_gemm_ready(t) for t in args[-2:]), out is None or out.is_contiguous()))
             return func(*args, **kwargs)
 
     monkeypatch.setattr(structured, "FP16_CPU_GEMM_DETOUR", True)
-    x = torch.randn(300, 700, generator=torch.Generator().manual_seed(0)).half()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 700, generator=gen).half()
     g = x @ x.T
-    with Products():
-        symmetric_product(x, x.T, 64)
-        symmetric_product(g, g, 64, add=(g, 0.5, 2.0))
-    assert len(seen) > 20, seen  # the blocked recursion ran
-    bad = [s for s in seen if not (s[1] and s[2])]
-    assert not bad, bad[:5]
+    t = torch.randn(300, 300, generator=gen).half()
+    for run in (
+        lambda: symmetric_product(x, x.T, 64),
+        lambda: symmetric_product(g, g, 64, add=(g, 0.5, 2.0)),
+        lambda: matmul_triangular(x.T, t, True, 64),
+        lambda: matmul_triangular(x.T, t, False, 64),
+        lambda: upper_times_upper(t, t, 64),
+        lambda: gram_update_(g.clone(), x, 0.9, 0.1, 64, 32),
+    ):
+        seen.clear()
+        with Products():
+            run()
+        assert len(seen) > 5, seen  # the blocked recursion or the panels ran
+        bad = [s for s in seen if not (s[1] and s[2])]
+        assert not bad, bad[:5]
