@@ -41,10 +41,11 @@ well under a millisecond), the ratio is what batching takes off the step.
   beta 0.95, epsilon 1e-8, decoupled weight decay 0.01, ``precondition_frequency`` 10 (heavyball's
   schedule off), 1-D parameters preconditioned, no dim merging, fp32 states.
 * Muon: the 2-D parameters, momentum 0.95 with Nesterov, 5 Newton-Schulz steps; ours in bf16
-  (``ns_dtype=torch.bfloat16``), in bf16 with the wide matrices (the MLP's and the embeddings,
-  2.7 and 4 wide) in Gram space and the square ones' symmetric products blocked on a CPU
-  (``ns_gram_space=True``), and with its default fp32 iteration;
-  heavyball's in its own dtype.
+  (``ns_dtype=torch.bfloat16``: the matrices of one shape in batches, on a CPU too since
+  ``newton_schulz.CPU_BATCHED_DTYPES``), the same with each matrix on its own, in bf16 with the
+  wide matrices (the MLP's and the embeddings, 2.7 and 4 wide) in Gram space and the square ones'
+  symmetric products blocked on a CPU (``ns_gram_space=True``), and with its default fp32
+  iteration; heavyball's in its own dtype.
 * Kron: the preconditioner updated every step on both sides (probability 1), triangular factors
   up to 2048, no dim merging; the rest each package's default (they differ in details, e.g.
   heavyball's cached and delayed preconditioner: its figure is for orientation, not a parity).
@@ -119,12 +120,29 @@ def muon_pair() -> list[tuple[str, Factory]]:
     return [
         ("ours Muon bf16", lambda ps: dist_optim.DistributedMuon(ps, lr=0.02, ns_dtype=torch.bfloat16)),
         (
+            "ours Muon bf16 per matrix",
+            lambda ps: _per_matrix(dist_optim.DistributedMuon(ps, lr=0.02, ns_dtype=torch.bfloat16)),
+        ),
+        (
             "ours Muon bf16 Gram space",
             lambda ps: dist_optim.DistributedMuon(ps, lr=0.02, ns_dtype=torch.bfloat16, ns_gram_space=True),
         ),
         ("ours Muon fp32 (default)", lambda ps: dist_optim.DistributedMuon(ps, lr=0.02)),
         ("heavyball Muon", lambda ps: heavyball.Muon(ps, lr=0.02, betas=(0.95, 0.95), nesterov=True)),
     ]
+
+
+def _per_matrix(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt`` whose steps iterate each matrix on its own (as the CPU did in bfloat16 before
+    ``newton_schulz.CPU_BATCHED_DTYPES``): what batching takes off the step, in the same run."""
+    step = opt.step
+
+    def per_matrix_step(*args: Any, **kwargs: Any) -> Any:
+        with _batches(False):
+            return step(*args, **kwargs)
+
+    opt.step = per_matrix_step  # type: ignore[method-assign]
+    return opt
 
 
 def kron_pair() -> list[tuple[str, Factory]]:
@@ -207,7 +225,7 @@ def _batches(on: bool) -> Iterator[None]:
     from dist_optim import newton_schulz
 
     old = newton_schulz.batches
-    newton_schulz.batches = lambda t: on  # type: ignore[assignment]
+    newton_schulz.batches = lambda t, dtype=None, gram_space=False: on  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -449,8 +449,9 @@ class DistributedMuon(DistOptimizer):
         block received by its owner) that the iteration may work in. The matrices of one param
         group go to :func:`~dist_optim.newton_schulz.newton_schulz_many` together, which on a GPU
         iterates those of one shape as one batch (the step's launches, not its flops, bind a GPU
-        on small matrices); on the CPU each is :func:`~dist_optim.newton_schulz.newton_schulz`
-        as before, bit for bit."""
+        on small matrices), and on the CPU in bfloat16 (faster batched products there:
+        :data:`~dist_optim.newton_schulz.CPU_BATCHED_DTYPES`); otherwise each is
+        :func:`~dist_optim.newton_schulz.newton_schulz`, bit for bit."""
         calls: dict[tuple[int, bool], tuple[dict[str, Any], list[tuple[int, int]], list[torch.Tensor]]] = {}
         pieces: list[list[torch.Tensor]] = []
         for j, (c, group, overwrite) in enumerate(jobs):

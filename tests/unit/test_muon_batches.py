@@ -1,8 +1,10 @@
 """Muon's Newton-Schulz iteration in batches (``newton_schulz.newton_schulz_many``): on a GPU the
 matrices of one shape iterate as one stack, since a step of small matrices is bound by its kernel
-launches there. The batched path is forced on this CPU (``batch=True``, or ``batches``
-monkeypatched for the optimizer); the CPU's own path must stay the per-matrix iteration bit for
-bit. Launches are counted at torch (``torch.bmm`` and friends), accuracy against float64."""
+launches there, and so do bfloat16 iterations on the CPU, whose batched products are faster there
+(``newton_schulz.CPU_BATCHED_DTYPES``). The batched path is forced on this CPU in the other dtypes
+(``batch=True``, or ``batches`` monkeypatched for the optimizer); the CPU's fp32 and Gram-space
+paths must stay the per-matrix iteration bit for bit. Launches are counted at torch
+(``torch.bmm`` and friends), accuracy against float64."""
 
 from __future__ import annotations
 
@@ -52,18 +54,39 @@ def _products(calls: _Calls) -> dict[str, int]:
     return {n: calls.count.get(n, 0) for n in names if calls.count.get(n, 0)}
 
 
-def test_the_cpus_path_is_each_matrix_on_its_own_bit_for_bit() -> None:
-    """Without ``batch`` (on the CPU: ``batches`` is False) every matrix is ``newton_schulz``'s,
-    bit for bit, in every iteration dtype and with Gram space, and no batched product runs."""
+def test_which_iterations_go_in_batches() -> None:
+    """``batches``: on a GPU every iteration; on the CPU and meta tensors (the planner's, which
+    follow the CPU) the bfloat16 iteration of the formula (``dtype``, else the matrix's own), not
+    fp32/fp64/float16 nor Gram space (whose blocked products a batch would give up)."""
+    for device in ("cpu", "meta"):
+        f32 = torch.empty(4, 6, device=device)
+        bf16 = torch.empty(4, 6, device=device, dtype=torch.bfloat16)
+        assert newton_schulz.batches(bf16) and newton_schulz.batches(f32, torch.bfloat16)
+        assert not newton_schulz.batches(f32) and not newton_schulz.batches(bf16, torch.float32)
+        assert not newton_schulz.batches(f32, torch.float16) and not newton_schulz.batches(f32, torch.float64)
+        assert not newton_schulz.batches(bf16, gram_space=True)
+    if torch.cuda.is_available():
+        on_gpu = torch.empty(4, 6, device="cuda")
+        assert newton_schulz.batches(on_gpu) and newton_schulz.batches(on_gpu, torch.bfloat16, True)
+
+
+def test_the_cpus_path_is_each_matrix_on_its_own_bit_for_bit_but_in_bfloat16() -> None:
+    """Without ``batch``, on the CPU: in fp32, float16, and with Gram space in bfloat16, every
+    matrix is ``newton_schulz``'s bit for bit and no batched product runs; the bfloat16 formula
+    runs in batches (three batched products per iteration for each stack of one shape) and is as
+    accurate as one matrix at a time (test_batched_matrices_are_as_accurate_as_one_at_a_time)."""
     cs = _matrices() + [torch.randn(300, 200)]  # 200 rows: blocked symmetric products
-    assert not newton_schulz.batches(cs[0])
-    for dtype in (None, torch.bfloat16):
-        for gram_space in (False, True):
-            with _Calls() as calls:
-                got = newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, "max", dtype, gram_space)
-            assert "bmm" not in calls.count and "baddbmm" not in calls.count
-            for c, x in zip(cs, got):
-                assert torch.equal(x, newton_schulz.newton_schulz(c, COEFFS, 1e-7, "max", dtype, gram_space))
+    for dtype, gram_space in ((None, False), (None, True), (torch.float16, False), (torch.bfloat16, True)):
+        with _Calls() as calls:
+            got = newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, "max", dtype, gram_space)
+        assert "bmm" not in calls.count and "baddbmm" not in calls.count, (dtype, gram_space)
+        for c, x in zip(cs, got):
+            assert torch.equal(x, newton_schulz.newton_schulz(c, COEFFS, 1e-7, "max", dtype, gram_space))
+    with _Calls() as calls:
+        got = newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, "max", torch.bfloat16)
+    # two stacks (three 24 x 40, two 32 x 32): a bmm and two baddbmm per iteration each
+    assert calls.count.get("bmm") == 2 * len(COEFFS) and calls.count.get("baddbmm") == 4 * len(COEFFS)
+    assert [x.shape for x in got] == [c.shape for c in cs] and all(x.dtype == torch.bfloat16 for x in got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -123,7 +146,7 @@ def test_batched_steps_match_the_float64_reference(monkeypatch: pytest.MonkeyPat
     """DistributedMuon with batches forced (``batches`` True, as on a GPU) over 8 float64 steps,
     one with a ``None`` gradient: parameters and momenta element-wise at FLOAT64_RTOL against the
     reference (tests/helpers/muon_reference.py); the step ran batched products (counted at torch)."""
-    monkeypatch.setattr(newton_schulz, "batches", lambda t: True)
+    monkeypatch.setattr(newton_schulz, "batches", lambda t, dtype=None, gram_space=False: True)
     shapes = [(6, 10), (10, 6), (6, 10), (4, 3, 2, 2), (4, 3, 2, 2), (7, 7), (5,)]
     gen = torch.Generator().manual_seed(1)
     init = [torch.randn(s, generator=gen, dtype=torch.float64) * 0.3 for s in shapes]
@@ -162,7 +185,7 @@ DTYPE_PAIRS = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
 @pytest.mark.parametrize(("param_dtype", "ns_dtype"), DTYPE_PAIRS)
 @pytest.mark.parametrize("ema", [False, True])
 def test_momenta_and_updates_together_are_the_per_matrix_step_bit_for_bit(
-    param_dtype: torch.dtype, ns_dtype: torch.dtype | None, ema: bool
+    monkeypatch: pytest.MonkeyPatch, param_dtype: torch.dtype, ns_dtype: torch.dtype | None, ema: bool
 ) -> None:
     """On the CPU the momenta (``torch._foreach_*`` per param group) and the updates (per factor
     and step size) give each matrix's own step bit for bit: momentum, Newton-Schulz, weight decay
@@ -171,6 +194,8 @@ def test_momenta_and_updates_together_are_the_per_matrix_step_bit_for_bit(
     from dist_optim.muon import adjusted_lr
     from dist_optim.muon.momentum import momentum_direction
 
+    # The batches' rounding (bfloat16 on the CPU) is test_batched_matrices_are_as_accurate_as_one_at_a_time's.
+    monkeypatch.setattr(newton_schulz, "batches", lambda t, dtype=None, gram_space=False: False)
     gen = torch.Generator().manual_seed(2)
     shapes = [(6, 10), (10, 6), (7, 7)]
     init = [torch.randn(s, generator=gen).to(param_dtype) for s in shapes]
