@@ -209,22 +209,21 @@ def newton_schulz_many(
     batch: bool | None = None,
 ) -> list[torch.Tensor]:
     """:func:`newton_schulz` of each 2-D matrix of ``cs`` (the same options for all), in order.
-    With ``batch`` (default :func:`batches` of the first matrix and the options: on a GPU, and in
-    bfloat16 on the CPU) the matrices of one
-    shape in the wide orientation, dtype and device are iterated together by
+    With ``batch`` (default: :func:`batches` of each matrix with the options, so a GPU's matrices
+    and the CPU's bfloat16 iterations) the matrices of one shape in the wide orientation, dtype and
+    device are iterated together by
     :func:`newton_schulz_batched`, in batches of at most :data:`BATCH_BYTES`; a matrix that
     iterates in Gram space (:func:`takes_gram_space`), one of more than half of
     :data:`BATCH_BYTES`, and one without a partner go through :func:`newton_schulz` (``overwrite``
     applies to these). Without ``batch`` this is :func:`newton_schulz` per matrix, bit for bit."""
-    if batch is None:
-        batch = bool(cs) and batches(cs[0], dtype, gram_space)
     out: list[torch.Tensor | None] = [None] * len(cs)
     alone: list[int] = []
     kinds: dict[tuple[Any, ...], list[list[int]]] = {}
     for i, c in enumerate(cs):
         rows, cols = c.shape
         nbytes = c.numel() * c.element_size()
-        if not batch or takes_gram_space(rows, cols, len(coefficients), gram_space) or 2 * nbytes > BATCH_BYTES:
+        batched = batches(c, dtype, gram_space) if batch is None else batch
+        if not batched or takes_gram_space(rows, cols, len(coefficients), gram_space) or 2 * nbytes > BATCH_BYTES:
             alone.append(i)
             continue
         runs = kinds.setdefault((min(rows, cols), max(rows, cols), c.dtype, c.device), [[]])

@@ -87,6 +87,16 @@ def test_the_cpus_path_is_each_matrix_on_its_own_bit_for_bit_but_in_bfloat16() -
     # two stacks (three 24 x 40, two 32 x 32): a bmm and two baddbmm per iteration each
     assert calls.count.get("bmm") == 2 * len(COEFFS) and calls.count.get("baddbmm") == 4 * len(COEFFS)
     assert [x.shape for x in got] == [c.shape for c in cs] and all(x.dtype == torch.bfloat16 for x in got)
+    # Each matrix's own dtype decides (no ns_dtype): the fp32 ones of a mixed list stay per matrix
+    # whichever comes first, the bfloat16 ones form one stack.
+    mixed = [cs[0], cs[1].bfloat16(), cs[2], cs[0].bfloat16()]  # two of each dtype, 24 x 40 wide
+    for order in (mixed, mixed[::-1]):
+        with _Calls() as calls:
+            got = newton_schulz.newton_schulz_many(order, COEFFS, 1e-7, "max")
+        assert calls.count.get("bmm") == len(COEFFS)
+        for c, x in zip(order, got):
+            if c.dtype == torch.float32:
+                assert torch.equal(x, newton_schulz.newton_schulz(c, COEFFS, 1e-7, "max"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
