@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_optim import DistributedMuon, newton_schulz
 from dist_optim.muon import DEFAULT_NS_COEFFICIENTS
@@ -84,12 +85,13 @@ def test_the_cpus_path_is_each_matrix_on_its_own_bit_for_bit_but_in_bfloat16() -
             assert torch.equal(x, newton_schulz.newton_schulz(c, COEFFS, 1e-7, "max", dtype, gram_space))
     with _Calls() as calls:
         got = newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, "max", torch.bfloat16)
-    # two stacks (three 24 x 40, two 32 x 32): a bmm and two baddbmm per iteration each
+    # two stacks (the two wide 24 x 40, the two 32 x 32; the tall 40 x 24 alone on a CPU): a bmm and
+    # two baddbmm per iteration each
     assert calls.count.get("bmm") == 2 * len(COEFFS) and calls.count.get("baddbmm") == 4 * len(COEFFS)
     assert [x.shape for x in got] == [c.shape for c in cs] and all(x.dtype == torch.bfloat16 for x in got)
     # Each matrix's own dtype decides (no ns_dtype): the fp32 ones of a mixed list stay per matrix
     # whichever comes first, the bfloat16 ones form one stack.
-    mixed = [cs[0], cs[1].bfloat16(), cs[2], cs[0].bfloat16()]  # two of each dtype, 24 x 40 wide
+    mixed = [cs[0], cs[2].bfloat16(), cs[2], cs[0].bfloat16()]  # two of each dtype, 24 x 40
     for order in (mixed, mixed[::-1]):
         with _Calls() as calls:
             got = newton_schulz.newton_schulz_many(order, COEFFS, 1e-7, "max")
@@ -99,18 +101,27 @@ def test_the_cpus_path_is_each_matrix_on_its_own_bit_for_bit_but_in_bfloat16() -
                 assert torch.equal(x, newton_schulz.newton_schulz(c, COEFFS, 1e-7, "max"))
 
 
+@pytest.mark.parametrize("like_a_gpu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("eps_form", ["max", "add"])
-def test_batched_matrices_are_as_accurate_as_one_at_a_time(dtype: torch.dtype, eps_form: str) -> None:
-    """Forced batches: each matrix's result (its own shape, tall ones transposed back) is within
-    ACCURACY_RATIO of the per-matrix iteration's relative Frobenius distance to the float64
-    iteration, over three draws; in float64 both agree element-wise at FLOAT64_RTOL."""
+def test_batched_matrices_are_as_accurate_as_one_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, eps_form: str, like_a_gpu: bool
+) -> None:
+    """Forced batches, SHAPES and a second 40 x 24 (a CPU stacks the tall pair in its own
+    orientation and iterates its transposed view; ``like_a_gpu``, ``blocked`` patched False, the
+    tall ones are stored transposed among the wide 24 x 40): each matrix's result (its own shape,
+    tall ones transposed back) is within ACCURACY_RATIO of the per-matrix iteration's relative
+    Frobenius distance to the float64 iteration, over three draws; in float64 both agree
+    element-wise at FLOAT64_RTOL."""
+    if like_a_gpu:
+        monkeypatch.setattr(newton_schulz, "blocked", lambda t: False)
     for seed in range(3):
         cs = _matrices(seed=seed)
+        cs.append(torch.randn(40, 24, generator=torch.Generator().manual_seed(50 + seed)))
         ref = [newton_schulz.newton_schulz(c.double(), COEFFS, 1e-7, eps_form) for c in cs]
         one = [newton_schulz.newton_schulz(c, COEFFS, 1e-7, eps_form, dtype) for c in cs]
         got = newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, eps_form, dtype, batch=True)
-        assert [tuple(x.shape) for x in got] == SHAPES and all(x.dtype == dtype for x in got)
+        assert [tuple(x.shape) for x in got] == [*SHAPES, (40, 24)] and all(x.dtype == dtype for x in got)
         for c, r, o, x in zip(cs, ref, one, got):
             err = float((x.double() - r).norm() / r.norm())
             bound = ACCURACY_RATIO * float((o.double() - r).norm() / r.norm())
@@ -120,24 +131,54 @@ def test_batched_matrices_are_as_accurate_as_one_at_a_time(dtype: torch.dtype, e
             assert_close(x, r, rtol=FLOAT64_RTOL)
 
 
-def test_batches_are_the_matrices_of_one_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forced batches of SHAPES: one stack for the three 24 x 40 (one of them tall) and one for the
-    two 32 x 32, three batched products per iteration each (bfloat16: ``A``, then two
+class _Copies(TorchDispatchMode):
+    """The aten ``copy_`` calls whose source is a transposed matrix (not contiguous in its last two
+    dims), counted at torch's dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transposing = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.copy_.default and args[1].dim() >= 2 and args[1].stride(-1) != 1:
+            self.transposing += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("like_a_gpu", [False, True])
+def test_batches_are_the_matrices_of_one_shape(monkeypatch: pytest.MonkeyPatch, like_a_gpu: bool) -> None:
+    """Forced batches of SHAPES: one stack for the two 32 x 32, and for the 24 x 40: like a GPU
+    (``blocked`` patched False) one of all three, the tall 40 x 24 stored transposed; on a CPU,
+    whose transposing copies are slow, one of the two wide ones, the tall one alone (two tall ones
+    stack in their own orientation: no copy reads a transposed matrix, counted at torch's
+    dispatcher). Three batched products per iteration per stack (bfloat16: ``A``, then two
     ``baddbmm``); the 20 x 70 and the 48 x 20 alone, three products per iteration each. A stack
     over BATCH_BYTES splits; with Gram space a wide 20 x 70 (ratio 3.5) still goes alone."""
+    if like_a_gpu:
+        monkeypatch.setattr(newton_schulz, "blocked", lambda t: False)
     cs = _matrices()
     steps = len(COEFFS)
+    alone = 2 if like_a_gpu else 3
     with _Calls() as calls:
         newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, "max", torch.bfloat16, batch=True)
-    assert _products(calls) == {"bmm": 2 * steps, "baddbmm": 4 * steps, "matmul": 2 * steps, "addmm": 4 * steps}
+    assert _products(calls) == {
+        "bmm": 2 * steps,
+        "baddbmm": 4 * steps,
+        "matmul": alone * steps,
+        "addmm": 2 * alone * steps,
+    }
     # fp32: the polynomial as a product, a scale and a sum (as the per-matrix fp32 iteration)
     with _Calls() as calls:
         newton_schulz.newton_schulz_many(cs, COEFFS, 1e-7, "max", None, batch=True)
     assert calls.count["bmm"] == 4 * steps and calls.count["baddbmm"] == 2 * steps
-    # two 24 x 40 fp32 matrices fill a batch: the third goes alone (a run of one)
+    tall = [cs[1], cs[1] * 0.5]
+    with _Calls() as calls, _Copies() as copies:
+        newton_schulz.newton_schulz_many(tall, COEFFS, 1e-7, "max", torch.bfloat16, batch=True)
+    assert calls.count.get("bmm") == steps and (copies.transposing > 0) == like_a_gpu
+    # two 24 x 40 fp32 matrices fill a batch: the third goes alone (a run of one), on a CPU too
     monkeypatch.setattr(newton_schulz, "BATCH_BYTES", 2 * 24 * 40 * 4)
     with _Calls() as calls:
-        newton_schulz.newton_schulz_many(cs[:3], COEFFS, 1e-7, "max", torch.bfloat16, batch=True)
+        newton_schulz.newton_schulz_many([cs[0], cs[2], cs[0]], COEFFS, 1e-7, "max", torch.bfloat16, batch=True)
     assert _products(calls) == {"bmm": steps, "baddbmm": 2 * steps, "matmul": steps, "addmm": 2 * steps}
     monkeypatch.undo()
     with _Calls() as calls:
