@@ -350,7 +350,7 @@ class DistOptimizer(torch.optim.Optimizer):
         """The NaN/Inf check of :attr:`nonfinite`, made by every ``step`` before it changes anything:
         True to take the step; False to skip it (``"skip"``, counted); raises under ``"raise"``.
 
-        Each rank sums the magnitudes of each gradient it holds (one multi-tensor reduction, at
+        Each rank takes the 2-norm of each gradient it holds (one multi-tensor reduction, at
         least fp32; NaN and Inf propagate through sums: :meth:`_local_nonfinite_flag`) and, when
         bound, one flag is summed over the whole job: one all-reduce over the default process group
         (every process of a job steps its optimizer, as ColossalAI's plugins do), so that every
@@ -359,8 +359,8 @@ class DistOptimizer(torch.optim.Optimizer):
         carried by a collective of the step over every rank of the job (GaLore's first projector
         all-gather), so none is issued here. Then one host read of the flag. Only when the flag is
         set (the step is lost anyway) the exact per-element check runs and every rank learns every
-        rank's bad parameters (one ``all_gather_object``); a sum that overflowed on finite values
-        (gradients near the dtype's maximum) is then seen for what it is and the step goes on.
+        rank's bad parameters (one ``all_gather_object``); a norm that overflowed on finite values
+        (gradients above about 1.8e19) is then seen for what it is and the step goes on.
         """
         if self._nonfinite == "ignore":
             return True
@@ -375,7 +375,7 @@ class DistOptimizer(torch.optim.Optimizer):
             return True
         bad = bad_parameters(params, grads, self.param_label, distributed)
         if not bad:
-            return True  # finite gradients whose fp32 sum of magnitudes overflowed
+            return True  # finite gradients whose fp32 2-norm overflowed
         if self._nonfinite == "skip":
             self.skipped_steps += 1
             return False
