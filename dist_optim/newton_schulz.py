@@ -211,7 +211,8 @@ def newton_schulz_many(
     """:func:`newton_schulz` of each 2-D matrix of ``cs`` (the same options for all), in order.
     With ``batch`` (default: :func:`batches` of each matrix with the options, so a GPU's matrices
     and the CPU's bfloat16 iterations) the matrices of one shape in the wide orientation, dtype and
-    device are iterated together by
+    device (on the CPU also of one orientation: tall ones stack as they are and iterate the
+    stack's transposed view) are iterated together by
     :func:`newton_schulz_batched`, in batches of at most :data:`BATCH_BYTES`; a matrix that
     iterates in Gram space (:func:`takes_gram_space`), one of more than half of
     :data:`BATCH_BYTES`, and one without a partner go through :func:`newton_schulz` (``overwrite``
@@ -241,7 +242,9 @@ def newton_schulz_many(
             # Stacked in the iteration's dtype by the copies themselves (no stack in the matrices'
             # own dtype first), tall ones in their own orientation where stored_tall.
             stack = torch.empty(
-                (len(run), n, m) if stored_tall else (len(run), m, n), dtype=dtype or held, device=device
+                (len(run), n, m) if stored_tall else (len(run), m, n),
+                dtype=held if dtype is None else dtype,
+                device=device,
             )
             for k, i in enumerate(run):
                 stack[k].copy_(cs[i].T if cs[i].size(0) > cs[i].size(1) and not stored_tall else cs[i])
