@@ -122,7 +122,10 @@ class DistributedMuon(DistOptimizer):
             then compute their symmetric products blockwise in bfloat16/float16 too, as fp32 does
             by default (on a CPU; 0.798x the formula's time at 512 x 512 in bf16, two threads,
             ``bench/ns_accuracy.py --dtype bf16 --shapes 512x512 --speed``): as accurate as the
-            formula (:func:`dist_optim.newton_schulz.reorders`). Default False: the formula (a converted
+            formula (:func:`dist_optim.newton_schulz.reorders`). On a CPU with AMX, whose bf16
+            products are fast, those blocked products cost more than they save: the bench set's
+            bf16 step measured 1.36x and 1.38x heavyball's against 0.70x and 0.71x without this
+            option (docs/benchmarks.md); leave it off there. Default False: the formula (a converted
             torch or KellerJordan Muon computes exactly what it did).
         stacked: a parameter with 3+ dims is a stack of matrices along its first dim (experts or
             heads stored in one tensor): each ``p[i]``, seen as ``shape[1] x prod(shape[2:])``, is
