@@ -246,11 +246,12 @@ def newton_schulz_many(
                 dtype=held if dtype is None else dtype,
                 device=device,
             )
-            for k, i in enumerate(run):
-                stack[k].copy_(cs[i].T if cs[i].size(0) > cs[i].size(1) and not stored_tall else cs[i])
+            tall = [cs[i].size(0) > cs[i].size(1) for i in run]
+            for k, (i, t) in enumerate(zip(run, tall)):
+                stack[k].copy_(cs[i].T if t and not stored_tall else cs[i])
             x = newton_schulz_batched(stack.mT if stored_tall else stack, coefficients, eps, eps_form, dtype)
-            for k, i in enumerate(run):
-                out[i] = x[k].T if cs[i].size(0) > cs[i].size(1) else x[k]
+            for k, (i, t) in enumerate(zip(run, tall)):
+                out[i] = x[k].T if t else x[k]
     for i in alone:
         out[i] = newton_schulz(cs[i], coefficients, eps, eps_form, dtype, gram_space, overwrite)
     assert all(x is not None for x in out)  # every matrix went alone or into one run

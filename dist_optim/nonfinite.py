@@ -42,8 +42,8 @@ def local_flag(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Ten
     for (dtype, _), gs in kinds.items():
         # fp16/bf16 norms in fp32 (an fp16 sum of squares overflows at 65504); fp32/fp64 in their own dtype
         # (torch refuses to narrow fp64).
-        sums = torch._foreach_norm(gs, 2, dtype=torch.float32 if dtype in _NARROW else None)
-        flag += (~torch.isfinite(torch.stack(sums))).any().to(device)
+        norms = torch._foreach_norm(gs, 2, dtype=torch.float32 if dtype in _NARROW else None)
+        flag += (~torch.isfinite(torch.stack(norms))).any().to(device)
     return flag
 
 
