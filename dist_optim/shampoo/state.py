@@ -17,7 +17,8 @@ not, is the mirror of that triangle (factors mirrored at each refresh, roots whe
 packing loses nothing: the packed run equals the unpacked one bit for bit.
 
 With ``optim_bits=8`` a block of at least ``min_8bit_size`` elements keeps its moments
-(:data:`EIGHT_BIT_MOMENTS`) as bitsandbytes' block-wise 8-bit codes, each with
+(:data:`EIGHT_BIT_MOMENTS`; Shampoo's first moment only with grafting: :func:`keeps_8bit`) as
+bitsandbytes' block-wise 8-bit codes, each with
 ``<name>_absmax`` (one fp32 absmax per 256 consecutive elements of the block, flattened): the
 math runs on their fp32 values (:func:`step_state`, through :class:`dist_optim.bnb_states.Batch8bit`),
 stored again after the step. A moment saved with the other ``optim_bits`` is carried over there.
@@ -96,10 +97,8 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
     def sym(d: int) -> tuple[int, ...]:
         return (structured.packed_size(d),) if packed else (d, d)
 
-    eight = keeps_8bit(block, group)
-
     def moment(name: str, dt: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
-        if not eight:
+        if not keeps_8bit(block, group, name):
             return [(name, block.shape, dt)]
         blocks = -(-math.prod(block.shape) // bnb_states.BLOCKSIZE)
         return [(name, block.shape, torch.uint8), (f"{name}_absmax", (blocks,), torch.float32)]
@@ -130,11 +129,21 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
     return spec
 
 
-def keeps_8bit(block: Block, group: dict[str, Any]) -> bool:
-    """Whether ``block`` keeps its moments in 8 bits (``optim_bits=8`` and at least
-    ``min_8bit_size`` elements: bitsandbytes decides per tensor, we per block, the unit a block's
-    owner holds whole on every layout)."""
-    return group["optim_bits"] == 8 and math.prod(block.shape) >= group["min_8bit_size"]
+def keeps_8bit(block: Block, group: dict[str, Any], name: str) -> bool:
+    """Whether ``block`` keeps its moment ``name`` in 8 bits: ``optim_bits=8`` and at least
+    ``min_8bit_size`` elements (bitsandbytes decides per tensor, we per block, the unit a block's
+    owner holds whole on every layout), except Shampoo's first moment without grafting.
+
+    That one is multiplied by the roots, whose eigenvalues ``(lam + epsilon)^(-1/r)`` on the
+    factors' (near-)null space exceed those on the gradients' span by up to ``(lam_max /
+    epsilon)^(1/r)``. The exact moment lies in that span (a sum of past gradients); its 8-bit
+    error does not, so the roots amplify the error by that ratio, and without grafting nothing
+    bounds the step (tests/unit/test_shampoo_8bit.py has the least-squares run that diverged).
+    Grafting rescales the step to its own element-wise direction's norm; SOAP keeps this moment
+    in the eigenbasis (``exp_avg_eigen``), where each coordinate's error stays relative to itself."""
+    if group["optim_bits"] != 8 or math.prod(block.shape) < group["min_8bit_size"]:
+        return False
+    return name != "exp_avg" or group["grafting_config"] is not None
 
 
 def quantises_bases(block: Block, group: dict[str, Any]) -> bool:
@@ -221,14 +230,16 @@ def checked_block_entries(
     options is refused); its moments may be 8-bit codes or not, whatever ``optim_bits`` gives."""
     out: dict[str, torch.Tensor] = {}
     # Moments saved with the other optim_bits are carried over at the next step (step_state):
-    # the entries to find are those of the width they were saved in.
+    # the entries to find are those of the width each was saved in (codes: the moment's shape).
     prefix = block_prefix(index)
-    saved_8bit = any(
-        isinstance(v, torch.Tensor) and v.dtype == torch.uint8
-        for v in (state.get(prefix + name) for name in EIGHT_BIT_MOMENTS)
-    )
-    saved = dict(group, optim_bits=8, min_8bit_size=0) if saved_8bit else dict(group, optim_bits=32)
-    for name, shape, _ in block_spec(block, saved, param.dtype):
+    blocks = -(-math.prod(block.shape) // bnb_states.BLOCKSIZE)
+    spec: list[tuple[str, tuple, torch.dtype]] = []
+    for entry in block_spec(block, dict(group, optim_bits=32), param.dtype):
+        spec.append(entry)
+        value = state.get(prefix + entry[0])
+        if entry[0] in EIGHT_BIT_MOMENTS and isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+            spec.append((f"{entry[0]}_absmax", (blocks,), torch.float32))
+    for name, shape, _ in spec:
         key = block_prefix(index) + name
         value = state.get(key)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
@@ -443,19 +454,18 @@ def step_state(
     ``dtype`` (the gradient's, as a new state's moments; SOAP's second moment in
     ``preconditioner_dtype``)."""
     layout = whole_layout(tuple(block.shape))
-    eight = keeps_8bit(block, group)
     values: dict[str, torch.Tensor] = {}
     for name, signed in EIGHT_BIT_MOMENTS.items():
         key = prefix + name
         value = state.get(key)
         if not isinstance(value, torch.Tensor):
             continue
-        if eight:
+        if keeps_8bit(block, group, name):
             values[name] = batch.read(state, key, signed, layout, value, _moment_dtype(name, group, torch.float32))
         else:
             batch.to_32bit(state, key, signed, layout, value.device, _moment_dtype(name, group, dtype))
     bs = BlockState.of(state, prefix, block.order)
-    if not eight:
+    if not values:
         return bs
     out = dataclasses.replace(bs, absmax={})
     for name, value in values.items():
@@ -468,12 +478,12 @@ def carry_over(state: dict[str, Any], prefix: str, block: Block, group: dict[str
     to the width its group keeps (as :func:`step_state` and a store would, without a step; the
     others are left as they are): a rank exports its state in the form the other ranks expect,
     where such a state was loaded and no step has been taken since."""
-    eight = keeps_8bit(block, group)
     layout = whole_layout(tuple(block.shape))
     batch = bnb_states.Batch8bit()
     for name, signed in EIGHT_BIT_MOMENTS.items():
         key = prefix + name
         value = state.get(key)
+        eight = keeps_8bit(block, group, name)
         if not isinstance(value, torch.Tensor) or (value.dtype == torch.uint8) == eight:
             continue
         if eight:

@@ -160,6 +160,36 @@ def test_small_blocks_stay_32bit_and_state_shrinks() -> None:
     assert saved == 3 * (300 * 40 * 3 - 47 * 4)
 
 
+def test_without_grafting_the_first_moment_stays_32bit() -> None:
+    """Without grafting the roots multiply the first moment and nothing bounds the step: its 8-bit
+    error, off the factors' span where the exact moment has none, is amplified by up to
+    (lam_max / epsilon)^(1/2), and this least-squares problem (A 10 x 5, the issue's report) went
+    to Inf within a few steps on every seed. The first moment stays 32-bit (state.keeps_8bit), so
+    the run is the 32-bit one bit for bit; the momentum buffer, applied after the roots, stays 8-bit."""
+    for seed in range(5):
+        torch.manual_seed(seed)
+        a, b = torch.randn(10, 5), torch.randn(10)
+        runs = []
+        for bits in (32, 8):
+            x = torch.nn.Parameter(torch.zeros(5))
+            opt = dist_optim.DistributedShampoo([x], lr=1e-3, optim_bits=bits, min_8bit_size=0)
+            for _ in range(20):
+                opt.zero_grad()
+                ((a @ x - b) ** 2).sum().backward()
+                opt.step()
+            runs.append((x, opt))
+        (x32, _), (x8, opt8) = runs
+        assert opt8.state[x8]["block0.exp_avg"].dtype == torch.float32
+        assert "block0.exp_avg_absmax" not in opt8.state[x8]
+        assert torch.isfinite(x8).all() and torch.equal(x8, x32)
+    x = torch.nn.Parameter(torch.zeros(5))
+    opt = dist_optim.DistributedShampoo([x], momentum=0.5, optim_bits=8, min_8bit_size=0)
+    x.grad = torch.ones(5)
+    opt.step()
+    assert opt.state[x]["momentum_buffer"].dtype == torch.uint8
+    assert opt.state[x]["block0.exp_avg"].dtype == torch.float32
+
+
 def test_resume_from_state_dict_and_full_state_is_exact() -> None:
     kwargs = dict(KWARGS, grafting_config=ADAM, momentum=0.5, optim_bits=8, min_8bit_size=0)
 
