@@ -58,7 +58,8 @@ from typing import Any
 
 import torch
 
-from .base import check_range
+from .base import check_lr, check_range
+from .checks import group_lr
 from .comm import SumBucket
 from .factored import (
     EPS_ADD,
@@ -169,7 +170,7 @@ class DistributedAdafactor(FactoredOptimizer):
         if group["warmup_init"] and not group["relative_step"]:
             raise ValueError("warmup_init=True requires relative_step=True")
         if group["lr"] is not None:
-            check_range("lr", group["lr"], 0.0)
+            check_lr(group["lr"])
         elif not group["relative_step"]:
             raise ValueError("lr: relative_step=False needs an explicit lr")
         if group["variant"] == "torch":
@@ -240,10 +241,10 @@ class DistributedAdafactor(FactoredOptimizer):
             if group["warmup_init"]:
                 cap = 1e-6 * t
             else:
-                cap = 1e-2 if group["variant"] == "transformers" else float(group["lr"])
+                cap = 1e-2 if group["variant"] == "transformers" else group_lr(group)
             rho = min(cap, 1.0 / math.sqrt(t))
         else:
-            rho = float(group["lr"])
+            rho = group_lr(group)
         if group["scale_parameter"]:
             scale = rms(item.sumsq["param"], item.layout).clamp_(min=group["eps"][1]) * rho
         else:
@@ -263,7 +264,7 @@ class DistributedAdafactor(FactoredOptimizer):
             if group["variant"] == "transformers":
                 w.mul_(1.0 - wd * scale)
             else:
-                w.mul_(1.0 - float(group["lr"]) * wd)
+                w.mul_(1.0 - group_lr(group) * wd)
         w.sub_(update)
         if w is not p:
             p.copy_(w)

@@ -22,16 +22,20 @@ gradient in one rank's shard stops or skips the step on every rank.
 
 from __future__ import annotations
 
-import math
+import collections
+import copy
+import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from .checks import check_adam_options, check_lr, check_range, group_lr
 from .comm import SumBucket, gather_full, group_rank, group_size
 from .layout import ParamLayout, TPSplit, ZeroShard, local_layout, read_tp_dim
 from .nonfinite import NONFINITE_POLICIES, bad_parameters, check_nonfinite_policy, local_flag, refusal
+from .state_dicts import STATE_DICT_KEY, check_state_dict, restored_group, saved_group
 
 __all__ = [
     "DistOptimizer",
@@ -39,64 +43,18 @@ __all__ = [
     "STATE_DICT_KEY",
     "check_range",
     "check_adam_options",
+    "check_lr",
+    "group_lr",
     "check_nonfinite_policy",
     "class_path",
     "colossal_layouts",
     "check_state_dict",
 ]
 
-#: The key of :meth:`DistOptimizer.state_dict` under which the class and the extra state are saved.
-STATE_DICT_KEY = "dist_optim"
-
 
 def class_path(cls: type) -> str:
     """``module.QualName`` of a class: how registries, logs and saved states name optimizers."""
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def check_range(
-    name: str,
-    value: float,
-    low: float,
-    high: float | None = None,
-    *,
-    closed_high: bool = False,
-    open_low: bool = False,
-) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is a finite number with ``low <= value``
-    (``low < value`` with ``open_low``) and ``value < high`` (``<= high`` with ``closed_high``).
-    Infinity and NaN are refused whatever the bounds: an ``lr=inf`` step turns every parameter
-    into NaN or Inf."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    ok = math.isfinite(value) and (value > low if open_low else value >= low)
-    if high is not None:
-        ok = ok and (value <= high if closed_high else value < high)
-    if not ok:
-        lower = f"({low}" if open_low else f"[{low}"
-        bound = (
-            f"in {lower}, {high}{']' if closed_high else ')'}"
-            if high is not None
-            else f"{'>' if open_low else '>='} {low}"
-        )
-        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
-
-
-def check_adam_options(**options: Any) -> None:
-    """Validate the Adam-family options present in ``options`` (lr, betas, eps, weight_decay),
-    raising a ValueError that names the option."""
-    if "lr" in options:
-        check_range("lr", options["lr"], 0.0)
-    if "betas" in options:
-        betas = options["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        check_range("betas[0]", betas[0], 0.0, 1.0)
-        check_range("betas[1]", betas[1], 0.0, 1.0)
-    if "eps" in options:
-        check_range("eps", options["eps"], 0.0)
-    if "weight_decay" in options:
-        check_range("weight_decay", options["weight_decay"], 0.0)
 
 
 def colossal_layouts(
@@ -163,6 +121,35 @@ def colossal_layouts(
     return layouts, saw_tp
 
 
+#: Where torch.distributed's objects live (process groups, their backends, stores, works): handles
+#: on the job, which neither pickle nor copy.
+_C10D = ("torch.distributed", "torch._C._distributed_c10d")
+_ATOMS = (torch.Tensor, torch.Generator, torch.dtype, torch.device, str, bytes, int, float, complex, type)
+
+
+def job_handles(root: Any) -> list[Any]:
+    """The torch.distributed objects reachable from ``root`` through containers and object
+    attributes (what a bound optimizer's layouts, work plans and caches hold)."""
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen or isinstance(x, _ATOMS) or isinstance(x, types.FunctionType):
+            continue
+        seen.add(id(x))
+        if type(x).__module__.startswith(_C10D):
+            found[id(x)] = x
+        elif isinstance(x, Mapping):
+            stack += [*x.keys(), *x.values()]
+        elif isinstance(x, (list, tuple, set, frozenset, collections.deque)):
+            stack += list(x)
+        else:
+            stack += list(getattr(x, "__dict__", {}).values())
+            stack += [getattr(x, n) for n in getattr(type(x), "__slots__", ()) if hasattr(x, n)]
+    return list(found.values())
+
+
 class DistOptimizer(torch.optim.Optimizer):
     """Base of all dist_optim optimizers: param→layout binding, parameter iteration and the NaN/Inf
     gradient policy.
@@ -184,6 +171,8 @@ class DistOptimizer(torch.optim.Optimizer):
         #: Model name of each parameter this optimizer steps (the dist_optim plugins record them at
         #: boost): checkpoints and error messages name parameters by it.
         self.param_names: dict[torch.Tensor, str] = {}
+        #: The options this optimizer declares (torch adds keys of its own to ``defaults``).
+        self.option_names = frozenset(defaults)
         super().__init__(params, defaults)
         self._layouts: dict[torch.Tensor, ParamLayout] = {}
         self.dp_group: Any = None
@@ -192,6 +181,45 @@ class DistOptimizer(torch.optim.Optimizer):
         #: True while a dist_optim plugin configures the booster: ColossalAI's own positional
         #: ``setup_distributed`` call is then ignored, the plugin binds right after it.
         self.plugin_binds = False
+
+    # ---- copies and pickles ---------------------------------------------------------------
+    #: torch's hook tables: a copy or an unpickled optimizer starts without hooks, as torch's do.
+    _HOOK_TABLES = (
+        "_optimizer_step_pre_hooks",
+        "_optimizer_step_post_hooks",
+        "_optimizer_state_dict_pre_hooks",
+        "_optimizer_state_dict_post_hooks",
+        "_optimizer_load_state_dict_pre_hooks",
+        "_optimizer_load_state_dict_post_hooks",
+    )
+
+    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
+        """Everything the optimizer is (torch's keeps only ``defaults``, ``state`` and
+        ``param_groups``; our settings live in attributes too), less torch's hooks. A bound
+        optimizer holds process groups, which do not pickle: save its ``state_dict()`` instead."""
+        state = self._copyable_state()
+        held = job_handles(state)
+        if held:
+            raise TypeError(
+                f"cannot pickle a bound {type(self).__name__}: it holds {len(held)} torch.distributed object(s) "
+                "(process groups); pickle its state_dict() and load it into an optimizer bound on the other side "
+                "(copy.deepcopy shares the groups)"
+            )
+        return state
+
+    def _copyable_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._HOOK_TABLES}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DistOptimizer:
+        """A copy with its own parameters and state that steps as the original would; the process
+        groups of a bound optimizer are shared (a group is a handle on the job, not data)."""
+        state = self._copyable_state()
+        for handle in job_handles(state):
+            memo[id(handle)] = handle
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
 
     # ---- options ------------------------------------------------------------------------
     def validate_group(self, group: dict[str, Any]) -> None:
@@ -505,6 +533,8 @@ class DistOptimizer(torch.optim.Optimizer):
         ``state_dict()`` / :meth:`load_state_dict` round trip resumes the same trajectory. Local
         (this rank's shards); :meth:`full_state` is the layout-independent form."""
         out = super().state_dict()
+        # Options as plain data (dist_optim.saved_options): the dict loads with weights_only=True.
+        out["param_groups"] = [{**saved_group(g), "params": g["params"]} for g in out["param_groups"]]
         out[STATE_DICT_KEY] = {"optimizer": class_path(type(self)), "extra": self.extra_state()}
         return out
 
@@ -515,13 +545,18 @@ class DistOptimizer(torch.optim.Optimizer):
         meta = state_dict.get(STATE_DICT_KEY) if isinstance(state_dict, Mapping) else None
         saved_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
         mine = isinstance(meta, Mapping) and meta.get("optimizer") == class_path(type(self))
-        if mine and isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
-            # Saved by this optimizer before an option was added: the option keeps the value this
-            # optimizer was built with.
-            built = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-            filled = [{**b, **sg} for b, sg in zip(built, saved_groups)]
-            state_dict = {**state_dict, "param_groups": filled}
-        check_state_dict(self, state_dict)
+        if isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
+            groups = [
+                restored_group(sg, g) if isinstance(sg, Mapping) else sg
+                for sg, g in zip(saved_groups, self.param_groups)
+            ]
+            if mine:
+                # Saved by this optimizer before an option was added: the option keeps the value this
+                # optimizer was built with.
+                built = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+                groups = [{**b, **sg} for b, sg in zip(built, groups)]
+            state_dict = {**state_dict, "param_groups": groups}
+        check_state_dict(self, state_dict, class_path(type(self)))
         kept: dict[Any, dict[str, torch.Tensor]] = {}
         states: dict[Any, Any] = {}
         for pid, st in state_dict["state"].items():
@@ -537,8 +572,23 @@ class DistOptimizer(torch.optim.Optimizer):
             p = by_id[pid]
             for key, value in entries.items():
                 self.state[p][key] = value.detach().to(device=p.device, copy=True)
+        for p, state in self.state.items():
+            # State dicts of other tools and older versions may hold counters as numbers; the math
+            # takes them as tensors (torch's optimizers convert them on load too).
+            for key in self._counters:
+                value = state.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    state[key] = self._new_counter(p, float(value))
         if meta is not None:
             self.load_extra_state(meta["extra"])
+
+    #: Per-parameter state entries held as 0-d fp32 tensors (step counters).
+    _counters: tuple[str, ...] = ("step",)
+
+    def _new_counter(self, param: torch.Tensor, value: float) -> torch.Tensor:
+        """A counter of ``param``'s state as the optimizer makes it (on the CPU, as torch keeps
+        non-capturable steps)."""
+        return torch.tensor(value, dtype=torch.float32)
 
     def extra_state(self) -> dict[str, Any]:
         """Optimizer-level state beyond per-parameter state (the skipped-step counter; subclasses
@@ -548,35 +598,3 @@ class DistOptimizer(torch.optim.Optimizer):
     def load_extra_state(self, extra: dict[str, Any]) -> None:
         """Inverse of :meth:`extra_state` (a checkpoint without the counter restores it as 0)."""
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-
-
-def check_state_dict(optimizer: DistOptimizer, state_dict: Mapping[str, Any]) -> None:
-    """Refuse, with one line naming the cause, a state dict that is not ``optimizer``'s (for its
-    :meth:`~DistOptimizer.load_state_dict`): one
-    saved from another class, with other groups, or missing options this optimizer needs
-    (torch's loader would replace the groups and fail later, deep inside a step)."""
-    mine = class_path(type(optimizer))
-    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-        raise ValueError(f"{mine}.load_state_dict: expected a dict with 'state' and 'param_groups'")
-    meta = state_dict.get(STATE_DICT_KEY)
-    saved = meta.get("optimizer") if isinstance(meta, Mapping) else None
-    if saved is not None and saved != mine:
-        raise ValueError(
-            f"{mine}.load_state_dict: this state dict was saved by {saved}; load it into a {saved}, or "
-            f"convert the saved optimizer with dist_optim.convert(...) before saving"
-        )
-    groups = state_dict["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"{mine}.load_state_dict: the state dict has {len(groups)} param groups, this optimizer "
-            f"{len(optimizer.param_groups)}; build the optimizer with the same groups as the saved one"
-        )
-    for i, (saved_group, group) in enumerate(zip(groups, optimizer.param_groups)):
-        missing = sorted(set(optimizer.defaults) - set(saved_group))
-        if missing:
-            origin = f"saved by {saved}" if saved else "not saved by a dist_optim optimizer"
-            raise ValueError(
-                f"{mine}.load_state_dict: param group {i} of the state dict lacks {', '.join(missing)} "
-                f"({origin}); load a state dict saved by this optimizer"
-            )
-        optimizer.validate_group({**saved_group, "params": group["params"]})

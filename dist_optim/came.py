@@ -57,7 +57,8 @@ from typing import Any
 import torch
 
 from . import bnb_states as bnb
-from .base import check_range
+from .base import check_lr, check_range
+from .checks import group_lr
 from .comm import SumBucket
 from .factored import (
     EPS_ADD,
@@ -131,7 +132,7 @@ class DistributedCAME(FactoredOptimizer):
         super().validate_group(group)
         if group["lr"] is None:
             raise ValueError("lr: DistributedCAME needs an explicit lr > 0 (came_pytorch has no default)")
-        check_range("lr", group["lr"], 0.0, open_low=True)
+        check_lr(group["lr"], open_low=True)
         eps = group["eps"]
         if not isinstance(eps, (tuple, list)) or len(eps) != 2:
             raise ValueError(f"eps must be a pair (eps1, eps2), got {eps!r}")
@@ -219,7 +220,7 @@ class DistributedCAME(FactoredOptimizer):
             group = item.group
             p = item.param
             w = low_precision_copy(p)
-            lr = group["lr"]
+            lr = group_lr(group)
             if group["weight_decay"] != 0:
                 w.add_(w, alpha=-group["weight_decay"] * lr)
             if item.fac is not None:

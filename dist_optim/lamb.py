@@ -59,6 +59,7 @@ import torch
 from . import bnb_states as bnb
 from .base import DistOptimizer, check_adam_options, check_range
 from .budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from .checks import group_lr
 from .comm import SumBucket
 from .layout import ParamLayout
 from .multi_tensor import scale_
@@ -294,7 +295,7 @@ def _trust_scale(group: dict[str, Any], sq: torch.Tensor, steps: list[torch.Tens
         coef = (1 - beta2**t).sqrt() / (1 - beta1**t)
     else:
         coef = torch.ones(len(steps), dtype=torch.float64)
-    return (-group["lr"] * coef).to(ratio) * ratio
+    return (-group_lr(group) * coef).to(ratio) * ratio
 
 
 def _updates_foreach(

@@ -11,6 +11,8 @@ reshapes them into the parameter's shape. For our optimizers ``booster.save_opti
 * ``shard=False``: one file (``torch.save``); ``shard=True``: a folder of files of at most
   ``size_per_shard`` MB and an index ``dist_optim_optimizer.index.json``.
 
+Every file holds plain data only (tensors, numbers, strings, lists, dicts; option objects as their
+fields, ``dist_optim.state_dicts``) and is read with ``torch.load(..., weights_only=True)``.
 Nothing in it depends on TP, ZeRO or pipeline layout, so a run saved at tp=2 x zero=2 resumes at
 tp=1 x dp=4, on one process, or with another plugin. Files are written to a temporary name and
 renamed, so a failed save does not destroy the previous checkpoint; a load validates everything
@@ -30,6 +32,7 @@ from colossalai.interface.optimizer import OptimizerWrapper
 from dist_optim import comm
 from dist_optim.base import DistOptimizer
 from dist_optim.registry import class_path
+from dist_optim.state_dicts import restored_group, saved_group
 
 __all__ = ["FORMAT", "INDEX_NAME", "DistOptimCheckpointMixin", "read_checkpoint"]
 
@@ -57,7 +60,7 @@ def _group_meta(optim: DistOptimizer, names: list[str]) -> list[dict[str, Any]]:
     out, i = [], 0
     for group in optim.param_groups:
         n = len(group["params"])
-        meta = {k: v for k, v in group.items() if k != "params"}
+        meta = saved_group(group)  # plain data: the files load with weights_only=True
         meta["params"] = names[i : i + n]
         out.append(meta)
         i += n
@@ -148,8 +151,8 @@ class DistOptimCheckpointMixin:
         )
         if rank == 0:
             parts = [p for p in info if p is not None]
-            # Hyperparameters (tuples, dtypes, grafting configs) and extra state keep their Python
-            # types in a torch file; the JSON index only says where each parameter's state is.
+            # Hyperparameters (tuples, dtypes, option classes as their fields) and extra state keep
+            # their Python types in a torch file; the JSON index only says where each parameter's state is.
             index = {
                 "format": FORMAT,
                 "optimizer": class_path(type(optim)),
@@ -189,7 +192,7 @@ class DistOptimCheckpointMixin:
             for p, value in masters:
                 p.copy_(value)
         for group, meta in zip(optim.param_groups, groups):
-            for key, value in meta.items():
+            for key, value in restored_group(meta, group).items():
                 if key != "params":
                     group[key] = value
         optim.load_extra_state(payload["extra"])
@@ -280,9 +283,9 @@ def read_checkpoint(checkpoint: str) -> dict[str, Any]:
             _check_format(index, checkpoint)
             state: dict[str, Any] = {}
             for file in sorted(set(index["weight_map"].values())):
-                state.update(torch.load(os.path.join(checkpoint, file), map_location="cpu", weights_only=False))
+                state.update(torch.load(os.path.join(checkpoint, file), map_location="cpu", weights_only=True))
             masters = {n: st.pop(MASTER_KEY) for n, st in state.items() if MASTER_KEY in st}
-            meta = torch.load(os.path.join(checkpoint, index["meta_file"]), map_location="cpu", weights_only=False)
+            meta = torch.load(os.path.join(checkpoint, index["meta_file"]), map_location="cpu", weights_only=True)
             return {
                 "optimizer": index["optimizer"],
                 "groups": meta["groups"],
@@ -290,7 +293,7 @@ def read_checkpoint(checkpoint: str) -> dict[str, Any]:
                 "extra": meta["extra"],
                 "masters": masters,
             }
-        payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user-facing error

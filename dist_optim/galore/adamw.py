@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import bnb_states as bnb
+from ..checks import group_lr
 from ..fused_adam import fused_applies
 from ..layout import ParamLayout
 from ..multi_tensor import scale_
@@ -37,9 +38,9 @@ def step_size(group: dict[str, Any], adam_style: str, t: float) -> float:
     beta1, beta2 = group["betas"]
     if adam_style == "hf":
         if not group["correct_bias"]:
-            return group["lr"]
-        return group["lr"] * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
-    return group["lr"] / ((1.0 - beta1**t) if group["correct_bias"] else 1.0)
+            return group_lr(group)
+        return group_lr(group) * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
+    return group_lr(group) / ((1.0 - beta1**t) if group["correct_bias"] else 1.0)
 
 
 def denominators(
@@ -180,7 +181,7 @@ def fused_plain_adamw(
     ):
         return False
     beta1, beta2 = group["betas"]
-    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    lr, wd, eps = group_lr(group), group["weight_decay"], group["eps"]
     by_step: dict[tuple[float, torch.device], list[int]] = collections.defaultdict(list)
     for i, (p, st) in enumerate(zip(params, states)):
         st["step"] += 1

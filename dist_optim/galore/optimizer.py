@@ -24,6 +24,7 @@ import torch
 from .. import bnb_states as bnb
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..checks import group_lr
 from ..comm import group_size
 from ..layout import ParamLayout
 from ..multi_tensor import scale_
@@ -405,7 +406,7 @@ class DistributedGaLore(DistOptimizer):
         left, right = (t.to(norm.dtype) for t in it.proj)
         add_back_projection(it.param, it.layout, it.side, group["scale"], norm, -step_size, left, right)
         if group["weight_decay"] > 0.0:
-            it.param.add_(it.param, alpha=-group["lr"] * group["weight_decay"])
+            it.param.add_(it.param, alpha=-group_lr(group) * group["weight_decay"])
         it.proj = None
 
     def _plain_adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -418,7 +419,7 @@ class DistributedGaLore(DistOptimizer):
             if not state:
                 init_plain_state(state, p, layout.full_numel, e, self._buffers)
         self._buffers.prefetch(*(state[key] for state in states for key in ("exp_avg", "exp_avg_sq")))
-        wd, lr = group["weight_decay"], group["lr"]
+        wd, lr = group["weight_decay"], group_lr(group)
         if not any(eight) and fused_plain_adamw(group, self.adam_style, states, params, grads):
             return
         if self.adam_style == "bnb" and wd > 0.0:

@@ -17,6 +17,7 @@ import torch
 from .. import bnb_states as bnb
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..checks import group_lr
 from ..layout import ParamLayout
 from ..owners import Owner, Sending, Task, WorkGroups, pipelined, route_tasks, share_results
 from .blocks import discard_probe, draw_probe
@@ -381,7 +382,7 @@ class DistributedKron(DistOptimizer):
             local = u.view_as(p) if layout.is_local else layout.take_local(u)
         if group["weight_decay"] != 0 and layout.ndim >= 2:
             local.add_(p, alpha=group["weight_decay"])
-        p.add_(local.to(p.dtype), alpha=-group["lr"])
+        p.add_(local.to(p.dtype), alpha=-group_lr(group))
         item.direction = None  # applied: freed now, not when the whole step's items are
 
     # ---- state -------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..base import check_range
+from ..base import check_lr, check_range
 from ..dtypes import check_communication_dtype
 
 __all__ = [
@@ -84,7 +84,7 @@ def check_optimizer_options(seed: Any, communication_dtype: Any, probe_rng: Any)
 
 def validate_options(group: dict[str, Any]) -> None:
     """Check one param group's Kron options, raising a ValueError that names the option."""
-    check_range("lr", group["lr"], 0.0)
+    check_lr(group["lr"])
     check_range("b1", group["b1"], 0.0, 1.0)
     check_range("weight_decay", group["weight_decay"], 0.0)
     check_range("precond_lr", group["precond_lr"], 0.0)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..base import check_range
+from ..state_dicts import register_option_class
 
 __all__ = ["ProbabilitySchedule", "precond_update_prob_schedule", "threshold"]
 
@@ -46,10 +47,8 @@ class ProbabilitySchedule:
         return prob.clamp(min=torch.tensor(self.min_prob, dtype=f32), max=torch.tensor(self.max_prob, dtype=f32))
 
 
-# Param groups pickle the default schedule by its class's module and name (state_dict, checkpoints):
-# keep the public dist_optim.kron.ProbabilitySchedule of the single-module version, which loads
-# under every version (the package re-exports it).
-ProbabilitySchedule.__module__ = "dist_optim.kron"
+# Saved param groups (state_dict, checkpoints) hold the schedule as its fields.
+register_option_class(ProbabilitySchedule)
 
 
 def precond_update_prob_schedule(

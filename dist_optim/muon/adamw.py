@@ -26,6 +26,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from .. import bnb_states as bnb
 from ..budget import buckets
+from ..checks import group_lr
 from ..fused_adam import fused_applies
 from ..layout import ParamLayout
 
@@ -91,7 +92,7 @@ def _adamw_32bit(
         amsgrad=False,
         beta1=beta1,
         beta2=beta2,
-        lr=group["lr"],
+        lr=group_lr(group),
         weight_decay=group["weight_decay"],
         eps=group["adamw_eps"],
         maximize=False,
@@ -111,7 +112,7 @@ def _adamw_8bit(
     bitsandbytes' 8-bit kernels do, the parameter's step uses the fp32 moments, not their
     re-quantised values."""
     beta1, beta2 = group["adamw_betas"]
-    lr, eps = group["lr"], group["adamw_eps"]
+    lr, eps = group_lr(group), group["adamw_eps"]
     acc = torch.promote_types(p.dtype, torch.float32)
     m, v = (batch.read(state, key, signed, layout, p, acc) for key, signed in bnb.MOMENTS)
     state["step"] += 1

@@ -11,8 +11,9 @@ import torch
 
 from .. import bnb_states as bnb
 from .. import structured
-from ..base import DistOptimizer, check_range
+from ..base import DistOptimizer, check_lr, check_range
 from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..checks import group_lr
 from ..comm import gather_full
 from ..dtypes import check_communication_dtype
 from ..layout import ParamLayout
@@ -221,13 +222,17 @@ class DistributedMuon(DistOptimizer):
         self._tasks = None
         self._checked = False
 
+    def _new_counter(self, param: torch.Tensor, value: float) -> torch.Tensor:
+        """The auxiliary AdamW keeps its step beside the parameter (as its own state makes it)."""
+        return torch.tensor(value, dtype=torch.float32, device=param.device)
+
     def validate_group(self, group: dict[str, Any]) -> None:
         """ValueError/TypeError naming the option for anything out of range in a param group."""
         super().validate_group(group)
         use_muon = group.get("use_muon", True)
         if not isinstance(use_muon, bool):
             raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
-        check_range("lr", group["lr"], 0.0)
+        check_lr(group["lr"])
         check_range("weight_decay", group["weight_decay"], 0.0)
         check_range("momentum", group["momentum"], 0.0, 1.0)
         check_range("eps", group["eps"], 0.0, open_low=True)
@@ -497,7 +502,7 @@ def _apply_all(items: Sequence[tuple[torch.Tensor, torch.Tensor, ParamLayout, di
     steps: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for p, update, layout, group in items:
         m, n = _matrix_shape(layout.full_shape, group)
-        lr = group["lr"]
+        lr = group_lr(group)
         if group["weight_decay"] != 0:
             decays.setdefault(1.0 - lr * group["weight_decay"], []).append(p)
         params, updates = steps.setdefault(-adjusted_lr(lr, group["adjust_lr_fn"], m, n), ([], []))

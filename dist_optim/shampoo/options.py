@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from .. import lowbit, matrix_functions
-from ..base import check_range
+from ..base import check_lr, check_range
 from ..bnb_states import check_8bit_options
 from ..dtypes import check_communication_dtype
+from ..state_dicts import register_option_class
 
 __all__ = [
     "SGDGraftingConfig",
@@ -105,11 +106,9 @@ class AdamGraftingConfig:
 
 GraftingConfig = SGDGraftingConfig | AdaGradGraftingConfig | RMSpropGraftingConfig | AdamGraftingConfig
 GRAFTING_TYPES = (SGDGraftingConfig, AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
-# Saved param groups (state_dict, checkpoints) pickle a grafting config by its class's module and
-# name: keep the public ``dist_optim.shampoo.<Name>`` of the single-module version, which loads under
-# every version (the package re-exports them).
+# Saved param groups (state_dict, checkpoints) hold a grafting config as its fields.
 for _cls in GRAFTING_TYPES:
-    _cls.__module__ = "dist_optim.shampoo"
+    register_option_class(_cls)
 #: The grafting methods that keep a second moment ``V`` per block (state ``graft_sq``).
 SQUARED_GRAFTING_TYPES = (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
 #: The refresh of ``root_inverse`` / ``eigenbasis`` warm-started from the block's previous
@@ -228,7 +227,7 @@ def _check_preconditioner_bits(group: dict[str, Any]) -> None:
 
 
 def _check_step_options(group: dict[str, Any]) -> None:
-    check_range("lr", group["lr"], 0.0)
+    check_lr(group["lr"])
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..checks import group_lr
 from ..multi_tensor import scale_
 from .blocking import Block
 
@@ -43,7 +44,7 @@ def apply_updates(
         else:
             for i, b in moving:
                 ds[i] = b
-    torch._foreach_add_(ps, ds, alpha=-group["lr"])
+    torch._foreach_add_(ps, ds, alpha=-group_lr(group))
 
 
 def join_blocks(view_shape: tuple[int, ...], blocks: list[Block], tensors: list[torch.Tensor]) -> torch.Tensor:

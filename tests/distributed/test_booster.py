@@ -110,12 +110,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,col", CASES)
-def test_booster_parity(name, col, pool4, pool2) -> None:
+def test_booster_parity(name, col, pool4, pool2, tmp_path) -> None:
     spec = SPECS[name]
     plugin, kwargs, world = plugin_config(col)
     precision = col[4]
     pool = pool4 if world == 4 else pool2
-    results = pool.run(booster.booster_parity, plugin, kwargs, *spec.source, STEPS)
+    results = pool.run(booster.booster_parity, plugin, kwargs, *spec.source, STEPS, str(tmp_path))
+    # booster.save_optimizer's files are plain data on every column (no pickled classes or callables)
+    assert results[0]["saved_files"] >= 2 and not results[0]["unsafe_files"], results[0]["unsafe_files"]
     covered = set()
     for res in results:
         covered |= set(res["errors"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import warnings
 from typing import Any
 
@@ -272,10 +273,16 @@ def record_steps(wrapper: Any, model: Any) -> list[dict[str, Any]]:
 
 
 def _boosted_run(
-    plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any], steps: int
+    plugin_name: str,
+    plugin_kwargs: dict[str, Any],
+    opt_path: str,
+    opt_kwargs: dict[str, Any],
+    steps: int,
+    save_to: str | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, dict[str, Any]], Any, Any, list[dict[str, Any]]]:
     """(initial weights, full fp32 weights and full optimizer state of this rank's parameters after
-    training, wrapper, plugin, what the optimizer was handed at each step)."""
+    training, wrapper, plugin, what the optimizer was handed at each step). With ``save_to`` the
+    optimizer is then saved there by ``booster.save_optimizer``, as one file and sharded."""
     from colossalai.booster import Booster
 
     from dist_optim import plugins
@@ -289,6 +296,9 @@ def _boosted_run(
         model, wrapper, *_ = booster.boost(model, optimizer)
         records = record_steps(wrapper, model)
         train_boosted(booster, model, wrapper, plugin, range(steps))
+        if save_to is not None:
+            booster.save_optimizer(wrapper, os.path.join(save_to, "optim.pt"), shard=False)
+            booster.save_optimizer(wrapper, os.path.join(save_to, "optim"), shard=True)
         return init, master_weights(model, wrapper), boosted_states(model, wrapper), wrapper, plugin, records
 
 
@@ -381,7 +391,12 @@ def _experts_on_moe_group(opt: Any, plugin: Any) -> bool | None:
 
 
 def booster_parity(
-    plugin_name: str, plugin_kwargs: dict[str, Any], opt_path: str, opt_kwargs: dict[str, Any], steps: int = 5
+    plugin_name: str,
+    plugin_kwargs: dict[str, Any],
+    opt_path: str,
+    opt_kwargs: dict[str, Any],
+    steps: int = 5,
+    ckpt_dir: str | None = None,
 ) -> dict[str, Any]:
     """Train through the booster, then measure on this rank:
 
@@ -399,13 +414,17 @@ def booster_parity(
       gradients perturbed by the boosted model's measured gradient noise (:func:`gradient_noise`):
       the scale at which ``errors`` is judged.
     * the binding facts (swap, TP/ZeRO layouts bound, groups).
+    * ``unsafe_files``: with ``ckpt_dir``, the files of ``booster.save_optimizer`` (one file and
+      sharded) that ``torch.load(..., weights_only=True)`` refuses, with its reason; ``saved_files``
+      how many it read.
     """
     install()
     import dist_optim
 
     init, got, got_states, wrapper, plugin, records = _boosted_run(
-        plugin_name, plugin_kwargs, opt_path, opt_kwargs, steps
+        plugin_name, plugin_kwargs, opt_path, opt_kwargs, steps, ckpt_dir
     )
+    saved = weights_only_refusals(ckpt_dir) if ckpt_dir is not None else ({}, 0)
     pipeline = plugin_kwargs.get("pp_size", 1) > 1
     ref, ref_states = replay(opt_path, opt_kwargs, records, pipeline, plugin_name)
     replay_bad = replay_mismatches(got, got_states, ref, ref_states, REPLAY_RTOL)
@@ -443,4 +462,23 @@ def booster_parity(
         "errors": errors,
         "floor": floor,
         "all_names": sorted(expected),
+        "unsafe_files": saved[0],
+        "saved_files": saved[1],
     }
+
+
+def weights_only_refusals(folder: str) -> tuple[dict[str, str], int]:
+    """Every torch file under ``folder`` loaded with ``weights_only=True``: the refused ones with
+    the reason, and how many were read (the JSON index is not a torch file)."""
+    refused: dict[str, str] = {}
+    count = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            if name.endswith(".json"):
+                continue
+            count += 1
+            try:
+                torch.load(os.path.join(root, name), map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - every refusal is reported with its reason
+                refused[os.path.relpath(os.path.join(root, name), folder)] = f"{type(exc).__name__}: {exc}"[:300]
+    return refused, count

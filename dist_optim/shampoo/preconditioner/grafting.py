@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...checks import group_lr
 from ...fused_adam import fused_applies
 from ...multi_tensor import scale_
 from ..options import SQUARED_GRAFTING_TYPES, AdaGradGraftingConfig, AdamGraftingConfig
@@ -63,13 +64,12 @@ class Moments:
 def updates_in_kernel(group: dict[str, Any]) -> bool:
     """Whether a grafting-only step of ``group`` can be made by Adam's fused kernel on the
     parameter itself: Adam grafting with a bias-corrected first moment (the kernel's step size
-    is then ``lr``), no momentum on the direction, a plain float learning rate."""
+    is then ``lr``), no momentum on the direction."""
     return (
         isinstance(group["grafting_config"], AdamGraftingConfig)
         and group["betas"][0] > 0
         and group["use_bias_correction"]
         and group["momentum"] == 0
-        and isinstance(group["lr"], (float, int))
     )
 
 
@@ -208,7 +208,7 @@ def _fused_adam_all(
             [vs[i] for i in targets],
             [],
             [steps[i] for i in targets],
-            lr=float(group["lr"]),
+            lr=group_lr(group),
             weight_decay=wd,
             **kw,
         )
