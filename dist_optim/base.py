@@ -18,13 +18,13 @@ policy (``nonfinite``, see :meth:`DistOptimizer._gradients_ok`): ``"raise"`` (de
 ``FloatingPointError`` naming the parameter, ``"skip"`` skips the whole step (counted in
 ``skipped_steps``), ``"ignore"`` does not look. Bound, the decision is the whole job's: a bad
 gradient in one rank's shard stops or skips the step on every rank.
+
+Copies, pickles and state dicts (torch.optim's persistence contract) come from
+:class:`dist_optim.state_dicts.SavedState`, which the base is built on.
 """
 
 from __future__ import annotations
 
-import collections
-import copy
-import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -35,7 +35,7 @@ from .checks import check_adam_options, check_lr, check_range, group_lr
 from .comm import SumBucket, gather_full, group_rank, group_size
 from .layout import ParamLayout, TPSplit, ZeroShard, local_layout, read_tp_dim
 from .nonfinite import NONFINITE_POLICIES, bad_parameters, check_nonfinite_policy, local_flag, refusal
-from .state_dicts import STATE_DICT_KEY, check_state_dict, restored_group, saved_group
+from .state_dicts import STATE_DICT_KEY, SavedState, check_state_dict, class_path
 
 __all__ = [
     "DistOptimizer",
@@ -50,11 +50,6 @@ __all__ = [
     "colossal_layouts",
     "check_state_dict",
 ]
-
-
-def class_path(cls: type) -> str:
-    """``module.QualName`` of a class: how registries, logs and saved states name optimizers."""
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def colossal_layouts(
@@ -121,36 +116,7 @@ def colossal_layouts(
     return layouts, saw_tp
 
 
-#: Where torch.distributed's objects live (process groups, their backends, stores, works): handles
-#: on the job, which neither pickle nor copy.
-_C10D = ("torch.distributed", "torch._C._distributed_c10d")
-_ATOMS = (torch.Tensor, torch.Generator, torch.dtype, torch.device, str, bytes, int, float, complex, type)
-
-
-def job_handles(root: Any) -> list[Any]:
-    """The torch.distributed objects reachable from ``root`` through containers and object
-    attributes (what a bound optimizer's layouts, work plans and caches hold)."""
-    found: dict[int, Any] = {}
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        x = stack.pop()
-        if x is None or id(x) in seen or isinstance(x, _ATOMS) or isinstance(x, types.FunctionType):
-            continue
-        seen.add(id(x))
-        if type(x).__module__.startswith(_C10D):
-            found[id(x)] = x
-        elif isinstance(x, Mapping):
-            stack += [*x.keys(), *x.values()]
-        elif isinstance(x, (list, tuple, set, frozenset, collections.deque)):
-            stack += list(x)
-        else:
-            stack += list(getattr(x, "__dict__", {}).values())
-            stack += [getattr(x, n) for n in getattr(type(x), "__slots__", ()) if hasattr(x, n)]
-    return list(found.values())
-
-
-class DistOptimizer(torch.optim.Optimizer):
+class DistOptimizer(SavedState):
     """Base of all dist_optim optimizers: param→layout binding, parameter iteration and the NaN/Inf
     gradient policy.
 
@@ -181,45 +147,6 @@ class DistOptimizer(torch.optim.Optimizer):
         #: True while a dist_optim plugin configures the booster: ColossalAI's own positional
         #: ``setup_distributed`` call is then ignored, the plugin binds right after it.
         self.plugin_binds = False
-
-    # ---- copies and pickles ---------------------------------------------------------------
-    #: torch's hook tables: a copy or an unpickled optimizer starts without hooks, as torch's do.
-    _HOOK_TABLES = (
-        "_optimizer_step_pre_hooks",
-        "_optimizer_step_post_hooks",
-        "_optimizer_state_dict_pre_hooks",
-        "_optimizer_state_dict_post_hooks",
-        "_optimizer_load_state_dict_pre_hooks",
-        "_optimizer_load_state_dict_post_hooks",
-    )
-
-    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
-        """Everything the optimizer is (torch's keeps only ``defaults``, ``state`` and
-        ``param_groups``; our settings live in attributes too), less torch's hooks. A bound
-        optimizer holds process groups, which do not pickle: save its ``state_dict()`` instead."""
-        state = self._copyable_state()
-        held = job_handles(state)
-        if held:
-            raise TypeError(
-                f"cannot pickle a bound {type(self).__name__}: it holds {len(held)} torch.distributed object(s) "
-                "(process groups); pickle its state_dict() and load it into an optimizer bound on the other side "
-                "(copy.deepcopy shares the groups)"
-            )
-        return state
-
-    def _copyable_state(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in self._HOOK_TABLES}
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> DistOptimizer:
-        """A copy with its own parameters and state that steps as the original would; the process
-        groups of a bound optimizer are shared (a group is a handle on the job, not data)."""
-        state = self._copyable_state()
-        for handle in job_handles(state):
-            memo[id(handle)] = handle
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(state, memo))
-        return new
 
     # ---- options ------------------------------------------------------------------------
     def validate_group(self, group: dict[str, Any]) -> None:
@@ -519,82 +446,12 @@ class DistOptimizer(torch.optim.Optimizer):
         only the preconditioner blocks it owns). Element-wise optimizers keep everything."""
         return state
 
-    # ---- torch's state dict -----------------------------------------------------------------
-    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
-        """Whether :meth:`load_state_dict` restores state entry ``key`` in its saved dtype. torch's
-        loader casts every floating-point state tensor to its parameter's dtype, which would turn
-        8-bit codes into floats or round fp32/fp64 preconditioners to bf16. The one rule per
-        optimizer, read from the saved entry; element-wise optimizers keep none."""
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, plus under ``"dist_optim"`` the optimizer's class and its
-        :meth:`extra_state` (the skipped-step counter, generators), so that a
-        ``state_dict()`` / :meth:`load_state_dict` round trip resumes the same trajectory. Local
-        (this rank's shards); :meth:`full_state` is the layout-independent form."""
-        out = super().state_dict()
-        # Options as plain data (dist_optim.saved_options): the dict loads with weights_only=True.
-        out["param_groups"] = [{**saved_group(g), "params": g["params"]} for g in out["param_groups"]]
-        out[STATE_DICT_KEY] = {"optimizer": class_path(type(self)), "extra": self.extra_state()}
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's loader, after checking that ``state_dict`` is this optimizer's (a state dict of
-        another optimizer is refused before anything changes), keeping the dtype of the entries
-        :meth:`keeps_saved_dtype` names, and restoring :meth:`extra_state`."""
-        meta = state_dict.get(STATE_DICT_KEY) if isinstance(state_dict, Mapping) else None
-        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-        mine = isinstance(meta, Mapping) and meta.get("optimizer") == class_path(type(self))
-        if isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
-            groups = [
-                restored_group(sg, g) if isinstance(sg, Mapping) else sg
-                for sg, g in zip(saved_groups, self.param_groups)
-            ]
-            if mine:
-                # Saved by this optimizer before an option was added: the option keeps the value this
-                # optimizer was built with.
-                built = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-                groups = [{**b, **sg} for b, sg in zip(built, groups)]
-            state_dict = {**state_dict, "param_groups": groups}
-        check_state_dict(self, state_dict, class_path(type(self)))
-        kept: dict[Any, dict[str, torch.Tensor]] = {}
-        states: dict[Any, Any] = {}
-        for pid, st in state_dict["state"].items():
-            keep = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and self.keeps_saved_dtype(k, v)}
-            states[pid] = {k: v for k, v in st.items() if k not in keep}
-            if keep:
-                kept[pid] = keep
-        plain = {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
-        super().load_state_dict({**plain, "state": states})
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        by_id = dict(zip(saved_ids, self._all_params()))
-        for pid, entries in kept.items():
-            p = by_id[pid]
-            for key, value in entries.items():
-                self.state[p][key] = value.detach().to(device=p.device, copy=True)
-        for p, state in self.state.items():
-            # State dicts of other tools and older versions may hold counters as numbers; the math
-            # takes them as tensors (torch's optimizers convert them on load too).
-            for key in self._counters:
-                value = state.get(key)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    state[key] = self._new_counter(p, float(value))
-        if meta is not None:
-            self.load_extra_state(meta["extra"])
-
-    #: Per-parameter state entries held as 0-d fp32 tensors (step counters).
-    _counters: tuple[str, ...] = ("step",)
-
-    def _new_counter(self, param: torch.Tensor, value: float) -> torch.Tensor:
-        """A counter of ``param``'s state as the optimizer makes it (on the CPU, as torch keeps
-        non-capturable steps)."""
-        return torch.tensor(value, dtype=torch.float32)
-
     def extra_state(self) -> dict[str, Any]:
         """Optimizer-level state beyond per-parameter state (the skipped-step counter; subclasses
         add e.g. random generators); saved in checkpoints next to :meth:`full_state`."""
-        return {"skipped_steps": self.skipped_steps}
+        return {**super().extra_state(), "skipped_steps": self.skipped_steps}
 
     def load_extra_state(self, extra: dict[str, Any]) -> None:
         """Inverse of :meth:`extra_state` (a checkpoint without the counter restores it as 0)."""
+        super().load_extra_state(extra)
         self.skipped_steps = int(extra.get("skipped_steps", 0))

@@ -1,4 +1,5 @@
-"""What a saved optimizer state holds: param-group options as plain data, and the checks of a
+"""What a saved or copied optimizer is: :class:`SavedState` (torch.optim's persistence contract,
+the class ``DistOptimizer`` is built on), param-group options as plain data, and the checks of a
 state dict before it is loaded.
 
 A saved optimizer state must load with ``torch.load(..., weights_only=True)`` (torch's default from
@@ -16,11 +17,26 @@ back against the group the loading optimizer was built with:
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
+import types
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["STATE_DICT_KEY", "TAG", "register_option_class", "saved_group", "restored_group", "check_state_dict"]
+import torch
+
+__all__ = [
+    "STATE_DICT_KEY",
+    "TAG",
+    "SavedState",
+    "class_path",
+    "job_handles",
+    "register_option_class",
+    "saved_group",
+    "restored_group",
+    "check_state_dict",
+]
 
 #: The key of ``DistOptimizer.state_dict()`` under which the class and the extra state are saved.
 STATE_DICT_KEY = "dist_optim"
@@ -29,6 +45,40 @@ STATE_DICT_KEY = "dist_optim"
 TAG = "dist_optim_option"
 _CALLABLE = "callable"
 _CLASSES: dict[str, Any] = {}  # dataclass types by name
+
+
+def class_path(cls: type) -> str:
+    """``module.QualName`` of a class: how registries, logs and saved states name optimizers."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+#: Where torch.distributed's objects live (process groups, their backends, stores, works): handles
+#: on the job, which neither pickle nor copy.
+_C10D = ("torch.distributed", "torch._C._distributed_c10d")
+_ATOMS = (torch.Tensor, torch.Generator, torch.dtype, torch.device, str, bytes, int, float, complex, type)
+
+
+def job_handles(root: Any) -> list[Any]:
+    """The torch.distributed objects reachable from ``root`` through containers and object
+    attributes (what a bound optimizer's layouts, work plans and caches hold)."""
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen or isinstance(x, _ATOMS) or isinstance(x, types.FunctionType):
+            continue
+        seen.add(id(x))
+        if type(x).__module__.startswith(_C10D):
+            found[id(x)] = x
+        elif isinstance(x, Mapping):
+            stack += [*x.keys(), *x.values()]
+        elif isinstance(x, (list, tuple, set, frozenset, collections.deque)):
+            stack += list(x)
+        else:
+            stack += list(getattr(x, "__dict__", {}).values())
+            stack += [getattr(x, n) for n in getattr(type(x), "__slots__", ()) if hasattr(x, n)]
+    return list(found.values())
 
 
 def register_option_class(cls: type) -> type:
@@ -121,3 +171,135 @@ def check_state_dict(optimizer: Any, state_dict: Mapping[str, Any], mine: str) -
                 f"({origin}); load a state dict saved by this optimizer"
             )
         optimizer.validate_group({**options, "params": group["params"]})
+
+
+class SavedState(torch.optim.Optimizer):
+    """torch.optim's persistence contract, as every dist_optim optimizer keeps it: copies and
+    pickles of the whole optimizer, state dicts of plain data that load more than once and from
+    other tools' forms. ``DistOptimizer`` is built on it; it declares ``option_names`` and its
+    ``validate_group`` checks a loaded state dict's groups."""
+
+    option_names: frozenset[str]
+
+    def validate_group(self, group: dict[str, Any]) -> None:
+        """Check one param group's options (``DistOptimizer`` overrides it)."""
+
+    def extra_state(self) -> dict[str, Any]:
+        """Optimizer-level state beyond per-parameter state, saved under :data:`STATE_DICT_KEY`."""
+        return {}
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        """Inverse of :meth:`extra_state`."""
+
+    # ---- copies and pickles ---------------------------------------------------------------
+    #: torch's hook tables: a copy or an unpickled optimizer starts without hooks, as torch's do.
+    _HOOK_TABLES = (
+        "_optimizer_step_pre_hooks",
+        "_optimizer_step_post_hooks",
+        "_optimizer_state_dict_pre_hooks",
+        "_optimizer_state_dict_post_hooks",
+        "_optimizer_load_state_dict_pre_hooks",
+        "_optimizer_load_state_dict_post_hooks",
+    )
+
+    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
+        """Everything the optimizer is (torch's keeps only ``defaults``, ``state`` and
+        ``param_groups``; our settings live in attributes too), less torch's hooks. A bound
+        optimizer holds process groups, which do not pickle: save its ``state_dict()`` instead."""
+        state = self._copyable_state()
+        held = job_handles(state)
+        if held:
+            raise TypeError(
+                f"cannot pickle a bound {type(self).__name__}: it holds {len(held)} torch.distributed object(s) "
+                "(process groups); pickle its state_dict() and load it into an optimizer bound on the other side "
+                "(copy.deepcopy shares the groups)"
+            )
+        return state
+
+    def _copyable_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._HOOK_TABLES}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SavedState:
+        """A copy with its own parameters and state that steps as the original would; the process
+        groups of a bound optimizer are shared (a group is a handle on the job, not data)."""
+        state = self._copyable_state()
+        for handle in job_handles(state):
+            memo[id(handle)] = handle
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
+
+    # ---- torch's state dict -----------------------------------------------------------------
+    def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
+        """Whether :meth:`load_state_dict` restores state entry ``key`` in its saved dtype. torch's
+        loader casts every floating-point state tensor to its parameter's dtype, which would turn
+        8-bit codes into floats or round fp32/fp64 preconditioners to bf16. The one rule per
+        optimizer, read from the saved entry; element-wise optimizers keep none."""
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, plus under ``"dist_optim"`` the optimizer's class and its
+        :meth:`extra_state` (the skipped-step counter, generators), so that a
+        ``state_dict()`` / :meth:`load_state_dict` round trip resumes the same trajectory. Local
+        (this rank's shards); :meth:`~dist_optim.base.DistOptimizer.full_state` is the layout-independent form."""
+        out = super().state_dict()
+        # Options as plain data (saved_group): the dict loads with weights_only=True.
+        out["param_groups"] = [{**saved_group(g), "params": g["params"]} for g in out["param_groups"]]
+        out[STATE_DICT_KEY] = {"optimizer": class_path(type(self)), "extra": self.extra_state()}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader, after checking that ``state_dict`` is this optimizer's (a state dict of
+        another optimizer is refused before anything changes), keeping the dtype of the entries
+        :meth:`keeps_saved_dtype` names, and restoring :meth:`extra_state`."""
+        meta = state_dict.get(STATE_DICT_KEY) if isinstance(state_dict, Mapping) else None
+        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+        mine = isinstance(meta, Mapping) and meta.get("optimizer") == class_path(type(self))
+        if isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
+            groups = [
+                restored_group(sg, g) if isinstance(sg, Mapping) else sg
+                for sg, g in zip(saved_groups, self.param_groups)
+            ]
+            if mine:
+                # Saved by this optimizer before an option was added: the option keeps the value this
+                # optimizer was built with.
+                built = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+                groups = [{**b, **sg} for b, sg in zip(built, groups)]
+            state_dict = {**state_dict, "param_groups": groups}
+        check_state_dict(self, state_dict, class_path(type(self)))
+        kept: dict[Any, dict[str, torch.Tensor]] = {}
+        states: dict[Any, Any] = {}
+        for pid, st in state_dict["state"].items():
+            keep = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and self.keeps_saved_dtype(k, v)}
+            states[pid] = {k: v for k, v in st.items() if k not in keep}
+            if keep:
+                kept[pid] = keep
+        plain = {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
+        super().load_state_dict({**plain, "state": states})
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        by_id = dict(zip(saved_ids, [p for g in self.param_groups for p in g["params"]]))
+        for pid, entries in kept.items():
+            p = by_id[pid]
+            for key, value in entries.items():
+                self.state[p][key] = value.detach().to(device=p.device, copy=True)
+        for p, state in self.state.items():
+            # State dicts of other tools and older versions may hold counters as numbers; the math
+            # takes them as tensors (torch's optimizers convert them on load too).
+            for key in self._counters:
+                value = state.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    state[key] = self._new_counter(p, float(value))
+        if meta is not None:
+            self.load_extra_state(meta["extra"])
+
+    #: Per-parameter state entries held as 0-d fp32 tensors (step counters).
+    _counters: tuple[str, ...] = ("step",)
+
+    #: Whether the counters live on their parameter's device (Muon's auxiliary AdamW) rather than
+    #: on the CPU, where torch keeps the steps of optimizers that are not capturable.
+    _counters_on_param_device = False
+
+    def _new_counter(self, param: torch.Tensor, value: float) -> torch.Tensor:
+        """A counter of ``param``'s state as the optimizer makes it."""
+        return torch.tensor(value, dtype=torch.float32, device=param.device if self._counters_on_param_device else None)

@@ -157,6 +157,7 @@ class DistributedMuon(DistOptimizer):
     """
 
     _sharded_state = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+    _counters_on_param_device = True  # the auxiliary AdamW makes its steps beside the parameter
     #: Route pieces of C to the matrices' owners (the default). False: every rank gathers every
     #: full C and iterates on every matrix, the way a port without owners works (the benchmark's
     #: and the tests' comparison).
@@ -221,10 +222,6 @@ class DistributedMuon(DistOptimizer):
         super().add_param_group(param_group)
         self._tasks = None
         self._checked = False
-
-    def _new_counter(self, param: torch.Tensor, value: float) -> torch.Tensor:
-        """The auxiliary AdamW keeps its step beside the parameter (as its own state makes it)."""
-        return torch.tensor(value, dtype=torch.float32, device=param.device)
 
     def validate_group(self, group: dict[str, Any]) -> None:
         """ValueError/TypeError naming the option for anything out of range in a param group."""

@@ -77,10 +77,8 @@ class DistributedShampoo(DistOptimizer):
             recompute; why: docs/benchmarks.md).
         use_symmetric_packing: keep factors and roots as packed triangles (about half their
             memory; bit for bit the same steps; :mod:`.state`). Meta's option of the same name.
-        optim_bits, min_8bit_size: 8: blocks of at least ``min_8bit_size`` elements keep their
-            moments and grafting state as bitsandbytes' block-wise 8-bit codes (:mod:`.state`);
-            without grafting Shampoo's first moment stays 32-bit (the roots would amplify its
-            8-bit error without bound: :func:`.state.keeps_8bit`).
+        optim_bits, min_8bit_size: 8: blocks of at least ``min_8bit_size`` elements keep moments and grafting
+            state as bitsandbytes' 8-bit codes (Shampoo's first moment only with grafting: :func:`.state.keeps_8bit`).
         preconditioner_bits: 8 or 4: eigenvectors (roots: with fp32 eigenvalues; SOAP's bases)
             block-wise quantised, rectified when used (Wang et al. 2024; :mod:`.state`).
         merge_small_dims: merge small consecutive dims before blocking.
