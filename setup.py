@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 # dist_optim.shampoo and dist_optim.plan, which the editable install served from the source tree).
 # The booster hooks live in the top-level plugins/ folder and install as dist_optim.plugins, never
 # as a bare top-level `plugins` package; tests/unit/test_install.py builds the wheel and imports
-# every module from it.
+# every module from it. plugins/startup/ holds only the launcher's sitecustomize.py (package data).
 CORE = ["dist_optim", *(f"dist_optim.{name}" for name in find_packages("dist_optim"))]
 PLUGINS = ["dist_optim.plugins", *(f"dist_optim.plugins.{name}" for name in find_packages("plugins"))]
 
@@ -15,6 +15,8 @@ setup(
     python_requires=">=3.10",
     packages=CORE + PLUGINS,
     package_dir={"dist_optim": "dist_optim", "dist_optim.plugins": "plugins"},
+    # The launcher's start-up hook: a folder of its own (no package), put first on PYTHONPATH.
+    package_data={"dist_optim.plugins": ["startup/sitecustomize.py"]},
     install_requires=["torch>=2.2"],
     extras_require={"colossalai": ["colossalai==0.5.0"]},
 )

@@ -289,10 +289,21 @@ class DistOptimizer(SavedState):
         return loss
 
     def _check_unbound_in_job(self) -> None:
+        """An unbound optimizer in a multi-process job: refused where a parameter says it is a
+        tensor-parallel slice (its math would see the slice alone: a stock plugin that never
+        bound it), warned once otherwise (right for replicated parameters)."""
         if self._warned_unbound or self.is_bound:
             return
-        self._warned_unbound = True
         world = group_size(None)
+        sliced = [p for p in self._all_params() if read_tp_dim(p) is not None] if world > 1 else []
+        if sliced:
+            raise RuntimeError(
+                f"{type(self).__name__} is stepping without layouts in a {world}-process job, but "
+                f"{self.param_label(sliced[0])} and {len(sliced) - 1} more are tensor-parallel slices: boost through "
+                "dist_optim.plugins, launch under `python -m dist_optim.plugins.launch` (swaps the stock plugins), "
+                "or call setup_distributed(...)"
+            )
+        self._warned_unbound = True
         if world > 1:
             warnings.warn(
                 f"{type(self).__name__} is stepping without layouts in a {world}-process job. "
