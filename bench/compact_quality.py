@@ -1,4 +1,4 @@
-"""Compressed optimizer states in training (issue 29 item 5): each optimizer with its compact
+"""Compressed optimizer states in training: each optimizer with its compact
 states against itself in full precision, on the tiny Llama and the books of ``bench/convergence.py``
 (its ``run_one``: the same model, data, schedule and held-out loss).
 

@@ -1,4 +1,4 @@
-"""Tuned convergence on real text: every optimizer over a learning-rate sweep and seeds (issue 30).
+"""Tuned convergence on real text: every optimizer over a learning-rate sweep and seeds.
 
     .venv/bin/python bench/convergence.py                      # the full sweep, ~30 min on 2 cores
     .venv/bin/python bench/convergence.py --only adamw soap --rates 2 --seeds 1 --steps 40   # a quick look

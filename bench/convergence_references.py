@@ -1,5 +1,5 @@
 """The convergence sweep of ``bench/convergence.py`` for the reference packages of the optimizers
-of ours that end above AdamW there (issue 30 item 4): is it the algorithm at this scale, or our code?
+of ours that end above AdamW there: is it the algorithm at this scale, or our code?
 
     .venv/bin/python bench/convergence_references.py             # 4 references x 4 rates x 2 seeds, ~20 min
     .venv/bin/python bench/convergence_references.py --only came --rates 2 --seeds 1 --steps 40

@@ -95,12 +95,12 @@ def _shampoo(
 
 for _pf in (1, 10, 100):
     _add(f"dist_optim Shampoo pf={_pf}", "shampoo", _shampoo(_pf, 1), refresh_every=_pf)
-# Factors and roots as packed triangles (issue 29): the same steps bit for bit, the cost of
+# Factors and roots as packed triangles: the same steps bit for bit, the cost of
 # unpacking each block's matrices into scratch and packing the changed ones back; then with the
 # moments and grafting state in 8 bits too.
 _add("dist_optim Shampoo pf=10 (packed)", "shampoo", _shampoo(10, 1, True), refresh_every=10)
 _add("dist_optim Shampoo pf=10 (packed, optim_bits=8)", "shampoo", _shampoo(10, 1, True, 8), refresh_every=10)
-# And the roots as 4-bit eigenvectors with fp32 eigenvalues (issue 29 item 3): every preconditioned
+# And the roots as 4-bit eigenvectors with fp32 eigenvalues: every preconditioned
 # step dequantises them, takes one Björck step and makes the roots again (three products per factor).
 _add(
     "dist_optim Shampoo pf=10 (packed, optim_bits=8, preconditioner_bits=4)",
@@ -122,7 +122,7 @@ _add(
     "kron",
     lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0, optim_bits=8, use_symmetric_packing=True),
 )
-# Triangular factors in 8-bit codes too (issue 29): dequantised for every step, quantised back with
+# Triangular factors in 8-bit codes too: dequantised for every step, quantised back with
 # stochastic rounding after each fit.
 _add(
     "dist_optim Kron (packed, optim_bits=8, preconditioner_bits=8)",

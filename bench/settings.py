@@ -1,4 +1,4 @@
-"""The evidence behind the recommended settings (issue 30 item 3): each optimizer at its best rate of
+"""The evidence behind the recommended settings: each optimizer at its best rate of
 docs/convergence.md, as the recipe configures it, against the same with one setting changed.
 
     .venv/bin/python bench/settings.py                       # every row, 2 seeds: about 30 min on 2 cores

@@ -1,4 +1,4 @@
-"""Our SOAP, Muon and PSGD Kron against heavyball's compiled ones, in one process (issue 31).
+"""Our SOAP, Muon and PSGD Kron against heavyball's compiled ones, in one process.
 
 heavyball (PyPI) compiles its steps with ``torch.compile`` and needs torch >= 2.9, above the
 torch 2.5.1 that ColossalAI 0.5.0 pins, so this runs in a scratch virtual environment with our

@@ -57,7 +57,7 @@ def pack_chunks(flats: Sequence[torch.Tensor], widths: Sequence[int], out: torch
 
     One ``torch.cat`` of a ``[rows, width]`` view of each tensor: a step packs a hundred small
     tensors, and a copy issued from Python per tensor (and per slice of it) cost more than its
-    bytes (issue 27). Only a tensor that does not fill its rows is padded first (a copy)."""
+    bytes. Only a tensor that does not fill its rows is padded first (a copy)."""
     rows = out.shape[0]
     pieces: list[torch.Tensor] = []
     for f, w in zip(flats, widths):
@@ -120,7 +120,7 @@ def scratch(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> 
     the next call (grown to the largest asked for): glibc gives a large freed buffer back to the
     system (unmapped, or trimmed off the heap's top), and in bench_step.py --dist galore the
     reduce-scatter's two 1.5 MB buffers were faulted in again every step, about 770 page faults per
-    rank and step, some 2.5 ms of its 12 on 2 cores (issue 27; its 0.4 MB buffers were not). It is
+    rank and step (its smaller buffers were not). It is
     held between steps: at most the largest bucket's packed bytes (:mod:`dist_optim.budget`) per
     role and dtype. Elsewhere a new buffer (CUDA's caching allocator already reuses memory; the
     planner's meta tensors hold none)."""

@@ -118,8 +118,9 @@ def _staged(
 #: Plans of :func:`reduce_scatter_parts` and :class:`GatheringParts`, by what they depend on: the
 #: requests' numels, dtypes, groups and alignments, and :func:`dist_optim.comm.topology_token`. A
 #: step asks the same ones every time, and making one (the groups' sizes, ranks, grids and global
-#: order, per request and stage) cost about a tenth of GaLore's distributed step (issue 27). The
-#: keys hold their groups, so a group's id is not reused while its plans are kept.
+#: order, per request and stage) is a visible part of GaLore's distributed step
+#: (``bench/bench_step.py --dist``). The keys hold their groups, so a group's id is not reused while
+#: its plans are kept.
 _PLANS: dict[Any, Any] = {}
 _MAX_PLANS = 256  # a few per bucket and optimizer; past this, start again
 

@@ -68,7 +68,7 @@ OURS = {
     "adafactor": ("dist_optim.DistributedAdafactor", dict(relative_step=False, scale_parameter=False)),
     "came": ("dist_optim.DistributedCAME", dict()),
     # Adam grafting as Meta's README configures it: without grafting at epsilon 1e-12 Shampoo's first
-    # roots of near-singular factors blow the update up (issue 30 measured NaN within 30 steps).
+    # roots of near-singular factors blow the update up (NaN within the first few dozen steps).
     "shampoo": (
         "dist_optim.DistributedShampoo",
         dict(

@@ -49,7 +49,7 @@ def denominators(
     """The denominator of ``m / denom`` of each second moment at its step ``t`` (1-based), new
     tensors: ``sqrt(v) + eps`` (``"hf"``), else ``sqrt(v) / sqrt(1 - beta2^t) + eps``. One
     ``torch._foreach_*`` call per operation: a GaLore step has a hundred small partitions, and one
-    call from Python per tensor and operation cost more than the arithmetic (issue 27); on the CPU
+    call from Python per tensor and operation cost more than the arithmetic; on the CPU
     they run the per-tensor kernels, the same bits."""
     beta2 = group["betas"][1]
     denoms = list(torch._foreach_sqrt(list(exp_avg_sqs)))

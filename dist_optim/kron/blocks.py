@@ -1,5 +1,5 @@
-"""Kron's owner work on a large tensor one block at a time (issue 27 item 1: the step-memory budget
-covers an owner's work on one tensor too). Local tensors only, no communication.
+"""Kron's owner work on a large tensor one block at a time (the step-memory budget covers an
+owner's work on one tensor too). Local tensors only, no communication.
 
 When a dim of a tensor has a *diagonal* factor (a Llama embedding or LM head, 32000 x 8192, whose
 vocabulary dim exceeds ``max_size_triangular``; the MLP matrices 28672 x 8192 and 8192 x 28672),

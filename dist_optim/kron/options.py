@@ -115,9 +115,8 @@ def check_preconditioner_bits(bits: Any) -> None:
     """32 (factors in ``precond_dtype``) or 8 (block-wise codes rounded stochastically,
     :mod:`dist_optim.kron.state`). 4 is refused: a 4-bit code is 1/7 of its block's absmax, and
     Kron's fit changes a factor by at most ``precond_lr`` (0.1) of it per update; with the same
-    stochastic rounding 4-bit factors ended 3.6% above full precision's held-out loss on the tiny
-    Llama (bench/compact_quality.py, 300 steps, 2 seeds: 1.9917 against 1.9222; 8 bits 0.45%
-    below), outside issue 29's 2%."""
+    stochastic rounding 4-bit factors end further above full precision's held-out loss than the 2%
+    the compact states are held to (``bench/compact_quality.py``; 8 bits end within it)."""
     if bits == 4 and not isinstance(bits, bool):
         raise ValueError(
             "preconditioner_bits=4 is not supported by DistributedKron: a 4-bit code is 1/7 of its block's "

@@ -125,7 +125,7 @@ Block state (factors, roots, bases, moments, grafting state) lives only on its o
 the preconditioners is divided across the group (:meth:`DistributedShampoo.state_bytes`);
 :meth:`DistributedShampoo.full_state` gathers it back.
 
-Compact states (issue 29; :mod:`.state`): ``use_symmetric_packing`` keeps the symmetric matrices
+Compact states (:mod:`.state`): ``use_symmetric_packing`` keeps the symmetric matrices
 as packed triangles (lossless); ``optim_bits=8`` the moments, grafting state and momentum as
 bitsandbytes' 8-bit codes (a state saved with the other ``optim_bits`` carried over at the next
 step); ``preconditioner_bits`` 8 or 4 keeps, instead of each root ``R_k``, the

@@ -148,7 +148,7 @@ def test_checkpoint_of_another_optimizer_is_refused(pool4, tmp_path) -> None:
         pool4.run(ckpt.load_and_train, *HP_TP2, *OPTIMIZERS["adafactor"], 1, 1, path, False)
 
 
-#: Shampoo with its compact states (issue 29): packed factors and roots, 8-bit moments, grafting state
+#: Shampoo with its compact states: packed factors and roots, 8-bit moments, grafting state
 #: and momentum (every tensor of the tiny Llama at min_8bit_size=0); and with 4-bit eigenvectors in
 #: place of the roots (preconditioner_bits=4). Not rows of the README's table.
 _PACKED_8BIT = dict(OPTIMIZERS["shampoo"][1], use_symmetric_packing=True, optim_bits=8, min_8bit_size=0)

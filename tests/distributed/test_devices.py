@@ -242,7 +242,7 @@ CASES = [
         ref_kwargs=_F64_SHAMPOO,
         measured_u=36.2,
     ),
-    # Issue 29's compact Shampoo: factors and roots packed (their unpack/pack on the device), the
+    # The compact Shampoo: factors and roots packed (their unpack/pack on the device), the
     # moments, grafting state and momentum 8-bit where a block or tensor has at least 16 elements
     # (the vector's blocks of 4 keep 32-bit moments). Measured on the CPU: 10.5 u, a root of the
     # vector's blocks; the 8-bit states and the parameters are judged by quantisation.

@@ -1,5 +1,5 @@
 """recipes/train.py trains the other model types ColossalAI 0.5.0's ShardFormer has a policy
-for (issue 28 item 3): a tiny Mistral, a tiny Qwen2 (qkv bias, tied embeddings) and a tiny Mixtral
+for: a tiny Mistral, a tiny Qwen2 (qkv bias, tied embeddings) and a tiny Mixtral
 (4 experts, top-2; expert parallelism, MoeHybridParallelPlugin, is not in the recipe), each saved with
 ``save_pretrained`` beside an offline byte-level BPE tokenizer, loaded by the recipe under tp=2 on
 2 CPU processes (gloo) and trained a few steps.

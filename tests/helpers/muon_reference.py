@@ -1,5 +1,5 @@
 """A float64 reference of Muon with an auxiliary AdamW, written from the algorithm's statement
-(issue 20 / torch.optim.Muon's documentation / Jordan et al.), independent of dist_optim.muon: plain
+(torch.optim.Muon's documentation / Jordan et al.), independent of dist_optim.muon: plain
 per-step formulas, no shared helpers, no fused kernels.
 
 Each parameter is a float64 tensor; ``groups`` are dicts with ``params`` and the options of

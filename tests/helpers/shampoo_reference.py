@@ -1,4 +1,4 @@
-"""A small, readable float64 Shampoo/SOAP written directly from issue 4's formulas (SOAP's
+"""A small, readable float64 Shampoo/SOAP written directly from the papers' formulas (SOAP's
 ``eigenbasis="qr"``: Meta's DefaultSOAPConfig, from its source).
 
 It shares no code with ``dist_optim``: one parameter at a time, full tensors, plain loops, roots
@@ -94,7 +94,7 @@ def qr_power_refresh(a: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 class ReferenceShampoo:
-    """Issue 4's algorithm on float64 copies of the parameters.
+    """The algorithm on float64 copies of the parameters.
 
     ``graft``: None or a tuple ``(kind, beta2, eps)`` with kind in sgd/adagrad/rmsprop/adam.
     """

@@ -1,5 +1,5 @@
 """DistributedKron with ``preconditioner_bits=8``: its triangular factors kept block-wise quantised
-(dist_optim/lowbit.py; issue 29 item 3).
+(dist_optim/lowbit.py).
 
 The stored form against this file's own formulas: over blocks of 256 consecutive elements of the
 packed upper triangle (``use_symmetric_packing``) or of the whole flattened matrix, one fp32 absmax
@@ -396,7 +396,7 @@ def test_bad_width_is_refused(value: Any, match: str) -> None:
 
 def test_eight_bit_factors_no_longer_warn() -> None:
     """Rounded to nearest they warned of +24% held-out loss; rounded stochastically they end within
-    issue 29's 2% (docs/benchmarks.md), and construct silently."""
+    the 2% the compact states are held to (docs/benchmarks.md), and construct silently."""
     import warnings
 
     with warnings.catch_warnings():

@@ -59,7 +59,7 @@ def test_the_core_never_imports_dist_optim_testing() -> None:
 
 
 def test_modules_and_classes_stay_readable() -> None:
-    """Issue 26's bounds: no module of the package over 600 lines, no class over 400."""
+    """Readable sizes: no module of the package over 600 lines, no class over 400."""
     too_long = []
     for path in sorted((ROOT / "dist_optim").rglob("*.py")):
         text = path.read_text()

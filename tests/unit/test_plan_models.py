@@ -1,4 +1,4 @@
-"""Issue 28 item 5: bad models and layouts refused in one line, naming the value and what is
+"""Bad models and layouts refused in one line, naming the value and what is
 accepted, by the planner and the recipe alike (``dist_optim.plan.models``), before ColossalAI
 asserts on rank 0 or transformers defaults a missing field."""
 

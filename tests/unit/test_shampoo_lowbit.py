@@ -1,4 +1,4 @@
-"""DistributedShampoo with ``preconditioner_bits`` 8 and 4 (quantised eigenvectors, issue 29 item 3).
+"""DistributedShampoo with ``preconditioner_bits`` 8 and 4 (quantised eigenvectors).
 
 The format (dist_optim/lowbit.py) against this file's own formulas: codes ``round(x / absmax * h) +
 h`` per block, two to a byte at 4 bits, values ``(c - h) / h * absmax``, the Björck step. The
