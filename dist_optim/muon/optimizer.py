@@ -33,6 +33,7 @@ from ..owners import (
     to_owners,
 )
 from .adamw import adamw_step
+from .coefficients import check_coefficients, schedule
 from .momentum import momentum_directions
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
@@ -73,16 +74,8 @@ def _matrix_boxes(full_shape: tuple[int, ...], group: dict[str, Any]) -> list[tu
 
 
 def _schedule(group: dict[str, Any]) -> list[Coefficients]:
-    """The per-iteration coefficients of a group: ``ns_steps`` copies of one triple, or the
-    given list of triples."""
-    coeffs = group["ns_coefficients"]
-    if _is_triple(coeffs):
-        return [tuple(float(v) for v in coeffs)] * int(group["ns_steps"])  # type: ignore[list-item]
-    return [tuple(float(v) for v in triple) for triple in coeffs]  # type: ignore[misc]
-
-
-def _is_triple(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value)
+    """The per-iteration coefficients of a group (:func:`.coefficients.schedule`)."""
+    return schedule(group["ns_coefficients"], int(group["ns_steps"]))
 
 
 class DistributedMuon(DistOptimizer):
@@ -99,9 +92,10 @@ class DistributedMuon(DistOptimizer):
         weight_decay: decoupled weight decay (>= 0): ``W <- W (1 - lr * weight_decay)``.
         momentum: in [0, 1).
         nesterov: use ``G + momentum * B`` instead of ``B``.
-        ns_coefficients: ``(a, b, c)`` of the quintic iteration, or a list of such triples, one per
-            iteration (Polar Express-style schedules; its length then sets the iterations and
-            ``ns_steps`` is not used).
+        ns_coefficients: ``(a, b, c)`` of the quintic iteration, a list of such triples, one per
+            iteration (its length then sets the iterations, ``ns_steps`` is not used), or a named
+            schedule of ``ns_steps`` iterations: ``"jordan"`` (the default's), ``"newton_schulz"``,
+            ``"polar_express"`` (Amsel et al. 2025; :mod:`.coefficients`).
         eps: floor of the norm that ``C`` is divided by (> 0).
         ns_steps: iterations with a single triple (1 to 100).
         adjust_lr_fn: None / ``"original"`` or ``"match_rms_adamw"`` (see :func:`adjusted_lr`).
@@ -170,7 +164,7 @@ class DistributedMuon(DistOptimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: Coefficients | Sequence[Coefficients] = DEFAULT_NS_COEFFICIENTS,
+        ns_coefficients: str | Coefficients | Sequence[Coefficients] = DEFAULT_NS_COEFFICIENTS,
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
@@ -239,22 +233,7 @@ class DistributedMuon(DistOptimizer):
         steps = group["ns_steps"]
         if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 100:
             raise ValueError(f"ns_steps must be an integer in [1, 100], got {steps!r}")
-        coeffs = group["ns_coefficients"]
-        triples = [coeffs] if _is_triple(coeffs) else coeffs
-        if (
-            not isinstance(triples, (tuple, list))
-            or not triples
-            or not all(_is_triple(t) for t in triples)
-            or len(triples) > 100
-        ):
-            raise ValueError(
-                "ns_coefficients must be a triple (a, b, c) of numbers or a list of 1 to 100 such triples "
-                f"(one per iteration), got {coeffs!r}"
-            )
-        for i, triple in enumerate(triples):
-            for name, v in zip("abc", triple):
-                if not math.isfinite(v):
-                    raise ValueError(f"ns_coefficients[{i}].{name} must be finite, got {v}")
+        check_coefficients(group["ns_coefficients"])
         if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
             raise ValueError(
                 f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {group['adjust_lr_fn']!r}"
