@@ -129,7 +129,7 @@ def check_coefficients(coefficients: Any) -> None:
     triples = [coefficients] if _is_triple(coefficients) else coefficients
     if not isinstance(triples, (tuple, list)) or not triples or not all(_is_triple(t) for t in triples):
         raise ValueError(
-            f"ns_coefficients must name a schedule ({', '.join(sorted(PRESETS))}), or be a triple (a, b, c) of "
+            f"ns_coefficients must be a schedule's name ({', '.join(sorted(PRESETS))}), a triple (a, b, c) of "
             f"numbers or a list of 1 to 100 such triples (one per iteration), got {coefficients!r}"
         )
     if len(triples) > 100:
