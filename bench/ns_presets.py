@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "command": " ".join(["python bench/ns_presets.py", *(argv if argv is not None else sys.argv[1:])]),
         "commit": commit.strip(),
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "steps": args.steps,
         "rows": rows,
     }
@@ -81,6 +81,15 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(table(result))
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def table(result: dict) -> str:
