@@ -39,7 +39,12 @@ def _torchrun(args: list[str]) -> list[str]:
 
 
 def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), ROOT) if p)}
+    # One thread per process, as the pool's workers run (bit-for-bit comparison with them).
+    env = {
+        **env,
+        "PYTHONPATH": os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), ROOT) if p),
+        "OMP_NUM_THREADS": "1",
+    }
     return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=480)
 
 
