@@ -77,8 +77,9 @@ from __future__ import annotations
 
 from ..newton_schulz import newton_schulz, newton_schulz_flops
 from . import conversions  # noqa: F401  (registers the conversions and the planner entry)
+from .coefficients import DEFAULT_NS_COEFFICIENTS
 from .groups import DEFAULT_HEAD_NAMES, muon_param_groups
-from .optimizer import ADJUST_LR_FNS, DEFAULT_NS_COEFFICIENTS, EPS_FORMS, DistributedMuon, adjusted_lr
+from .optimizer import ADJUST_LR_FNS, EPS_FORMS, DistributedMuon, adjusted_lr
 
 __all__ = [
     "DistributedMuon",

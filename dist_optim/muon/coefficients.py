@@ -17,7 +17,7 @@ iteration. The named schedules (:data:`PRESETS`):
   re-centred on the true interval), and every iteration but the last is evaluated at ``x / 1.01``
   so that bf16 rounding cannot push a singular value past the interval. Computed here, in float64,
   for any ``ns_steps``; with 5 steps and before the ``1.01`` scaling its first triple is the paper's
-  ``(8.28721201814563, -23.595886519098837, 17.300387312530933)`` (tests/unit/test_muon.py).
+  ``(8.28721201814563, -23.595886519098837, 17.300387312530933)`` (tests/unit/test_muon_coefficients.py).
 
 How close each comes to the polar factor, in fp32 and bf16: ``python bench/ns_presets.py``
 (docs/optimizers.md has its table).
@@ -30,32 +30,29 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..newton_schulz import Coefficients
 
-__all__ = ["PRESETS", "CUSHION", "SAFETY", "optimal_odd_quintic", "polar_express", "schedule", "check_coefficients"]
+__all__ = [
+    "DEFAULT_NS_COEFFICIENTS",
+    "PRESETS",
+    "CUSHION",
+    "SAFETY",
+    "optimal_odd_quintic",
+    "polar_express",
+    "schedule",
+    "check_coefficients",
+]
 
 #: The Polar Express search interval's lower end is at least this fraction of its upper end (the
 #: paper's value): far smaller intervals give polynomials whose large coefficients amplify rounding.
 CUSHION = 0.02407327424182761
 #: Every Polar Express iteration but the last evaluates its polynomial at ``x / SAFETY``.
 SAFETY = 1.01
-_JORDAN: Coefficients = (3.4445, -4.775, 2.0315)
+#: Newton-Schulz coefficients of Jordan et al. (torch.optim.Muon's defaults; the ``"jordan"`` schedule).
+DEFAULT_NS_COEFFICIENTS: Coefficients = (3.4445, -4.775, 2.0315)
 _NEWTON_SCHULZ: Coefficients = (15 / 8, -10 / 8, 3 / 8)
-
-
-def _solve4(rows: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting on a 4 x 4 system (float64)."""
-    m = [row[:] + [b] for row, b in zip(rows, rhs)]
-    for i in range(4):
-        pivot = max(range(i, 4), key=lambda k: abs(m[k][i]))
-        m[i], m[pivot] = m[pivot], m[i]
-        for k in range(i + 1, 4):
-            f = m[k][i] / m[i][i]
-            m[k] = [x - f * y for x, y in zip(m[k], m[i])]
-    out = [0.0] * 4
-    for i in reversed(range(4)):
-        out[i] = (m[i][4] - sum(m[i][j] * out[j] for j in range(i + 1, 4))) / m[i][i]
-    return out
 
 
 def optimal_odd_quintic(lower: float, upper: float, iterations: int = 100) -> Coefficients:
@@ -73,7 +70,8 @@ def optimal_odd_quintic(lower: float, upper: float, iterations: int = 100) -> Co
     a = b = c = 0.0
     for _ in range(iterations):
         points = (lower, q, r, upper)
-        a, b, c, _ = _solve4([[x, x**3, x**5, s] for x, s in zip(points, (1, -1, 1, -1))], [1.0] * 4)
+        rows = torch.tensor([[x, x**3, x**5, s] for x, s in zip(points, (1, -1, 1, -1))], dtype=torch.float64)
+        a, b, c, _ = torch.linalg.solve(rows, torch.ones(4, dtype=torch.float64)).tolist()
         root = math.sqrt(9 * b * b - 20 * a * c)
         nq, nr = sorted(math.sqrt((-3 * b + sign * root) / (10 * c)) for sign in (-1, 1))
         if abs(nq - q) <= 1e-15 * upper and abs(nr - r) <= 1e-15 * upper:
@@ -100,7 +98,7 @@ def polar_express(steps: int = 5, lower: float = 1e-3, safety: float = SAFETY) -
 
 #: The schedules ``ns_coefficients`` may name, as functions of ``ns_steps``.
 PRESETS: dict[str, Callable[[int], tuple[Coefficients, ...]]] = {
-    "jordan": lambda steps: (_JORDAN,) * steps,
+    "jordan": lambda steps: (DEFAULT_NS_COEFFICIENTS,) * steps,
     "newton_schulz": lambda steps: (_NEWTON_SCHULZ,) * steps,
     "polar_express": polar_express,
 }

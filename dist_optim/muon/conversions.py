@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from ..registry import Conversion, PlanEntry, register, register_plan
-from .optimizer import DEFAULT_NS_COEFFICIENTS, DistributedMuon
+from .coefficients import DEFAULT_NS_COEFFICIENTS
+from .optimizer import DistributedMuon
 
 __all__: list[str] = []
 

@@ -33,13 +33,11 @@ from ..owners import (
     to_owners,
 )
 from .adamw import adamw_step
-from .coefficients import check_coefficients, schedule
+from .coefficients import DEFAULT_NS_COEFFICIENTS, check_coefficients, schedule
 from .momentum import momentum_directions
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
 
-#: Newton-Schulz coefficients of Jordan et al. (torch.optim.Muon's defaults).
-DEFAULT_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 EPS_FORMS = ("max", "add")
 
