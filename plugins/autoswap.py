@@ -33,9 +33,9 @@ def apply() -> list[str]:
 
     done = []
     for name, module in PLUGINS.items():
+        mine = getattr(ours, name)
         for where in ("colossalai.booster.plugin", module):
             loaded = sys.modules.get(where)
-            mine = getattr(ours, name)
             if loaded is not None and getattr(loaded, name, None) not in (None, mine):
                 setattr(loaded, name, mine)
                 done.append(f"{where}.{name}")

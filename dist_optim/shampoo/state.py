@@ -100,8 +100,7 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
     def moment(name: str, dt: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
         if not keeps_8bit(block, group, name):
             return [(name, block.shape, dt)]
-        blocks = -(-math.prod(block.shape) // bnb_states.BLOCKSIZE)
-        return [(name, block.shape, torch.uint8), (f"{name}_absmax", (blocks,), torch.float32)]
+        return [(name, block.shape, torch.uint8), _absmax_entry(block, name)]
 
     spec: list[tuple[str, tuple, torch.dtype]] = []
     if group["betas"][0] > 0:
@@ -127,6 +126,11 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
     if soap:
         spec += moment("exp_avg_sq", pdt)
     return spec
+
+
+def _absmax_entry(block: Block, name: str) -> tuple[str, tuple, torch.dtype]:
+    """The ``<name>_absmax`` entry of an 8-bit moment: one fp32 absmax per 256 elements of the block."""
+    return f"{name}_absmax", (-(-math.prod(block.shape) // bnb_states.BLOCKSIZE),), torch.float32
 
 
 def keeps_8bit(block: Block, group: dict[str, Any], name: str) -> bool:
@@ -232,13 +236,12 @@ def checked_block_entries(
     # Moments saved with the other optim_bits are carried over at the next step (step_state):
     # the entries to find are those of the width each was saved in (codes: the moment's shape).
     prefix = block_prefix(index)
-    blocks = -(-math.prod(block.shape) // bnb_states.BLOCKSIZE)
     spec: list[tuple[str, tuple, torch.dtype]] = []
     for entry in block_spec(block, dict(group, optim_bits=32), param.dtype):
         spec.append(entry)
         value = state.get(prefix + entry[0])
         if entry[0] in EIGHT_BIT_MOMENTS and isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
-            spec.append((f"{entry[0]}_absmax", (blocks,), torch.float32))
+            spec.append(_absmax_entry(block, entry[0]))
     for name, shape, _ in spec:
         key = block_prefix(index) + name
         value = state.get(key)
