@@ -360,12 +360,10 @@ def _dist_worker(
                 True,
             )
         )
-    from dist_optim import DistributedKron, DistributedMuon, DistributedShampoo
+    from dist_optim.runtime import OwnerRuntime
 
     for fam, label, plugin_cls, make, options, route in runs:
-        DistributedShampoo.route_pieces = route is not False
-        DistributedMuon.route_pieces = route is not False
-        DistributedKron.route_pieces = route is not False
+        OwnerRuntime.route_pieces = route is not False
         with quiet_colossal(), _buckets_in_sequence() if route is None else contextlib.nullcontext():
             torch.manual_seed(0)
             model = tiny_llama(hidden=256, inter=688, layers=2, vocab=1024)
@@ -390,9 +388,7 @@ def _dist_worker(
                 out[label] = dict(family=fam, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
                 continue
             finally:
-                DistributedShampoo.route_pieces = True
-                DistributedMuon.route_pieces = True
-                DistributedKron.route_pieces = True
+                OwnerRuntime.route_pieces = True
             out[label] = dict(
                 family=fam,
                 ms=1e3 * statistics.median(times[2:]),

@@ -2,11 +2,11 @@
 owners from :mod:`dist_optim.owners`); the arithmetic is :mod:`.projection`'s and :mod:`.adamw`'s.
 
 * :func:`plan_refresh`: one SVD owner per matrix in its work group (balanced by
-  :func:`.projection.svd_cost`) and the routes of its gradient's pieces to it, planned once;
-* :func:`refresh`: bucket by bucket (``bucket_bytes`` of full gradients), the pieces of the
-  refreshing gradients routed to their SVD owners (``owners.to_owners``: one all-to-all per work
-  group), the SVDs, each rank's partition of the projectors from their owners
-  (``owners.scatter_results``: one all-to-all per work group);
+  :func:`.projection.svd_cost`), planned once by the owner runtime (:mod:`dist_optim.runtime`);
+* :func:`refresh`: one run of the owner runtime: bucket by bucket (``bucket_bytes`` of full
+  gradients), the refreshing gradients to their SVD owners (pieces routed: one all-to-all per work
+  group), the SVDs, each rank's partition of the projectors from their owners (one all-to-all per
+  work group);
 * :func:`start_gather_projectors`: a bucket's whole projectors from the work groups' partitions (one
   all-gather per work group, :mod:`dist_optim.partition`), issued asynchronously so that it travels
   while the step does other work (the NaN/Inf check, the previous bucket);
@@ -24,6 +24,7 @@ Every rank calls these with the same items in the same order, so the collectives
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,10 +33,10 @@ import torch
 
 from .. import bnb_states as bnb
 from .. import comm
-from ..budget import buckets
 from ..layout import ParamLayout
-from ..owners import Moved, Owner, Task, WorkGroup, plan_tasks, route_tasks, scatter_results, to_owners
+from ..owners import Task
 from ..partition import all_gather_parts, live_groups, partition_span, reduce_scatter_parts, start_all_gather_parts
+from ..runtime import ALONE, GATHERED, ROUTED, OwnedWork, OwnerRuntime
 from .adamw import plain_moments_8bit
 from .geometry import low_rank_shape, projector_shapes
 from .projection import new_projectors, project, svd_cost
@@ -54,98 +55,88 @@ __all__ = [
 
 
 def plan_refresh(
-    items: Sequence[tuple[ParamLayout, tuple[int, ...]]], work_of: Callable[[ParamLayout], WorkGroup]
+    owners: OwnerRuntime, params: Sequence[torch.Tensor], items: Sequence[tuple[ParamLayout, tuple[int, ...]]]
 ) -> list[Task]:
     """One SVD task per GaLore matrix (``(layout, full shape)``, every GaLore parameter of the optimizer
     in its order, whether it has a gradient this step or not): one box, the whole matrix, its owner
-    balanced by :func:`.projection.svd_cost` over the matrix's work group, and the route of its
-    gradient's pieces to that owner (:func:`dist_optim.owners.route_tasks`: one ``all_gather_object``
-    per work group, once, when the optimizer first refreshes)."""
+    balanced by :func:`.projection.svd_cost` over the matrix's work group. Pure."""
     whole = [tuple((0, n) for n in shape) for _, shape in items]
-    tasks = plan_tasks(
-        [(work_of(layout), layout, shape, [box], [svd_cost(shape)]) for (layout, shape), box in zip(items, whole)]
+    return owners.plan(
+        params, [(layout, shape, [box], [svd_cost(shape)]) for (layout, shape), box in zip(items, whole)]
     )
-    route_tasks(tasks)
-    return tasks
+
+
+@dataclasses.dataclass(eq=False)
+class _Refresh:
+    """A refreshing matrix in the owner runtime: its step item, and its previous projectors'
+    partitions (kept where the owner's SVD fails)."""
+
+    item: Item
+    old: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def refresh(
+    owners: OwnerRuntime,
     items: list[Item],
-    tasks: Sequence[Task],
     projector_dtype: Callable[[torch.dtype], torch.dtype],
     stats: collections.Counter[str],
     bucket_bytes: int | None,
 ) -> None:
-    """New projectors from the SVDs of the full gradients of ``items`` (``tasks``: their
-    :func:`plan_refresh` tasks), bucket by bucket (:func:`dist_optim.budget.buckets` of the full
-    gradients' bytes): each rank's pieces of the bucket's gradients to the SVD owners
-    (:func:`dist_optim.owners.to_owners`: one ``all_to_all`` per work group), the owners' SVDs, each
-    rank's partition of the projectors from their owner (``scatter_results``: one ``all_to_all`` per
-    work group; with whether the owner's SVD succeeded), the full gradients dropped before the next
-    bucket. A matrix whose pieces have no route (holdings that do not tile it) is gathered whole
-    instead (``comm.gather_full``). Counts the bytes moved in ``stats`` (``route_bytes``: pieces sent
-    to owners; ``gather_bytes``; ``scatter_bytes``: whole projectors an owner sends out) and the
-    refresh step."""
+    """New projectors from the SVDs of the full gradients of ``items`` (their tasks: :func:`plan_refresh`),
+    one run of the owner runtime (:meth:`dist_optim.runtime.OwnerRuntime.run`): bucket by bucket
+    (:func:`dist_optim.budget.buckets` of the full gradients' bytes), each rank's pieces of the
+    bucket's gradients to the SVD owners (one ``all_to_all`` per work group; a matrix whose pieces
+    have no route is gathered whole instead), the owners' SVDs, each rank's partition of the
+    projectors from their owner (one ``all_to_all`` per work group; with whether the owner's SVD
+    succeeded), the full gradients dropped before the projectors travel. Counts the bytes moved in
+    ``stats`` (``route_bytes``: pieces sent to owners; ``gather_bytes``; ``scatter_bytes``: whole
+    projectors an owner sends out) and the refresh step."""
     stats["refresh_steps"] += 1
-    sizes = [it.layout.full_numel * it.grad.element_size() for it in items]
-    for start, stop in buckets(sizes, bucket_bytes):
-        _refresh_bucket(items[start:stop], tasks[start:stop], projector_dtype, stats, bucket_bytes)
 
+    def prepare(bucket: Sequence[Item]) -> list[OwnedWork[_Refresh]]:
+        return [OwnedWork(_Refresh(it), owners.tasks[it.param], [it.grad], it.grad.dtype) for it in bucket]
 
-def _refresh_bucket(
-    items: Sequence[Item],
-    tasks: Sequence[Task],
-    projector_dtype: Callable[[torch.dtype], torch.dtype],
-    stats: collections.Counter[str],
-    bucket_bytes: int | None,
-) -> None:
-    routed = [Moved(task, [it.grad], it.grad.dtype) for it, task in zip(items, tasks) if task.route is not None]
-    to_owners(routed, None, bucket_bytes=bucket_bytes)
-    moved = {id(m.task): m for m in routed}
-    unrouted = [it for it, task in zip(items, tasks) if task.work.size > 1 and task.route is None]
-    gathered = dict(zip(map(id, unrouted), comm.gather_full([(it.layout, it.grad) for it in unrouted])))
-    results: list[tuple[Owner, list[torch.Tensor], list[torch.Tensor]]] = []
-    previous = []
-    for it, task in zip(items, tasks):
-        owner = task.owner(0)
-        m = moved.get(id(task))
-        if m is not None:
-            if m.sent:
+    def compute(works: list[OwnedWork[_Refresh]]) -> None:
+        for w in works:
+            _svd(w, projector_dtype)
+
+    def deliver(works: list[OwnedWork[_Refresh]]) -> None:
+        for w in works:
+            it = w.entry.item
+            moved = it.layout.full_numel * it.grad.element_size()
+            if w.path == ROUTED and not it.layout.is_local:
                 stats["route_bytes"] += it.grad.numel() * it.grad.element_size()
-            full = m.boxes[0][0] if owner.mine else None
-        elif task.work.size > 1:
-            if not it.layout.is_local:
-                stats["gather_bytes"] += it.layout.full_numel * it.grad.element_size()
-            full = gathered[id(it)] if owner.mine else None
-        else:
-            full = it.grad  # this rank alone holds the matrix, whole
-        dtype = projector_dtype(it.grad.dtype)
-        grad = None if full is None else full.reshape(it.layout.full_shape)
-        if not owner.shared:
-            new_projectors(
-                it.state, it.side, it.layout.full_shape, int(it.group["rank"]), dtype, it.grad.device, grad, False
-            )
-            continue
-        # Shared: the owner computes the whole projectors, and whether its SVD succeeded (one value
-        # per rank, so that each receives it with its partition); every rank gets its partitions.
-        tensors: list[torch.Tensor] = []
-        previous.append((it, {k: it.state.pop(k) for k in _projector_shapes(it) if k in it.state}))
-        if grad is not None:
-            tensors, ok = new_projectors(
-                it.state, it.side, it.layout.full_shape, int(it.group["rank"]), dtype, it.grad.device, grad, True
-            )
-            tensors.append(torch.full((owner.work.size,), float(ok), dtype=dtype, device=it.grad.device))
-        numels = [math.prod(shape) for shape in _projector_shapes(it).values()]
-        parts = [_empty_part(numel, it.proj_groups, dtype, it.grad.device) for numel in numels]
-        results.append((owner, tensors, parts + [torch.empty(1, dtype=dtype, device=it.grad.device)]))
-    # The owners' full gradients go before the projectors are sent: only projectors stay.
-    for m in routed:
-        m.boxes = {}
-    gathered.clear()
-    scatter_results(results)
-    stats["scatter_bytes"] += sum(t.numel() * t.element_size() for _, tensors, _ in results for t in tensors)
-    for (it, old), (_, _, parts) in zip(previous, results):
-        _keep_partitions(it, parts[:-1], parts[-1], old)
+            elif w.path == GATHERED and not it.layout.is_local:
+                stats["gather_bytes"] += moved
+            if w.path != ALONE:
+                stats["scatter_bytes"] += sum(t.numel() * t.element_size() for t in w.outputs)
+                _keep_partitions(it, w.parts[:-1], w.parts[-1], w.entry.old)
+            w.outputs = []
+
+    sizes = [it.layout.full_numel * it.grad.element_size() for it in items]
+    owners.run(items, sizes, prepare, compute, deliver, comm_dtype=None, budget=bucket_bytes, partitions=True)
+
+
+def _svd(w: OwnedWork[_Refresh], projector_dtype: Callable[[torch.dtype], torch.dtype]) -> None:
+    """A matrix's new projectors: computed in its state where this rank alone holds it; otherwise,
+    on its owner, the whole projectors and whether the SVD succeeded (one value per rank, so that
+    each receives it with its partition), and on every rank the partitions to fill."""
+    it = w.entry.item
+    dtype = projector_dtype(it.grad.dtype)
+    owned = w.owned.get(0)
+    grad = None if owned is None else owned[0].reshape(it.layout.full_shape)
+    rank, shape, device = int(it.group["rank"]), it.layout.full_shape, it.grad.device
+    if w.path == ALONE:
+        new_projectors(it.state, it.side, shape, rank, dtype, device, grad, False)
+        return
+    w.entry.old = {k: it.state.pop(k) for k in _projector_shapes(it) if k in it.state}
+    if grad is not None:
+        tensors, ok = new_projectors(it.state, it.side, shape, rank, dtype, device, grad, True)
+        tensors.append(torch.full((w.task.work.size,), float(ok), dtype=dtype, device=device))
+        w.outputs = tensors
+    numels = [math.prod(s) for s in _projector_shapes(it).values()]
+    w.parts = [_empty_part(numel, it.proj_groups, dtype, device) for numel in numels]
+    w.parts.append(torch.empty(1, dtype=dtype, device=device))
 
 
 def _projector_shapes(it: Item) -> dict[str, tuple[int, int]]:

@@ -28,8 +28,9 @@ from ..checks import group_lr
 from ..comm import group_size
 from ..layout import ParamLayout
 from ..multi_tensor import scale_
-from ..owners import Task, WorkGroups
+from ..owners import Task
 from ..partition import all_gather_parts, live_groups, partition_span
+from ..runtime import OwnerRuntime
 from .adamw import fused_plain_adamw, low_rank_adamw, plain_adamw_update
 from .coordination import (
     ProjectorGathering,
@@ -134,9 +135,9 @@ class DistributedGaLore(DistOptimizer):
         #: gathered, low-rank partial sums) and the number of refresh steps.
         self.comm_stats: collections.Counter[str] = collections.Counter()
         self._shapes_checked = False
-        #: The ranks that share each matrix's SVDs (:class:`dist_optim.owners.WorkGroups`; this
-        #: rank alone until bound), with the TP x data-parallel grids made at bind.
-        self._work = WorkGroups()
+        #: Who computes each matrix's SVDs (this rank alone until bound, then over the TP x
+        #: data-parallel grids made at bind), and the refresh's exchanges.
+        self.owner_runtime = OwnerRuntime()
         self._groups_cache: dict[torch.Tensor, tuple[ParamLayout, tuple[Any, ...], tuple[Any, ...]]] = {}
         # betas is checked with the group (validate_group); a list becomes the usual tuple
         betas = tuple(betas) if isinstance(betas, list) else betas
@@ -183,7 +184,7 @@ class DistributedGaLore(DistOptimizer):
         # The SVDs are split over the TP x data-parallel grid of each matrix's ranks: the grids are
         # process groups, made now, collectively over the job (every process binds).
         galore = [self.layout(p) for g in self.param_groups if "rank" in g for p in g["params"]]
-        self._work.bind(galore, self.dp_group, self.tp_group)
+        self.owner_runtime.bind(galore, self.dp_group, self.tp_group)
         self._svd_tasks = None
         self._groups_cache.clear()
 
@@ -225,10 +226,10 @@ class DistributedGaLore(DistOptimizer):
             return loss
         refreshing = [it for it in items if it.refresh]
         if refreshing:
-            tasks = self._refresh_tasks()
+            self._refresh_tasks()
             refresh(
+                self.owner_runtime,
                 refreshing,
-                [tasks[it.param] for it in refreshing],
                 self._projector_dtype,
                 self.comm_stats,
                 self.bucket_bytes,
@@ -304,7 +305,7 @@ class DistributedGaLore(DistOptimizer):
     def _projector_groups(self, layout: ParamLayout) -> tuple[Any, ...]:
         """The groups a GaLore parameter's projectors are partitioned over: its work group's (the
         SVD owner's ranks, which all need the whole projectors), none where it is this rank alone."""
-        work = self._work.of(layout)
+        work = self.owner_runtime.work_of(layout)
         return (work.group,) if work.size > 1 else ()
 
     def _replica_groups(self, layout: ParamLayout) -> tuple[Any, ...]:
@@ -384,7 +385,7 @@ class DistributedGaLore(DistOptimizer):
         if self._svd_tasks is None:
             params = [p for g in self.param_groups if "rank" in g for p in g["params"]]
             layouts = [self.layout(p) for p in params]
-            tasks = plan_refresh([(layout, layout.full_shape) for layout in layouts], self._work.of)
+            tasks = plan_refresh(self.owner_runtime, params, [(layout, layout.full_shape) for layout in layouts])
             self._svd_tasks = dict(zip(params, tasks))
         return self._svd_tasks
 

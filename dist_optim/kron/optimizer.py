@@ -1,31 +1,32 @@
 """The optimizer class: a coordinator of the package's parts (see :mod:`dist_optim.kron`).
 
 A step takes the update decision and the probes from :mod:`.randomness`, updates every local
-piece of the momenta, moves the momenta to their owners (:mod:`.routing`), has the owners compute
-the directions (:mod:`.preconditioner` on the factors of :mod:`.state`, shaped by
-:mod:`.structure`), brings the directions back to the ranks that hold them and applies them.
+piece of the momenta and runs the owner runtime (:mod:`dist_optim.runtime`): the momenta reach
+their owners (tasks: :mod:`.routing`), the owners compute the directions (:mod:`.preconditioner` on
+the factors of :mod:`.state`, shaped by :mod:`.structure`), every holder applies its part.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from .. import bnb_states as bnb
 from ..base import DistOptimizer
-from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..checks import group_lr
 from ..layout import ParamLayout
-from ..owners import Owner, Sending, Task, WorkGroups, pipelined, route_tasks, share_results
+from ..owners import Owner, Task, share_results
+from ..runtime import OwnedWork, OwnerRuntime
 from .blocks import discard_probe, draw_probe
 from .momentum import momentum_bytes, update_momenta
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
 from .preconditioner import owner_direction
 from .randomness import KronRandomness, param_position
-from .routing import Item, gather_inputs, hold_direction, plan_owners, send_directions, send_inputs
+from .routing import Item, plan_owners
 from .schedule import precond_update_prob_schedule
 from .state import (
     FactorScratch,
@@ -116,11 +117,6 @@ class DistributedKron(DistOptimizer):
 
     _sharded_state = ("momentum_buffer",)
 
-    #: Route the pieces of each momentum to its owner and the pieces of its direction back to
-    #: their holders (one all_to_all per work group each way). False: every rank gathers every
-    #: full momentum and receives every full direction (the fallback path; kept to compare).
-    route_pieces: bool = True
-
     def __init__(
         self,
         params: Iterable[Any],
@@ -179,12 +175,9 @@ class DistributedKron(DistOptimizer):
         self._random = KronRandomness(seed, probe_rng)
         self._scratch = FactorScratch()
         self._plans: dict[torch.Tensor, FactorPlan] = {}
-        #: Each parameter's owner task (none until bound: this rank computes everything).
+        #: Each parameter's owner task (planned at binding, or by the first step: work alone).
         self._tasks: dict[torch.Tensor, Task] = {}
-        self._work = WorkGroups()
-        # The routes are planned lazily from step() (collective over each work group), again
-        # after each (re)binding.
-        self._routed = False
+        self.owner_runtime = OwnerRuntime()  # who preconditions each parameter, and the step's exchanges
 
     def validate_group(self, group: dict[str, Any]) -> None:
         """The options of one param group (see the class docstring for their ranges)."""
@@ -220,28 +213,21 @@ class DistributedKron(DistOptimizer):
         return plan
 
     def _on_bind(self) -> None:
-        """Give every parameter an owner in its work group (:func:`.routing.owners_of`), once per
+        """Give every parameter an owner in its work group (:func:`.routing.plan_owners`), once per
         binding. Collective over the job under TP (the grids are process groups)."""
         self._plans = {}
+        self.owner_runtime.bind([self.layout(p) for p in self._all_params()], self.dp_group, self.tp_group)
+        self._plan_owners()
+
+    def _plan_owners(self) -> None:
         params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
         plans = [self._plan(p, group) for p, group in params_groups]
-        layouts = [self.layout(p) for p, _ in params_groups]
-        self._work.bind(layouts, self.dp_group, self.tp_group)
         self._tasks = plan_owners(
+            self.owner_runtime,
             [p for p, _ in params_groups],
-            layouts,
+            [self.layout(p) for p, _ in params_groups],
             [precond_cost(plan.shape, plan.diag) for plan in plans],
-            [self._work.of(layout) for layout in layouts],
         )
-        self._routed = False
-
-    def _ensure_routes(self) -> None:
-        """:func:`dist_optim.owners.route_tasks` once per binding, from ``step()`` (which every rank
-        calls)."""
-        if not self._routed:
-            if self.route_pieces:
-                route_tasks(list(self._tasks.values()))
-            self._routed = True
 
     def _owner(self, param: torch.Tensor) -> Owner | None:
         task = self._tasks.get(param)
@@ -301,89 +287,74 @@ class DistributedKron(DistOptimizer):
                 state["step"] += 1
                 todo.append((group, p, g))
                 sizes.append(layout.full_numel * momentum_bytes(state, p, group, eight) * inputs)
-        if not todo:
-            return loss
-        if self.is_bound:
-            self._ensure_routes()
-
-        ranges = buckets(sizes, self.bucket_bytes if self.is_bound else None)
-        # The next bucket's momenta travel while this one's owners compute.
-        pipelined(
-            ranges,
-            lambda r: self._send_bucket(todo[r[0] : r[1]]),
-            lambda sent: self._finish_bucket(*sent, do_update, balance),
+        if any(p not in self._tasks for _, p, _ in todo):
+            self._plan_owners()  # unbound (every parameter this rank's alone), or a new param group
+        # The next bucket's momenta travel while this one's owners compute; directions in
+        # parameter order on every rank (the sequential probes stay in step).
+        self.owner_runtime.run(
+            todo,
+            sizes,
+            self._prepare,
+            lambda works: self._compute(works, do_update, balance),
+            self._deliver,
+            comm_dtype=self.communication_dtype,
+            budget=self.bucket_bytes,
+            in_order=True,
         )
         return loss
 
-    def _send_bucket(self, todo: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> tuple[list[Item], Sending]:
+    def _prepare(self, todo: Sequence[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> list[OwnedWork[Item]]:
         """A bucket's momenta updated (element-wise, here: an 8-bit one's fp32 value exists for
-        its bucket only) and its inputs to the owners: gathered whole where no route exists, routed
-        pieces in flight."""
+        its bucket only): with the gradients where the preconditioner is fitted to them, the
+        inputs of their owners' work."""
         layouts = [self.layout(p) for _, p, _ in todo]
         momenta = update_momenta(self.state, [(*t, layout) for t, layout in zip(todo, layouts)], self.eight_bit)
-        work = [
+        works = []
+        for (group, p, g), m, layout in zip(todo, momenta, layouts):
             # An 8-bit parameter's fp32 momentum is already stored as codes: the owner may work in it.
-            Item(group, p, m, g, layout, self._tasks.get(p), scratch=self.eight_bit(layout))
-            for (group, p, g), m, layout in zip(todo, momenta, layouts)
-        ]
-        gather_inputs([item for item in work if not item.routed], self.communication_dtype)
-        return work, send_inputs(
-            [item for item in work if item.routed], self.communication_dtype, False, self.bucket_bytes
-        )
+            item = Item(group, p, m, g, layout, scratch=self.eight_bit(layout))
+            works.append(OwnedWork(item, self._tasks[p], item.fit_inputs(), precond_dtype(group)))
+        return works
 
-    def _finish_bucket(self, work: list[Item], sending: Sending, do_update: bool, balance: bool) -> None:
-        """Directions (in parameter order on every rank: the sequential probes stay in step),
-        directions back, applied: for one bucket of parameters."""
-        comm_dtype = self.communication_dtype
-        routed = [item for item in work if item.routed]
-        plain = [item for item in work if not item.routed]
-        sending.wait()
-        for item in work:
-            self._direction(item, do_update, balance)
-        share_results(
-            [(owner, [d]) for item in plain if (d := item.direction) is not None and (owner := self._owner(item.p))],
-            comm_dtype,
-        )
-        send_directions(routed, comm_dtype, self.bucket_bytes)
-        for item in work:
-            self._apply(item)
+    def _compute(self, works: list[OwnedWork[Item]], do_update: bool, balance: bool) -> None:
+        for w in works:
+            self._direction(w, do_update, balance)
 
-    def _direction(self, item: Item, do_update: bool, balance: bool) -> None:
+    def _deliver(self, works: list[OwnedWork[Item]]) -> None:
+        for w in works:
+            self._apply(w)
+
+    def _direction(self, w: OwnedWork[Item], do_update: bool, balance: bool) -> None:
         """Draw the probe (every rank with ``probe_rng="sequential"``, so that every generator
-        stays in step) and, on the owner, compute the direction; elsewhere a buffer for it."""
+        stays in step) and, on the owner, compute the direction, the work's result."""
+        item = w.entry
         group, p = item.group, item.p
         plan = self._plan(p, group)
         dtype = precond_dtype(group)
         draws = do_update and (self.probe_rng == "sequential" or self._mine(p))
-        u = None
         if self._mine(p):
-            assert item.full_m is not None and item.full_g is not None
+            inputs = w.owned[0]
             probes = draw_probe(self._probe_generator(p), plan, dtype, item.m.device) if draws else None
-            # An assembled momentum is the owner's scratch; a whole local one is the state's buffer
-            # (unless it is 8-bit: then a dequantised copy).
-            scratch = item.scratch or not item.layout.is_local
+            # Assembled or gathered inputs are the owner's scratch; a whole local momentum is the
+            # state's buffer (unless it is 8-bit: then a dequantised copy).
+            scratch = item.scratch or w.copies
             state = self.state[p]
             rounding = functools.partial(self._rounding_generator, p)
-            u = owner_direction(
-                state, group, plan, item.full_m, item.full_g, probes, balance, scratch, self._scratch, rounding
+            w.results[0] = owner_direction(
+                state, group, plan, inputs[0], inputs[-1], probes, balance, scratch, self._scratch, rounding
             )
+            w.owned = {}  # the owner's whole inputs, dropped as soon as used
         elif draws:  # the numbers, chunk by chunk, dropped: the sequential generator stays in step
             discard_probe(self._probe_generator(p), plan, dtype, item.m.device)
-        hold_direction(item, u, plan.shape)
 
-    def _apply(self, item: Item) -> None:
+    def _apply(self, w: OwnedWork[Item]) -> None:
         """This rank's elements of the direction, weight decay (tensors of >= 2 dims), the step."""
-        group, p, layout = item.group, item.p, self.layout(item.p)
-        assert item.direction is not None
-        if item.routed:
-            local = item.direction.view_as(p)
-        else:
-            u = item.direction.reshape(layout.full_shape)
-            local = u.view_as(p) if layout.is_local else layout.take_local(u)
+        group, p, layout = w.entry.group, w.entry.p, w.layout
+        local = w.local().view_as(p)
         if group["weight_decay"] != 0 and layout.ndim >= 2:
             local.add_(p, alpha=group["weight_decay"])
         p.add_(local.to(p.dtype), alpha=-group_lr(group))
-        item.direction = None  # applied: freed now, not when the whole step's items are
+        w.piece, w.boxes = None, []  # applied: freed now, not when the whole bucket's are
 
     # ---- state -------------------------------------------------------------------------------------
     def full_state(self) -> list[dict[str, Any]]:

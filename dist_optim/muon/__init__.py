@@ -58,7 +58,7 @@ matrix every rank holds whole, under DDP, is not sent: its owner has it). Each r
 its own elements. A step issues these two collectives per work group (one, the way back, where
 every rank holds every matrix whole) plus the NaN/Inf check's flag all-reduce: 3 with one work
 group of pieces. Where pieces cannot be routed (holdings that do not tile the matrix;
-``route_pieces=False``) the full ``C`` is gathered, the owners iterate and share ``X`` whole
+``OwnerRuntime.route_pieces = False``, :mod:`dist_optim.runtime`) the full ``C`` is gathered, the owners iterate and share ``X`` whole
 (:func:`dist_optim.owners.share_results`). The matrix orthogonalized is the single-device run's,
 so the result is the single-device result (fp32 communication: the same bits up to the
 iteration's own rounding, which is the same computation on the same matrix). AdamW groups are

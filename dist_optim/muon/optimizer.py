@@ -12,26 +12,14 @@ import torch
 from .. import bnb_states as bnb
 from .. import structured
 from ..base import DistOptimizer, check_lr, check_range
-from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..checks import group_lr
-from ..comm import gather_full
 from ..dtypes import check_communication_dtype
 from ..layout import ParamLayout
 from ..multi_tensor import scale_
 from ..newton_schulz import Coefficients, newton_schulz_flops, newton_schulz_many
-from ..owners import (
-    Moved,
-    Owner,
-    Sending,
-    Task,
-    WorkGroups,
-    from_owners,
-    pipelined,
-    plan_tasks,
-    route_tasks,
-    share_results,
-    to_owners,
-)
+from ..owners import Task
+from ..runtime import ALONE, OwnedWork, OwnerRuntime
 from .adamw import adamw_step
 from .coefficients import DEFAULT_NS_COEFFICIENTS, check_coefficients, schedule
 from .momentum import momentum_directions
@@ -150,10 +138,6 @@ class DistributedMuon(DistOptimizer):
 
     _sharded_state = ("momentum_buffer", "exp_avg", "exp_avg_sq")
     _counters_on_param_device = True  # the auxiliary AdamW makes its steps beside the parameter
-    #: Route pieces of C to the matrices' owners (the default). False: every rank gathers every
-    #: full C and iterates on every matrix, the way a port without owners works (the benchmark's
-    #: and the tests' comparison).
-    route_pieces = True
 
     def __init__(
         self,
@@ -205,8 +189,7 @@ class DistributedMuon(DistOptimizer):
             use_muon=True,
         )
         self._tasks: dict[torch.Tensor, Task] | None = None
-        self._routed = False
-        self._work = WorkGroups()
+        self.owner_runtime = OwnerRuntime()  # who orthogonalizes each matrix, and the step's exchanges
         self._checked = False
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -254,7 +237,7 @@ class DistributedMuon(DistOptimizer):
         self._check_matrices()
         # Under TP the matrices are split over the TP x data-parallel grid: every rank of it can
         # own a matrix, not only one TP rank's data-parallel group. Collective over the job.
-        self._work.bind([self.layout(p) for p in self._muon_params()], self.dp_group, self.tp_group)
+        self.owner_runtime.bind([self.layout(p) for p in self._muon_params()], self.dp_group, self.tp_group)
         self._tasks = None
 
     def _muon_params(self) -> list[torch.Tensor]:
@@ -287,7 +270,7 @@ class DistributedMuon(DistOptimizer):
         if self._tasks is not None:
             return self._tasks
         groups = {p: g for g in self.param_groups for p in g["params"]}
-        items = []
+        specs = []
         params = self._muon_params()
         for p in params:
             group, layout = groups[p], self.layout(p)
@@ -296,21 +279,9 @@ class DistributedMuon(DistOptimizer):
             dtype = group["ns_dtype"] or p.dtype
             steps, gram_space = len(_schedule(group)), group["ns_gram_space"]
             flops = newton_schulz_flops(m, n, steps, dtype, gram_space, structured.blocked(p))
-            items.append((self._work.of(layout), layout, layout.full_shape, boxes, [flops] * len(boxes)))
-        self._tasks = dict(zip(params, plan_tasks(items)))
-        self._routed = False
+            specs.append((layout, layout.full_shape, boxes, [flops] * len(boxes)))
+        self._tasks = dict(zip(params, self.owner_runtime.plan(params, specs)))
         return self._tasks
-
-    def _ensure_routes(self) -> dict[torch.Tensor, Task]:
-        """Which of this rank's pieces of each matrix go to its owner and which pieces of the
-        result come back (:func:`dist_optim.owners.route_tasks`): one ``all_gather_object`` per
-        work group, after each re-planning, from ``step()`` (which every rank calls)."""
-        tasks = self._ensure_tasks()
-        if not self._routed:
-            if self.route_pieces:
-                route_tasks(list(tasks.values()))
-            self._routed = True
-        return tasks
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -329,90 +300,48 @@ class DistributedMuon(DistOptimizer):
             else:
                 layouts = [self.layout(p) for p in params]
                 adamw_step(self.state, group, params, grads, layouts, self.eight_bit, self.bucket_bytes)
-        sizes = [self.layout(p).full_numel * g.element_size() for _, p, g in matrices]
-        ranges = buckets(sizes, self.bucket_bytes if self.is_bound else None)
+        tasks = self._ensure_tasks()
         # The next bucket's C travels to its owners while this one's owners iterate.
-        pipelined(ranges, lambda r: self._send_bucket(matrices[r[0] : r[1]]), lambda b: self._finish_bucket(*b))
+        self.owner_runtime.run(
+            matrices,
+            [self.layout(p).full_numel * g.element_size() for _, p, g in matrices],
+            lambda bucket: self._prepare(bucket, tasks),
+            self._compute,
+            self._deliver,
+            comm_dtype=self.communication_dtype,
+            budget=self.bucket_bytes,
+        )
         return loss
 
-    def _send_bucket(self, bucket: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> tuple[Any, ...]:
-        """A bucket's ``C`` (made per bucket: with Nesterov each is a new tensor, so all of them at
-        once would hold a second copy of the momenta), its routed pieces sent to the owners (in
-        flight)."""
-        tasks = self._ensure_routes() if self.is_bound else self._ensure_tasks()
+    def _prepare(
+        self, bucket: Sequence[tuple[dict[str, Any], torch.Tensor, torch.Tensor]], tasks: dict[torch.Tensor, Task]
+    ) -> list[OwnedWork[tuple[dict[str, Any], torch.Tensor]]]:
+        """A bucket's ``C``, the input of its matrices' tasks (made per bucket: with Nesterov each is
+        a new tensor, so all of them at once would hold a second copy of the momenta)."""
         cs = momentum_directions(self.state, [(group, p, g, self.layout(p)) for group, p, g in bucket], self.eight_bit)
-        matrices = [(group, p, c) for (group, p, _), c in zip(bucket, cs)]
-        routed = [(group, p, c) for group, p, c in matrices if tasks[p].route is not None]
-        plain = [(group, p, c) for group, p, c in matrices if tasks[p].route is None]
-        moved = [Moved(tasks[p], [c], c.dtype) for _, p, c in routed]
-        return plain, routed, moved, to_owners(moved, self.communication_dtype, False, self.bucket_bytes)
+        return [OwnedWork((group, p), tasks[p], [c], c.dtype) for (group, p, _), c in zip(bucket, cs)]
 
-    def _finish_bucket(
-        self,
-        plain: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]],
-        routed: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]],
-        moved: list[Moved],
-        sending: Sending,
-    ) -> None:
-        """The owners' iterations of a bucket, the results back, applied."""
-        tasks = self._ensure_tasks()
-
-        # Whole on this rank (unbound, or a work group of one): the iteration here. Pieces that
-        # could not be routed (holdings that do not tile the tensor): the full C gathered, the
-        # owners iterate, the results shared (a fallback: plan_route routes every layout the
-        # plugins produce).
-        gathered = [i for i, (_, p, _) in enumerate(plain) if not self.layout(p).is_local]
-        fulls = (
-            gather_full([(self.layout(plain[i][1]), plain[i][2]) for i in gathered], dtype=self.communication_dtype)
-            if gathered
-            else []
-        )
-        full_of = dict(zip(gathered, fulls))
-        held: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
-        shares: list[tuple[Owner, list[torch.Tensor]]] = []
+    def _compute(self, works: list[OwnedWork[tuple[dict[str, Any], torch.Tensor]]]) -> None:
+        """X of the matrices this rank owns: a parameter held by this rank alone at once, whole."""
         jobs: list[tuple[torch.Tensor, dict[str, Any], bool]] = []
-        into: list[tuple[int, tuple[slice, ...] | None]] = []  # held[i], whole (None) or a box
-        for i, (group, p, c) in enumerate(plain):
-            task = tasks[p]
-            whole = full_of.get(i, c).reshape(task.layout.full_shape)
-            if task.work.size == 1:
-                into.append((len(held), None))
-                jobs.append((whole, group, False))
-                held.append((group, p, whole))
+        into: list[tuple[OwnedWork[Any], int | None]] = []
+        for w in works:
+            group, _ = w.entry
+            if w.path == ALONE:
+                jobs.append((w.inputs[0].reshape(w.layout.full_shape), group, False))
+                into.append((w, None))
                 continue
-            x = torch.empty_like(whole)
-            for b, box in enumerate(task.boxes):
-                sl = tuple(slice(lo, hi) for lo, hi in box)
-                if task.owner(b).mine:
-                    into.append((len(held), sl))
-                    jobs.append((whole[sl], group, False))
-                shares.append((task.owner(b), [x[sl]]))
-            held.append((group, p, x))
-        for (h, box_of), result in zip(into, self._orthogonalize_all(jobs)):
-            group, p, x = held[h]
-            if box_of is None:
-                held[h] = (group, p, result)
+            for b, (c_box,) in w.owned.items():
+                jobs.append((c_box, group, w.copies))
+                into.append((w, b))
+        for (w, box), result in zip(into, self._orthogonalize_all(jobs)):
+            if box is None:
+                w.whole = result
             else:
-                x[box_of] = result
-        share_results(shares, self.communication_dtype)
-        applied = []
-        for group, p, x in held:
-            layout = self.layout(p)
-            applied.append((p, x if layout.is_local else layout.take_local(x, copy=False).view_as(p), layout, group))
-        _apply_all(applied)
+                w.results[box] = result
 
-        # Pieces of C to the owners, X back to the holders: one all_to_all per work group each way.
-        sending.wait()
-        owned = [(m, b, c_box, group) for (group, _, _), m in zip(routed, moved) for b, (c_box,) in m.boxes.items()]
-        results = self._orthogonalize_all([(c_box, group, m.sent) for m, _, c_box, group in owned])
-        for (m, b, _, _), result in zip(owned, results):
-            m.results[b] = result
-        from_owners(moved, self.communication_dtype, self.bucket_bytes)
-        applied = []
-        for (group, p, _), m in zip(routed, moved):
-            assert m.out is not None
-            applied.append((p, m.out.view_as(p), self.layout(p), group))
-        _apply_all(applied)
+    def _deliver(self, works: list[OwnedWork[tuple[dict[str, Any], torch.Tensor]]]) -> None:
+        _apply_all([(p, w.local().view_as(p), w.layout, group) for w in works for group, p in [w.entry]])
 
     def eight_bit(self, layout: ParamLayout) -> bool:
         """Whether a parameter of this layout keeps its momentum (Muon) or moments (AdamW) in 8 bits

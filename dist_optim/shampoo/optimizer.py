@@ -1,31 +1,30 @@
 """The optimizer class: a coordinator of the package's parts (see :mod:`dist_optim.shampoo`).
 
-A step counts each parameter's step, sends gradients to the owners of their blocks
-(:mod:`.routing`), has the owners compute their blocks' directions (:mod:`.preconditioner` on the
-typed :class:`~.state.BlockState` views of ``optimizer.state``), brings the directions back to the
-ranks that hold them and applies them (:mod:`.update`).
+A step is one run of the owner runtime (:mod:`dist_optim.runtime`): each parameter's step counted
+and its gradient declared as the input of its blocks' task (:mod:`.routing`); the owners compute
+their blocks' directions (:mod:`.work`, :mod:`.preconditioner` on the typed
+:class:`~.state.BlockState` views of ``optimizer.state``); each holder applies its part of them
+(:mod:`.update`).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .. import bnb_states as bnb
 from ..base import DistOptimizer
-from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
-from ..comm import gather_full
-from ..layout import ParamLayout
-from ..owners import Moved, Owner, Sending, WorkGroups, pipelined, route_tasks, share_results
-from ..placement import Route
+from ..budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from ..owners import Owner, share_results
+from ..runtime import ALONE, ROUTED, OwnedWork, OwnerRuntime
 from .blocking import Block
 from .momentum import keeps_8bit_momentum, momentum_buffer, read_momenta
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
-from .routing import Plan, Routed, finish_routed, plan_owners, send_routed, total_failures
+from .routing import Plan, plan_owners, total_failures
 from .state import (
     BlockState,
     Scratch,
@@ -39,7 +38,7 @@ from .state import (
     mirror_whole_factors,
     non_block_entries,
 )
-from .update import apply_update, apply_updates, join_blocks, whole_views
+from .update import apply_update, apply_updates, whole_views
 from .work import BlockWork
 from .work import run as run_work
 
@@ -108,10 +107,6 @@ class DistributedShampoo(DistOptimizer):
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
     """
 
-    #: Parameters held in pieces move only the pieces their block owners and holders need (:mod:`.routing`);
-    #: False gathers full gradients and shares every direction (the same result bit for bit, compared by tests).
-    route_pieces: bool = True
-
     _sharded_state = ("momentum_buffer",)
 
     def __init__(
@@ -164,11 +159,8 @@ class DistributedShampoo(DistOptimizer):
             bucket_bytes = max_gather_bytes
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         self._plans: dict[torch.Tensor, Plan] = {}
-        self._work = WorkGroups()  # the ranks that split each parameter's blocks (see _on_bind)
-        self._momenta = bnb.Batch8bit()  # the momentum buffers of the bucket being updated (_finish)
+        self.owner_runtime = OwnerRuntime()  # who computes each block, and the step's exchanges
         self._scratch = Scratch()  # one block's direction, reused across blocks applied as soon as computed
-        # Whether the routes of the parameters held in pieces are planned (see _ensure_routes).
-        self._routed = False
         super().__init__(params, defaults, nonfinite=nonfinite)  # validate_group checks every group
         check_communication(communication_dtype)
 
@@ -185,7 +177,7 @@ class DistributedShampoo(DistOptimizer):
         # Under TP the blocks are split over the TP x data-parallel grid, not over each TP
         # rank's data-parallel group alone: every rank of the grid gathers the same full
         # gradients, so a TP rank need not repeat its TP peers' blocks. Collective over the job.
-        self._work.bind([self.layout(p) for p in self._all_params()], self.dp_group, self.tp_group)
+        self.owner_runtime.bind([self.layout(p) for p in self._all_params()], self.dp_group, self.tp_group)
         self._ensure_plans()
 
     # ---- planning (see routing.py) ----------------------------------------------------------
@@ -194,23 +186,8 @@ class DistributedShampoo(DistOptimizer):
             return
         params = self._all_params()
         groups = [g for g in self.param_groups for _ in g["params"]]
-        specs = [(self.layout(p), g, self._work.of(self.layout(p))) for p, g in zip(params, groups)]
-        self._plans = dict(zip(params, plan_owners(specs)))
-        self._routed = False
-
-    def _ensure_routes(self) -> None:
-        """Routes of the parameters held in pieces whose blocks are split over a work group
-        (:func:`dist_optim.owners.route_tasks`); collective, once after every re-planning: called
-        from ``step()``, which every rank calls."""
-        if self._routed:
-            return
-        if self.route_pieces:
-            route_tasks([self._plans[p].task for p in self._all_params() if not self.layout(p).is_local])
-        self._routed = True
-
-    def _route(self, p: torch.Tensor) -> Route | None:
-        plan = self._plans.get(p)
-        return None if plan is None or not self._routed else plan.route
+        specs = [(self.layout(p), g) for p, g in zip(params, groups)]
+        self._plans = dict(zip(params, plan_owners(self.owner_runtime, params, specs)))
 
     # ---- the step ------------------------------------------------------------------------
     @torch.no_grad()
@@ -219,154 +196,87 @@ class DistributedShampoo(DistOptimizer):
         if not self._gradients_ok():
             return loss
         self._ensure_plans()
-        entries: list[tuple[dict[str, Any], torch.Tensor]] = []
-        items = []
-        for group in self.param_groups:
-            for p, g in zip(*self._grads(group)):
-                items.append((self.layout(p), g))
-                entries.append((group, p))
-        if not entries:
-            return loss
-        comm_dtype = self.communication_dtype if self.is_bound else None
-        if comm_dtype is not None and all(g.dtype == comm_dtype for _, g in items):
-            comm_dtype = None
-        if self.is_bound:
-            self._ensure_routes()
-        routed = self.is_bound and any(self._route(p) is not None for _, p in entries)
-        if not self.is_bound or (self.bucket_bytes is None and not routed):
-            items = _decayed(entries, items)
-            full_grads = gather_full(items, dtype=comm_dtype) if self.is_bound else [g.detach() for _, g in items]
-            self._finish(self._start(entries, items, comm_dtype, full_grads))
-            return loss
+        entries = [(group, p, g) for group in self.param_groups for p, g in zip(*self._grads(group))]
         # No rank sees every full gradient (gradient pieces go to block owners, or full gradients
         # are gathered in buckets of at most bucket_bytes), the next bucket's pieces travelling
         # while this one computes; _gradients_ok checked the local pieces of all of them before
         # the first one moved.
-        ranges = buckets([layout.full_numel * g.element_size() for layout, g in items], self.bucket_bytes)
-        pipelined(
-            ranges,
-            lambda r: self._start(entries[r[0] : r[1]], _decayed(entries[r[0] : r[1]], items[r[0] : r[1]]), comm_dtype),
-            self._finish,
+        self.owner_runtime.run(
+            entries,
+            [self.layout(p).full_numel * g.element_size() for _, p, g in entries],
+            self._prepare,
+            self._compute,
+            self._deliver,
+            comm_dtype=self.communication_dtype if self.is_bound else None,
+            budget=self.bucket_bytes,
         )
         return loss
 
-    def _start(
-        self,
-        entries: list[tuple[dict[str, Any], torch.Tensor]],
-        items: list[tuple[ParamLayout, torch.Tensor]],
-        comm_dtype: torch.dtype | None,
-        full_grads: list[torch.Tensor] | None = None,
-    ) -> _Bucket:
-        """The first half of a bucket's step: state counters, the full gradients of the parameters
-        without a route (``full_grads``, gathered here when not given), and the routed ones'
-        pieces sent to their block owners (:func:`.routing.send_routed`, in flight)."""
-        if full_grads is None:
-            plain = [i for i, (_, p) in enumerate(entries) if self._route(p) is None]
-            gathered = gather_full([items[i] for i in plain], dtype=comm_dtype) if plain else []
-            full_grads = [g for _, g in items]  # local gradients stand in for the routed ones
-            for i, g in zip(plain, gathered):
-                full_grads[i] = g
-        held: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, int]] = []
-        routed: list[Routed] = []
-        for (group, p), (layout, g_local), g_full in zip(entries, items, full_grads):
+    def _prepare(self, bucket: Sequence[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> list[OwnedWork[_Entry]]:
+        """A bucket's step counters and its gradients (coupled weight decay added: made per bucket,
+        so that the copies stay within the budget) as the inputs of its blocks' tasks."""
+        works = []
+        for group, p, g in bucket:
             state = self.state[p]
             if not state:
-                self._init_state(p, group, g_full.dtype)
+                self._init_state(p, group, g.dtype)
             state["step"] += 1
-            t = int(state["step"])
-            route = self._route(p)
-            if route is not None:
-                routed.append(Routed(group, p, state, g_local.detach(), t, self._plans[p], layout))
-            else:
-                held.append((group, p, g_full, t))
-        return _Bucket(held, routed, *send_routed(routed, comm_dtype, False, self.bucket_bytes))
-
-    def _finish(self, bucket: _Bucket) -> None:
-        """The second half: directions (owners), their sharing and the parameter updates."""
-        params = [(g, p) for g, p, *_ in bucket.held] + [(r.group, r.p) for r in bucket.routed]
-        self._momenta = read_momenta(self.state, params, self.layout)
-        shares: list[tuple[Owner, list[torch.Tensor]]] = []
-        pending: list[tuple[dict[str, Any], torch.Tensor, list[torch.Tensor]]] = []
-        works: list[BlockWork] = []
-        for group, p, g_full, t in bucket.held:
-            directions = self._held_work(group, p, g_full, t, works, shares)
-            if directions is not None:
-                pending.append((group, p, directions))
-        self._run_work(works)
-        routed = bucket.routed
-        if routed:
-            bucket.sending.wait()
-            finish_routed(routed, bucket.moved, self._routed_work, self.communication_dtype, self.bucket_bytes)
-            for r in routed:
-                update = r.update.to(r.p.dtype).view_as(r.p)  # type: ignore[union-attr]
-                apply_update(r.p.detach(), update, momentum_buffer(self._momenta, r.state), r.group)
-        share_results(shares, self.communication_dtype)
-        # Every rank applies its part of the full update. The directions are this step's own
-        # tensors, so they are updated in place; a parameter held whole takes them block by block,
-        # without assembling a parameter-sized direction.
-        for group, p, directions in pending:
+            wd = group["weight_decay"]
+            if wd != 0 and not group["use_decoupled_weight_decay"]:
+                g = g + p.detach() * wd  # elementwise: the same bits on a shard as on the full tensor
             plan = self._plans[p]
-            whole = self._whole_views(p, plan)
+            works.append(OwnedWork(_Entry(group, p, state, int(state["step"]), plan), plan.task, [g.detach()], g.dtype))
+        momenta = read_momenta(self.state, [(group, p) for group, p, _ in bucket], self.layout)
+        for w in works:
+            w.entry.momenta = momenta
+        return works
+
+    def _compute(self, works: list[OwnedWork[_Entry]]) -> None:
+        """The directions of the blocks this rank owns (:func:`.work.run`, batch by batch): a
+        parameter held whole by this rank alone is updated block by block through reused scratch
+        memory (fresh block-sized tensors cost page faults on the CPU comparable to the arithmetic
+        of the update); every other block's direction is its result."""
+        block_works = []
+        for w in works:
+            e = w.entry
+            whole = self._whole_views(e) if w.path == ALONE else None
+            for i, (g,) in w.owned.items():
+                block = e.plan.blocks[i]
+                if whole is not None:
+                    pv, bv = whole
+                    buf = None if bv is None else bv[block.slices]
+                    block_works.append(BlockWork(e.state, i, block, g, e.group, e.t, param=pv[block.slices], buf=buf))
+                    continue
+                w.results[i] = torch.empty(block.shape, dtype=g.dtype, device=g.device)
+                block_works.append(BlockWork(e.state, i, block, g, e.group, e.t, out=w.results[i]))
+        self._run_work(block_works)
+
+    def _deliver(self, works: list[OwnedWork[_Entry]]) -> None:
+        """Every rank applies its part of the directions (this step's own tensors, updated in
+        place); a parameter held whole takes them block by block, without assembling a
+        parameter-sized direction."""
+        for w in works:
+            if not w.delivered:
+                continue
+            e = w.entry
+            buf = momentum_buffer(e.momenta, e.state)
+            whole = None if w.path == ROUTED else self._whole_views(e)
             if whole is not None:
                 pv, bv = whole
-                bufs = [None if bv is None else bv[b.slices] for b in plan.blocks]
-                apply_updates([pv[b.slices] for b in plan.blocks], directions, bufs, group)
-                continue
-            full = join_blocks(plan.view_shape, plan.blocks, directions).reshape(plan.full_shape)
-            update = self.layout(p).take_local(full, copy=False).to(p.dtype).view_as(p)
-            apply_update(p.detach(), update, momentum_buffer(self._momenta, self.state[p]), group)
-        self._momenta.store()
-
-    def _held_work(
-        self,
-        group: dict[str, Any],
-        p: torch.Tensor,
-        g_full: torch.Tensor,
-        t: int,
-        works: list[BlockWork],
-        shares: list[tuple[Owner, list[torch.Tensor]]],
-    ) -> list[torch.Tensor] | None:
-        """The blocks of a parameter with its full gradient: the ones this rank owns appended to
-        ``works``; returns their directions' tensors (the others' to be filled by ``shares``, which
-        gets the blocks that travel from their owners). A parameter held whole whose blocks are
-        all this rank's is updated by :func:`.work.run` batch by batch, through reused scratch
-        memory (fresh block-sized tensors cost page faults on the CPU comparable to the
-        arithmetic of the update): None then."""
-        plan, state = self._plans[p], self.state[p]
-        g_view = g_full.reshape(plan.view_shape)
-        whole = self._whole_views(p, plan)
-        if plan.work.size == 1 and whole is not None:
-            pv, bv = whole
-            for i, b in enumerate(plan.blocks):
-                buf = None if bv is None else bv[b.slices]
-                works.append(BlockWork(state, i, b, g_view[b.slices], group, t, param=pv[b.slices], buf=buf))
-            return None
-        directions: list[torch.Tensor] = []
-        for i, block in enumerate(plan.blocks):  # owners: a direction (no parameter to apply to)
-            d = torch.empty(block.shape, dtype=g_full.dtype, device=g_full.device)
-            if plan.owner(i).mine:
-                works.append(BlockWork(state, i, block, g_view[block.slices], group, t, out=d))
-            directions.append(d)
-            shares.append((plan.owner(i), [d]))
-        return directions
-
-    def _routed_work(self, items: list[tuple[Routed, int, torch.Tensor]]) -> list[torch.Tensor]:
-        """The directions of owned blocks of routed parameters (``(parameter, block index,
-        gradient)``), for :func:`.routing.finish_routed`."""
-        works, outs = [], []
-        for r, i, g in items:
-            block = r.plan.blocks[i]
-            outs.append(torch.empty(block.shape, dtype=g.dtype, device=g.device))
-            works.append(BlockWork(r.state, i, block, g, r.group, r.t, out=outs[-1]))
-        self._run_work(works)
-        return outs
+                bufs = [None if bv is None else bv[b.slices] for b in e.plan.blocks]
+                apply_updates([pv[b.slices] for b in e.plan.blocks], w.boxes, bufs, e.group)
+            else:
+                apply_update(e.p.detach(), w.local().to(e.p.dtype).view_as(e.p), buf, e.group)
+        for momenta in {id(w.entry.momenta): w.entry.momenta for w in works}.values():
+            momenta.store()
 
     def _run_work(self, works: list[BlockWork]) -> None:
         """:func:`.work.run` of this step's ``works`` (their directions in their ``out``, or applied)."""
         run_work(works, self._scratch, self.bucket_bytes)
 
-    def _whole_views(self, p: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        return whole_views(p, self.layout(p).is_local, momentum_buffer(self._momenta, self.state[p]), plan.view_shape)
+    def _whole_views(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        buf = momentum_buffer(e.momenta, e.state)
+        return whole_views(e.p, self.layout(e.p).is_local, buf, e.plan.view_shape)
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any], dtype: torch.dtype) -> None:
         """``step``, ``momentum_buffer`` and the state of the blocks this rank owns, in flat form."""
@@ -448,28 +358,17 @@ class DistributedShampoo(DistOptimizer):
         return total_failures(list(self._plans.values()), failures, device)
 
 
-@dataclass
-class _Bucket:
-    """A bucket between :meth:`DistributedShampoo._start` and :meth:`~DistributedShampoo._finish`."""
+@dataclass(eq=False)
+class _Entry:
+    """A parameter's record in a step: its group, the parameter, its state and step, its plan, and
+    the momentum buffers of its bucket (read as fp32 values where 8-bit, stored after the update)."""
 
-    held: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, int]]
-    routed: list[Routed]
-    moved: list[Moved]
-    sending: Sending
-
-
-def _decayed(
-    entries: list[tuple[dict[str, Any], torch.Tensor]], items: list[tuple[ParamLayout, torch.Tensor]]
-) -> list[tuple[ParamLayout, torch.Tensor]]:
-    """The gradients with coupled weight decay added (``use_decoupled_weight_decay=False``), made
-    for one bucket at a time so that the copies stay within the budget."""
-    out = []
-    for (group, p), (layout, g) in zip(entries, items):
-        wd = group["weight_decay"]
-        if wd != 0 and not group["use_decoupled_weight_decay"]:
-            g = g + p.detach() * wd  # elementwise: the same bits on a shard as on the full tensor
-        out.append((layout, g))
-    return out
+    group: dict[str, Any]
+    p: torch.Tensor
+    state: dict[str, Any]
+    t: int
+    plan: Plan
+    momenta: bnb.Batch8bit = field(default_factory=bnb.Batch8bit)
 
 
 def _moments_dtype(state: dict[str, Any], p: torch.Tensor) -> torch.dtype:

@@ -525,7 +525,7 @@ def _routed_bytes_worker(layout: tuple[int, int, int], route: bool, comm_dtype: 
 
     kwargs = dict(lr=1e-2, weight_decay=1e-2, communication_dtype=comm_dtype)
     opt, masters, _, local_grad = parity.build(DistributedKron, kwargs, *layout, "fp32")
-    opt.route_pieces = route
+    opt.owner_runtime.route_pieces = route
     counts = []
     with counting_collectives() as seen:
         for step in range(parity.STEPS):

@@ -18,6 +18,7 @@ from torch import nn
 
 import dist_optim
 from dist_optim import comm
+from dist_optim.runtime import OwnerRuntime
 from tests.helpers import parity
 from tests.helpers.check import excess
 from tests.helpers.collectives import counting_collectives
@@ -858,11 +859,11 @@ ROUTE_LAYOUTS = ((1, 4, 1), (2, 2, 2), (2, 2, 0), (4, 1, 0))
 def _pieces_routed(routed: bool) -> Iterator[None]:
     """Optimizers built and stepped inside move pieces to block owners (True, the default) or
     gather full gradients (False)."""
-    dist_optim.DistributedShampoo.route_pieces = routed
+    OwnerRuntime.route_pieces = routed
     try:
         yield
     finally:
-        dist_optim.DistributedShampoo.route_pieces = True
+        OwnerRuntime.route_pieces = True
 
 
 def _route_worker(comm_dtype: torch.dtype) -> dict:
@@ -910,7 +911,7 @@ def test_pieces_go_straight_to_block_owners(pool4, comm_dtype: torch.dtype) -> N
 def _fallback_worker() -> dict:
     kwargs = dict(ROUTE_KWARGS, merge_small_dims=True, max_preconditioner_dim=12)
     opt, params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, 2, 2, 2, "fp32")
-    gathered = [i for i, p in enumerate(params) if opt._route(p) is None]
+    gathered = [i for i, p in enumerate(params) if opt.owner_runtime.tasks[p].route is None]
     with _pieces_routed(False):
         ref, ref_params, _ = parity.distributed(dist_optim.DistributedShampoo, kwargs, 2, 2, 2, "fp32")
     return dict(gathered=gathered, same=_identical(params, ref_params, opt.full_state(), ref.full_state()))
