@@ -17,6 +17,9 @@ setup(
     package_dir={"dist_optim": "dist_optim", "dist_optim.plugins": "plugins"},
     # The launcher's start-up hook: a folder of its own (no package), put first on PYTHONPATH.
     package_data={"dist_optim.plugins": ["startup/sitecustomize.py"]},
+    # The core reads a tensor's TP split through registered readers only; the ColossalAI
+    # integration registers its reader when this module loads (dist_optim.layout.read_tp_dim).
+    entry_points={"dist_optim.integrations": ["colossalai = dist_optim.plugins.colossal"]},
     install_requires=["torch>=2.2"],
     extras_require={"colossalai": ["colossalai==0.5.0"]},
 )

@@ -1,8 +1,8 @@
 """dist_optim: optimizers that give the single-device result under tensor parallelism and ZeRO.
 
 Each optimizer is one class: unbound it is the single-device algorithm; bound to parameter
-layouts (``bind`` or ColossalAI's ``setup_distributed``) it is exact on TP slices and ZeRO chunks.
-``dist_optim.plugins`` swaps ordinary optimizers for these when a model is boosted.
+layouts (``bind``) it is exact on TP slices and ZeRO chunks. ``dist_optim.plugins`` holds all
+that is ColossalAI's: it swaps ordinary optimizers for these when a model is boosted and binds them.
 """
 
 from .adafactor import DistributedAdafactor

@@ -5,13 +5,10 @@ not been bound to layouts treats every parameter as whole and local (it *is* the
 algorithm); binding gives each parameter a :class:`~dist_optim.layout.ParamLayout`, and the
 optimizer's math then routes its cross-shard reductions through :mod:`dist_optim.comm`.
 
-Two ways to bind:
-
-* :meth:`DistOptimizer.bind` takes layouts directly (framework-free; what tests and other
-  integrations use);
-* :meth:`DistOptimizer.setup_distributed` implements ColossalAI's positional contract
-  ``setup_distributed(tp_group, dp_group, shard_to_working_param, padding_map, is_zero)`` and
-  builds the layouts from it, avoiding the traps listed in docs/design.md ("The ColossalAI contract").
+:meth:`DistOptimizer.bind` takes the layouts; the core knows only ``torch.distributed``. Building
+layouts from a framework's view of its tensors is an integration's work: ``dist_optim.plugins``
+for ColossalAI (its positional ``setup_distributed`` contract, avoiding the traps listed in
+docs/design.md, "The ColossalAI contract").
 
 NaN/Inf gradients: every optimizer checks its gradients before a step changes anything, under one
 policy (``nonfinite``, see :meth:`DistOptimizer._gradients_ok`): ``"raise"`` (default) raises
@@ -32,8 +29,8 @@ from typing import Any
 import torch
 
 from .checks import check_adam_options, check_lr, check_range, group_lr
-from .comm import SumBucket, gather_full, group_rank, group_size
-from .layout import ParamLayout, TPSplit, ZeroShard, local_layout, read_tp_dim
+from .comm import SumBucket, gather_full, group_size
+from .layout import ParamLayout, local_layout, read_tp_dim
 from .nonfinite import NONFINITE_POLICIES, bad_parameters, check_nonfinite_policy, local_flag, refusal
 from .state_dicts import STATE_DICT_KEY, SavedState, check_state_dict, class_path
 
@@ -47,73 +44,8 @@ __all__ = [
     "group_lr",
     "check_nonfinite_policy",
     "class_path",
-    "colossal_layouts",
     "check_state_dict",
 ]
-
-
-def colossal_layouts(
-    params: list[torch.Tensor],
-    tp_group: Any,
-    dp_group: Any,
-    shard_to_working_param: Mapping[int, torch.Tensor] | None,
-    padding_map: Mapping[int, int] | None,
-    is_zero: bool,
-    master_to_working: Mapping[int, torch.Tensor] | None,
-    zero_group_of: Callable[[torch.Tensor], Any] | None,
-) -> tuple[dict[torch.Tensor, ParamLayout], bool]:
-    """The layouts of ``params`` from ColossalAI's ``setup_distributed`` arguments (see
-    :meth:`DistOptimizer.setup_distributed`), and whether any parameter carries a TP split; a
-    ValueError naming the parameter and the fix where the arguments do not describe them."""
-    tp_size = group_size(tp_group) if tp_group is not None else 1
-    shard_to_working_param = shard_to_working_param or {}
-    padding_map = padding_map or {}
-    if is_zero and dp_group is None and zero_group_of is None:
-        raise ValueError("setup_distributed: is_zero=True needs the ZeRO group as dp_group")
-    layouts: dict[torch.Tensor, ParamLayout] = {}
-    saw_tp = False
-    for i, p in enumerate(params):
-        if is_zero:
-            working = shard_to_working_param.get(id(p))
-            if working is None:
-                raise ValueError(
-                    f"setup_distributed: parameter #{i} (a ZeRO shard of {p.numel()} elements) is missing "
-                    "from shard_to_working_param; pass the ZeRO optimizer's get_master_to_working_map()"
-                )
-        else:
-            working = (master_to_working or {}).get(id(p), shard_to_working_param.get(id(p), p))
-        tp = None
-        tp_dim = read_tp_dim(working) if tp_size > 1 else None
-        full_shape = list(working.shape)
-        if tp_dim is not None:
-            saw_tp = True
-            tp_dim %= working.dim()
-            full_shape[tp_dim] *= tp_size
-            tp = TPSplit(tp_dim, tp_size, group_rank(tp_group), tp_group)
-        zero = None
-        if is_zero:
-            zgroup = zero_group_of(working) if zero_group_of is not None else dp_group
-            zsize = group_size(zgroup)
-            if id(working) not in padding_map:
-                raise ValueError(
-                    f"setup_distributed: parameter #{i}'s working param is missing from padding_map; "
-                    "pass the ZeRO optimizer's get_param_padding_map()"
-                )
-            padding = int(padding_map[id(working)])
-            if p.numel() * zsize != working.numel() + padding:
-                raise ValueError(
-                    f"setup_distributed: parameter #{i} is a chunk of {p.numel()} elements of a working param "
-                    f"of {working.numel()} (+{padding} padding), which does not match a ZeRO group of size "
-                    f"{zsize}; pass the group that really sharded it (zero_group_of=...)"
-                )
-            zero = ZeroShard(zsize, group_rank(zgroup), padding, zgroup)
-        elif p.shape != working.shape:
-            raise ValueError(
-                f"setup_distributed: parameter #{i} has shape {tuple(p.shape)} but its working param has "
-                f"{tuple(working.shape)}; with ZeRO pass is_zero=True"
-            )
-        layouts[p] = ParamLayout(tuple(full_shape), tp, zero)
-    return layouts, saw_tp
 
 
 class DistOptimizer(SavedState):
@@ -144,9 +76,6 @@ class DistOptimizer(SavedState):
         self.dp_group: Any = None
         self.tp_group: Any = None
         self._warned_unbound = False
-        #: True while a dist_optim plugin configures the booster: ColossalAI's own positional
-        #: ``setup_distributed`` call is then ignored, the plugin binds right after it.
-        self.plugin_binds = False
 
     # ---- options ------------------------------------------------------------------------
     def validate_group(self, group: dict[str, Any]) -> None:
@@ -232,51 +161,6 @@ class DistOptimizer(SavedState):
         parallelism."""
         return None
 
-    def setup_distributed(
-        self,
-        tp_group: Any = None,
-        dp_group: Any = None,
-        shard_to_working_param: Mapping[int, torch.Tensor] | None = None,
-        padding_map: Mapping[int, int] | None = None,
-        is_zero: bool = False,
-        *,
-        master_to_working: Mapping[int, torch.Tensor] | None = None,
-        zero_group_of: Callable[[torch.Tensor], Any] | None = None,
-    ) -> None:
-        """ColossalAI's ``DistributedOptim`` contract, called positionally by its plugins.
-
-        Args:
-            tp_group: tensor-parallel group; a working param is TP-split when the registered
-                reader (``dist_optim.layout.register_tp_reader``) finds a split dim on it.
-            dp_group: data-parallel group. With ``is_zero=False`` it is *not* a ZeRO group (ColossalAI
-                passes it for ``zero_stage=0`` too); parameters are then whole on every dp rank.
-            shard_to_working_param: ``id(master shard) -> working param`` under ZeRO.
-            padding_map: ``id(working param) -> padding`` under ZeRO.
-            is_zero: whether the optimizer's params are flat ZeRO chunks.
-            master_to_working: ``id(fp32 master) -> working param`` for mixed precision without
-                ZeRO, where the masters lost the TP annotation of their working params.
-            zero_group_of: the group that really sharded a working param (defaults to
-                ``dp_group``); e.g. dp×sp under sequence parallelism, the MoE dp group for experts.
-        """
-        if self.plugin_binds:
-            # A dist_optim plugin is configuring: it binds from ColossalAI's wrapper right after this
-            # positional call, with the groups that really sharded each parameter (ColossalAI passes
-            # its dp group even when ZeRO ran over dp x sp).
-            return
-        tp_size = group_size(tp_group) if tp_group is not None else 1
-        layouts, saw_tp = colossal_layouts(
-            self._all_params(), tp_group, dp_group, shard_to_working_param, padding_map, is_zero,
-            master_to_working, zero_group_of,
-        )  # fmt: skip
-        if tp_size > 1 and not saw_tp and master_to_working is None and not is_zero:
-            warnings.warn(
-                f"{type(self).__name__}.setup_distributed: tp_group has {tp_size} ranks but no parameter carries "
-                "a TP split. Under bf16/fp16 the fp32 masters lose their working params' TP annotation: bind "
-                "through dist_optim.plugins, or pass master_to_working=...",
-                stacklevel=2,
-            )
-        self.bind(layouts, dp_group=dp_group, tp_group=tp_group if tp_size > 1 else None)
-
     # ---- iteration ----------------------------------------------------------------------
     def _begin_step(self, closure: Callable[[], Any] | None) -> Any:
         """Start of every ``step``: evaluate the closure (with grad enabled) and warn once if an
@@ -301,14 +185,14 @@ class DistOptimizer(SavedState):
                 f"{type(self).__name__} is stepping without layouts in a {world}-process job, but "
                 f"{self.param_label(sliced[0])} and {len(sliced) - 1} more are tensor-parallel slices: boost through "
                 "dist_optim.plugins, launch under `python -m dist_optim.plugins.launch` (swaps the stock plugins), "
-                "or call setup_distributed(...)"
+                "or bind(...) it to the layouts"
             )
         self._warned_unbound = True
         if world > 1:
             warnings.warn(
                 f"{type(self).__name__} is stepping without layouts in a {world}-process job. "
                 "That is right for plain data parallelism (replicated params); with tensor parallelism or "
-                "ZeRO, boost through dist_optim.plugins or call setup_distributed(...).",
+                "ZeRO, boost through dist_optim.plugins or bind(...) it to the layouts.",
                 stacklevel=3,
             )
 

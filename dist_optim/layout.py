@@ -331,27 +331,39 @@ def whole_layout(shape: tuple[int, ...]) -> ParamLayout:
 
 
 # ---- reading the TP split of a working param ------------------------------------------------
-# The core does not know any framework's tensor annotations. Integrations (``dist_optim.plugins``
-# for ColossalAI, test harnesses) register a reader that returns the split dim of a working
-# param, or None if the param is replicated across the TP group.
+# The core does not know any framework's tensor annotations. Integrations register a reader that
+# returns the split dim of a working param, or None if the param is replicated across the TP group:
+# on import (``dist_optim.plugins`` for ColossalAI, test harnesses), and, so that a framework's
+# sliced tensor is never silently read as replicated because its integration was not imported, an
+# installed integration names the module that registers its reader under the entry-point group
+# :data:`INTEGRATIONS` (setup.py), loaded the first time a split is read with none registered.
 TPReader = Callable[[torch.Tensor], "int | None"]
 _TP_READERS: list[TPReader] = []
+INTEGRATIONS = "dist_optim.integrations"
+_integrations_loaded = False
 
 
 def register_tp_reader(reader: TPReader) -> None:
-    """Teach ``setup_distributed`` how to find the TP split dim of a working parameter."""
+    """Teach the core how to find the TP split dim of a working parameter."""
     if reader not in _TP_READERS:
         _TP_READERS.append(reader)
 
 
+def _load_integrations() -> None:
+    global _integrations_loaded
+    if _integrations_loaded:
+        return
+    _integrations_loaded = True
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=INTEGRATIONS):
+        entry.load()
+
+
 def read_tp_dim(working: torch.Tensor) -> int | None:
     """The dim along which ``working`` is TP-split, or None when it is replicated."""
-    if not _TP_READERS and hasattr(working, "dist_layout"):
-        # A ColossalAI tensor reached the core before the ColossalAI integration was imported:
-        # import it so the split is read rather than silently treated as replicated.
-        import importlib
-
-        importlib.import_module("dist_optim.plugins")
+    if not _TP_READERS:
+        _load_integrations()
     for reader in _TP_READERS:
         dim = reader(working)
         if dim is not None:

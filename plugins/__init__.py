@@ -35,6 +35,7 @@ from dist_optim.registry import class_path, convert, lookup
 
 from .checkpoint import DistOptimCheckpointMixin
 from .colossal import as_colossal_optimizer, bind_from_wrapper, record_param_names, world_group
+from .contract import plugin_binds
 
 __all__ = [
     "HybridParallelPlugin",
@@ -124,14 +125,8 @@ class _SwapAndBind:
         lr_scheduler: Any = None,
     ) -> tuple[Any, ...]:
         optimizer = swap_optimizer(optimizer, lr_scheduler)
-        ours = optimizer if isinstance(optimizer, DistOptimizer) else None
-        if ours is not None:
-            ours.plugin_binds = True
-        try:
+        with plugin_binds(optimizer):
             out = super().configure(model, optimizer, criterion, dataloader, lr_scheduler)  # type: ignore[misc]
-        finally:
-            if ours is not None:
-                ours.plugin_binds = False
         model, wrapper = out[0], out[1]
         if wrapper is not None and isinstance(getattr(wrapper, "optim", None), DistOptimizer):
             self._bind(wrapper)

@@ -22,6 +22,8 @@ from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
 from dist_optim.base import DistOptimizer
 from dist_optim.layout import register_tp_reader
 
+from .contract import ColossalContract, setup_distributed
+
 __all__ = ["tp_dim_of", "is_expert", "bind_from_wrapper", "as_colossal_optimizer", "record_param_names"]
 
 
@@ -80,10 +82,10 @@ def bind_from_wrapper(wrapper: OptimizerWrapper, tp_group: Any, dp_group: Any) -
         # Masters are flat chunks even when the ZeRO group has one rank: keep the ZeRO layout
         # then too (ColossalAI itself passes is_zero=False there, and a factored optimizer would
         # take the flat master for a vector).
-        optim.setup_distributed(tp_group, dp_group, shard_map, padding_map, True, zero_group_of=zero_group_of)
+        setup_distributed(optim, tp_group, dp_group, shard_map, padding_map, True, zero_group_of=zero_group_of)
         return
     master_to_working = wrapper.get_master_to_working_map() if hasattr(wrapper, "get_master_to_working_map") else None
-    optim.setup_distributed(tp_group, dp_group, {}, {}, False, master_to_working=master_to_working or {})
+    setup_distributed(optim, tp_group, dp_group, {}, {}, False, master_to_working=master_to_working or {})
 
 
 _COLOSSAL_CLASSES: dict[type, type] = {}
@@ -92,8 +94,9 @@ _COLOSSAL_CLASSES: dict[type, type] = {}
 def as_colossal_optimizer(optimizer: DistOptimizer) -> DistOptimizer:
     """Make ``optimizer`` pass ColossalAI's ``isinstance(optim, DistributedOptim)`` check.
 
-    Its class becomes a subclass of its own class and of ColossalAI's ``DistributedOptim``; our
-    ``setup_distributed`` comes first in the MRO, so ColossalAI's positional call reaches it.
+    Its class becomes a subclass of its own class, :class:`~dist_optim.plugins.contract.ColossalContract`
+    and ColossalAI's ``DistributedOptim``; the contract's ``setup_distributed`` comes before
+    ColossalAI's in the MRO, so ColossalAI's positional call reaches it.
     """
     cls = type(optimizer)
     if issubclass(cls, DistributedOptim):
@@ -101,7 +104,9 @@ def as_colossal_optimizer(optimizer: DistOptimizer) -> DistOptimizer:
     sub = _COLOSSAL_CLASSES.get(cls)
     if sub is None:
         sub = type(
-            cls.__name__, (cls, DistributedOptim), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+            cls.__name__,
+            (cls, ColossalContract, DistributedOptim),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
         )
         _COLOSSAL_CLASSES[cls] = sub
     optimizer.__class__ = sub

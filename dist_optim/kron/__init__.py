@@ -107,8 +107,8 @@ holders receive and replicas cannot drift apart. A parameter replicated across t
 owned on the TP x data grid too (its TP replicas hold the same gradient); where no grid could be
 made (or a parameter's TP group is not the optimizer's), the TP replicas compute it redundantly.
 Where no route exists (unbound, a work group of one, holdings that do not tile the tensor, or
-``dist_optim.runtime.OwnerRuntime.route_pieces = False``) every rank gathers the full momentum (:func:`dist_optim.comm.gather_full`,
-one all_gather per ZeRO/TP group) and receives the owner's full direction
+``dist_optim.runtime.OwnerRuntime.route_pieces = False``) every rank gathers the full momentum
+(:func:`dist_optim.comm.gather_full`, one all_gather per ZeRO/TP group) and receives the owner's full direction
 (:func:`dist_optim.owners.share_results`, one all_gather per work group): the same result, bit
 for bit in fp32. :meth:`DistributedKron.full_state` returns every factor in full on every rank.
 

@@ -58,11 +58,11 @@ matrix every rank holds whole, under DDP, is not sent: its owner has it). Each r
 its own elements. A step issues these two collectives per work group (one, the way back, where
 every rank holds every matrix whole) plus the NaN/Inf check's flag all-reduce: 3 with one work
 group of pieces. Where pieces cannot be routed (holdings that do not tile the matrix;
-``OwnerRuntime.route_pieces = False``, :mod:`dist_optim.runtime`) the full ``C`` is gathered, the owners iterate and share ``X`` whole
-(:func:`dist_optim.owners.share_results`). The matrix orthogonalized is the single-device run's,
-so the result is the single-device result (fp32 communication: the same bits up to the
-iteration's own rounding, which is the same computation on the same matrix). AdamW groups are
-element-wise and need no communication.
+``OwnerRuntime.route_pieces = False``, :mod:`dist_optim.runtime`) the full ``C`` is gathered, the
+owners iterate and share ``X`` whole (:func:`dist_optim.owners.share_results`). The matrix
+orthogonalized is the single-device run's, so the result is the single-device result (fp32
+communication: the same bits up to the iteration's own rounding, which is the same computation
+on the same matrix). AdamW groups are element-wise and need no communication.
 
 What is one matrix: the single-device run's parameter. A TP layout that interleaves a fused QKV
 weight (each rank holding its q, k and v rows) assembles a row permutation of it, and Newton-Schulz

@@ -10,6 +10,7 @@ import torch
 
 import dist_optim
 from dist_optim import ParamLayout, TPSplit
+from dist_optim.plugins.contract import setup_distributed
 from dist_optim.testing import grid_groups
 
 
@@ -28,14 +29,14 @@ def setup_traps() -> dict[str, Any]:
     # zero_stage=0: ColossalAI passes dp_group with is_zero=False -> no ZeRO layout.
     w = [_working((4, 6), 0), _working((6,), None)]
     opt = dist_optim.DistributedLamb(w)
-    opt.setup_distributed(tg, dg, {}, {}, False)
+    setup_distributed(opt, tg, dg, {}, {}, False)
     out["zero0"] = [(opt.layout(p).zero is None, opt.layout(p).tp is not None) for p in w]
     out["dp_group_kept"] = opt.dp_group is dg
     # A ZeRO shard missing from shard_to_working_param.
     chunk = torch.zeros(6)
     opt = dist_optim.DistributedLamb([chunk])
     try:
-        opt.setup_distributed(tg, dg, {}, {}, True)
+        setup_distributed(opt, tg, dg, {}, {}, True)
         out["missing"] = "no error"
     except ValueError as e:
         out["missing"] = str(e)
@@ -44,7 +45,7 @@ def setup_traps() -> dict[str, Any]:
     chunk = torch.zeros(3)  # 12 local elements over 2 ranks = 6, not 3
     opt = dist_optim.DistributedLamb([chunk])
     try:
-        opt.setup_distributed(tg, dg, {id(chunk): work}, {id(work): 0}, True)
+        setup_distributed(opt, tg, dg, {id(chunk): work}, {id(work): 0}, True)
         out["size"] = "no error"
     except ValueError as e:
         out["size"] = str(e)
@@ -52,7 +53,7 @@ def setup_traps() -> dict[str, Any]:
     chunk = torch.zeros(6)
     opt = dist_optim.DistributedLamb([chunk])
     try:
-        opt.setup_distributed(tg, dg, {id(chunk): work}, {}, True)
+        setup_distributed(opt, tg, dg, {id(chunk): work}, {}, True)
         out["padding"] = "no error"
     except ValueError as e:
         out["padding"] = str(e)
@@ -61,12 +62,12 @@ def setup_traps() -> dict[str, Any]:
     opt = dist_optim.DistributedLamb([master])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt.setup_distributed(tg, dg, {}, {}, False)
+        setup_distributed(opt, tg, dg, {}, {}, False)
     out["warned"] = any("master" in str(c.message) for c in caught)
     # ...and with master_to_working the layout is recovered.
     work = _working((2, 6), 0)
     opt = dist_optim.DistributedLamb([master])
-    opt.setup_distributed(tg, dg, {}, {}, False, master_to_working={id(master): work})
+    setup_distributed(opt, tg, dg, {}, {}, False, master_to_working={id(master): work})
     out["recovered"] = opt.layout(master).full_shape == (4, 6)
     return out
 

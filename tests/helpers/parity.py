@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dist_optim import comm
 from dist_optim.layout import register_tp_reader
+from dist_optim.plugins.contract import setup_distributed
 from dist_optim.testing import grid_groups
 from tests.helpers.check import describe, excess
 
@@ -216,7 +217,8 @@ def build(
             master = working
         masters.append(master)
     opt = make(cls, kwargs, masters, specs)
-    opt.setup_distributed(
+    setup_distributed(
+        opt,
         tp_group,
         dp_group,
         shard_map,

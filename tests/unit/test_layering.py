@@ -1,11 +1,16 @@
-"""The dependency direction of docs/architecture.md, checked on the sources' import statements:
-``bench/``, ``recipes/``, ``dist_optim/`` and ``plugins/`` never import ``tests`` (what the tests
-share with them is ``dist_optim.testing``), the package never imports ``bench``, and no module of
-the package outside ``dist_optim/testing/`` imports ``dist_optim.testing``."""
+"""The dependency direction of docs/architecture.md, checked on the sources' imports (statements,
+and ``importlib.import_module`` / ``__import__`` of a literal name): ``bench/``, ``recipes/``,
+``dist_optim/`` and ``plugins/`` never import ``tests`` (what the tests share with them is
+``dist_optim.testing``), the package never imports ``bench``, no module of the package outside
+``dist_optim/testing/`` imports ``dist_optim.testing``, and the core (``dist_optim/`` less the
+planner and the test support, which sit beside the plugins) imports neither ColossalAI nor the
+plugins, nor reads ColossalAI's tensor attributes."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,11 +23,21 @@ def _package_of(path: Path) -> list[str]:
     return ["dist_optim", *parts] if parts[:1] == ["plugins"] else parts
 
 
+#: Calls that import a module named by their first argument.
+DYNAMIC_IMPORTS = {"import_module", "__import__"}
+
+
 def _imports(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (function-local and relative imports included)."""
+    """Every module a file imports, at any depth (function-local and relative imports included, and
+    ``importlib.import_module`` / ``__import__`` of a literal name)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in DYNAMIC_IMPORTS and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
+        elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             package = _package_of(path)
@@ -58,6 +73,37 @@ def test_the_core_never_imports_dist_optim_testing() -> None:
     assert _offenders(["dist_optim", "plugins"], ("dist_optim.testing",), skip="dist_optim/testing/") == []
 
 
+#: The core: what an optimizer is built of. The planner and the test support run ColossalAI's code
+#: (the planner simulates its plugins; the pools preload them), like the plugins themselves.
+CORE_SKIPS = ("dist_optim/plan/", "dist_optim/testing/")
+
+
+def _core_offenders(banned: tuple[str, ...]) -> list[str]:
+    return [f for f in _offenders(["dist_optim"], banned) if not f.startswith(CORE_SKIPS)]
+
+
+def test_the_core_knows_no_colossalai() -> None:
+    assert _core_offenders(("colossalai", "dist_optim.plugins")) == []
+    readers = [
+        path.relative_to(ROOT).as_posix()
+        for path in sorted((ROOT / "dist_optim").rglob("*.py"))
+        if "dist_layout" in path.read_text() and not path.relative_to(ROOT).as_posix().startswith(CORE_SKIPS)
+    ]
+    assert readers == []
+
+
+def test_dynamic_imports_are_seen() -> None:
+    """The check above would miss a module loaded by name if _imports did not read such calls."""
+    source = "import importlib\nimportlib.import_module('dist_optim.plugins')\n__import__('colossalai')\n"
+    path = ROOT / "runs" / "layering_probe.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(source)
+    try:
+        assert {"dist_optim.plugins", "colossalai"} <= _imports(path)
+    finally:
+        path.unlink()
+
+
 def test_modules_and_classes_stay_readable() -> None:
     """Readable sizes: no module of the package over 600 lines, no class over 400."""
     too_long = []
@@ -74,7 +120,8 @@ def test_modules_and_classes_stay_readable() -> None:
 
 #: Primitives with one home and the only modules that may use them (call them, or name them as an
 #: attribute, ``torch._foreach_mul_`` say): an optimizer reaches owners, routes and exchanges through
-#: dist_optim.owners alone (one interface, nothing re-written), and scales a list of tensors through
+#: dist_optim.owners alone (one interface, nothing re-written), steps its owner work through
+#: dist_optim.runtime alone, and scales a list of tensors through
 #: dist_optim.multi_tensor.scale_ (torch 2.5.1's CPU ``_foreach_mul_`` by a number rounds it to a
 #: bf16/fp16 list's dtype first).
 ONE_HOME = {
@@ -83,6 +130,13 @@ ONE_HOME = {
     "exchange": {"dist_optim/comm.py", "dist_optim/owners.py"},
     "share_owned": {"dist_optim/comm.py", "dist_optim/owners.py"},
     "work_grids": {"dist_optim/owners.py"},
+    # a step's owner choreography: the owner runtime's alone
+    "to_owners": {"dist_optim/owners.py", "dist_optim/runtime.py"},
+    "from_owners": {"dist_optim/owners.py", "dist_optim/runtime.py"},
+    "pipelined": {"dist_optim/owners.py", "dist_optim/runtime.py"},
+    "route_tasks": {"dist_optim/owners.py", "dist_optim/runtime.py"},
+    "plan_tasks": {"dist_optim/owners.py", "dist_optim/runtime.py"},
+    "scatter_results": {"dist_optim/owners.py", "dist_optim/runtime.py"},
     "work_group": {"dist_optim/owners.py"},
     "_foreach_mul_": {"dist_optim/multi_tensor.py"},
 }
@@ -102,3 +156,19 @@ def test_one_home_primitives_are_used_only_by_their_modules() -> None:
             if name in ONE_HOME and rel not in ONE_HOME[name]:
                 uses.append(f"{rel}:{node.lineno}: {name}")
     assert uses == []
+
+
+def test_an_installed_integration_is_loaded_when_a_split_is_first_read() -> None:
+    """The core names no integration, yet a ColossalAI tensor is never read as replicated because
+    dist_optim.plugins was not imported: read_tp_dim loads the modules setup.py declares under the
+    entry-point group dist_optim.integrations (in a fresh interpreter, nothing imported before)."""
+    probe = (
+        "import sys, torch\n"
+        "from dist_optim.layout import read_tp_dim\n"
+        "assert 'dist_optim.plugins' not in sys.modules\n"
+        "assert read_tp_dim(torch.zeros(2)) is None\n"
+        "print('dist_optim.plugins.colossal' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True", done.stdout
