@@ -65,7 +65,7 @@ from .factored import (
     EPS_ADD,
     EPS_CLAMP,
     FactoredOptimizer,
-    Item,
+    FactoredParam,
     clip_factor,
     ema_,
     fold_second_moment,
@@ -213,19 +213,19 @@ class DistributedAdafactor(FactoredOptimizer):
             self._apply(item)
         return loss
 
-    def _second_moment_decay(self, item: Item) -> tuple[float, float]:
+    def _second_moment_decay(self, item: FactoredParam) -> tuple[float, float]:
         # Both variants' beta2_t is 1 - t^decay_rate; only the transformers variant adds eps1.
         beta = 1.0 - math.pow(float(item.state["step"]), item.group["decay_rate"])
         eps_mode, eps1 = self._eps(item)
         return beta, eps1 if eps_mode == EPS_ADD else 0.0
 
-    def _init_state(self, item: Item) -> None:
+    def _init_state(self, item: FactoredParam) -> None:
         init_second_moment(item.state, item.param, item.fac, self._vector_part(item.param))
         if item.group["beta1"] is not None:
             item.state["exp_avg"] = torch.zeros_like(item.param, dtype=math_dtype(item.param))
 
     @staticmethod
-    def _eps(item: Item) -> tuple[str, float]:
+    def _eps(item: FactoredParam) -> tuple[str, float]:
         """The epsilon placement and eps1 of the item's variant (torch's None: the dtype's eps)."""
         group = item.group
         if group["variant"] == "transformers":
@@ -233,7 +233,7 @@ class DistributedAdafactor(FactoredOptimizer):
         eps1 = group["eps"][0]
         return EPS_CLAMP, torch.finfo(item.param.dtype).eps if eps1 is None else eps1
 
-    def _apply(self, item: Item) -> None:
+    def _apply(self, item: FactoredParam) -> None:
         group, state = item.group, item.state
         t = float(state["step"])
         # Step size: rho_t (a Python float) times the parameter scale (a tensor, from the reduced RMS).

@@ -63,7 +63,7 @@ from .comm import SumBucket
 from .factored import (
     EPS_ADD,
     FactoredOptimizer,
-    Item,
+    FactoredParam,
     approx_inv_sqrt,
     clip_factor,
     ema_,
@@ -146,7 +146,7 @@ class DistributedCAME(FactoredOptimizer):
         check_range("clip_threshold", group["clip_threshold"], 0.0, open_low=True)
         check_range("weight_decay", group["weight_decay"], 0.0)
 
-    def _init_state(self, item: Item) -> None:
+    def _init_state(self, item: FactoredParam) -> None:
         state = item.state
         if not self.eight_bit(item.layout):  # 8 bits: created by _first_moment
             state["exp_avg"] = torch.zeros_like(item.param, dtype=math_dtype(item.param))
@@ -154,7 +154,7 @@ class DistributedCAME(FactoredOptimizer):
         if item.fac is not None:
             init_statistics(state, item.param, item.fac, ("res_row_var", "res_col_var"))
 
-    def _second_moment_decay(self, item: Item) -> tuple[float, float]:
+    def _second_moment_decay(self, item: FactoredParam) -> tuple[float, float]:
         return item.group["betas"][1], item.group["eps"][0]
 
     def eight_bit(self, layout: ParamLayout) -> bool:
@@ -162,7 +162,7 @@ class DistributedCAME(FactoredOptimizer):
         ``min_8bit_size`` of its full tensor)."""
         return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
 
-    def _first_moment(self, item: Item, dtype: torch.dtype, batch: bnb.Batch8bit) -> torch.Tensor:
+    def _first_moment(self, item: FactoredParam, dtype: torch.dtype, batch: bnb.Batch8bit) -> torch.Tensor:
         """``exp_avg`` to update in place: the state's 32-bit tensor, or an 8-bit one's values in
         ``dtype`` (read from ``batch``, stored quantised by its ``store``). A state saved with the
         other ``optim_bits`` is carried over (quantised, or dequantised into the state)."""

@@ -55,7 +55,7 @@ from .layout import ParamLayout
 
 __all__ = [
     "FactoredLayout",
-    "Item",
+    "FactoredParam",
     "STAT_KEYS",
     "VectorPart",
     "EPS_ADD",
@@ -87,7 +87,7 @@ STAT_KEYS = ("row_var", "col_var", "res_row_var", "res_col_var")
 
 # ---- shared step pieces -------------------------------------------------------------------------
 @dataclass
-class Item:
+class FactoredParam:
     """One parameter's data during a step (local tensors; fp32 math).
 
     A factored parameter keeps no param-sized tensor between the phases of a step: its
@@ -147,7 +147,12 @@ def init_second_moment(
 
 
 def queue_factored_sums(
-    bucket: SumBucket, item: Item, values: torch.Tensor, keys: tuple[str, str], beta: float, eps_add: float = 0.0
+    bucket: SumBucket,
+    item: FactoredParam,
+    values: torch.Tensor,
+    keys: tuple[str, str],
+    beta: float,
+    eps_add: float = 0.0,
 ) -> None:
     """Queue this step's row/column means of ``values`` (local form; may be the workspace, which
     is free again on return) in ``bucket``, to be folded into the statistics ``keys`` (row, col)
@@ -174,7 +179,7 @@ def queue_factored_sums(
     item.fold = (keys, beta, eps_add)
 
 
-def queue_vector_moment(bucket: SumBucket, item: Item, part: VectorPart, beta: float, eps_add: float) -> None:
+def queue_vector_moment(bucket: SumBucket, item: FactoredParam, part: VectorPart, beta: float, eps_add: float) -> None:
     """A TP-replicated vector's second moment (module docstring): fold this rank's part with
     decay ``beta`` (``g^2 + eps_add``, as :func:`fold_second_moment` folds a whole vector) and
     queue it, in zeros of the local size, to be summed over the replicas; after the flush,
@@ -191,7 +196,7 @@ def queue_vector_moment(bucket: SumBucket, item: Item, part: VectorPart, beta: f
     item.full["variance"] = whole.view(item.grad.shape)
 
 
-def fold_sums(item: Item) -> None:
+def fold_sums(item: FactoredParam) -> None:
     """After the flush of the bucket :func:`queue_factored_sums` used: the statistics it named
     hold their EMA with this step's means, and ``item.full`` their full form for the step (a
     shared parameter keeps its partition of the reduced statistic; a whole one folds it in)."""
@@ -256,7 +261,7 @@ def approx_inv_sqrt(
     return fac.from_work(v)
 
 
-def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> None:
+def fold_second_moment(item: FactoredParam, beta: float, eps_mode: str, eps1: float) -> None:
     """Fold this step's statistics into the second moment: a factored parameter's (reduced)
     row/column means, queued with their decay (:func:`queue_factored_sums`); a vector's squared
     gradient with decay ``beta``, also computing its preconditioned gradient (``item.update``)."""
@@ -282,7 +287,7 @@ def fold_second_moment(item: Item, beta: float, eps_mode: str, eps1: float) -> N
 
 
 def preconditioned(
-    item: Item, eps_mode: str, eps1: float, out: torch.Tensor, scale: torch.Tensor | None = None
+    item: FactoredParam, eps_mode: str, eps1: float, out: torch.Tensor, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``G V^-1/2`` (times ``scale``) in local form, after :func:`fold_second_moment`: for a
     factored parameter computed afresh into ``out`` (the workspace); for a vector, the update kept
@@ -363,11 +368,11 @@ class FactoredOptimizer(DistOptimizer):
         as saved, not cast to the parameter's dtype as torch's loader would."""
         return True
 
-    def _init_state(self, item: Item) -> None:
+    def _init_state(self, item: FactoredParam) -> None:
         """The state a parameter starts with besides ``step`` (called at its first step)."""
         raise NotImplementedError
 
-    def _second_moment_decay(self, item: Item) -> tuple[float, float]:
+    def _second_moment_decay(self, item: FactoredParam) -> tuple[float, float]:
         """``(beta, eps_add)`` of this step's second moment of ``item`` (after its step is counted)."""
         raise NotImplementedError
 
@@ -433,11 +438,11 @@ class FactoredOptimizer(DistOptimizer):
             state[key] = fac.localize(key, value)
         return state
 
-    def _items(self, stats: SumBucket) -> list[Item]:
-        """The first phase of a step: every parameter with a gradient as an :class:`Item` (fp32
+    def _items(self, stats: SumBucket) -> list[FactoredParam]:
+        """The first phase of a step: every parameter with a gradient as an :class:`FactoredParam` (fp32
         gradient, negated for ``maximize``), its state started and its step counted, and the
         row/column sums of ``G^2`` of the factored ones queued in ``stats``."""
-        items: list[Item] = []
+        items: list[FactoredParam] = []
         for group in self.param_groups:
             params, grads = self._grads(group)
             for p, grad in zip(params, grads):
@@ -445,7 +450,7 @@ class FactoredOptimizer(DistOptimizer):
                 if group.get("maximize", False):
                     g = -g
                 fac = self._fac(p)
-                item = Item(p, group, self.state[p], self.layout(p), fac, g)
+                item = FactoredParam(p, group, self.state[p], self.layout(p), fac, g)
                 if not item.state:
                     item.state["step"] = torch.zeros((), dtype=torch.float32)
                     self._init_state(item)

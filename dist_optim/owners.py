@@ -8,7 +8,7 @@ work goes through the same five steps, all here:
 1. **Work groups** (:class:`WorkGroups`, made when the optimizer is bound): a parameter's
    data-parallel (ZeRO) group, or under tensor parallelism the TP x DP grid that group spans with
    the TP group (:func:`work_grids`), so that TP peers split the work instead of repeating it;
-   with no data-parallel group its TP group; :data:`ALONE` (one rank, no collective) when unbound.
+   with no data-parallel group its TP group; :data:`ONE_RANK` (one rank, no collective) when unbound.
 2. **Owners by cost** (:func:`plan_tasks`, :func:`assign`): the items of each work group balanced
    over its ranks (:func:`dist_optim.placement.assign_owners`, longest-processing-time greedy).
    Pure: every rank computes the same owners from full shapes.
@@ -40,7 +40,7 @@ rank issues the same collectives in the same order. Pure planning here, every co
 :mod:`dist_optim.comm` and ``torch.distributed`` (``comm.group_size(None)`` is the world size). The
 only ``None`` that means "no group" is an optimizer's ``dp_group`` / ``tp_group`` attribute when it
 was bound without one (:meth:`~dist_optim.base.DistOptimizer.bind`): :func:`work_grids` and
-:func:`work_group` read those, and turn "none" into :data:`ALONE`, so that no size or rank is ever
+:func:`work_group` read those, and turn "none" into :data:`ONE_RANK`, so that no size or rank is ever
 computed from a ``None`` that means "none".
 """
 
@@ -74,12 +74,12 @@ B = TypeVar("B")
 S = TypeVar("S")
 
 __all__ = [
-    "Holding",
-    "holding",
+    "HeldPiece",
+    "held_piece",
     "member_layout",
     "work_grids",
     "WorkGroup",
-    "ALONE",
+    "ONE_RANK",
     "data_group",
     "work_group",
     "WorkGroups",
@@ -88,8 +88,8 @@ __all__ = [
     "Task",
     "plan_tasks",
     "route_tasks",
-    "Moved",
-    "Sending",
+    "RoutedTensors",
+    "InFlight",
     "to_owners",
     "pipelined",
     "from_owners",
@@ -99,11 +99,11 @@ __all__ = [
 
 #: What a rank tells the others of its work group about its piece of a tensor: the full shape, its
 #: TP rank and its ZeRO rank (None where not split that way).
-Holding = tuple[tuple[int, ...], "int | None", "int | None"]
+HeldPiece = tuple[tuple[int, ...], "int | None", "int | None"]
 
 
-def holding(layout: ParamLayout) -> Holding:
-    """This rank's :data:`Holding` of a tensor of ``layout``."""
+def held_piece(layout: ParamLayout) -> HeldPiece:
+    """This rank's :data:`HeldPiece` of a tensor of ``layout``."""
     return (
         layout.full_shape,
         None if layout.tp is None else layout.tp.rank,
@@ -111,8 +111,8 @@ def holding(layout: ParamLayout) -> Holding:
     )
 
 
-def member_layout(layout: ParamLayout, theirs: Holding) -> ParamLayout | None:
-    """``layout`` as another rank of the work group holds it (its :func:`holding`); None where
+def member_layout(layout: ParamLayout, theirs: HeldPiece) -> ParamLayout | None:
+    """``layout`` as another rank of the work group holds it (its :func:`held_piece`); None where
     that rank's layout differs from this one's in more than its TP and ZeRO ranks."""
     full_shape, tp_rank, zero_rank = theirs
     if full_shape != layout.full_shape or (tp_rank is None) != (layout.tp is None):
@@ -152,13 +152,13 @@ class WorkGroup:
     @classmethod
     def of(cls, group: Any) -> WorkGroup:
         """The work group of the ranks of ``group`` (a process group; None: the whole job);
-        :data:`ALONE` when it has one rank."""
+        :data:`ONE_RANK` when it has one rank."""
         size = group_size(group)
-        return cls(group, size, group_rank(group)) if size > 1 else ALONE
+        return cls(group, size, group_rank(group)) if size > 1 else ONE_RANK
 
 
 #: This rank alone: the work is not split (unbound, or no other rank holds the tensor).
-ALONE = WorkGroup(group=None, size=1, rank=0)
+ONE_RANK = WorkGroup(group=None, size=1, rank=0)
 
 
 def data_group(layout: ParamLayout, dp_group: Any) -> Any:
@@ -172,7 +172,7 @@ def work_group(layout: ParamLayout, dp_group: Any, tp_group: Any, grids: Mapping
     :func:`data_group` (``grids``: from :func:`work_grids`) when it has one, else that data-parallel
     group alone (its TP peers then compute the same results), else, with no data-parallel group, its
     TP group (``layout``'s, or the optimizer's ``tp_group`` for a tensor replicated over TP);
-    :data:`ALONE` without either.
+    :data:`ONE_RANK` without either.
 
     ``dp_group`` / ``tp_group`` are the optimizer's (None: bound without one). A grid is used for
     a TP-split tensor only when its TP group is the optimizer's (the one the grids were made with).
@@ -183,7 +183,7 @@ def work_group(layout: ParamLayout, dp_group: Any, tp_group: Any, grids: Mapping
         same_tp = layout.tp is None or (tp_group is not None and group_key(own_tp) == group_key(tp_group))
         grid = grids.get(group_key(base)) if same_tp else None
         return WorkGroup.of(grid if grid is not None else base)
-    return WorkGroup.of(own_tp) if own_tp is not None else ALONE
+    return WorkGroup.of(own_tp) if own_tp is not None else ONE_RANK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +204,8 @@ class Owner:
         return self.work.size > 1
 
 
-def _bucket(work: WorkGroup) -> tuple[int, int]:
-    # By process group (WorkGroup.of makes a new object per call) and size (ALONE's None is no group).
+def _work_key(work: WorkGroup) -> tuple[int, int]:
+    # By process group (WorkGroup.of makes a new object per call) and size (ONE_RANK's None is no group).
     return id(work.group), work.size
 
 
@@ -217,7 +217,7 @@ def assign(items: Sequence[tuple[WorkGroup, float]]) -> list[Owner]:
     same order with the same costs (from full shapes, never from local ones)."""
     by_group: dict[tuple[int, int], list[int]] = {}
     for i, (work, _) in enumerate(items):
-        by_group.setdefault(_bucket(work), []).append(i)
+        by_group.setdefault(_work_key(work), []).append(i)
     owners: list[Owner | None] = [None] * len(items)
     for idx in by_group.values():
         work = items[idx[0]][0]
@@ -227,7 +227,7 @@ def assign(items: Sequence[tuple[WorkGroup, float]]) -> list[Owner]:
 
 
 class WorkGroups:
-    """The work groups of one optimizer's parameters: :data:`ALONE` until :meth:`bind`, then
+    """The work groups of one optimizer's parameters: :data:`ONE_RANK` until :meth:`bind`, then
     :func:`work_group` with the TP x DP grids made at binding."""
 
     def __init__(self) -> None:
@@ -247,7 +247,7 @@ class WorkGroups:
     def of(self, layout: ParamLayout) -> WorkGroup:
         """The :class:`WorkGroup` of a tensor of ``layout``."""
         if not self._bound:
-            return ALONE
+            return ONE_RANK
         return work_group(layout, self._dp_group, self._tp_group, self._grids)
 
 
@@ -299,7 +299,7 @@ def _by_work_group(tasks: Sequence[Any], work_of: Any = None) -> list[tuple[Work
     for t in tasks:
         work = t.work if work_of is None else work_of(t)
         if work.size > 1:
-            found.setdefault(_bucket(work), (work, []))[1].append(t)
+            found.setdefault(_work_key(work), (work, []))[1].append(t)
     by_id = {id(e[0].group): e for e in found.values()}
     return [by_id[id(g)] for g in ordered_groups(e[0].group for e in found.values())]
 
@@ -340,7 +340,7 @@ def _routes(
     Collective over ``group`` (one ``all_gather_object``): every rank of it calls this with the
     same tensors in the same order. If the ranks do not list the same number of tensors, every
     rank sees it and all of them get None everywhere."""
-    every = all_gather_objects([holding(layout) for layout in layouts], group=group)
+    every = all_gather_objects([held_piece(layout) for layout in layouts], group=group)
     if any(len(theirs) != len(layouts) for theirs in every):
         return [None] * len(layouts)
     me = group_rank(group)
@@ -350,7 +350,7 @@ def _routes(
     # decoder layers repeat the same ones), so each (kind, holding) is worked out once, not once
     # per tensor and member (at 1024 ranks that was most of the time of planning).
     kinds: dict[tuple[ParamLayout, tuple[int, ...]], int] = {}
-    boxes: dict[tuple[int, Holding], list[tuple[Box, int]] | None] = {}
+    boxes: dict[tuple[int, HeldPiece], list[tuple[Box, int]] | None] = {}
     for i, layout in enumerate(layouts):
         view = tuple(views[i])
         kind = kinds.setdefault((layout, view), len(kinds))
@@ -366,7 +366,7 @@ def _routes(
 
 
 @dataclasses.dataclass(eq=False)
-class Moved:
+class RoutedTensors:
     """A routed task's tensors in one exchange: this rank's local ``inputs`` (each of the task's
     layout, any shape); after :func:`to_owners`, ``boxes[i]`` holds the inputs of each box ``i`` this
     rank owns, whole; the owner puts box i's result in ``results[i]``; after :func:`from_owners`,
@@ -391,8 +391,8 @@ class Moved:
 
 
 @dataclasses.dataclass
-class Sending:
-    """:func:`to_owners` in flight: :meth:`wait` before reading :attr:`Moved.boxes`."""
+class InFlight:
+    """:func:`to_owners` in flight: :meth:`wait` before reading :attr:`RoutedTensors.boxes`."""
 
     pending: list[Pending]
 
@@ -403,21 +403,21 @@ class Sending:
 
 
 def to_owners(
-    moved: Sequence[Moved], dtype: torch.dtype | None, wait: bool = True, bucket_bytes: int | None = None
-) -> Sending:
+    moved: Sequence[RoutedTensors], dtype: torch.dtype | None, wait: bool = True, bucket_bytes: int | None = None
+) -> InFlight:
     """Every rank's pieces of the inputs of ``moved`` to the owners of their boxes, who get them
-    whole in :attr:`Moved.boxes`: one ``all_to_all`` per work group for all its tasks, in ``dtype``
+    whole in :attr:`RoutedTensors.boxes`: one ``all_to_all`` per work group for all its tasks, in ``dtype``
     (None: the widest dtype of the group's inputs that travel). Collective over every work group
     among them; every rank of one lists the same tasks in the same order.
 
     With ``wait=False`` the all_to_alls are issued asynchronously (the inputs may change at once:
-    they were copied) and the boxes are filled by the returned :class:`Sending`'s ``wait()``: the
+    they were copied) and the boxes are filled by the returned :class:`InFlight`'s ``wait()``: the
     next bucket's pieces travel while this one's owners compute (:func:`pipelined`).
 
     ``bucket_bytes``: the step-memory budget. A work group's tensors larger than it in full move in
     :func:`dist_optim.budget.exchange_rounds` rounds, at once (not overlapped: a bucket that size
     is not double-buffered)."""
-    sending_all = Sending([])
+    sending_all = InFlight([])
     for work, members in _by_work_group(moved):
         sending: list[tuple[Route, torch.Tensor, dict[int, torch.Tensor]]] = []
         for m in members:
@@ -469,9 +469,9 @@ def pipelined(buckets: Iterable[B], start: Callable[[B], S], finish: Callable[[S
         finish(state)
 
 
-def from_owners(moved: Sequence[Moved], dtype: torch.dtype | None, bucket_bytes: int | None = None) -> None:
-    """The way back of :func:`to_owners`: each owner's :attr:`Moved.results` to every rank that holds
-    a piece of them, into a new :attr:`Moved.out`; one ``all_to_all`` per work group in ``dtype``
+def from_owners(moved: Sequence[RoutedTensors], dtype: torch.dtype | None, bucket_bytes: int | None = None) -> None:
+    """The way back of :func:`to_owners`: each owner's :attr:`RoutedTensors.results` to every rank that holds
+    a piece of them, into a new :attr:`RoutedTensors.out`; one ``all_to_all`` per work group in ``dtype``
     (None: the widest of the group's ``out_dtype``), or :func:`dist_optim.budget.exchange_rounds`
     of them where the work group's tensors exceed ``bucket_bytes`` in full. A rank's pieces to
     itself go through ``dtype`` too, so every holder applies the same values. The owners' boxes

@@ -8,7 +8,7 @@ alone. An optimizer declares that work once per step and parameter as an :class:
 does the rest, the same way for all of them:
 
 * **how each tensor reaches its owners**: a work group of one rank (unbound, or nobody else holds
-  the tensor) computes on its own whole inputs (*alone*); pieces travel straight to the owners of
+  the tensor) computes on its own whole inputs (*here*); pieces travel straight to the owners of
   their boxes and the results' pieces back (*routed*: :func:`dist_optim.owners.to_owners` /
   :func:`~dist_optim.owners.from_owners`); where no route exists, the full inputs are gathered
   and the owners' results shared whole (*gathered*: :func:`dist_optim.comm.gather_full`,
@@ -17,7 +17,7 @@ does the rest, the same way for all of them:
   (:func:`dist_optim.budget.buckets`), the next bucket's pieces in flight while this one computes
   (:func:`dist_optim.owners.pipelined`);
 * **hand-back**: each holder gets its result (:meth:`OwnedWork.local`): its flat piece (routed) or
-  the whole result (alone, gathered), for the optimizer to apply; or, with ``partitions=True``,
+  the whole result (here, gathered), for the optimizer to apply; or, with ``partitions=True``,
   each rank of the work group its partition of the owner's outputs (GaLore's projectors, kept
   1/n per rank: :func:`dist_optim.owners.scatter_results`).
 
@@ -30,6 +30,7 @@ and :mod:`dist_optim.comm`, in the same order on every rank.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -40,9 +41,9 @@ from .comm import gather_full
 from .dtypes import widest_dtype
 from .layout import Box, ParamLayout
 from .owners import (
-    Moved,
+    InFlight,
     Owner,
-    Sending,
+    RoutedTensors,
     Task,
     WorkGroup,
     WorkGroups,
@@ -55,15 +56,18 @@ from .owners import (
     to_owners,
 )
 
-__all__ = ["OwnedWork", "OwnerRuntime", "ALONE", "ROUTED", "GATHERED"]
+__all__ = ["OwnedWork", "OwnerRuntime", "Transport"]
 
 E = TypeVar("E")  # the optimizer's record of a work
 T = TypeVar("T")  # what it lists per parameter before a bucket is prepared
 
-#: How an :class:`OwnedWork`'s inputs reach its owners (:attr:`OwnedWork.path`; module docstring).
-ALONE = "alone"
-ROUTED = "routed"
-GATHERED = "gathered"
+
+class Transport(enum.Enum):
+    """How an :class:`OwnedWork`'s inputs reach its owners and its results come back (module docstring)."""
+
+    HERE = "here"  # a work group of one rank: computed here on the whole local inputs
+    ROUTED = "routed"  # pieces to the owners of their boxes, the results' pieces back
+    GATHERED = "gathered"  # the inputs gathered whole, the owners' results shared whole
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,7 +78,7 @@ class OwnedWork(Generic[E]):
     ``task`` (from :meth:`OwnerRuntime.plan`), ``inputs`` (local tensors of the task's layout, any
     shape) and ``out_dtype`` (the result's dtype).
 
-    Filled by the runtime: :attr:`path`; before ``compute``, :attr:`owned` (box index -> the box's
+    Filled by the runtime: :attr:`transport`; before ``compute``, :attr:`owned` (box index -> the box's
     whole inputs, for the boxes this rank computes); ``compute`` puts box ``i``'s result in
     ``results[i]`` (in the box's shape), or, for work this rank does alone, may set
     :attr:`whole` to the whole result at once, or leave both empty where it applied the result
@@ -88,11 +92,11 @@ class OwnedWork(Generic[E]):
     task: Task
     inputs: Sequence[torch.Tensor]
     out_dtype: torch.dtype
-    path: str = ALONE
+    transport: Transport = Transport.HERE
     owned: dict[int, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
     results: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     whole: torch.Tensor | None = None
-    moved: Moved | None = None
+    moved: RoutedTensors | None = None
     boxes: list[torch.Tensor] = dataclasses.field(default_factory=list)
     piece: torch.Tensor | None = None
     outputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -106,9 +110,9 @@ class OwnedWork(Generic[E]):
     def copies(self) -> bool:
         """Whether the owned inputs are the runtime's copies (assembled pieces, gathered tensors)
         that ``compute`` may overwrite, not views of the optimizer's own tensors."""
-        if self.path == ROUTED:
+        if self.transport == Transport.ROUTED:
             return self.moved is not None and self.moved.sent
-        return self.path == GATHERED and not self.layout.is_local
+        return self.transport == Transport.GATHERED and not self.layout.is_local
 
     @property
     def delivered(self) -> bool:
@@ -146,7 +150,7 @@ class OwnedWork(Generic[E]):
 @dataclasses.dataclass(eq=False)
 class _Bucket(Generic[E]):
     works: list[OwnedWork[E]]
-    sending: Sending
+    sending: InFlight
 
 
 class OwnerRuntime:
@@ -250,16 +254,16 @@ class OwnerRuntime:
         """Sort the works by how they reach their owners; gather the full inputs of the gathered ones
         (blocking), send the routed ones' pieces (in flight)."""
         gathered: list[OwnedWork[E]] = []
-        moved: list[Moved] = []
+        moved: list[RoutedTensors] = []
         for w in works:
             if w.task.work.size == 1:
-                w.path = ALONE
+                w.transport = Transport.HERE
             elif w.task.route is not None:
-                w.path = ROUTED
-                w.moved = Moved(w.task, w.inputs, w.out_dtype)
+                w.transport = Transport.ROUTED
+                w.moved = RoutedTensors(w.task, w.inputs, w.out_dtype)
                 moved.append(w.moved)
             else:
-                w.path = GATHERED
+                w.transport = Transport.GATHERED
                 if not w.layout.is_local:
                     gathered.append(w)
         if gathered:
@@ -267,7 +271,7 @@ class OwnerRuntime:
             fulls = iter(gather_full(tensors, dtype=comm_dtype or widest_dtype(t for _, t in tensors)))
             for w in gathered:
                 w.inputs = [next(fulls) for _ in w.inputs]
-        sending = Sending([])
+        sending = InFlight([])
         if moved:
             sending = to_owners(moved, comm_dtype, False, budget)
         return _Bucket(works, sending)
@@ -283,16 +287,16 @@ class OwnerRuntime:
         partitions: bool,
     ) -> None:
         works = bucket.works
-        routed = [w for w in works if w.path == ROUTED]
+        routed = [w for w in works if w.transport == Transport.ROUTED]
         for w in works:
-            if w.path != ROUTED:
+            if w.transport != Transport.ROUTED:
                 w.owned = _whole_boxes(w)
         if in_order:
             bucket.sending.wait()
             _arrived(routed)
             compute(works)
         else:
-            compute([w for w in works if w.path != ROUTED])
+            compute([w for w in works if w.transport != Transport.ROUTED])
             bucket.sending.wait()
             _arrived(routed)
             compute(routed)
@@ -311,7 +315,7 @@ def _scatter_outputs(works: Sequence[OwnedWork[Any]], comm_dtype: torch.dtype | 
         w.owned, w.inputs = {}, []
         if w.moved is not None:
             w.moved.boxes, w.moved = {}, None
-    scatter_results([(w.task.owner(0), w.outputs, w.parts) for w in works if w.path != ALONE], comm_dtype)
+    scatter_results([(w.task.owner(0), w.outputs, w.parts) for w in works if w.transport != Transport.HERE], comm_dtype)
 
 
 def _share_boxes(works: Sequence[OwnedWork[Any]], comm_dtype: torch.dtype | None) -> None:
@@ -320,7 +324,7 @@ def _share_boxes(works: Sequence[OwnedWork[Any]], comm_dtype: torch.dtype | None
     shares: list[tuple[Owner, list[torch.Tensor]]] = []
     for w in works:
         w.owned = {}
-        if w.path == GATHERED:
+        if w.transport == Transport.GATHERED:
             w.boxes = []
             for i in range(len(w.task.boxes)):
                 box = w.results.get(i)
@@ -329,7 +333,7 @@ def _share_boxes(works: Sequence[OwnedWork[Any]], comm_dtype: torch.dtype | None
                 w.boxes.append(box)
                 shares.append((w.task.owner(i), [box]))
             w.results = {}
-        elif w.path == ALONE and w.whole is None and w.results:
+        elif w.transport == Transport.HERE and w.whole is None and w.results:
             w.boxes, w.results = [w.results[i] for i in range(len(w.task.boxes))], {}
     share_results(shares, comm_dtype)
 
@@ -350,7 +354,7 @@ def _pieces_back(routed: Sequence[OwnedWork[Any]], comm_dtype: torch.dtype | Non
 
 def _whole_boxes(w: OwnedWork[Any]) -> dict[int, list[torch.Tensor]]:
     """The owned boxes' inputs of work held whole here (alone, or gathered): views of the inputs."""
-    mine = range(len(w.task.boxes)) if w.path == ALONE else w.task.owned
+    mine = range(len(w.task.boxes)) if w.transport == Transport.HERE else w.task.owned
     views = [t.reshape(w.task.view) for t in w.inputs]
     return {i: [v[w.box_slices(i)] for v in views] for i in mine}
 

@@ -144,7 +144,7 @@ what):
 """
 
 from . import conversions as conversions  # registers the conversions and the planner entry
-from .geometry import Piece, low_rank_shape, matrix_pieces, projection_side
+from .geometry import Rectangle, low_rank_shape, matrix_pieces, projection_side
 from .groups import DEFAULT_TARGETS, galore_param_groups
 from .optimizer import DistributedGaLore
 from .options import ADAM_STYLES, GROUP_DEFAULTS, PROJ_TYPES
@@ -153,7 +153,7 @@ __all__ = [
     "DistributedGaLore",
     "galore_param_groups",
     "matrix_pieces",
-    "Piece",
+    "Rectangle",
     "projection_side",
     "low_rank_shape",
     "PROJ_TYPES",

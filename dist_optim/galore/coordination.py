@@ -36,11 +36,11 @@ from .. import comm
 from ..layout import ParamLayout
 from ..owners import Task
 from ..partition import all_gather_parts, live_groups, partition_span, reduce_scatter_parts, start_all_gather_parts
-from ..runtime import ALONE, GATHERED, ROUTED, OwnedWork, OwnerRuntime
+from ..runtime import OwnedWork, OwnerRuntime, Transport
 from .adamw import plain_moments_8bit
 from .geometry import low_rank_shape, projector_shapes
 from .projection import new_projectors, project, svd_cost
-from .state import Item, low_rank_numel, stored_projectors
+from .state import GaLoreMatrix, low_rank_numel, stored_projectors
 
 __all__ = [
     "plan_refresh",
@@ -71,13 +71,13 @@ class _Refresh:
     """A refreshing matrix in the owner runtime: its step item, and its previous projectors'
     partitions (kept where the owner's SVD fails)."""
 
-    item: Item
+    item: GaLoreMatrix
     old: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def refresh(
     owners: OwnerRuntime,
-    items: list[Item],
+    items: list[GaLoreMatrix],
     projector_dtype: Callable[[torch.dtype], torch.dtype],
     stats: collections.Counter[str],
     bucket_bytes: int | None,
@@ -93,7 +93,7 @@ def refresh(
     projectors an owner sends out) and the refresh step."""
     stats["refresh_steps"] += 1
 
-    def prepare(bucket: Sequence[Item]) -> list[OwnedWork[_Refresh]]:
+    def prepare(bucket: Sequence[GaLoreMatrix]) -> list[OwnedWork[_Refresh]]:
         return [OwnedWork(_Refresh(it), owners.tasks[it.param], [it.grad], it.grad.dtype) for it in bucket]
 
     def compute(works: list[OwnedWork[_Refresh]]) -> None:
@@ -104,11 +104,11 @@ def refresh(
         for w in works:
             it = w.entry.item
             moved = it.layout.full_numel * it.grad.element_size()
-            if w.path == ROUTED and not it.layout.is_local:
+            if w.transport == Transport.ROUTED and not it.layout.is_local:
                 stats["route_bytes"] += it.grad.numel() * it.grad.element_size()
-            elif w.path == GATHERED and not it.layout.is_local:
+            elif w.transport == Transport.GATHERED and not it.layout.is_local:
                 stats["gather_bytes"] += moved
-            if w.path != ALONE:
+            if w.transport != Transport.HERE:
                 stats["scatter_bytes"] += sum(t.numel() * t.element_size() for t in w.outputs)
                 _keep_partitions(it, w.parts[:-1], w.parts[-1], w.entry.old)
             w.outputs = []
@@ -126,7 +126,7 @@ def _svd(w: OwnedWork[_Refresh], projector_dtype: Callable[[torch.dtype], torch.
     owned = w.owned.get(0)
     grad = None if owned is None else owned[0].reshape(it.layout.full_shape)
     rank, shape, device = int(it.group["rank"]), it.layout.full_shape, it.grad.device
-    if w.path == ALONE:
+    if w.transport == Transport.HERE:
         new_projectors(it.state, it.side, shape, rank, dtype, device, grad, False)
         return
     w.entry.old = {k: it.state.pop(k) for k in _projector_shapes(it) if k in it.state}
@@ -139,7 +139,7 @@ def _svd(w: OwnedWork[_Refresh], projector_dtype: Callable[[torch.dtype], torch.
     w.parts.append(torch.empty(1, dtype=dtype, device=device))
 
 
-def _projector_shapes(it: Item) -> dict[str, tuple[int, int]]:
+def _projector_shapes(it: GaLoreMatrix) -> dict[str, tuple[int, int]]:
     return projector_shapes(it.layout.full_shape, it.side, int(it.group["rank"]))
 
 
@@ -148,7 +148,7 @@ def _empty_part(numel: int, groups: tuple[Any, ...], dtype: torch.dtype, device:
     return torch.empty(hi - lo, dtype=dtype, device=device)
 
 
-def _keep_partitions(it: Item, parts: Sequence[torch.Tensor], ok: torch.Tensor, old: dict[str, Any]) -> None:
+def _keep_partitions(it: GaLoreMatrix, parts: Sequence[torch.Tensor], ok: torch.Tensor, old: dict[str, Any]) -> None:
     """This rank's partitions of the new projectors over its work group (``parts``) go into the
     state (the owner's whole ones are dropped); where the owner's SVD failed (``ok`` 0), the
     previous partitions stay, as an unshared projector keeps its previous value."""
@@ -164,9 +164,11 @@ class ProjectorGathering:
     """:func:`start_gather_projectors` in flight: :meth:`wait` sets the items' whole projectors (and
     :attr:`flag_sum`, where it carried a NaN/Inf flag)."""
 
-    def __init__(self, items: Sequence[Item], stats: collections.Counter[str], flag: torch.Tensor | None) -> None:
+    def __init__(
+        self, items: Sequence[GaLoreMatrix], stats: collections.Counter[str], flag: torch.Tensor | None
+    ) -> None:
         requests: list[tuple[torch.Tensor, tuple[Any, ...], int, int]] = []
-        self._where: list[tuple[Item, str, tuple[int, int]]] = []
+        self._where: list[tuple[GaLoreMatrix, str, tuple[int, int]]] = []
         for it in items:
             if not live_groups(it.proj_groups):
                 it.proj = stored_projectors(it.state, it.grad.dtype)
@@ -204,7 +206,7 @@ class ProjectorGathering:
 
 
 def start_gather_projectors(
-    items: Sequence[Item], stats: collections.Counter[str], flag: torch.Tensor | None = None
+    items: Sequence[GaLoreMatrix], stats: collections.Counter[str], flag: torch.Tensor | None = None
 ) -> ProjectorGathering:
     """Every item's whole projectors (``item.proj``, in the gradient's dtype, set by the returned
     object's ``wait()``) from the partitions the ranks of its work group keep: one all-gather per
@@ -216,16 +218,18 @@ def start_gather_projectors(
     return ProjectorGathering(items, stats, flag)
 
 
-def gather_projectors(items: Sequence[Item], stats: collections.Counter[str]) -> None:
+def gather_projectors(items: Sequence[GaLoreMatrix], stats: collections.Counter[str]) -> None:
     """:func:`start_gather_projectors`, waited for."""
     start_gather_projectors(items, stats, None).wait()
 
 
-def _align(it: Item, eight_bit: Callable[[Item], bool]) -> int:
+def _align(it: GaLoreMatrix, eight_bit: Callable[[GaLoreMatrix], bool]) -> int:
     return bnb.BLOCKSIZE if eight_bit(it) else 1
 
 
-def project_all(items: Sequence[Item], stats: collections.Counter[str], eight_bit: Callable[[Item], bool]) -> None:
+def project_all(
+    items: Sequence[GaLoreMatrix], stats: collections.Counter[str], eight_bit: Callable[[GaLoreMatrix], bool]
+) -> None:
     """Every item's low-rank gradient: this rank's partial sum (its pieces times the whole
     projectors, ``item.proj``), summed over the ranks that hold pieces of the matrix, each rank
     receiving its partition of the sum (``item.low``, :func:`dist_optim.partition.reduce_scatter_parts`:
@@ -244,7 +248,7 @@ def project_all(items: Sequence[Item], stats: collections.Counter[str], eight_bi
 
 
 def gather_steps(
-    items: Sequence[Item], parts: Sequence[torch.Tensor], eight_bit: Callable[[Item], bool]
+    items: Sequence[GaLoreMatrix], parts: Sequence[torch.Tensor], eight_bit: Callable[[GaLoreMatrix], bool]
 ) -> list[torch.Tensor]:
     """The whole normalised low-rank steps of ``items`` (of their low-rank shapes) from every
     rank's partition (``parts``, as :func:`project_all` gave the gradients): the inverse collectives

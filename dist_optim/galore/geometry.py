@@ -14,11 +14,11 @@ import torch
 from ..layout import ParamLayout
 from .options import PROJ_TYPES
 
-__all__ = ["Piece", "matrix_pieces", "piece_view", "projection_side", "low_rank_shape", "projector_shapes"]
+__all__ = ["Rectangle", "matrix_pieces", "piece_view", "projection_side", "low_rank_shape", "projector_shapes"]
 
 
 @dataclass(frozen=True)
-class Piece:
+class Rectangle:
     """A dense rectangle of the full matrix held by this rank.
 
     ``local[offset : offset + rows * cols].view(rows, cols)`` of the flat local tensor (or the
@@ -34,11 +34,11 @@ class Piece:
 
 #: matrix_pieces by layout, each kept under its layout's group-free geometry (an lru_cache would
 #: keep the first layout it was asked about, and its groups, alive).
-_PIECES: dict[ParamLayout, tuple[Piece, ...]] = {}
+_PIECES: dict[ParamLayout, tuple[Rectangle, ...]] = {}
 _MAX_PIECES = 4096
 
 
-def matrix_pieces(layout: ParamLayout) -> tuple[Piece, ...]:
+def matrix_pieces(layout: ParamLayout) -> tuple[Rectangle, ...]:
     """The rectangles of the full 2-D matrix that this rank's tensor holds.
 
     A TP slice (or a whole matrix) is one rectangle. A flat ZeRO chunk ``[s, e)`` of the
@@ -53,16 +53,18 @@ def matrix_pieces(layout: ParamLayout) -> tuple[Piece, ...]:
     return found
 
 
-def _matrix_pieces(layout: ParamLayout) -> tuple[Piece, ...]:
+def _matrix_pieces(layout: ParamLayout) -> tuple[Rectangle, ...]:
     if layout.ndim != 2:
         raise ValueError(f"matrix_pieces: expected a 2-D layout, got full shape {layout.full_shape}")
     boxes = layout.local_boxes(layout.full_shape)
     assert boxes is not None, "a TP slice of a matrix is a box of it"
     whole = layout.zero is None  # the whole local matrix: offset None (a view of any tensor)
-    return tuple(Piece(None if whole else offset, r1 - r0, c1 - c0, r0, c0) for ((r0, r1), (c0, c1)), offset in boxes)
+    return tuple(
+        Rectangle(None if whole else offset, r1 - r0, c1 - c0, r0, c0) for ((r0, r1), (c0, c1)), offset in boxes
+    )
 
 
-def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+def piece_view(tensor: torch.Tensor, piece: Rectangle) -> torch.Tensor:
     """The piece of ``tensor`` (a view when ``tensor`` is contiguous)."""
     if piece.offset is None:
         return tensor.reshape(piece.rows, piece.cols)

@@ -1,6 +1,6 @@
 """The optimizer class: a coordinator of the package's parts (see :mod:`dist_optim.galore`).
 
-A step counts each parameter's step and makes its :class:`~.state.Item`; refreshing parameters get
+A step counts each parameter's step and makes its :class:`~.state.GaLoreMatrix`; refreshing parameters get
 new projectors (:func:`.coordination.refresh`: pieces to an owner, SVD, each rank's partition back).
 Then bucket by bucket: the whole projectors are gathered from their partitions
 (:func:`.coordination.start_gather_projectors`: the next bucket's travel while one computes, the
@@ -45,7 +45,7 @@ from .geometry import low_rank_shape, projection_side
 from .options import GROUP_DEFAULTS, OPTIMIZER_WIDE, check_full_shape, check_optimizer_options, validate_options
 from .projection import add_back_projection
 from .state import (
-    Item,
+    GaLoreMatrix,
     Partitioned,
     init_plain_state,
     keeps_saved_dtype,
@@ -237,7 +237,7 @@ class DistributedGaLore(DistOptimizer):
         self._low_rank_buckets(items, ranges or self._buckets(items), gathering)
         return loss
 
-    def _early_gather(self) -> tuple[list[Item], list[tuple[int, int]], ProjectorGathering] | None:
+    def _early_gather(self) -> tuple[list[GaLoreMatrix], list[tuple[int, int]], ProjectorGathering] | None:
         """Between refreshes the first bucket's projectors do not depend on this step's gradients:
         this step's items, their buckets and that bucket's projector all-gather, started before the
         NaN/Inf check. It carries the check's flag where a work group is the whole job (one
@@ -254,7 +254,7 @@ class DistributedGaLore(DistOptimizer):
         return items, ranges, start_gather_projectors(items[slice(*ranges[0])], self.comm_stats, flag)
 
     def _low_rank_buckets(
-        self, items: list[Item], ranges: list[tuple[int, int]], gathering: ProjectorGathering | None
+        self, items: list[GaLoreMatrix], ranges: list[tuple[int, int]], gathering: ProjectorGathering | None
     ) -> None:
         """Projection, low-rank AdamW and update bucket by bucket (``ranges`` of ``items``), the
         next bucket's projectors travelling while one computes (``gathering``: the first bucket's,
@@ -277,9 +277,9 @@ class DistributedGaLore(DistOptimizer):
         """Whether every GaLore parameter with a gradient has state (so making its item changes none)."""
         return all(self.state[p] for g in self.param_groups if "rank" in g for p in self._grads(g)[0])
 
-    def _items(self) -> list[Item]:
+    def _items(self) -> list[GaLoreMatrix]:
         """This step's item of every GaLore parameter with a gradient, in ``param_groups`` order."""
-        items: list[Item] = []
+        items: list[GaLoreMatrix] = []
         for group in self.param_groups:
             if "rank" not in group:
                 continue
@@ -289,7 +289,7 @@ class DistributedGaLore(DistOptimizer):
                 items.append(it)
         return items
 
-    def _buckets(self, items: list[Item]) -> list[tuple[int, int]]:
+    def _buckets(self, items: list[GaLoreMatrix]) -> list[tuple[int, int]]:
         sizes = [(low_rank_numel(it) + projector_numel(it)) * it.grad.element_size() for it in items]
         return list(buckets(sizes, self.bucket_bytes))
 
@@ -316,7 +316,7 @@ class DistributedGaLore(DistOptimizer):
             return (self.tp_group,)
         return ()
 
-    def _eight_bit(self, it: Item) -> bool:
+    def _eight_bit(self, it: GaLoreMatrix) -> bool:
         """Whether the item's low-rank moments are 8-bit (:meth:`_eight_bit_numel` of its full
         low-rank numel)."""
         return self._eight_bit_numel(low_rank_numel(it))
@@ -389,7 +389,7 @@ class DistributedGaLore(DistOptimizer):
             self._svd_tasks = dict(zip(params, tasks))
         return self._svd_tasks
 
-    def _low_rank_steps(self, items: list[Item]) -> list[tuple[float, torch.Tensor]]:
+    def _low_rank_steps(self, items: list[GaLoreMatrix]) -> list[tuple[float, torch.Tensor]]:
         """Low-rank AdamW on this rank's partition of each item's low-rank gradient: the step size
         and the partition of the normalised step (:func:`.adamw.low_rank_adamw`)."""
         entries = []
@@ -399,7 +399,7 @@ class DistributedGaLore(DistOptimizer):
             it.low = None
         return low_rank_adamw(entries, self.adam_style, self._buffers)
 
-    def _galore_update(self, it: Item, step_size: float, norm: torch.Tensor) -> None:
+    def _galore_update(self, it: GaLoreMatrix, step_size: float, norm: torch.Tensor) -> None:
         """The whole normalised step projected back onto this rank's elements, then decoupled
         weight decay (after the update, as galore_torch)."""
         group = it.group

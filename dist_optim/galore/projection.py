@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..layout import ParamLayout
-from .geometry import Piece, low_rank_shape, matrix_pieces, piece_view, projector_shapes
+from .geometry import Rectangle, low_rank_shape, matrix_pieces, piece_view, projector_shapes
 
 __all__ = ["svd_cost", "new_projectors", "project", "project_back", "add_back_projection"]
 
@@ -122,7 +122,7 @@ def project_back(
     """This rank's elements of ``scale * back_projection(norm)``, in the param's local form."""
     pieces = matrix_pieces(layout)
 
-    def block(pc: Piece) -> torch.Tensor:
+    def block(pc: Rectangle) -> torch.Tensor:
         rows = slice(pc.row0, pc.row0 + pc.rows)
         cols = slice(pc.col0, pc.col0 + pc.cols)
         if side == "left":

@@ -27,7 +27,7 @@ from ..layout import ParamLayout
 from .geometry import low_rank_shape, projection_side, projector_shapes
 
 __all__ = [
-    "Item",
+    "GaLoreMatrix",
     "new_item",
     "low_rank_numel",
     "stored_projectors",
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 
-class Item:
+class GaLoreMatrix:
     """One GaLore parameter in one step: its group, gradient, layout, projection side, state,
     whether its projectors are refreshed, the groups its projectors are partitioned over (set by the
     optimizer: the work group's, or none) and the groups its low-rank moments are partitioned over
@@ -86,7 +86,7 @@ class Item:
 
 def new_item(
     group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, layout: ParamLayout, state: dict[str, Any]
-) -> Item:
+) -> GaLoreMatrix:
     """The parameter's item for this step (its ``step`` made at its first); its projectors are
     refreshed at its first step and every ``update_proj_gap`` of its steps."""
     side = projection_side(layout.full_shape, group["proj_type"])
@@ -95,16 +95,16 @@ def new_item(
     step = int(state["step"])
     has_proj = ("proj_left" in state) or ("proj_right" in state)
     refresh = (not has_proj) or step % int(group["update_proj_gap"]) == 0
-    return Item(group, param, grad, layout, side, state, refresh)
+    return GaLoreMatrix(group, param, grad, layout, side, state, refresh)
 
 
-def low_rank_numel(item: Item) -> int:
+def low_rank_numel(item: GaLoreMatrix) -> int:
     """Elements of the item's low-rank gradient (its full low-rank shape)."""
     rows, cols = low_rank_shape(item.layout.full_shape, item.side, int(item.group["rank"]))
     return rows * cols
 
 
-def projector_numel(item: Item) -> int:
+def projector_numel(item: GaLoreMatrix) -> int:
     """Elements of the item's whole projectors (``M r`` and/or ``r N``)."""
     shapes = projector_shapes(item.layout.full_shape, item.side, int(item.group["rank"]))
     return sum(math.prod(s) for s in shapes.values())

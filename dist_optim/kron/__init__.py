@@ -141,8 +141,8 @@ what and how tensors move):
 * :mod:`.preconditioner`: factor initialisation, the fit with probes, balancing, preconditioning
   and clipping, on whole local tensors, no communication;
 * :mod:`.blocks`: the block plan of a large tensor's owner work and the probe's chunks;
-* :mod:`.routing`: owners and work groups, momenta to the owners and directions back, sharing (on
-  :mod:`dist_optim.owners`);
+* :mod:`.routing`: the owner of each parameter, as a task of the owner runtime
+  (:mod:`dist_optim.runtime`, which moves momenta and directions);
 * :mod:`.optimizer`: :class:`DistributedKron`, the coordinator;
 * :mod:`.conversions`: ``kron_torch.kron.Kron`` -> :class:`DistributedKron` and the planner entry,
   registered when the package is imported.

@@ -26,7 +26,7 @@ from .momentum import momentum_bytes, update_momenta
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
 from .preconditioner import owner_direction
 from .randomness import KronRandomness, param_position
-from .routing import Item, plan_owners
+from .routing import KronParam, plan_param_owners
 from .schedule import precond_update_prob_schedule
 from .state import (
     FactorScratch,
@@ -38,7 +38,7 @@ from .state import (
     stored_specs,
     without_factors,
 )
-from .structure import FactorPlan, make_plan, precond_cost
+from .structure import FactorPlan, plan_factors, precond_cost
 
 __all__ = ["DistributedKron"]
 
@@ -208,12 +208,12 @@ class DistributedKron(DistOptimizer):
     def _plan(self, param: torch.Tensor, group: dict[str, Any] | None = None) -> FactorPlan:
         plan = self._plans.get(param)
         if plan is None:
-            plan = make_plan(self.layout(param).full_shape, group or self._group_of(param))
+            plan = plan_factors(self.layout(param).full_shape, group or self._group_of(param))
             self._plans[param] = plan
         return plan
 
     def _on_bind(self) -> None:
-        """Give every parameter an owner in its work group (:func:`.routing.plan_owners`), once per
+        """Give every parameter an owner in its work group (:func:`.routing.plan_param_owners`), once per
         binding. Collective over the job under TP (the grids are process groups)."""
         self._plans = {}
         self.owner_runtime.bind([self.layout(p) for p in self._all_params()], self.dp_group, self.tp_group)
@@ -222,7 +222,7 @@ class DistributedKron(DistOptimizer):
     def _plan_owners(self) -> None:
         params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
         plans = [self._plan(p, group) for p, group in params_groups]
-        self._tasks = plan_owners(
+        self._tasks = plan_param_owners(
             self.owner_runtime,
             [p for p, _ in params_groups],
             [self.layout(p) for p, _ in params_groups],
@@ -303,7 +303,7 @@ class DistributedKron(DistOptimizer):
         )
         return loss
 
-    def _prepare(self, todo: Sequence[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> list[OwnedWork[Item]]:
+    def _prepare(self, todo: Sequence[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> list[OwnedWork[KronParam]]:
         """A bucket's momenta updated (element-wise, here: an 8-bit one's fp32 value exists for
         its bucket only): with the gradients where the preconditioner is fitted to them, the
         inputs of their owners' work."""
@@ -312,19 +312,19 @@ class DistributedKron(DistOptimizer):
         works = []
         for (group, p, g), m, layout in zip(todo, momenta, layouts):
             # An 8-bit parameter's fp32 momentum is already stored as codes: the owner may work in it.
-            item = Item(group, p, m, g, layout, scratch=self.eight_bit(layout))
+            item = KronParam(group, p, m, g, layout, scratch=self.eight_bit(layout))
             works.append(OwnedWork(item, self._tasks[p], item.fit_inputs(), precond_dtype(group)))
         return works
 
-    def _compute(self, works: list[OwnedWork[Item]], do_update: bool, balance: bool) -> None:
+    def _compute(self, works: list[OwnedWork[KronParam]], do_update: bool, balance: bool) -> None:
         for w in works:
             self._direction(w, do_update, balance)
 
-    def _deliver(self, works: list[OwnedWork[Item]]) -> None:
+    def _deliver(self, works: list[OwnedWork[KronParam]]) -> None:
         for w in works:
             self._apply(w)
 
-    def _direction(self, w: OwnedWork[Item], do_update: bool, balance: bool) -> None:
+    def _direction(self, w: OwnedWork[KronParam], do_update: bool, balance: bool) -> None:
         """Draw the probe (every rank with ``probe_rng="sequential"``, so that every generator
         stays in step) and, on the owner, compute the direction, the work's result."""
         item = w.entry
@@ -347,7 +347,7 @@ class DistributedKron(DistOptimizer):
         elif draws:  # the numbers, chunk by chunk, dropped: the sequential generator stays in step
             discard_probe(self._probe_generator(p), plan, dtype, item.m.device)
 
-    def _apply(self, w: OwnedWork[Item]) -> None:
+    def _apply(self, w: OwnedWork[KronParam]) -> None:
         """This rank's elements of the direction, weight decay (tensors of >= 2 dims), the step."""
         group, p, layout = w.entry.group, w.entry.p, w.layout
         local = w.local().view_as(p)
@@ -389,7 +389,7 @@ class DistributedKron(DistOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The base's loader, after :func:`.state.check_loaded_forms`."""
-        check_loaded_forms(state_dict, self.param_groups, lambda p, g: make_plan(self.layout(p).full_shape, g).diag)
+        check_loaded_forms(state_dict, self.param_groups, lambda p, g: plan_factors(self.layout(p).full_shape, g).diag)
         super().load_state_dict(state_dict)
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:

@@ -1,9 +1,9 @@
 """Who owns each Kron parameter: Kron's tasks for the owner runtime (:mod:`dist_optim.runtime`).
 
-* :func:`plan_owners`: one owner per parameter (one box: the whole tensor, in :func:`route_view`)
+* :func:`plan_param_owners`: one owner per parameter (one box: the whole tensor, in :func:`route_view`)
   in its work group, balancing :func:`~dist_optim.kron.structure.precond_cost`
   (:meth:`dist_optim.runtime.OwnerRuntime.plan`);
-* :class:`Item`: a parameter's record in a step, whose :meth:`Item.fit_inputs` are the tensors
+* :class:`KronParam`: a parameter's record in a step, whose :meth:`KronParam.fit_inputs` are the tensors
   its owner needs whole. How they reach the owner (routed pieces, or gathered whole where no
   route exists) and how the directions come back is the runtime's.
 """
@@ -20,11 +20,11 @@ from ..layout import Box, ParamLayout
 from ..owners import Task
 from ..runtime import OwnerRuntime
 
-__all__ = ["Item", "route_view", "plan_owners"]
+__all__ = ["KronParam", "route_view", "plan_param_owners"]
 
 
 @dataclass(eq=False)
-class Item:
+class KronParam:
     """One parameter's step: its group, the parameter, its updated momentum ``m`` and gradient
     ``g`` (local pieces) and layout."""
 
@@ -51,7 +51,7 @@ def _whole_box(shape: tuple[int, ...]) -> Box:
     return tuple((0, n) for n in shape)
 
 
-def plan_owners(
+def plan_param_owners(
     owners: OwnerRuntime, params: Sequence[torch.Tensor], layouts: Sequence[ParamLayout], costs: Sequence[float]
 ) -> dict[torch.Tensor, Task]:
     """Every parameter's owner task in its work group, by cost, planned by ``owners``. Pure."""

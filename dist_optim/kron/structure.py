@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FactorPlan", "merged_shape", "diag_dims", "make_plan", "precond_cost"]
+__all__ = ["FactorPlan", "merged_shape", "diag_dims", "plan_factors", "precond_cost"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def diag_dims(shape: tuple[int, ...], memory_save_mode: str | None, max_size: in
     return tuple(d or n == 1 or n > max_size or ndim < min_ndim for n, d in zip(shape, diag))
 
 
-def make_plan(full_shape: tuple[int, ...], group: dict[str, Any]) -> FactorPlan:
+def plan_factors(full_shape: tuple[int, ...], group: dict[str, Any]) -> FactorPlan:
     """The :class:`FactorPlan` of a parameter of ``full_shape`` in param group ``group``."""
     shape = merged_shape(tuple(full_shape), bool(group["merge_dims"]))
     if len(shape) > 13:

@@ -19,7 +19,7 @@ from ..layout import ParamLayout
 from ..multi_tensor import scale_
 from ..newton_schulz import Coefficients, newton_schulz_flops, newton_schulz_many
 from ..owners import Task
-from ..runtime import ALONE, OwnedWork, OwnerRuntime
+from ..runtime import OwnedWork, OwnerRuntime, Transport
 from .adamw import adamw_step
 from .coefficients import DEFAULT_NS_COEFFICIENTS, check_coefficients, schedule
 from .momentum import momentum_directions
@@ -327,7 +327,7 @@ class DistributedMuon(DistOptimizer):
         into: list[tuple[OwnedWork[Any], int | None]] = []
         for w in works:
             group, _ = w.entry
-            if w.path == ALONE:
+            if w.transport == Transport.HERE:
                 jobs.append((w.inputs[0].reshape(w.layout.full_shape), group, False))
                 into.append((w, None))
                 continue

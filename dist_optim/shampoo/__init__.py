@@ -114,8 +114,8 @@ update that it holds. How gradients reach the owners and directions the holders:
   is rounded alike). A rank receives its blocks' gradients and its
   pieces' directions: about ``2/size`` of the parameters' bytes instead of ``2x`` (ZeRO over 4
   ranks: 0.2-0.25x the bytes of gathering everything, tested), and nobody holds a full gradient.
-* A parameter held whole on every rank (DDP): owners use their local gradient;
-  :func:`dist_optim.owners.share_results` hands all directions to all ranks in one all_gather per group (in
+* A parameter held whole on every rank (DDP): owners use their local gradient, nothing is sent to
+  them; the directions come back the same way, every rank receiving every block's direction (in
   ``communication_dtype``; owners round their own results the same way so replicas agree).
 * Where the pieces are not boxes of the blocking's view (a TP-split dim merged with others by
   ``merge_small_dims``), full gradients are gathered (one all_gather per TP/ZeRO group) and the
@@ -157,8 +157,8 @@ parallelism:
 * :mod:`.preconditioner`: a batch of blocks' math on local tensors, no communication (grafting,
   factors, root-inverse Shampoo, SOAP);
 * :mod:`.work`: an owner's blocks of a step cut into batches, their directions applied or handed back;
-* :mod:`.routing`: owners of blocks and the movement of gradients and directions (on
-  :mod:`dist_optim.owners`);
+* :mod:`.routing`: the owners of blocks, as tasks of the owner runtime (:mod:`dist_optim.runtime`,
+  which moves gradients and directions);
 * :mod:`.update`: momentum, decay and the parameter update;
 * :mod:`.optimizer`: :class:`DistributedShampoo`, the coordinator.
 """

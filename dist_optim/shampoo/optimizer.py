@@ -20,11 +20,11 @@ from .. import bnb_states as bnb
 from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..owners import Owner, share_results
-from ..runtime import ALONE, ROUTED, OwnedWork, OwnerRuntime
+from ..runtime import OwnedWork, OwnerRuntime, Transport
 from .blocking import Block
 from .momentum import keeps_8bit_momentum, momentum_buffer, read_momenta
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
-from .routing import Plan, plan_owners, total_failures
+from .routing import BlockPlan, plan_block_owners, total_failures
 from .state import (
     BlockState,
     Scratch,
@@ -158,7 +158,7 @@ class DistributedShampoo(DistOptimizer):
             )
             bucket_bytes = max_gather_bytes
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
-        self._plans: dict[torch.Tensor, Plan] = {}
+        self._plans: dict[torch.Tensor, BlockPlan] = {}
         self.owner_runtime = OwnerRuntime()  # who computes each block, and the step's exchanges
         self._scratch = Scratch()  # one block's direction, reused across blocks applied as soon as computed
         super().__init__(params, defaults, nonfinite=nonfinite)  # validate_group checks every group
@@ -187,7 +187,7 @@ class DistributedShampoo(DistOptimizer):
         params = self._all_params()
         groups = [g for g in self.param_groups for _ in g["params"]]
         specs = [(self.layout(p), g) for p, g in zip(params, groups)]
-        self._plans = dict(zip(params, plan_owners(self.owner_runtime, params, specs)))
+        self._plans = dict(zip(params, plan_block_owners(self.owner_runtime, params, specs)))
 
     # ---- the step ------------------------------------------------------------------------
     @torch.no_grad()
@@ -239,7 +239,7 @@ class DistributedShampoo(DistOptimizer):
         block_works = []
         for w in works:
             e = w.entry
-            whole = self._whole_views(e) if w.path == ALONE else None
+            whole = self._whole_views(e) if w.transport == Transport.HERE else None
             for i, (g,) in w.owned.items():
                 block = e.plan.blocks[i]
                 if whole is not None:
@@ -260,7 +260,7 @@ class DistributedShampoo(DistOptimizer):
                 continue
             e = w.entry
             buf = momentum_buffer(e.momenta, e.state)
-            whole = None if w.path == ROUTED else self._whole_views(e)
+            whole = None if w.transport == Transport.ROUTED else self._whole_views(e)
             if whole is not None:
                 pv, bv = whole
                 bufs = [None if bv is None else bv[b.slices] for b in e.plan.blocks]
@@ -367,7 +367,7 @@ class _Entry:
     p: torch.Tensor
     state: dict[str, Any]
     t: int
-    plan: Plan
+    plan: BlockPlan
     momenta: bnb.Batch8bit = field(default_factory=bnb.Batch8bit)
 
 
@@ -377,7 +377,9 @@ def _moments_dtype(state: dict[str, Any], p: torch.Tensor) -> torch.dtype:
     return buf.dtype if buf is not None and buf.dtype != torch.uint8 else p.dtype
 
 
-def _carry_over_owned(state: dict[str, Any] | None, plan: Plan | None, group: dict[str, Any], p: torch.Tensor) -> None:
+def _carry_over_owned(
+    state: dict[str, Any] | None, plan: BlockPlan | None, group: dict[str, Any], p: torch.Tensor
+) -> None:
     """The moments of the blocks this rank owns in the width ``group`` keeps (:func:`.state.carry_over`),
     before they are exported: a state of the other ``optim_bits`` loaded and no step taken since."""
     if not state or plan is None:

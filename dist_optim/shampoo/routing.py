@@ -1,6 +1,6 @@
 """Which rank owns which block: Shampoo's tasks for the owner runtime (:mod:`dist_optim.runtime`).
 
-* :func:`plan_owners`: every parameter's blocks (:func:`~dist_optim.shampoo.blocking.plan_blocks`)
+* :func:`plan_block_owners`: every parameter's blocks (:func:`~dist_optim.shampoo.blocking.plan_blocks`)
   as one owner task of its work group, owners balanced by the cost model ``sum_k d_k^3``
   (:meth:`dist_optim.runtime.OwnerRuntime.plan`); how gradients reach the owners and directions
   the holders is the runtime's;
@@ -22,11 +22,11 @@ from ..placement import Route
 from ..runtime import OwnerRuntime
 from .blocking import Block, plan_blocks
 
-__all__ = ["Plan", "plan_owners", "total_failures"]
+__all__ = ["BlockPlan", "plan_block_owners", "total_failures"]
 
 
 @dataclass
-class Plan:
+class BlockPlan:
     """A parameter's blocking and the owners of its blocks (:attr:`task`: ranks of its work group)."""
 
     full_shape: tuple[int, ...]
@@ -50,10 +50,10 @@ class Plan:
         return self.task.owner(index)
 
 
-def plan_owners(
+def plan_block_owners(
     owners: OwnerRuntime, params: Sequence[torch.Tensor], specs: Sequence[tuple[ParamLayout, dict[str, Any]]]
-) -> list[Plan]:
-    """The :class:`Plan` of each parameter of ``params`` (``(layout, param group)`` each), its task
+) -> list[BlockPlan]:
+    """The :class:`BlockPlan` of each parameter of ``params`` (``(layout, param group)`` each), its task
     planned by ``owners``; the blocks of all the parameters of a work group are assigned together,
     by cost. Pure."""
     blockings = [
@@ -73,18 +73,20 @@ def plan_owners(
         ],
     )
     return [
-        Plan(tuple(layout.full_shape), view, blocks, task)
+        BlockPlan(tuple(layout.full_shape), view, blocks, task)
         for (layout, _), (view, blocks), task in zip(specs, blockings, tasks)
     ]
 
 
-def total_failures(plans: Sequence[Plan], failures: Sequence[tuple[Plan, torch.Tensor]], device: torch.device) -> int:
+def total_failures(
+    plans: Sequence[BlockPlan], failures: Sequence[tuple[BlockPlan, torch.Tensor]], device: torch.device
+) -> int:
     """The sum of the failure counters this rank holds (``failures``: each with its parameter's
     plan) over every work group of ``plans``: one all-reduce per group (collective when bound).
     The sums live on ``device``, the parameters': where the counters are (CUDA ones on a GPU) and
     what NCCL reduces, also on a rank that holds no counter of a group."""
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    # By process group and size: ALONE's None is no group, a work group's None the whole job.
+    # By process group and size: ONE_RANK's None is no group, a work group's None the whole job.
     totals = {(id(plan.work.group), plan.work.size): (plan.work, zero.clone()) for plan in plans}
     for plan, count in failures:
         totals[(id(plan.work.group), plan.work.size)][1].add_(count.to(device, torch.float64))

@@ -722,7 +722,7 @@ def test_column_blocks_give_the_whole_tensor_result(monkeypatch: pytest.MonkeyPa
     factors within 1e-12 relative, or 1e-12 of the tensor's largest magnitude, over 3 steps."""
     from dist_optim.kron import blocks
     from dist_optim.kron.preconditioner import owner_direction
-    from dist_optim.kron.structure import make_plan
+    from dist_optim.kron.structure import plan_factors
 
     shape = (40, 600)
     group = DistributedKron(
@@ -731,7 +731,7 @@ def test_column_blocks_give_the_whole_tensor_result(monkeypatch: pytest.MonkeyPa
         precond_dtype=torch.float64,
         momentum_into_precond_update=into_m,
     ).param_groups[0]
-    plan = make_plan(shape, group)
+    plan = plan_factors(shape, group)
     monkeypatch.setattr(blocks, "ROW_BLOCK_BYTES", 40 * 8 * 40)
     gen = torch.Generator().manual_seed(8)
     states: dict[str, dict] = {"whole": {}, "blocks": {}}
@@ -826,14 +826,14 @@ def test_row_blocks_bound_the_owners_memory(monkeypatch: pytest.MonkeyPatch) -> 
     most the small factors, their statistics and a few blocks."""
     from dist_optim.kron import blocks
     from dist_optim.kron.preconditioner import owner_direction
-    from dist_optim.kron.structure import make_plan
+    from dist_optim.kron.structure import plan_factors
     from tests.helpers.allocated import AllocatedBytes
 
     gen = torch.Generator().manual_seed(0)
     shape, block_bytes = (4096, 64), 64 * 1024
     full = torch.randn(shape, generator=gen).numel() * 4
     group = DistributedKron([torch.nn.Parameter(torch.zeros(shape))], max_size_triangular=100).param_groups[0]
-    plan = make_plan(shape, group)
+    plan = plan_factors(shape, group)
     peaks = {}
     for label, min_bytes in (("whole", 2**60), ("blocks", 1)):
         monkeypatch.setattr(blocks, "ROW_BLOCK_MIN_BYTES", min_bytes)

@@ -250,13 +250,13 @@ def test_an_update_below_half_a_code_survives_in_expectation() -> None:
     (the stagnation); rounded stochastically (store_whole with a generator) the mean of 500
     storings is the new factor to 0.1 code, and zeros and each block's absmax stay exact."""
     from dist_optim.kron import state as kron_state
-    from dist_optim.kron.structure import make_plan
+    from dist_optim.kron.structure import plan_factors
 
     n = 40  # 820 stored elements: 4 blocks, the last one padded
     group = dist_optim.DistributedKron(
         [torch.nn.Parameter(torch.zeros(1))], preconditioner_bits=8, use_symmetric_packing=True
     ).param_groups[0]
-    plan, form = make_plan((n, 2), group), kron_state.factor_form(group)
+    plan, form = plan_factors((n, 2), group), kron_state.factor_form(group)
     gen = torch.Generator().manual_seed(0)
     q = (torch.randn(n, n, generator=gen) * 1e-2).triu(1) + torch.eye(n)
     st: dict[str, Any] = {}
@@ -362,13 +362,13 @@ def test_the_stored_form_on_meta_tensors() -> None:
     """The planner runs the optimizer on meta tensors (dist_optim.plan, its own generators and
     ``.item()`` answers): storing, decoding and storing back a quantised factor works there."""
     from dist_optim.kron import state as kron_state
-    from dist_optim.kron.structure import make_plan
+    from dist_optim.kron.structure import plan_factors
 
     for packed in (False, True):
         group = dist_optim.DistributedKron(
             [torch.nn.Parameter(torch.zeros(1))], preconditioner_bits=8, use_symmetric_packing=packed
         ).param_groups[0]
-        plan, form, st = make_plan((33, 17), group), kron_state.factor_form(group), {}
+        plan, form, st = plan_factors((33, 17), group), kron_state.factor_form(group), {}
         whole = [torch.empty(33, 33, device="meta"), torch.empty(17, 17, device="meta")]
         kron_state.store_factors(st, whole, plan, form)
         specs = kron_state.stored_specs(plan, form)

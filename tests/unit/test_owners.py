@@ -17,9 +17,9 @@ import torch.distributed as dist
 from dist_optim import comm
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
 from dist_optim.owners import (
-    ALONE,
-    Moved,
+    ONE_RANK,
     Owner,
+    RoutedTensors,
     WorkGroup,
     WorkGroups,
     assign,
@@ -38,25 +38,25 @@ def test_assign_balances_each_work_group_on_its_own() -> None:
     for rank in range(2):
         wa = WorkGroup(pair, 2, rank)
         wb = WorkGroup(grid, 4, rank)
-        owners = assign([(wa, 5.0), (wb, 1.0), (ALONE, 9.0), (wa, 4.0), (wb, 3.0), (wa, 1.0), (ALONE, 1.0)])
+        owners = assign([(wa, 5.0), (wb, 1.0), (ONE_RANK, 9.0), (wa, 4.0), (wb, 3.0), (wa, 1.0), (ONE_RANK, 1.0)])
         # per work group: assign_owners over its items in their order
         assert [o.rank for o in owners] == [0, 1, 0, 1, 0, 1, 0]
-        assert [o.work for o in owners] == [wa, wb, ALONE, wa, wb, wa, ALONE]
-        # ALONE: this rank computes and shares nothing
+        assert [o.work for o in owners] == [wa, wb, ONE_RANK, wa, wb, wa, ONE_RANK]
+        # ONE_RANK: this rank computes and shares nothing
         assert owners[2].mine and not owners[2].shared
         assert [o.mine for o in owners if o.work is wa] == [rank == 0, rank == 1, rank == 1]
 
 
 def test_work_group_without_process_groups_is_alone() -> None:
     """Unbound, or bound with neither a data-parallel nor a TP group: no split (no collective)."""
-    assert work_group(ParamLayout((4, 3)), None, None, {}) is ALONE
-    assert WorkGroup.of(None) is ALONE  # the default group of a job of one process
+    assert work_group(ParamLayout((4, 3)), None, None, {}) is ONE_RANK
+    assert WorkGroup.of(None) is ONE_RANK  # the default group of a job of one process
 
 
 def test_share_results_without_other_ranks_moves_nothing() -> None:
     t = torch.ones(3)
     comm.reset_counts()
-    share_results([(Owner(ALONE, 0), [t])], torch.bfloat16)
+    share_results([(Owner(ONE_RANK, 0), [t])], torch.bfloat16)
     assert not comm.COUNTS and torch.equal(t, torch.ones(3))
 
 
@@ -89,7 +89,7 @@ def _work_groups_worker() -> None:
     tp_ranks = sorted(dist.get_process_group_ranks(tp_group))
     assert ranks(work_group(ParamLayout((4, 6), tp), None, tp_group, grids)) == tp_ranks
     assert ranks(work_group(ParamLayout((5,)), None, tp_group, grids)) == tp_ranks
-    assert work_group(ParamLayout((5,)), None, None, {}) is ALONE
+    assert work_group(ParamLayout((5,)), None, None, {}) is ONE_RANK
     # None as a process group is the default group: the whole job
     assert ranks(WorkGroup.of(None)) == [0, 1, 2, 3]
 
@@ -111,7 +111,7 @@ def _share_worker(dtype: torch.dtype | None) -> None:
     pair_id = dist.get_process_group_ranks(dp_group)[0]
     for n in (2, 7):
         items = [(pair, float(i + 1)) for i in range(n)] + [(world, float(n - i)) for i in range(n)]
-        items.append((ALONE, 1.0))
+        items.append((ONE_RANK, 1.0))
         owners = assign(items)
         truth = [torch.full((i % 3 + 1, 2), 10.0 * i + 0.1, dtype=torch.float32) for i in range(len(items))]
         for i in range(n):
@@ -181,7 +181,7 @@ def _exchange_worker(wire: torch.dtype | None) -> dict[str, int]:
     def through(t: torch.Tensor) -> torch.Tensor:
         return t if wire is None else t.to(wire).double()
 
-    moved = [Moved(t, [lay.take_local(f)], torch.float64) for t, lay, f in zip(tasks, layouts, fulls)]
+    moved = [RoutedTensors(t, [lay.take_local(f)], torch.float64) for t, lay, f in zip(tasks, layouts, fulls)]
     with counting_collectives() as sent:
         to_owners(moved, wire)
     owned = 0
@@ -215,13 +215,13 @@ def _replicated_worker() -> dict[str, int]:
 
     layouts = [ParamLayout((4, 3)), ParamLayout((5,))]
     unbound = WorkGroups()
-    assert all(unbound.of(lay) is ALONE for lay in layouts)
+    assert all(unbound.of(lay) is ONE_RANK for lay in layouts)
     world = WorkGroup.of(None)
     whole = [[tuple((0, n) for n in lay.full_shape)] for lay in layouts]
     tasks = plan_tasks([(world, lay, lay.full_shape, bx, [1.0]) for lay, bx in zip(layouts, whole)])
     route_tasks(tasks)
     fulls = [torch.arange(float(math.prod(lay.full_shape))).reshape(lay.full_shape) for lay in layouts]
-    moved = [Moved(t, [f], torch.float32) for t, f in zip(tasks, fulls)]
+    moved = [RoutedTensors(t, [f], torch.float32) for t, f in zip(tasks, fulls)]
     with counting_collectives() as sent:
         to_owners(moved, None)
     for m, f in zip(moved, fulls):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dist_optim.chunks import chunk_span
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
-from dist_optim.runtime import ALONE, GATHERED, ROUTED, OwnedWork, OwnerRuntime
+from dist_optim.runtime import OwnedWork, OwnerRuntime, Transport
 from dist_optim.testing import grid_groups
 from tests.helpers.collectives import counting_collectives
 
@@ -82,7 +82,7 @@ def _runtime_worker(tp: int, dp: int, zero: bool, route: bool, budget: int | Non
     computed: list[tuple[int, int]] = []
     calls: list[list[int]] = []
     got: dict[int, torch.Tensor] = {}
-    paths: dict[int, str] = {}
+    paths: dict[int, Transport] = {}
 
     def prepare(bucket):
         return [OwnedWork(i, runtime.tasks[keys[i]], [locals_[i]], torch.float64) for i in bucket]
@@ -97,7 +97,7 @@ def _runtime_worker(tp: int, dp: int, zero: bool, route: bool, budget: int | Non
     def deliver(works):
         for w in works:
             got[w.entry] = w.local().clone()
-            paths[w.entry] = w.path
+            paths[w.entry] = w.transport
 
     with counting_collectives() as seen:
         runtime.run(
@@ -130,7 +130,7 @@ def test_every_holder_gets_its_part_of_each_owners_result(pool4, route: bool, bu
         results = pool4.run(_runtime_worker, tp, dp, zero, route, budget, False)
         for r in results:
             assert not r["failures"], ((tp, dp, zero), r["failures"])
-            want = ROUTED if route else GATHERED
+            want = Transport.ROUTED if route else Transport.GATHERED
             assert set(r["paths"].values()) == {want}, ((tp, dp, zero), r["paths"])
         # every box of every tensor computed by exactly one rank of the job (all work groups span it)
         computed = sorted(c for r in results for c in r["computed"])
@@ -210,7 +210,7 @@ def test_unbound_work_is_alone_and_may_be_applied_by_compute() -> None:
 
     def compute(works):
         for w in works:
-            assert w.path == ALONE and sorted(w.owned) == [0, 1]
+            assert w.transport == Transport.HERE and sorted(w.owned) == [0, 1]
             if w.entry == 1:  # applied here: nothing comes back
                 applied.append(1)
                 continue
