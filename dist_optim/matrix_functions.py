@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from .replay import replayable
 from .structured import symmetric_product
 
 __all__ = [
@@ -84,6 +85,7 @@ def column_major(t: torch.Tensor) -> bool:
     return t.dim() >= 2 and not t.is_contiguous() and t.mT.is_contiguous()
 
 
+@replayable
 def symmetric_eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.linalg.eigh(a)`` of an exactly symmetric ``a`` (every caller's: a symmetrised matrix,
     a mirrored factor, or one of these scaled and damped), bit for bit: ``a`` is handed over as its
@@ -95,6 +97,7 @@ def symmetric_eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.linalg.eigh(a.mT if a.is_contiguous() else a)
 
 
+@replayable
 def matrix_inverse_root(
     matrix: torch.Tensor,
     root: float,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .replay import replayable
 from .structured import blocked, symmetric_product
 
 __all__ = [
@@ -120,6 +121,7 @@ def reorders(dtype: torch.dtype, gram_space: bool) -> bool:
     return gram_space or dtype in REORDERED_DTYPES
 
 
+@replayable
 def newton_schulz(
     c: torch.Tensor,
     coefficients: Sequence[Coefficients],
@@ -258,6 +260,7 @@ def newton_schulz_many(
     return out  # type: ignore[return-value]
 
 
+@replayable
 def newton_schulz_batched(
     x: torch.Tensor,
     coefficients: Sequence[Coefficients],
@@ -310,6 +313,7 @@ def gram_space_blocks(steps: int) -> list[int]:
     return [min(every, steps - start) for start in range(0, steps, every)]
 
 
+@replayable
 def newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficients]) -> torch.Tensor:
     """The iterations of :func:`newton_schulz` on a normalised wide ``x`` (``m x n``, ``n >= 2m``),
     computed in ``m x m`` space (one block: :func:`newton_schulz` restarts from the result), as in

@@ -29,6 +29,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from .multi_tensor import scale_
+from .replay import replayable
 
 __all__ = [
     "blocked",
@@ -73,6 +74,7 @@ def blocked(t: torch.Tensor) -> bool:
     return t.device.type != "cuda"
 
 
+@replayable
 def matmul_triangular(
     f: torch.Tensor, t: torch.Tensor, upper: bool = True, min_size: int | None = None
 ) -> torch.Tensor:
@@ -101,6 +103,7 @@ def triangular_matmul(
     return matmul_triangular(f.T, t.T, not upper, min_size).T
 
 
+@replayable
 def upper_times_upper(a: torch.Tensor, b: torch.Tensor, min_size: int | None = None) -> torch.Tensor:
     """``a @ b`` for upper-triangular ``a`` and ``b`` (the result is upper triangular, its lower
     triangle exactly zero); only their upper triangles are read."""
@@ -119,6 +122,7 @@ def upper_times_upper(a: torch.Tensor, b: torch.Tensor, min_size: int | None = N
     return out
 
 
+@replayable
 def symmetric_product(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -233,6 +237,7 @@ def gram_update_(
     return c
 
 
+@replayable
 def gram_updates_(
     cs: list[torch.Tensor],
     rows: list[torch.Tensor],
@@ -278,6 +283,7 @@ def symmetrize_(c: torch.Tensor, min_size: int | None = None, panel: int | None 
     return mirror_lower_(c, panel)
 
 
+@replayable
 def mirror_lower_(c: torch.Tensor, panel: int | None = None) -> torch.Tensor:
     """Mirror the lower triangle of ``c`` onto its strict upper triangle, in place, at every size
     and on every device: the one form of a symmetric matrix that a packed triangle

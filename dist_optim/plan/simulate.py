@@ -27,8 +27,10 @@ import torch.distributed as dist
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
 from dist_optim.placement import recording_owner_loads
 from dist_optim.registry import PlanEntry, plan_entries
+from dist_optim.replay import replaying
 
 from .models import MODELS, PlanError, load_config, vocab_multiple
+from .replay import Replays
 from .torch_internals import DEVICES, check_torch, meta_generators
 from .torch_internals import as_device as _device_kernels
 from .traffic import LiveBytes, StepTraffic, Traffic, traffic_of
@@ -255,11 +257,15 @@ def run_steps(opt: torch.optim.Optimizer, traffic: Traffic, steps: int, meta: bo
     """``steps`` calls of ``opt.step()``, each measured by ``traffic`` and :class:`LiveBytes`."""
     out = []
     shadows: dict[int, torch.Tensor] = {}
-    for _ in range(steps):
-        traffic.step = StepTraffic()
-        with traffic_of(traffic), LiveBytes(answer_meta_items=meta, shadows=shadows) as live:
-            opt.step()
-        out.append(StepResult(traffic.step, live.peak - live.live, live.live, live.meta_items))
+    replays = Replays(traffic)
+    with replaying(replays):
+        for _ in range(steps):
+            traffic.step = StepTraffic()
+            with traffic_of(traffic), LiveBytes(answer_meta_items=meta, shadows=shadows) as live:
+                replays.live = live
+                opt.step()
+            replays.live = None
+            out.append(StepResult(traffic.step, live.peak - live.live, live.live, live.meta_items))
     return out
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 __all__ = ["Traffic", "StepTraffic", "LiveBytes", "traffic_of", "Peers", "c10d_bytes"]
 
@@ -201,6 +201,24 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+
+    def has_shadow(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s values are followed in a CPU shadow (a small meta tensor of scalars)."""
+        return id(t) in self._shadows
+
+    def shadow_of(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A copy of the CPU shadow of ``t``'s values (not counted: shadows are the recorder's), or None."""
+        shadow = self._shadows.get(id(t))
+        if shadow is None:
+            return None
+        with _disable_current_modes():
+            return shadow.clone()
+
+    def set_shadow(self, t: torch.Tensor, value: torch.Tensor) -> None:
+        """Follow ``t``'s values as a copy of ``value`` (a CPU tensor of its shape) while ``t`` lives."""
+        with _disable_current_modes():
+            self._shadows[id(t)] = value.clone()
+        weakref.finalize(t, self._shadows.pop, id(t), None)
 
     def _release(self, key: int, tid: int) -> None:
         self._seen.discard(tid)

@@ -1,0 +1,108 @@
+"""The planner's replays (dist_optim/plan/replay.py) change no answer: a plan made with the
+replayable functions replayed equals, figure for figure, the plan made running every call."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dist_optim import replay
+from dist_optim.plan import Layout, make_plan, simulate
+from dist_optim.plan import replay as plan_replay
+
+#: Matrices above structured.MIN_SIZE (256), so that the blocked triangular products recurse.
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 768,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 1024,
+    "max_position_embeddings": 256,
+}
+
+
+def _answers(plan: Any) -> Any:
+    """The plan's figures, without the times it took."""
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "seconds"}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    return strip(plan.to_json())
+
+
+class _Counting(plan_replay.Replays):
+    hits_total = 0
+
+    def __call__(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        before = self.hits
+        out = super().__call__(fn, args, kwargs)
+        _Counting.hits_total += self.hits - before
+        return out
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "kron", "shampoo"])
+def test_replayed_plans_equal_computed_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    layout = Layout("hybrid", tp=2, dp=2, zero=1)
+    monkeypatch.setattr(simulate, "Replays", _Counting)
+    _Counting.hits_total = 0
+    replayed = _answers(make_plan(str(path), layout, optimizer, steps=2))
+    assert _Counting.hits_total > 0  # the check below compares something
+
+    monkeypatch.setattr(simulate, "replaying", lambda replayer: contextlib.nullcontext())  # every call runs
+    assert _answers(make_plan(str(path), layout, optimizer, steps=2)) == replayed
+
+
+def test_a_replayable_function_runs_as_it_is_outside_a_simulation() -> None:
+    calls = []
+
+    @replay.replayable
+    def double(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x * 2
+
+    assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0)) and calls == [1]
+
+
+@replay.replayable
+def _with_scratch(x: torch.Tensor, scale: float) -> list[torch.Tensor]:
+    scratch = torch.empty(4096, device=x.device)  # freed before the return: transient only
+    del scratch
+    return [x * scale, x.view(-1)]  # one new tensor, one view of the argument
+
+
+def _measure(replays: plan_replay.Replays | None) -> list[tuple[int, int, bool]]:
+    """Live bytes and peak after each of three calls, and whether the view is of the argument."""
+    from dist_optim.plan.traffic import LiveBytes
+
+    x = torch.empty(8, 8, device="meta")
+    out = []
+    with replay.replaying(replays) if replays is not None else contextlib.nullcontext(), LiveBytes() as live:
+        if replays is not None:
+            replays.live = live
+        kept = []
+        for _ in range(3):
+            live.reset_peak()
+            new, view = _with_scratch(x, 2.0)
+            kept.append(new)
+            same = view.untyped_storage()._cdata == x.untyped_storage()._cdata
+            out.append((live.live, live.peak, same and tuple(new.shape) == (8, 8)))
+    return out
+
+
+def test_a_replay_moves_the_recorder_as_the_call_would() -> None:
+    replays = plan_replay.Replays()
+    assert _measure(replays) == _measure(None)
+    assert replays.hits == 2
