@@ -2,7 +2,7 @@
 
 A :class:`ParamLayout` is data: the parameter's *full* shape (what a single-device model has),
 its tensor-parallel split (group, dim) if any, and its ZeRO shard (group, padding, chunk) if any.
-Everything here is index arithmetic; nothing communicates. ``comm.py`` turns layouts into
+Everything here is index arithmetic; nothing communicates. ``dist_optim.comm`` turns layouts into
 collectives, and the optimizers use the index helpers to map a local tensor (a TP slice, or a
 flat ZeRO chunk of a TP slice) back to coordinates of the full tensor.
 

@@ -127,8 +127,8 @@ def test_modules_and_classes_stay_readable() -> None:
 ONE_HOME = {
     "assign_owners": {"dist_optim/placement.py", "dist_optim/owners.py"},
     "plan_route": {"dist_optim/placement.py", "dist_optim/owners.py"},
-    "exchange": {"dist_optim/comm.py", "dist_optim/owners.py"},
-    "share_owned": {"dist_optim/comm.py", "dist_optim/owners.py"},
+    "exchange": {"dist_optim/comm/collectives.py", "dist_optim/owners.py"},
+    "share_owned": {"dist_optim/comm/collectives.py", "dist_optim/owners.py"},
     "work_grids": {"dist_optim/owners.py"},
     # a step's owner choreography: the owner runtime's alone
     "to_owners": {"dist_optim/owners.py", "dist_optim/runtime.py"},

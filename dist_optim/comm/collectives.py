@@ -1,140 +1,27 @@
-"""Every collective dist_optim issues goes through this module.
-
-Optimizers do their math on local tensors and hand the cross-process parts to a few layout-aware,
-*bucketed* operations:
-
-* :class:`SumBucket`: queue tensors whose values are partial sums over a parameter's shards (sums of
-  squares for norms, row/column bins for factored statistics), then ``flush()`` once: one
-  ``all_reduce`` per process group for the whole step, not one per parameter.
-* :func:`gather_full`: local pieces (TP slices, ZeRO chunks) back into full tensors, one
-  ``all_gather`` per group for all the tensors of a call.
-* :func:`broadcast_from`: bucketed broadcast of results computed by one owner rank.
-* :func:`share_owned`: results computed by different owner ranks, to every rank, in one ``all_gather``.
-* :func:`exchange`: pieces from each rank to the ranks that need them (gradient pieces to the owners
-  of blocks, the owners' results back), in one ``all_to_all``: each rank receives what it uses.
-* :func:`reduce_scatter` / :func:`all_gather_chunks`: sums split into equal chunks, one per rank, and
-  back to whole tensors; one collective each per call. The sum is made in rank order on the chunk's
-  rank: its value does not depend on the other tensors of the call (nor on buckets).
-
-Each is a no-op for a parameter whose layout is local. ``COUNTS`` counts the collectives issued
-(tests and benchmarks: the number per step does not grow with the number of parameters).
-
-Ordering: a process takes part in several groups (its TP group, its ZeRO group, ...). Buckets are
-flushed group by group in one global order (the sorted member ranks of each group), which every
-process follows, so collectives on overlapping groups cannot deadlock.
-"""
+"""The collectives: every one dist_optim issues is issued here (the package docstring says which
+and how they are ordered)."""
 
 from __future__ import annotations
 
 import collections
-import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .chunks import aligns_for, chunk_numel, exchange_round, flat_to, pack_chunks, scratch, to_flat, unpack_chunks
-from .dtypes import widest_dtype
-from .layout import ParamLayout
-
-__all__ = [
-    "COUNTS",
-    "reset_counts",
-    "SumBucket",
-    "MaxBucket",
-    "gather_full",
-    "broadcast_from",
-    "share_owned",
-    "exchange",
-    "Pending",
-    "reduce_scatter",
-    "all_gather_chunks",
-    "start_all_gather_chunks",
-    "Gathering",
-    "all_gather_objects",
-    "grid_groups",
-    "grid_of",
-    "group_key",
-    "ordered_groups",
-    "topology_token",
-    "release_groups",
-    "freeing_groups",
-    "barrier",
-    "group_size",
-    "group_rank",
-    "collectives_through",
-]
+from ..chunks import aligns_for, chunk_numel, exchange_round, flat_to, pack_chunks, scratch, to_flat, unpack_chunks
+from ..dtypes import widest_dtype
+from ..layout import ParamLayout
+from .groups import group_rank, group_size, ordered_groups
 
 #: Number of collectives issued since the last :func:`reset_counts`, by operation name.
 COUNTS: collections.Counter[str] = collections.Counter()
 
 
-@contextlib.contextmanager
-def collectives_through(backend: Any) -> Iterator[Any]:
-    """Inside the block, every call this module makes to ``torch.distributed`` goes to ``backend``
-    instead: an object with the same functions (the planner's recorder, ``dist_optim.plan.traffic``,
-    which counts collectives and bytes and may answer them without communicating). The one hook
-    by which code outside this module observes or replaces its collectives. Not thread-safe."""
-    global dist
-    saved = dist
-    dist = backend
-    try:
-        yield backend
-    finally:
-        dist = saved
-
-
 def reset_counts() -> None:
     COUNTS.clear()
-
-
-#: (size, rank, member ranks) of torch.distributed's groups, with the group, by ``id(group)``:
-#: asking torch.distributed costs microseconds, hundreds of times a step. The entry holds its group
-#: (until release_groups), so that its id is not reused by a group with other members (a stale key
-#: would order collectives differently on different ranks). Not for ``None`` (re-made by each
-#: ``init_process_group``) nor for another backend (``collectives_through``'s).
-_PLACES: dict[int, tuple[Any, tuple[int, int, tuple[int, ...]]]] = {}
-_TORCH_DIST = dist  # ``dist`` itself is rebound inside collectives_through
-
-
-def _place(group: Any) -> tuple[int, int, tuple[int, ...]]:
-    cached = _PLACES.get(id(group))
-    if cached is not None and cached[0] is group and dist is _TORCH_DIST:
-        return cached[1]
-    if not dist.is_available() or not dist.is_initialized():
-        return 1, 0, (0,)
-    size = dist.get_world_size(group)
-    key = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
-    place = size, dist.get_rank(group), key
-    if group is not None and dist is _TORCH_DIST:
-        _PLACES[id(group)] = (group, place)
-    return place
-
-
-def group_size(group: Any) -> int:
-    """World size of ``group`` (1 when no process group is initialised)."""
-    return _place(group)[0]
-
-
-def group_rank(group: Any) -> int:
-    """This process's rank in ``group`` (0 when no process group is initialised)."""
-    return _place(group)[1]
-
-
-def group_key(group: Any) -> tuple[int, ...]:
-    """A key that orders groups identically on every process: their global member ranks."""
-    return _place(group)[2]
-
-
-def ordered_groups(groups: Iterable[Any]) -> list[Any]:
-    """``groups`` without repeats, in the one order every process follows (:func:`group_key`):
-    collectives issued group by group in this order cannot deadlock on overlapping groups."""
-    unique: dict[tuple[tuple[int, ...], int], Any] = {}
-    for g in groups:
-        unique.setdefault((group_key(g), id(g)), g)
-    return [unique[k] for k in sorted(unique, key=lambda k: k[0])]
 
 
 _SKIPPED = object()  # a stage a SumBucket request skips (first_stage)
@@ -472,115 +359,6 @@ def all_gather_chunks(
 ) -> list[torch.Tensor]:
     """:func:`start_all_gather_chunks`, waited for."""
     return start_all_gather_chunks(chunks, numels, group, align).wait()
-
-
-#: Grid groups made by :func:`grid_groups`, by their sorted member ranks (made once per job), with
-#: the default group they were made under: a re-initialised job makes them again.
-_GRIDS: dict[tuple[int, ...], tuple[Any, Any]] = {}
-
-#: Grids whose ranks are in the order of parts partitioned over a data-parallel group, then TP
-#: (:func:`grid_of`), by the keys of the two groups, with the default group they were made under.
-_GRID_OF: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Any, Any]] = {}
-
-_RELEASES = 0  # bumped by release_groups: part of topology_token
-
-
-def topology_token() -> Any:
-    """Changes wherever group_size, group_rank, group_key or grid_of may answer otherwise for the same
-    groups (a new default group, a grid made, :func:`release_groups`): :mod:`dist_optim.partition`
-    keeps its plans by it. None where not torch.distributed's own (collectives_through; no group)."""
-    if dist is not _TORCH_DIST or not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist.group.WORLD, len(_GRID_OF), _RELEASES
-
-
-def release_groups() -> None:
-    """Let go of the groups the caches hold (places; partition plans, by the token; not the live
-    grids), so that destroyed ones are freed with their communicators (a gloo thread polling every
-    10 ms, NCCL's memory): booster.boost and the test pool call it once a plugin is collected."""
-    global _RELEASES
-    with freeing_groups():
-        _PLACES.clear()
-    _RELEASES += 1
-
-
-@contextlib.contextmanager
-def freeing_groups() -> Iterator[None]:
-    """Groups known at entry (torch.distributed's, the caches') whose last reference goes inside the block keep
-    their backends until it ends, which frees them with the GIL released. torch 2.5.1 frees a backend under the GIL
-    (pytorch#154976 changed that later); a gloo backend's destructor waits for its threads, and one freeing a
-    collective that has just finished needs the GIL: both then wait for ever."""
-    world = getattr(_TORCH_DIST.distributed_c10d, "_world", None)
-    groups = [*(world.pg_map if world is not None else ()), *(g for g, _ in _PLACES.values())]
-    held = [g._get_backend(d) for g in groups for d in getattr(g, "_device_types", ())]
-    del groups  # else this frame would hold the groups until after their backends
-    try:
-        yield
-    finally:
-        held.clear()  # a backend's own Python object frees it without the GIL
-
-
-def grid_of(base: Any, tp: Any) -> Any:
-    """The grid group :func:`grid_groups` made of data-parallel group ``base`` and TP group ``tp``
-    when every member's rank in it is ``rank(base) * size(tp) + rank(tp)``: the index of the part
-    a member keeps of a tensor partitioned over ``(base, tp)`` (:mod:`dist_optim.partition`), which
-    then takes one collective over the grid instead of one per group. None otherwise (no grid made,
-    or its ranks in another order)."""
-    if base is None or tp is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    found = _GRID_OF.get((group_key(base), group_key(tp)))
-    return found[1] if found is not None and found[0] is dist.group.WORLD else None
-
-
-def grid_groups(tp_group: Any, bases: Sequence[Any]) -> list[Any]:
-    """For each group in ``bases`` (data-parallel groups of this process), the group of all ranks
-    of the grid it spans with ``tp_group``: the union of the TP groups of its members (the TP x DP
-    ranks of a pipeline stage), or None where the two are not orthogonal axes of one grid.
-
-    Making process groups is collective over the whole job in torch.distributed: every process
-    must call this at the same point (a plugin binding its optimizer), with its own groups. One
-    ``all_gather_object`` over the world tells every process every process's groups; all of them
-    then create every valid grid in one sorted order, once per job."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return [None] * len(bases)
-    tp = tuple(sorted(dist.get_process_group_ranks(tp_group)))
-    mine = [(tp, group_key(b)) for b in bases]
-    every = all_gather_objects(mine)
-    tp_of = {r: pairs[0][0] for r, pairs in enumerate(every) if pairs}
-
-    def span(pair: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[int, ...] | None:
-        a, b = pair
-        if any(q not in tp_of for q in b):
-            return None
-        ranks = tuple(sorted({r for q in b for r in tp_of[q]}))
-        return ranks if len(ranks) == len(a) * len(b) else None
-
-    # The ranks of one data-parallel group name the same pair, and the same grid: each distinct
-    # pair is spanned and each grid checked once, not once per rank (quadratic in the world size:
-    # seconds at 1024 ranks).
-    spanned: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ...] | None] = {}
-    for pairs in every:
-        for pair in pairs:
-            if pair not in spanned:
-                spanned[pair] = span(pair)
-    spans = [[spanned[pair] for pair in pairs] for pairs in every]
-    listed = [set(s for s in per_rank if s is not None) for per_rank in spans]
-    # A grid is made only if every member names it: then all of them agree on its members.
-    named = {s for per_rank in listed for s in per_rank}
-    valid = sorted(s for s in named if all(s in listed[q] for q in s))
-    world = dist.group.WORLD
-    for ranks in valid:
-        made = _GRIDS.get(ranks)
-        if made is None or made[0] is not world:
-            _GRIDS[ranks] = (world, dist.new_group(list(ranks)))
-        # A member's grid rank is its place in the sorted ranks (new_group sorts them); where that is
-        # r_dp * tp + r_tp for every member, the grid is the two groups in one (grid_of).
-        pairs = {q: next(pair for pair, s in zip(every[q], spans[q]) if s == ranks) for q in ranks}
-        if all(i == b.index(q) * len(a) + a.index(q) for i, (q, (a, b)) in enumerate(pairs.items())):
-            for a, b in set(pairs.values()):
-                _GRID_OF[(b, a)] = (world, _GRIDS[ranks][1])
-    me = dist.get_rank()
-    return [_GRIDS[s][1] if s in valid else None for s in spans[me]]
 
 
 def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
