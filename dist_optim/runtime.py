@@ -162,7 +162,7 @@ class OwnerRuntime:
     :meth:`plan` (one ``all_gather_object`` per work group)."""
 
     #: Route pieces to their owners (False: gather every tensor whole and share the results whole:
-    #: the same result bit for bit, kept for the tests and ``bench/bench_step.py --route`` that
+    #: the same result bit for bit, kept for the tests and ``bench/bench_step.py --dist`` rows that
     #: compare the two).
     route_pieces: bool = True
 

@@ -28,7 +28,6 @@ from ..checks import group_lr
 from ..comm import group_size
 from ..layout import ParamLayout
 from ..multi_tensor import scale_
-from ..owners import Task
 from ..partition import all_gather_parts, live_groups, partition_span
 from ..runtime import OwnerRuntime
 from .adamw import fused_plain_adamw, low_rank_adamw, plain_adamw_update
@@ -121,9 +120,6 @@ class DistributedGaLore(DistOptimizer):
         # Not group options (options.py says why): checked once here; every group's in validate_group.
         check_optimizer_options(optim_bits, min_8bit_size, adam_style, projector_dtype)
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
-        #: Each GaLore parameter's SVD task (owner and route, :func:`.coordination.plan_refresh`),
-        #: planned at the first refresh after binding or a new group.
-        self._svd_tasks: dict[torch.Tensor, Task] | None = None
         self.projector_dtype = projector_dtype
         self.optim_bits = int(optim_bits)
         self.min_8bit_size = int(min_8bit_size)
@@ -136,7 +132,8 @@ class DistributedGaLore(DistOptimizer):
         self.comm_stats: collections.Counter[str] = collections.Counter()
         self._shapes_checked = False
         #: Who computes each matrix's SVDs (this rank alone until bound, then over the TP x
-        #: data-parallel grids made at bind), and the refresh's exchanges.
+        #: data-parallel grids made at bind; tasks planned at the first refresh after binding or a
+        #: new group: :func:`.coordination.plan_refresh`), and the refresh's exchanges.
         self.owner_runtime = OwnerRuntime()
         self._groups_cache: dict[torch.Tensor, tuple[ParamLayout, tuple[Any, ...], tuple[Any, ...]]] = {}
         # betas is checked with the group (validate_group); a list becomes the usual tuple
@@ -163,7 +160,7 @@ class DistributedGaLore(DistOptimizer):
             for key, value in GROUP_DEFAULTS.items():
                 param_group.setdefault(key, value)
             self._shapes_checked = False
-        self._svd_tasks = None
+        self.owner_runtime.forget()
         super().add_param_group(param_group)
         for key in OPTIMIZER_WIDE:
             self.param_groups[-1].pop(key, None)
@@ -185,7 +182,6 @@ class DistributedGaLore(DistOptimizer):
         # process groups, made now, collectively over the job (every process binds).
         galore = [self.layout(p) for g in self.param_groups if "rank" in g for p in g["params"]]
         self.owner_runtime.bind(galore, self.dp_group, self.tp_group)
-        self._svd_tasks = None
         self._groups_cache.clear()
 
     def _check_shapes(self) -> None:
@@ -379,15 +375,13 @@ class DistributedGaLore(DistOptimizer):
                 state[key] = value.reshape(-1)[lo:hi].clone()
         return state
 
-    def _refresh_tasks(self) -> dict[torch.Tensor, Task]:
-        """Every GaLore parameter's SVD task, planned once (collective: routes are asked of the work
-        groups; every rank plans at the same step, its first refresh)."""
-        if self._svd_tasks is None:
+    def _refresh_tasks(self) -> None:
+        """Every GaLore parameter's SVD task, planned once in the owner runtime (pure; its routes are
+        asked of the work groups by the first refresh that runs, on every rank at the same step)."""
+        if not self.owner_runtime.tasks:
             params = [p for g in self.param_groups if "rank" in g for p in g["params"]]
             layouts = [self.layout(p) for p in params]
-            tasks = plan_refresh(self.owner_runtime, params, [(layout, layout.full_shape) for layout in layouts])
-            self._svd_tasks = dict(zip(params, tasks))
-        return self._svd_tasks
+            plan_refresh(self.owner_runtime, params, [(layout, layout.full_shape) for layout in layouts])
 
     def _low_rank_steps(self, items: list[GaLoreMatrix]) -> list[tuple[float, torch.Tensor]]:
         """Low-rank AdamW on this rank's partition of each item's low-rank gradient: the step size

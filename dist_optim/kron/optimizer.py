@@ -19,7 +19,7 @@ from ..base import DistOptimizer
 from ..budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..checks import group_lr
 from ..layout import ParamLayout
-from ..owners import Owner, Task, share_results
+from ..owners import Owner, share_results
 from ..runtime import OwnedWork, OwnerRuntime
 from .blocks import discard_probe, draw_probe
 from .momentum import momentum_bytes, update_momenta
@@ -175,8 +175,8 @@ class DistributedKron(DistOptimizer):
         self._random = KronRandomness(seed, probe_rng)
         self._scratch = FactorScratch()
         self._plans: dict[torch.Tensor, FactorPlan] = {}
-        #: Each parameter's owner task (planned at binding, or by the first step: work alone).
-        self._tasks: dict[torch.Tensor, Task] = {}
+        #: Each parameter's owner task (planned at binding, or by the first step: work alone), and the
+        #: step's exchanges.
         self.owner_runtime = OwnerRuntime()  # who preconditions each parameter, and the step's exchanges
 
     def validate_group(self, group: dict[str, Any]) -> None:
@@ -222,7 +222,7 @@ class DistributedKron(DistOptimizer):
     def _plan_owners(self) -> None:
         params_groups = [(p, g) for g in self.param_groups for p in g["params"]]
         plans = [self._plan(p, group) for p, group in params_groups]
-        self._tasks = plan_param_owners(
+        plan_param_owners(
             self.owner_runtime,
             [p for p, _ in params_groups],
             [self.layout(p) for p, _ in params_groups],
@@ -230,8 +230,7 @@ class DistributedKron(DistOptimizer):
         )
 
     def _owner(self, param: torch.Tensor) -> Owner | None:
-        task = self._tasks.get(param)
-        return None if task is None else task.owner(0)
+        return self.owner_runtime.owner(param)
 
     def _mine(self, param: torch.Tensor) -> bool:
         owner = self._owner(param)
@@ -287,7 +286,7 @@ class DistributedKron(DistOptimizer):
                 state["step"] += 1
                 todo.append((group, p, g))
                 sizes.append(layout.full_numel * momentum_bytes(state, p, group, eight) * inputs)
-        if any(p not in self._tasks for _, p, _ in todo):
+        if any(p not in self.owner_runtime.tasks for _, p, _ in todo):
             self._plan_owners()  # unbound (every parameter this rank's alone), or a new param group
         # The next bucket's momenta travel while this one's owners compute; directions in
         # parameter order on every rank (the sequential probes stay in step).
@@ -313,7 +312,7 @@ class DistributedKron(DistOptimizer):
         for (group, p, g), m, layout in zip(todo, momenta, layouts):
             # An 8-bit parameter's fp32 momentum is already stored as codes: the owner may work in it.
             item = KronParam(group, p, m, g, layout, scratch=self.eight_bit(layout))
-            works.append(OwnedWork(item, self._tasks[p], item.fit_inputs(), precond_dtype(group)))
+            works.append(OwnedWork(item, self.owner_runtime.tasks[p], item.fit_inputs(), precond_dtype(group)))
         return works
 
     def _compute(self, works: list[OwnedWork[KronParam]], do_update: bool, balance: bool) -> None:

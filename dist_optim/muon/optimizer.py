@@ -188,14 +188,13 @@ class DistributedMuon(DistOptimizer):
             adamw_eps=adamw_eps,
             use_muon=True,
         )
-        self._tasks: dict[torch.Tensor, Task] | None = None
         self.owner_runtime = OwnerRuntime()  # who orthogonalizes each matrix, and the step's exchanges
         self._checked = False
         super().__init__(params, defaults, nonfinite=nonfinite)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        self._tasks = None
+        self.owner_runtime.forget()
         self._checked = False
 
     def validate_group(self, group: dict[str, Any]) -> None:
@@ -238,7 +237,6 @@ class DistributedMuon(DistOptimizer):
         # Under TP the matrices are split over the TP x data-parallel grid: every rank of it can
         # own a matrix, not only one TP rank's data-parallel group. Collective over the job.
         self.owner_runtime.bind([self.layout(p) for p in self._muon_params()], self.dp_group, self.tp_group)
-        self._tasks = None
 
     def _muon_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
@@ -267,8 +265,8 @@ class DistributedMuon(DistOptimizer):
         (:func:`newton_schulz_flops`, with the products' forms on the parameters' device). The
         iteration's dtype is the group's ``ns_dtype`` or the parameter's, the same on every rank of
         the work group, so every rank computes the same owners."""
-        if self._tasks is not None:
-            return self._tasks
+        if self.owner_runtime.tasks:
+            return self.owner_runtime.tasks
         groups = {p: g for g in self.param_groups for p in g["params"]}
         specs = []
         params = self._muon_params()
@@ -280,8 +278,8 @@ class DistributedMuon(DistOptimizer):
             steps, gram_space = len(_schedule(group)), group["ns_gram_space"]
             flops = newton_schulz_flops(m, n, steps, dtype, gram_space, structured.blocked(p))
             specs.append((layout, layout.full_shape, boxes, [flops] * len(boxes)))
-        self._tasks = dict(zip(params, self.owner_runtime.plan(params, specs)))
-        return self._tasks
+        self.owner_runtime.plan(params, specs)
+        return self.owner_runtime.tasks
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.no_grad()

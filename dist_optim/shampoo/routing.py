@@ -18,7 +18,6 @@ import torch
 from ..comm import SumBucket
 from ..layout import ParamLayout
 from ..owners import Owner, Task, WorkGroup
-from ..placement import Route
 from ..runtime import OwnerRuntime
 from .blocking import Block, plan_blocks
 
@@ -35,16 +34,8 @@ class BlockPlan:
     task: Task
 
     @property
-    def owners(self) -> list[int]:
-        return self.task.owners
-
-    @property
     def work(self) -> WorkGroup:
         return self.task.work
-
-    @property
-    def route(self) -> Route | None:
-        return self.task.route
 
     def owner(self, index: int) -> Owner:
         return self.task.owner(index)

@@ -8,9 +8,8 @@ import torch
 
 from ..checks import group_lr
 from ..multi_tensor import scale_
-from .blocking import Block
 
-__all__ = ["apply_update", "apply_updates", "join_blocks", "whole_views"]
+__all__ = ["apply_update", "apply_updates", "whole_views"]
 
 
 def apply_update(p: torch.Tensor, update: torch.Tensor, buf: torch.Tensor | None, group: dict[str, Any]) -> None:
@@ -45,16 +44,6 @@ def apply_updates(
             for i, b in moving:
                 ds[i] = b
     torch._foreach_add_(ps, ds, alpha=-group_lr(group))
-
-
-def join_blocks(view_shape: tuple[int, ...], blocks: list[Block], tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensor of ``view_shape`` made of one tensor per block (the only one itself, reshaped)."""
-    if len(tensors) == 1:
-        return tensors[0].reshape(view_shape)
-    full = tensors[0].new_empty(view_shape)
-    for block, d in zip(blocks, tensors):
-        full[block.slices] = d
-    return full
 
 
 def whole_views(
