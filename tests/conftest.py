@@ -12,6 +12,12 @@ import pytest
 # Children (spawned workers, torchrun ranks, CLI subprocesses) inherit the setting.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+# NCCL's rules on every collective dist_optim issues (dist_optim/comm/rules.py): each gloo group is
+# treated as an NCCL group on a simulated accelerator, so a host tensor handed to a collective, or
+# sizes and dtypes that differ across ranks, fail here as they would on a GPU cluster. Before
+# dist_optim is imported (the mode is read at import), and inherited by every child process.
+os.environ.setdefault("DIST_OPTIM_COLLECTIVE_RULES", "nccl")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

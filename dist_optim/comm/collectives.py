@@ -15,6 +15,11 @@ from ..chunks import aligns_for, chunk_numel, exchange_round, flat_to, pack_chun
 from ..dtypes import widest_dtype
 from ..layout import ParamLayout
 from .groups import group_rank, group_size, ordered_groups
+from .rules import StagedWork, Staging, check
+
+#: torch.distributed itself: ``dist`` is rebound inside ``collectives_through``, whose backend
+#: (the planner's recorder) neither stages nor is checked.
+_TORCH_DIST = dist
 
 #: Number of collectives issued since the last :func:`reset_counts`, by operation name.
 COUNTS: collections.Counter[str] = collections.Counter()
@@ -83,11 +88,21 @@ def _all_reduce_many(tensors: list[torch.Tensor], group: Any, op: str = "sum") -
     COUNTS["all_reduce"] += 1
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     if len(tensors) == 1 and tensors[0].is_contiguous():
-        dist.all_reduce(tensors[0], op=reduce_op, group=group)
+        _all_reduce(tensors[0], reduce_op, group)
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, op=reduce_op, group=group)
+    _all_reduce(flat, reduce_op, group)
     flat_to(flat, tensors)
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
+    """``torch.distributed.all_reduce`` of ``tensor`` in place, on the group's device."""
+    staging = Staging(group, active=dist is _TORCH_DIST)
+    on_device = staging.recv(tensor, filled=True)
+    if dist is _TORCH_DIST:
+        check("all_reduce", group, [on_device], [on_device])
+    dist.all_reduce(on_device, op=op, group=group)
+    staging.finish()
 
 
 def _all_gather_flat(flat: torch.Tensor, group: Any, wait: bool = True) -> tuple[torch.Tensor, Any]:
@@ -97,8 +112,15 @@ def _all_gather_flat(flat: torch.Tensor, group: Any, wait: bool = True) -> tuple
     # A 1-D output: gloo's all_gather_into_tensor rejects a [size, n] one.
     out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
     COUNTS["all_gather"] += 1
-    work = dist.all_gather_into_tensor(out, flat.contiguous(), group=group, async_op=not wait)
-    return out.view(size, flat.numel()), work
+    staging = Staging(group, active=dist is _TORCH_DIST)
+    sent, got = staging.send(flat.contiguous()), staging.recv(out)
+    if dist is _TORCH_DIST:
+        check("all_gather", group, [sent], [got])
+    work = dist.all_gather_into_tensor(got, sent, group=group, async_op=not wait)
+    if wait:
+        staging.finish()
+        return out.view(size, flat.numel()), None
+    return out.view(size, flat.numel()), StagedWork(work, staging)
 
 
 def gather_full(
@@ -163,11 +185,16 @@ def broadcast_from(tensors: Sequence[torch.Tensor], src_rank_in_group: int, grou
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     COUNTS["broadcast"] += 1
+    staging = Staging(group, active=dist is _TORCH_DIST)
+    on_device = staging.recv(flat, filled=True)
+    if dist is _TORCH_DIST:
+        check("broadcast", group, [on_device], [on_device], src=src_rank_in_group)
     dist.broadcast(
-        flat,
+        on_device,
         src=dist.get_global_rank(group, src_rank_in_group) if group is not None else src_rank_in_group,
         group=group,
     )
+    staging.finish()
     flat_to(flat, tensors)
 
 
@@ -291,7 +318,15 @@ def _all_to_all(
     work to wait for."""
     out = torch.empty(sum(recv), dtype=flat.dtype, device=flat.device) if out is None else out
     COUNTS["all_to_all"] += 1
-    return out, dist.all_to_all_single(out, flat, recv, send, group=group, async_op=not wait)
+    staging = Staging(group, active=dist is _TORCH_DIST)
+    sent, got = staging.send(flat), staging.recv(out)
+    if dist is _TORCH_DIST:
+        check("all_to_all", group, [sent], [got], send_splits=send, recv_splits=recv)
+    work = dist.all_to_all_single(got, sent, recv, send, group=group, async_op=not wait)
+    if wait:
+        staging.finish()
+        return out, None
+    return out, StagedWork(work, staging)
 
 
 def reduce_scatter(tensors: Sequence[torch.Tensor], group: Any, align: int | Sequence[int] = 1) -> list[torch.Tensor]:
