@@ -49,7 +49,7 @@ import pytest
 import dist_optim
 from tests.helpers import booster
 from tests.helpers.cases import FAMILIES
-from tests.helpers.support import COLUMNS
+from tests.helpers.support import COLUMNS, OFFLOAD
 
 #: fp32 end-to-end: ``update_rel <= FP32_FLOOR_MARGIN * floor`` (module docstring).
 FP32_FLOOR_MARGIN = 50.0
@@ -76,7 +76,9 @@ SPECS = {f.name: Spec(f.booster, f.cls.__name__) for f in FAMILIES}
 
 def plugin_config(col: tuple) -> tuple[str, dict, int]:
     """(plugin class name, constructor kwargs, processes) for a support-table column."""
-    plugin, tp, pp, zero, precision, *sp = col
+    plugin, tp, pp, zero, precision, *extra = col
+    sp = [e for e in extra if e != OFFLOAD]
+    offload = {"cpu_offload": True} if OFFLOAD in extra else {}
     if plugin == "HybridParallelPlugin":
         kwargs = dict(tp_size=tp, pp_size=pp, zero_stage=zero, precision=precision)
         if sp:
@@ -89,12 +91,12 @@ def plugin_config(col: tuple) -> tuple[str, dict, int]:
             kwargs["microbatch_size"] = 1
         if precision == "fp16":
             kwargs["initial_scale"] = 2**16  # 2**32 overflows every step
-        return plugin, kwargs, 4
+        return plugin, dict(kwargs, **offload), 4
     if plugin == "MoeHybridParallelPlugin":
         kwargs = dict(tp_size=tp, pp_size=pp, ep_size=2, zero_stage=zero, precision=precision)
         return plugin, dict(kwargs, overlap_communication=False), 4
     if plugin == "LowLevelZeroPlugin":
-        return plugin, dict(stage=zero, precision=precision, overlap_communication=False), 4
+        return plugin, dict(stage=zero, precision=precision, overlap_communication=False, **offload), 4
     return plugin, {}, 2
 
 
@@ -140,6 +142,11 @@ def test_booster_parity(name, col, pool4, pool2, tmp_path) -> None:
             # everything else over all 4 ranks
             assert res["zero_sizes"] == [2, 4], res["zero_sizes"]
             assert res["experts_on_moe_group"], f"rank {rank}: expert parameters bound to the wrong group"
+        # ZeRO kept the masters in host memory, and every collective of ours was staged through
+        # the (simulated, tests/conftest.py) accelerator: none handed NCCL a host tensor.
+        assert res["cpu_offload"] == ("cpu_offload" in kwargs), res["cpu_offload"]
+        if "cpu_offload" in kwargs:
+            assert res["staged_bytes"] > 0, "no collective of the step was staged through the group's device"
         assert res["replayed_steps"] == STEPS, res["replayed_steps"]
         assert not res["replay"], f"rank {rank}: differs from the single-device algorithm on the same inputs: " + (
             "; ".join(res["replay"][:8])

@@ -25,6 +25,12 @@ HP_TP2_ZERO2 = (
     dict(tp_size=2, pp_size=1, zero_stage=2, precision="bf16", overlap_communication=False),
 )
 LLZ_BF16 = ("LowLevelZeroPlugin", dict(stage=1, precision="bf16", overlap_communication=False))
+# ZeRO's CPU offload: masters and optimizer state in host memory.
+LLZ_OFFLOAD = ("LowLevelZeroPlugin", dict(LLZ_FP32[1], cpu_offload=True))
+HP_TP2_ZERO1_OFFLOAD = (
+    "HybridParallelPlugin",
+    dict(tp_size=2, pp_size=1, zero_stage=1, precision="bf16", overlap_communication=False, cpu_offload=True),
+)
 # A tiny Mixtral: 4 experts over ep=2 (expert state on the MoE data-parallel group), and ep=1.
 MOE_EP2 = (
     "MoeHybridParallelPlugin",
@@ -38,10 +44,12 @@ SAME_LAYOUT = [
     pytest.param(HP_TP2, True, id="tp2-fp32-sharded"),
     pytest.param(HP_TP2_ZERO2, True, id="tp2-zero2-bf16-sharded"),
     pytest.param(MOE_EP2, True, id="moe-ep2-bf16-sharded"),
+    pytest.param(LLZ_OFFLOAD, True, id="llz-offload-fp32-sharded"),
 ]
 RESAVED = [
     pytest.param(HP_TP2_ZERO2, LLZ_BF16, id="tp2-to-llz"),
     pytest.param(MOE_EP2, MOE_EP1, id="moe-ep2-to-ep1"),
+    pytest.param(HP_TP2_ZERO1_OFFLOAD, LLZ_BF16, id="tp2-offload-to-llz"),
 ]
 
 

@@ -420,10 +420,13 @@ def booster_parity(
     """
     install()
     import dist_optim
+    from dist_optim.comm import rules
 
+    rules.reset_staged()
     init, got, got_states, wrapper, plugin, records = _boosted_run(
         plugin_name, plugin_kwargs, opt_path, opt_kwargs, steps, ckpt_dir
     )
+    staged = sum(rules.STAGED.values())
     saved = weights_only_refusals(ckpt_dir) if ckpt_dir is not None else ({}, 0)
     pipeline = plugin_kwargs.get("pp_size", 1) > 1
     ref, ref_states = replay(opt_path, opt_kwargs, records, pipeline, plugin_name)
@@ -459,6 +462,8 @@ def booster_parity(
         "experts_on_moe_group": _experts_on_moe_group(opt, plugin),
         "replay": replay_bad,
         "replayed_steps": len(records),
+        "cpu_offload": bool(getattr(wrapper, "_cpu_offload", False)),
+        "staged_bytes": staged,
         "errors": errors,
         "floor": floor,
         "all_names": sorted(expected),

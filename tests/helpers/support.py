@@ -32,7 +32,8 @@ README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.ab
 # Booster layouts, in the order of the table's columns: (plugin, tp, pp, ZeRO stage, precision)
 # and, for sequence parallelism, a sixth entry: the SP mode. "all_to_all" runs on its own sp=2
 # axis, and ZeRO then shards over dp x sp (not over the dp group ColossalAI hands to
-# setup_distributed); "split_gather" splits the sequence over the TP group.
+# setup_distributed); "split_gather" splits the sequence over the TP group. A sixth entry
+# OFFLOAD instead: ZeRO's ``cpu_offload=True`` (masters and optimizer states in host memory).
 COLUMNS: list[tuple] = [
     ("HybridParallelPlugin", 2, 1, 0, "fp32"),
     ("HybridParallelPlugin", 2, 1, 0, "bf16"),
@@ -43,12 +44,17 @@ COLUMNS: list[tuple] = [
     ("HybridParallelPlugin", 1, 2, 1, "bf16"),
     ("HybridParallelPlugin", 1, 1, 1, "bf16", "all_to_all"),
     ("HybridParallelPlugin", 2, 1, 1, "bf16", "split_gather"),
+    ("HybridParallelPlugin", 2, 1, 1, "bf16", "cpu_offload"),
     # A tiny Mixtral, experts split over ep=2 and ZeRO-sharded over the MoE data-parallel group.
     ("MoeHybridParallelPlugin", 1, 1, 1, "bf16"),
     ("LowLevelZeroPlugin", 1, 1, 1, "bf16"),
     ("LowLevelZeroPlugin", 1, 1, 2, "fp32"),
+    ("LowLevelZeroPlugin", 1, 1, 2, "fp32", "cpu_offload"),
     ("TorchDDPPlugin", 1, 1, 0, "fp32"),
 ]
+
+#: The sixth entry of a column with ZeRO's CPU offload.
+OFFLOAD = "cpu_offload"
 
 PARITY_HEADER = "parity grid"
 CHECKPOINT_HEADER = "checkpoint resume / reshard"
@@ -151,7 +157,8 @@ def _failure_line(report: Any) -> str:
 
 
 def _header(col: tuple) -> str:
-    plugin, tp, pp, zero, precision, *sp = col
+    plugin, tp, pp, zero, precision, *extra = col
+    sp = [e for e in extra if e != OFFLOAD]
     short = {
         "HybridParallelPlugin": "Hybrid",
         "MoeHybridParallelPlugin": "MoeHybrid ep=2",
@@ -168,6 +175,8 @@ def _header(col: tuple) -> str:
     if plugin != "TorchDDPPlugin":
         parts.append(f"ZeRO-{zero}")
     parts.append(precision)
+    if OFFLOAD in extra:
+        parts.append("CPU offload")
     return " ".join(parts)
 
 
