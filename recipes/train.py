@@ -117,6 +117,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="ZeRO stage")
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 with ZeRO")
     ap.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="ZeRO keeps the fp32 masters and optimizer states in host memory (needs --zero 1 or 2)",
+    )
+    ap.add_argument(
         "--attn",
         choices=["sdpa", "flash", "eager"],
         default=None,
@@ -193,6 +198,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--eval-every with --pp > 1 is not supported by this recipe yet")
     if args.plugin == "zero" and args.zero == 0:
         args.zero = 1
+    if args.cpu_offload and (args.plugin == "ddp" or args.zero == 0):
+        ap.error("--cpu-offload is ZeRO's: add --zero 1 or --zero 2 (with --plugin hybrid or zero)")
     for name in ("grad_accum", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -368,6 +375,7 @@ def build_plugin(args: argparse.Namespace, config: Any = None) -> Any:
             make_vocab_size_divisible_by=vocab_multiple(config) if config is not None else VOCAB_MULTIPLE,
             initial_scale=2**16,
             overlap_communication=not cpu,
+            cpu_offload=args.cpu_offload,
             **(
                 dict(sp_size=args.sp, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
                 if args.sp > 1
@@ -381,6 +389,7 @@ def build_plugin(args: argparse.Namespace, config: Any = None) -> Any:
             max_norm=args.grad_clip,
             initial_scale=2**16,
             overlap_communication=not cpu,
+            cpu_offload=args.cpu_offload,
         )
     return plugins.TorchDDPPlugin()
 

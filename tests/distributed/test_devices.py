@@ -607,3 +607,47 @@ def test_one_rank_booster(device: str) -> None:
     assert res["is_dist_optim"] and res["swapped_to"] == "DistributedLamb", res
     assert res["zero_bound"], res
     assert len(res["losses"]) == 3 and all(torch.isfinite(torch.tensor(res["losses"]))), res["losses"]
+
+
+def staged_on_nccl() -> dict[str, Any]:
+    """On a one-rank NCCL group: host tensors (ZeRO's offloaded masters) through each collective
+    dist_optim issues, called below the one-rank shortcut so that NCCL really runs; with the
+    staging, then without (NCCL's own refusal)."""
+    import torch.distributed as dist
+
+    from dist_optim.comm import collectives, rules
+
+    group = dist.new_group([0])  # the default group, as its own object: not cached as None
+    out: dict[str, Any] = {"device": str(rules.group_device(group))}
+    t = torch.arange(6, dtype=torch.float32)
+    collectives._all_reduce(t, dist.ReduceOp.SUM, group)
+    gathered, _ = collectives._all_gather_flat(t, group)
+    sent, _ = collectives._all_to_all(t.clone(), [6], [6], group, True)
+    out["values"] = [t.tolist(), gathered.reshape(-1).tolist(), sent.tolist()]
+    out["host"] = [x.device.type for x in (t, gathered, sent)]
+    saved, rules.STAGE = rules.STAGE, False
+    try:
+        collectives._all_reduce(torch.ones(3), dist.ReduceOp.SUM, group)
+        out["unstaged"] = ""
+    except (RuntimeError, ValueError) as e:  # our rule, or NCCL's own refusal
+        out["unstaged"] = str(e).splitlines()[0]
+    finally:
+        rules.STAGE = saved
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP)
+def test_host_tensors_are_staged_through_nccl() -> None:
+    """What a ZeRO CPU-offload step hands NCCL: every collective of ours stages host tensors
+    through the GPU and back (the values unchanged on one rank; the results on the host), and the
+    same call without the staging is refused."""
+    pool = DistPool(1, backend="nccl")
+    try:
+        (res,) = pool.run(staged_on_nccl)
+    finally:
+        pool.close()
+    assert res["device"].startswith("cuda"), res
+    expected = [float(i) for i in range(6)]
+    assert res["values"] == [expected] * 3 and res["host"] == ["cpu"] * 3, res
+    assert res["unstaged"], "a host tensor reached NCCL without an error"

@@ -354,3 +354,39 @@ def test_the_old_module_name_is_the_recipe() -> None:
     import importlib
 
     assert importlib.import_module("recipes.train_llama") is importlib.import_module("recipes.train")
+
+
+def _offload_worker(extra: list[str]) -> dict[str, object]:
+    """The recipe's train() for 3 steps under ZeRO-2 (fp32, Muon with its auxiliary AdamW): the
+    losses, and whether ZeRO kept the masters in host memory."""
+    from dist_optim.plugins.cpu import install, quiet_colossal
+    from recipes import train
+
+    install()
+    argv = ["--model", "tiny", "--plugin", "zero", "--zero", "2", "--precision", "fp32", "--steps", "3"]
+    argv += ["--seq-len", "32", "--batch-size", "2", "--no-progress", "--log-every", "0", "--warmup", "1"]
+    argv += ["--optimizer", "muon", "--lr", "1e-2", *extra]
+    with quiet_colossal():
+        args = train.parse_args(argv)
+        history = train.train(args)
+        plugin = train.build_plugin(args)
+    offload = bool(plugin.zero_optim_kwargs.get("cpu_offload"))  # what ColossalAI's LowLevelZero reads
+    return {"loss": [e["loss"] for e in history], "offload": offload}
+
+
+def test_cpu_offload_trains_like_without(pool4, capsys: pytest.CaptureFixture[str]) -> None:
+    """--cpu-offload: the recipe's ZeRO-2 run with the masters in host memory gives the losses of
+    the run without (the same arithmetic on these CPU processes: bound 1e-6 relative, measured equal);
+    without a ZeRO stage the option is refused in one line."""
+    from recipes.train import parse_args
+
+    plain = pool4.run(_offload_worker, [])
+    offloaded = pool4.run(_offload_worker, ["--cpu-offload"])
+    for rank, (a, b) in enumerate(zip(plain, offloaded)):
+        assert b["offload"] and not a["offload"], (rank, a["offload"], b["offload"])
+        for x, y in zip(a["loss"], b["loss"]):
+            assert abs(x - y) <= 1e-6 * abs(x), (rank, a["loss"], b["loss"])
+    for bad in (["--cpu-offload"], ["--plugin", "ddp", "--cpu-offload"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "tiny", *bad])
+        assert "--cpu-offload is ZeRO's: add --zero 1 or --zero 2" in capsys.readouterr().err
