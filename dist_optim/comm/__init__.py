@@ -26,8 +26,9 @@ process follows, so collectives on overlapping groups cannot deadlock.
 The package's other modules hold what the collectives need to know about groups: :mod:`.groups`
 (sizes, ranks and members cached, the one order of groups, their lifetime), :mod:`.grids` (the
 TP x DP grids made once per job) and :mod:`.rules` (NCCL's rules on each collective's tensors, and
-the staging of host tensors, ZeRO's CPU-offloaded masters, through the group's device). :func:`collectives_through` is the one hook by which code outside
-observes or replaces the calls to ``torch.distributed``.
+the staging of host tensors, ZeRO's CPU-offloaded masters, through the group's device).
+:func:`collectives_through` is the one hook by which code outside observes or replaces the calls
+to ``torch.distributed``.
 """
 
 from __future__ import annotations
