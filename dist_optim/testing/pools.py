@@ -13,6 +13,7 @@ session, not per test.
 
 from __future__ import annotations
 
+import copy
 import faulthandler
 import gc
 import importlib
@@ -154,7 +155,11 @@ class DistPool:
                 except queue.Empty:
                     break
                 if ok:
-                    out[rank] = payload
+                    # A tensor received from a worker holds a file descriptor for as long as it lives
+                    # (torch's file_descriptor sharing): a suite that keeps results (a module-level
+                    # cache of reference runs) would run out of descriptors ("received 0 items of
+                    # ancdata"). A copy owns its memory, and the shared one is closed at once.
+                    out[rank] = copy.deepcopy(payload)
                 else:
                     failures[rank] = payload
                     # The other ranks may be stuck in a collective with the failed one: give them a
