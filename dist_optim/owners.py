@@ -250,6 +250,13 @@ class WorkGroups:
             return ONE_RANK
         return work_group(layout, self._dp_group, self._tp_group, self._grids)
 
+    def of_slice(self, layout: ParamLayout) -> WorkGroup:
+        """The :class:`WorkGroup` of this rank's TP slice of a tensor of ``layout`` taken as a
+        tensor of its own (work that never needs the other slices): the data-parallel ranks that
+        share the slice, never its TP peers, which hold other slices."""
+        base = data_group(layout, self._dp_group) if self._bound else None
+        return WorkGroup.of(base) if base is not None else ONE_RANK
+
 
 # ---- tensors cut into boxes, each box computed on its owner ------------------------------------
 @dataclasses.dataclass(eq=False)

@@ -183,15 +183,26 @@ class OwnerRuntime:
     def work_of(self, layout: ParamLayout) -> WorkGroup:
         return self.groups.of(layout)
 
+    def slice_work_of(self, layout: ParamLayout) -> WorkGroup:
+        """The work group of this rank's TP slice of a tensor of ``layout`` planned as a tensor of
+        its own (:meth:`~dist_optim.owners.WorkGroups.of_slice`)."""
+        return self.groups.of_slice(layout)
+
     def plan(
         self,
         params: Sequence[torch.Tensor],
         specs: Sequence[tuple[ParamLayout, tuple[int, ...], Sequence[Box], Sequence[float]]],
+        works: Sequence[WorkGroup | None] | None = None,
     ) -> list[Task]:
         """The task of each parameter, from ``(layout, view, boxes of the view, cost of each box)``:
         all the boxes of a work group balanced by cost over its ranks (:func:`~dist_optim.owners.plan_tasks`).
+        ``works`` gives a parameter's work group where it is not its layout's (None: the layout's).
         Pure: every rank gets the same owners from the same full shapes."""
-        items = [(self.work_of(layout), layout, tuple(view), boxes, costs) for layout, view, boxes, costs in specs]
+        given = list(works) if works is not None else [None] * len(specs)
+        items = [
+            (work or self.work_of(layout), layout, tuple(view), boxes, costs)
+            for (layout, view, boxes, costs), work in zip(specs, given)
+        ]
         tasks = plan_tasks(items)
         self.tasks = dict(zip(params, tasks))
         self._routed = False

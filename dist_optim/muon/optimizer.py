@@ -18,7 +18,7 @@ from ..dtypes import check_communication_dtype
 from ..layout import ParamLayout
 from ..multi_tensor import scale_
 from ..newton_schulz import Coefficients, newton_schulz_flops, newton_schulz_many
-from ..owners import Task
+from ..owners import Task, WorkGroup
 from ..runtime import OwnedWork, OwnerRuntime, Transport
 from .adamw import adamw_step
 from .coefficients import DEFAULT_NS_COEFFICIENTS, check_coefficients, schedule
@@ -43,20 +43,41 @@ def _is_stacked(full_shape: tuple[int, ...], group: dict[str, Any]) -> bool:
     return bool(group["stacked"]) and len(full_shape) > 2
 
 
+def _heads(group: dict[str, Any]) -> int:
+    """Row blocks each matrix of the group is cut into (1: the whole matrix)."""
+    return int(group.get("heads") or 1)
+
+
 def _matrix_shape(full_shape: tuple[int, ...], group: dict[str, Any]) -> tuple[int, int]:
     """The shape of one matrix of a parameter: ``shape[0] x prod(shape[1:])``, or with
-    ``stacked`` (3+ dims) ``shape[1] x prod(shape[2:])`` for each of its ``shape[0]`` slices."""
+    ``stacked`` (3+ dims) ``shape[1] x prod(shape[2:])`` for each of its ``shape[0]`` slices, or
+    with ``heads`` one of its ``heads`` row blocks, ``shape[0] / heads x prod(shape[1:])``."""
     if _is_stacked(full_shape, group):
         return full_shape[1], math.prod(full_shape[2:])
-    return full_shape[0], math.prod(full_shape[1:])
+    return full_shape[0] // _heads(group), math.prod(full_shape[1:])
 
 
-def _matrix_boxes(full_shape: tuple[int, ...], group: dict[str, Any]) -> list[tuple[tuple[int, int], ...]]:
-    """The boxes of the full tensor that are one matrix each: the whole tensor, or its slices."""
+def _matrix_boxes(
+    full_shape: tuple[int, ...], group: dict[str, Any], heads: int | None = None
+) -> list[tuple[tuple[int, int], ...]]:
+    """The boxes of the tensor (of ``full_shape``) that are one matrix each: the whole tensor, its
+    slices (``stacked``) or its row blocks (``heads`` of them: the group's, or those of a view)."""
     rest = tuple((0, s) for s in full_shape[1:])
     if _is_stacked(full_shape, group):
         return [((i, i + 1), *rest) for i in range(full_shape[0])]
-    return [((0, full_shape[0]), *rest)]
+    n = _heads(group) if heads is None else heads
+    rows = full_shape[0] // n
+    return [((h * rows, (h + 1) * rows), *rest) for h in range(n)]
+
+
+def local_heads(layout: ParamLayout, heads: int) -> int | None:
+    """How many of a matrix's ``heads`` row blocks this rank's TP slice holds whole, where its rows
+    are split over TP (dim 0, Linear1D_Col's q/k/v) into whole heads; None otherwise. Those heads
+    are then orthogonalized from the slice alone: no head crosses the TP group."""
+    tp = layout.tp
+    if heads <= 1 or tp is None or tp.dim % len(layout.full_shape) != 0 or heads % tp.size:
+        return None
+    return heads // tp.size
 
 
 def _schedule(group: dict[str, Any]) -> list[Coefficients]:
@@ -113,6 +134,13 @@ class DistributedMuon(DistOptimizer):
             orthogonalized on its own (on its own owner rank) with that shape's lr adjustment.
             Default: the whole parameter is one ``shape[0] x prod(shape[1:])`` matrix (a conv
             weight).
+        heads: per-head Muon, a param-group option (None: off): each matrix's rows are cut into
+            ``heads`` equal blocks (a q_proj's attention heads, a k_proj's or v_proj's key/value
+            heads), each orthogonalized on its own with its own shape's lr adjustment, as
+            torchtitan's Muon and Megatron-Core's split QKV do (:func:`muon_param_groups` with
+            ``per_head=True`` sets it from a model's config). Where TP splits the rows into whole
+            heads, each rank orthogonalizes its own heads from its slice: nothing crosses the TP
+            group. Not with ``stacked`` 3+-dim parameters.
         eps_form: ``"max"`` (``C / max(||C||, eps)``, torch) or ``"add"`` (``C / (||C|| + eps)``,
             KellerJordan).
         adamw_betas: AdamW's ``(beta1, beta2)`` in ``use_muon=False`` groups.
@@ -156,6 +184,7 @@ class DistributedMuon(DistOptimizer):
         momentum_ema: bool = False,
         ns_gram_space: bool = False,
         stacked: bool = False,
+        heads: int | None = None,
         eps_form: str = "max",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-10,
@@ -183,12 +212,14 @@ class DistributedMuon(DistOptimizer):
             momentum_ema=momentum_ema,
             ns_gram_space=ns_gram_space,
             stacked=stacked,
+            heads=heads,
             eps_form=eps_form,
             adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
             adamw_eps=adamw_eps,
             use_muon=True,
         )
         self.owner_runtime = OwnerRuntime()  # who orthogonalizes each matrix, and the step's exchanges
+        self._view_heads: dict[torch.Tensor, int] = {}  # heads of the tensor each task sees (_ensure_tasks)
         self._checked = False
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -210,6 +241,9 @@ class DistributedMuon(DistOptimizer):
         for flag in ("nesterov", "momentum_ema", "ns_gram_space", "stacked"):
             if not isinstance(group[flag], bool):
                 raise TypeError(f"{flag} must be True or False, got {group[flag]!r}")
+        heads = group.get("heads")
+        if heads is not None and (not isinstance(heads, int) or isinstance(heads, bool) or heads < 1):
+            raise ValueError(f"heads must be None or a positive integer (row blocks per matrix), got {heads!r}")
         steps = group["ns_steps"]
         if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 100:
             raise ValueError(f"ns_steps must be an integer in [1, 100], got {steps!r}")
@@ -257,6 +291,13 @@ class DistributedMuon(DistOptimizer):
                         "matrices: put parameters with fewer than 2 dims (biases, norms) in a param group with "
                         "use_muon=False (AdamW); dist_optim.muon_param_groups(model) builds the usual split"
                     )
+                heads = _heads(group)
+                if heads > 1 and (_is_stacked(shape, group) or shape[0] % heads):
+                    why = "is a stack of matrices (stacked=True)" if _is_stacked(shape, group) else "rows"
+                    raise ValueError(
+                        f"DistributedMuon: heads={heads} for {self.param_label(p)} of shape {tuple(shape)}, whose "
+                        f"{shape[0]} {why}: give its group a heads that divides its rows, or heads=None"
+                    )
         self._checked = True
 
     def _ensure_tasks(self) -> dict[torch.Tensor, Task]:
@@ -270,15 +311,24 @@ class DistributedMuon(DistOptimizer):
         groups = {p: g for g in self.param_groups for p in g["params"]}
         specs = []
         params = self._muon_params()
+        self._view_heads = {}
+        works: list[WorkGroup | None] = []
         for p in params:
             group, layout = groups[p], self.layout(p)
             m, n = _matrix_shape(layout.full_shape, group)
-            boxes = _matrix_boxes(layout.full_shape, group)
+            here = local_heads(layout, _heads(group))
+            works.append(None if here is None else self.owner_runtime.slice_work_of(layout))
+            if here is not None:
+                # Whole heads in this TP slice: the slice is the tensor its tasks see, over the
+                # data-parallel ranks that share it (its ZeRO chunks, or DDP's replicas).
+                layout = ParamLayout(layout.local_shape, None, layout.zero)
+            self._view_heads[p] = _heads(group) if here is None else here
+            boxes = _matrix_boxes(layout.full_shape, group, self._view_heads[p])
             dtype = group["ns_dtype"] or p.dtype
             steps, gram_space = len(_schedule(group)), group["ns_gram_space"]
             flops = newton_schulz_flops(m, n, steps, dtype, gram_space, structured.blocked(p))
             specs.append((layout, layout.full_shape, boxes, [flops] * len(boxes)))
-        self.owner_runtime.plan(params, specs)
+        self.owner_runtime.plan(params, specs, works)
         return self.owner_runtime.tasks
 
     # ---- the step ---------------------------------------------------------------------------
@@ -321,16 +371,16 @@ class DistributedMuon(DistOptimizer):
 
     def _compute(self, works: list[OwnedWork[tuple[dict[str, Any], torch.Tensor]]]) -> None:
         """X of the matrices this rank owns: a parameter held by this rank alone at once, whole."""
-        jobs: list[tuple[torch.Tensor, dict[str, Any], bool]] = []
+        jobs: list[tuple[torch.Tensor, dict[str, Any], bool, int]] = []
         into: list[tuple[OwnedWork[Any], int | None]] = []
         for w in works:
-            group, _ = w.entry
+            group, p = w.entry
             if w.transport == Transport.HERE:
-                jobs.append((w.inputs[0].reshape(w.layout.full_shape), group, False))
+                jobs.append((w.inputs[0].reshape(w.layout.full_shape), group, False, self._view_heads[p]))
                 into.append((w, None))
                 continue
             for b, (c_box,) in w.owned.items():
-                jobs.append((c_box, group, w.copies))
+                jobs.append((c_box, group, w.copies, 1))
                 into.append((w, b))
         for (w, box), result in zip(into, self._orthogonalize_all(jobs)):
             if box is None:
@@ -339,7 +389,7 @@ class DistributedMuon(DistOptimizer):
                 w.results[box] = result
 
     def _deliver(self, works: list[OwnedWork[tuple[dict[str, Any], torch.Tensor]]]) -> None:
-        _apply_all([(p, w.local().view_as(p), w.layout, group) for w in works for group, p in [w.entry]])
+        _apply_all([(p, w.local().view_as(p), self.layout(p), group) for w in works for group, p in [w.entry]])
 
     def eight_bit(self, layout: ParamLayout) -> bool:
         """Whether a parameter of this layout keeps its momentum (Muon) or moments (AdamW) in 8 bits
@@ -352,10 +402,11 @@ class DistributedMuon(DistOptimizer):
         return key.startswith(("momentum_buffer", "exp_avg")) and eight
 
     @staticmethod
-    def _orthogonalize_all(jobs: Sequence[tuple[torch.Tensor, dict[str, Any], bool]]) -> list[torch.Tensor]:
+    def _orthogonalize_all(jobs: Sequence[tuple[torch.Tensor, dict[str, Any], bool, int]]) -> list[torch.Tensor]:
         """X of each job's ``c`` (in ``c``'s shape): a whole parameter's C, or with ``stacked`` a
-        slice of one or all its slices (each its own matrix); ``overwrite``: ``c`` is scratch (a
-        block received by its owner) that the iteration may work in. The matrices of one param
+        slice of one or all its slices (each its own matrix), or its ``row_blocks`` heads (each its
+        own matrix; 1 for one head's box); ``overwrite``: ``c`` is scratch (a block received by its
+        owner) that the iteration may work in. The matrices of one param
         group go to :func:`~dist_optim.newton_schulz.newton_schulz_many` together, which on a GPU
         iterates those of one shape as one batch (the step's launches, not its flops, bind a GPU
         on small matrices), and on the CPU in bfloat16 (faster batched products there:
@@ -363,10 +414,10 @@ class DistributedMuon(DistOptimizer):
         :func:`~dist_optim.newton_schulz.newton_schulz`, bit for bit."""
         calls: dict[tuple[int, bool], tuple[dict[str, Any], list[tuple[int, int]], list[torch.Tensor]]] = {}
         pieces: list[list[torch.Tensor]] = []
-        for j, (c, group, overwrite) in enumerate(jobs):
+        for j, (c, group, overwrite, row_blocks) in enumerate(jobs):
             shape = tuple(c.shape)
             stacked = _is_stacked(shape, group)
-            mats = [s.reshape(shape[1], -1) for s in c] if stacked else [c.reshape(shape[0], -1)]
+            mats = [s.reshape(shape[1], -1) for s in c] if stacked else list(c.reshape(shape[0], -1).chunk(row_blocks))
             _, where, todo = calls.setdefault((id(group), overwrite and not stacked), (group, [], []))
             where += [(j, k) for k in range(len(mats))]
             todo += mats
@@ -376,9 +427,10 @@ class DistributedMuon(DistOptimizer):
             for (j, k), x in zip(where, newton_schulz_many(todo, *options, overwrite=overwrite)):
                 pieces[j][k] = x
         out = []
-        for (c, group, _), mats in zip(jobs, pieces):
+        for (c, group, _, _), mats in zip(jobs, pieces):
             shape = tuple(c.shape)
-            out.append((torch.stack(mats) if _is_stacked(shape, group) else mats[0]).reshape(shape))
+            whole = torch.stack(mats) if _is_stacked(shape, group) else mats[0] if len(mats) == 1 else torch.cat(mats)
+            out.append(whole.reshape(shape))
         return out
 
     # ---- owners -------------------------------------------------------------------------------

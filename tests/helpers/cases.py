@@ -450,4 +450,18 @@ PARITY_CASES += [
             _vector_group=dict(_AUX, weight_decay=1e-2),
         ),
     ),
+    # Per-head Muon: "col" (8 rows, 4 heads of 2) keeps whole heads in its TP slices at tp=2 and 4
+    # (each rank orthogonalizes its own); "emb" (12 rows, 6 heads) at tp=2 (3 heads a rank), not at
+    # tp=4 (6 heads over 4 slices: its heads go to owners of the TP x DP grid); "row" (split by
+    # columns under TP) and "padrep" (5 heads of one row) never.
+    Case(
+        "muon-heads",
+        dist_optim.DistributedMuon,
+        dict(
+            lr=2e-2,
+            weight_decay=1e-2,
+            _per_param={"col": dict(heads=4), "emb": dict(heads=6), "row": dict(heads=2), "padrep": dict(heads=5)},
+            _vector_group=_AUX,
+        ),
+    ),
 ]

@@ -107,12 +107,24 @@ MATRIX_GROUP = "_matrix_group"
 VECTOR_GROUP = "_vector_group"
 
 
+#: A Case kwargs key (not passed to the optimizer): {spec name: options}, each named parameter in a
+#: group of its own with those options (options that depend on the shape, e.g. Muon's ``heads``).
+PER_PARAM = "_per_param"
+
+
 def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any], specs: list[Spec] = SPECS) -> list[dict[str, Any]]:
     """Two groups (matrices, vectors) so per-group options are exercised too; the vectors' group
     takes ``kwargs[VECTOR_GROUP]`` (a dict) where given.
 
     With ``kwargs[MATRIX_GROUP]`` (a dict), three: exactly-2-D params with those options, 3+-D
-    params, vectors."""
+    params, vectors. With ``kwargs[PER_PARAM]``, the named parameters first, one group each."""
+    if PER_PARAM in kwargs:
+        named = kwargs[PER_PARAM]
+        rest = [(p, spec) for p, spec in zip(params, specs) if spec.name not in named]
+        others = {k: v for k, v in kwargs.items() if k != PER_PARAM}
+        groups = param_groups([p for p, _ in rest], others, [spec for _, spec in rest])
+        own = [{"params": [p], **named[spec.name]} for p, spec in zip(params, specs) if spec.name in named]
+        return own + [g for g in groups if g["params"]]
     # By spec, not by p.dim(): ZeRO chunks are 1-D whatever the parameter's shape.
     mats = [p for p, spec in zip(params, specs) if len(spec.shape) >= 2]
     vecs = [p for p, spec in zip(params, specs) if len(spec.shape) < 2]
@@ -126,7 +138,7 @@ def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any], specs: list
 
 
 def make(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor], specs: list[Spec] = SPECS) -> Any:
-    options = {k: v for k, v in kwargs.items() if k not in (MATRIX_GROUP, VECTOR_GROUP)}
+    options = {k: v for k, v in kwargs.items() if k not in (MATRIX_GROUP, VECTOR_GROUP, PER_PARAM)}
     return cls(param_groups(params, kwargs, specs), **options)
 
 
