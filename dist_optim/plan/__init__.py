@@ -101,18 +101,41 @@ class RankPlan:
     #: Working-precision bytes of the parameters, each times ``(g-1)/g`` for the ``g`` ranks that
     #: reduce its gradient (its ZeRO group: the MoE data-parallel group for experts).
     reduced_share: float = 0.0
+    #: ZeRO's CPU offload: masters, their gradients, the state and the step in host memory.
+    offloaded: bool = False
+    #: simulated: the device buffers of the largest collective staged from the host (offload)
+    staged_peak: int = 0
+
+    @property
+    def host_static(self) -> int:
+        """Bytes kept in host memory across steps under CPU offload: the fp32 masters, their fp32
+        gradients (ZeRO's copies of the reduced shards), the optimizer's state and kept buffers."""
+        if not self.offloaded:
+            return 0
+        return 2 * self.fp32_masters + self.optimizer_state + self.kept_buffers
+
+    @property
+    def host_total(self) -> int:
+        """Host memory at the step's peak (0 without offload)."""
+        return self.host_static + self.peak_transient if self.offloaded else 0
+
+    @property
+    def device_transient(self) -> int:
+        """The step's transient on the device: its own, or under offload only the staged buffers."""
+        return self.staged_peak if self.offloaded else self.peak_transient
 
     @property
     def total(self) -> int:
-        return (
+        """Device bytes at the step's peak, before activations."""
+        static = (
             self.working_params
             + self.fp32_masters
             + self.gradients
             + self.ddp_buckets
             + self.optimizer_state
             + self.kept_buffers
-            + self.peak_transient
         )
+        return static - self.host_static + self.device_transient
 
 
 @dataclass
@@ -197,6 +220,18 @@ class Plan:
         return out
 
     @property
+    def host_traffic(self) -> dict[str, float]:
+        """Bytes copied between host and device in one training step under CPU offload (empty
+        without): ``staging`` (the optimizer's collectives, their buffers in and out; simulated)
+        and ``zero`` (ColossalAI's copy of each reduced gradient shard to the host and of the
+        updated master back, both fp32: derived, 8 bytes per master element)."""
+        if not self.layout.cpu_offload:
+            return {}
+        out = {"staging": float(self.steady["staged"]), "zero": float(2 * self.busiest.fp32_masters)}
+        out["total"] = sum(out.values())
+        return out
+
+    @property
     def state_vs_ideal(self) -> float:
         return self.busiest.optimizer_state / self.ideal_state if self.ideal_state else math.inf
 
@@ -235,6 +270,9 @@ class Plan:
             out["stage_activations"] = {s: asdict(a) for s, a in self.stage_activations.items()}
         out["total"] = self.total
         out["step_traffic"] = self.step_traffic
+        if self.layout.cpu_offload:
+            out["host_total"] = self.busiest.host_total
+            out["host_traffic"] = self.host_traffic
         if self.usable is not None:
             out["gpu_memory"] = self.gpu_memory
             out["allocator_margin"] = self.margin
@@ -260,7 +298,7 @@ def rank_total(rank: RankPlan, activations: Activations | None) -> int:
     """``rank``'s peak with its stage's ``activations``: its static bytes plus the larger of its
     step's transient and the activation peak of its schedule."""
     act = activations.schedule_peak if activations is not None else 0
-    return rank.total - rank.peak_transient + max(rank.peak_transient, act)
+    return rank.total - rank.device_transient + max(rank.device_transient, act)
 
 
 def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
@@ -277,6 +315,7 @@ def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
             "bytes_sent": float(s.traffic.bytes_sent),
             "bytes_by_kind": {kind: float(sent) for kind, sent in s.traffic.sent.items()},
             "transient": s.transient,
+            "staged": s.traffic.staged,
         }
         for i, s in enumerate(result.steps)
     ]
@@ -288,7 +327,8 @@ def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
     return RankPlan(
         result.rank, working, master_bytes if separate else 0, grads, result.state_bytes, result.kept_bytes,
         peak["transient"], peak["step"], steps, load, working if layout.uses_torch_ddp else 0,
-        float(reduced * layout.working_dtype.itemsize),
+        float(reduced * layout.working_dtype.itemsize), layout.cpu_offload,
+        max(s.traffic.staged_peak for s in result.steps),
     )  # fmt: skip
 
 
@@ -405,6 +445,10 @@ def format_plan(plan: Plan) -> str:
         ("peak transient in step()", "peak_transient"),
     ):
         lines.append(f"{label:<34}{_gb(getattr(b, key)):>12}{_gb(plan.mean(key)):>20}")
+    if b.offloaded:
+        # masters, their fp32 gradients, state, kept buffers and the step's transient are on the host
+        lines.append(f"{'of which in host memory (offload)':<34}{_gb(b.host_total):>12}")
+        lines.append(f"{'device transient (staged buffers)':<34}{_gb(b.staged_peak):>12}")
     lines.append(f"{'total before activations':<34}{_gb(b.total):>12}")
     if plan.activations is not None and plan.workload is not None and plan.stage_activations:
         a, pp = plan.activations, plan.layout.pp
@@ -451,6 +495,13 @@ def format_plan(plan: Plan) -> str:
         + ", ".join(f"{k} {_gb(v)}" for k, v in t.items() if k != "total")
         + f"; total {_gb(t['total'])} (optimizer and model simulated; gradients and pipeline derived)"
     )
+    if plan.layout.cpu_offload:
+        h = plan.host_traffic
+        lines.append(
+            f"CPU offload: host memory {_gb(b.host_total)} at the step's peak; host<->device per step "
+            f"{_gb(h['total'])} (staging {_gb(h['staging'])} simulated, ZeRO's gradients and masters "
+            f"{_gb(h['zero'])} derived)"
+        )
     if plan.gpu_memory is not None and plan.usable is not None:
         room = plan.usable - plan.total
         verdict = "fits" if room >= 0 else "does NOT fit"

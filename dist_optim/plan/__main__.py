@@ -47,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--sp", type=int, default=1, help="sequence-parallel size, all_to_all mode (the recipe's --sp)")
     ap.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
+    ap.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="ZeRO's cpu_offload: masters, gradients' fp32 copies and the optimizer in host memory (needs --zero)",
+    )
     ap.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
     ap.add_argument(
         "--optimizer-args",
@@ -186,7 +191,7 @@ def run(argv: list[str] | None = None) -> str:
         return format_sweep(plans)
     layout = Layout(
         a.plugin, tp=a.tp, pp=a.pp, zero=a.zero, dp=a.dp, ep=a.ep, precision=a.precision, sp=a.sp,
-        pp_style=a.pp_style, num_model_chunks=a.num_model_chunks,
+        pp_style=a.pp_style, num_model_chunks=a.num_model_chunks, cpu_offload=a.cpu_offload,
     )  # fmt: skip
     plan = make_plan(
         a.model, layout, a.optimizer, args, a.steps, gpu_memory=gpu, log=log, device=a.device, workload=work,

@@ -51,6 +51,11 @@ class StepTraffic:
 
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     sent: dict[str, Fraction] = field(default_factory=lambda: collections.defaultdict(Fraction))
+    #: Bytes dist_optim.comm.rules would copy between host and device if this rank's tensors lived
+    #: in host memory (ZeRO's CPU offload): each collective's inputs in, outputs back.
+    staged: int = 0
+    #: The largest device buffers one collective then needs (input and output together).
+    staged_peak: int = 0
 
     @property
     def collectives(self) -> int:
@@ -82,22 +87,26 @@ class Traffic:
     def _size(self, group: Any) -> int:
         return dist.get_world_size(group)
 
-    def _record(self, name: str, sent: Fraction) -> None:
+    def _record(self, name: str, sent: Fraction, staged_in: int = 0, staged_out: int = 0) -> None:
+        """One collective: ``sent`` bytes to other ranks; ``staged_in``/``staged_out`` the bytes of
+        its input and output buffers (one buffer in place: both), what staging copies each way."""
         self.step.counts[name] += 1
         self.step.sent[name] += sent
+        self.step.staged += staged_in + staged_out
+        self.step.staged_peak = max(self.step.staged_peak, staged_in + staged_out)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, **kw: Any) -> Any:
         g = self._size(group)
-        self._record("all_reduce", Fraction(2 * (g - 1) * _nbytes(tensor), g))
+        self._record("all_reduce", Fraction(2 * (g - 1) * _nbytes(tensor), g), _nbytes(tensor), _nbytes(tensor))
         return None if self.simulate else dist.all_reduce(tensor, op=op, group=group, **kw)
 
     def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor, group: Any = None, **kw: Any) -> Any:
         g = self._size(group)
-        self._record("all_gather", Fraction((g - 1) * _nbytes(out), g))
+        self._record("all_gather", Fraction((g - 1) * _nbytes(out), g), _nbytes(inp), _nbytes(out))
         return None if self.simulate else dist.all_gather_into_tensor(out, inp, group=group, **kw)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, **kw: Any) -> Any:
-        self._record("broadcast", Fraction(_nbytes(tensor)))
+        self._record("broadcast", Fraction(_nbytes(tensor)), _nbytes(tensor), _nbytes(tensor))
         return None if self.simulate else dist.broadcast(tensor, src=src, group=group, **kw)
 
     def all_to_all_single(
@@ -112,7 +121,8 @@ class Traffic:
         g = self._size(group)
         me = dist.get_rank(group)
         splits = input_split_sizes or [inp.numel() // g] * g
-        self._record("all_to_all", Fraction(sum(n for r, n in enumerate(splits) if r != me) * inp.element_size()))
+        sent = Fraction(sum(n for r, n in enumerate(splits) if r != me) * inp.element_size())
+        self._record("all_to_all", sent, _nbytes(inp), _nbytes(out))
         if self.simulate:
             return None
         return dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, **kw)

@@ -41,6 +41,8 @@ class Layout:
     sp: int = 1  # sequence parallelism, the recipe's all_to_all mode (ZeRO and gradients over dp x sp)
     pp_style: str = "1f1b"  # HybridParallelPlugin's pp_style
     num_model_chunks: int = 1  # its num_model_chunks: layer chunks per stage (interleaved only)
+    #: ZeRO's ``cpu_offload``: fp32 masters, their gradients and the optimizer in host memory.
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.plugin not in PLUGINS:
@@ -78,6 +80,11 @@ class Layout:
         if self.plugin == "ddp" and (self.zero or self.precision != "fp32"):
             raise PlanError(
                 "--plugin ddp runs --zero 0 --precision fp32 (TorchDDPPlugin has no ZeRO or mixed precision)"
+            )
+        if self.cpu_offload and not self.zero:
+            raise PlanError(
+                "--cpu-offload is ZeRO's (it moves the fp32 masters and the optimizer to host memory): "
+                "add --zero 1 or --zero 2 (plugin hybrid or zero)"
             )
         self._check_schedule()
         if self.ep > 1:
@@ -193,7 +200,8 @@ class Layout:
             pp += f" (interleaved, {self.num_model_chunks} chunks)"
         sp = f" x sp={self.sp}" if self.sp > 1 else ""
         ep = f" (ep={self.ep} x moe_dp={self.moe_dp})" if self.ep > 1 else ""
-        return f"{self.plugin} tp={self.tp}{pp}{sp} x dp={self.dp}{ep}{zero} ({self.world} ranks, {self.precision})"
+        kind = self.precision + (", CPU offload" if self.cpu_offload else "")
+        return f"{self.plugin} tp={self.tp}{pp}{sp} x dp={self.dp}{ep}{zero} ({self.world} ranks, {kind})"
 
     def stage_of(self, rank: int) -> int:
         """``rank``'s pipeline stage in HybridParallelPlugin's mesh."""

@@ -10,6 +10,7 @@ repeated on the measured side."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -76,11 +77,26 @@ MOE_LAYOUT = (
 #: LAMB: norms of each tensor over its own ZeRO group; Shampoo: owners and routes within each group.
 MOE_OPTIMIZERS = ("lamb", "shampoo")
 
+#: ZeRO-2 over 4 ranks with CPU offload: every collective of the optimizer is staged through the
+#: (simulated, tests/conftest.py) accelerator; the bytes staged per step, measured by the staging
+#: itself (dist_optim.comm.rules.STAGED, whose count test_collective_rules.py checks by hand), must
+#: be the plan's. The optimizers with the most varied collectives: norms, owners' routes, buckets.
+OFFLOAD_LAYOUT = (
+    "LowLevelZeroPlugin",
+    dict(stage=2, precision="bf16", overlap_communication=False, cpu_offload=True),
+    4,
+    Layout("zero", zero=2, dp=4, precision="bf16", cpu_offload=True),
+)
+OFFLOAD_OPTIMIZERS = ("lamb", "galore", "shampoo", "muon", "kron")
+
 CASES = [
     pytest.param(name, layout_id, LAYOUTS[layout_id], id=f"{name}-{layout_id}")
     for layout_id in LAYOUTS
     for name in OPTIMIZERS
 ] + [pytest.param(name, "moe-ep2-zero1", MOE_LAYOUT, id=f"{name}-moe-ep2-zero1") for name in MOE_OPTIMIZERS]
+CASES += [
+    pytest.param(name, "zero2-x4-offload", OFFLOAD_LAYOUT, id=f"{name}-zero2-x4-offload") for name in OFFLOAD_OPTIMIZERS
+]
 
 
 #: Optimizer options for the tiny model (GaLore's default rank 128 exceeds its 64-wide matrices;
@@ -127,6 +143,7 @@ def _measured_run(name: str, plugin_name: str, plugin_kwargs: dict[str, Any]) ->
     from colossalai.booster import Booster
 
     from dist_optim import plugins
+    from dist_optim.comm import rules
     from dist_optim.plugins.cpu import install, quiet_colossal
     from tests.helpers.booster import dp_coords
 
@@ -142,9 +159,12 @@ def _measured_run(name: str, plugin_name: str, plugin_kwargs: dict[str, Any]) ->
         measured: list[dict[str, Any]] = []
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            rules.reset_staged()
             with counting_collectives() as seen, AllocatedBytes() as live:
                 out = real_step(*args, **kwargs)
-            measured.append(_step_record(seen, live.peak - live.live, live.largest))
+            measured.append(
+                dict(_step_record(seen, live.peak - live.live, live.largest), staged=sum(rules.STAGED.values()))
+            )
             return out
 
         inner.step = step
@@ -238,6 +258,9 @@ def test_plan_equals_the_run(name: str, layout_id: str, case: tuple, request: py
         for s, m in zip(planned.steps, run["steps"]):
             off.append((rank, s["step"], s["transient"], m["transient"], m["largest"]))
         _check_layouts(tiny_config, layout, name, rank, run)
+        if layout.cpu_offload:
+            staged = [(s["staged"], m["staged"]) for s, m in zip(planned.steps, run["steps"])]
+            assert all(a == b > 0 for a, b in staged), f"rank {rank}: bytes staged per step (plan, run): {staged}"
         if name in BUCKETED:
             # one bucket moves its tensors in at most one all_to_all per work group and direction
             # (routed) or one all_gather per group (gathered, shared): one work group here
@@ -356,6 +379,8 @@ def test_bad_input_names_the_option_and_the_fix() -> None:
         Layout("hybrid", pp=2, sp=2)
     with pytest.raises(PlanError, match="^--zero 1 with --precision fp32: HybridParallelPlugin's ZeRO takes bf16"):
         Layout("hybrid", zero=1, dp=2, precision="fp32")
+    with pytest.raises(PlanError, match="^--cpu-offload is ZeRO's .*: add --zero 1 or --zero 2"):
+        Layout("hybrid", tp=2, cpu_offload=True)
     with pytest.raises(PlanError, match="--optimizer 'adam': choose one of"):
         make_plan("llama-7b", Layout(), "adam")
     with pytest.raises(PlanError, match="--model 'nope'"):
@@ -375,6 +400,21 @@ def test_cli_reports_fit_and_gaps(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert "does NOT fit" in out and "not simulated:" in out
     with pytest.raises(SystemExit, match="--optimizer-args"):
         main(["--model", str(path), "--optimizer-args", "[1]"])
+    # --cpu-offload: masters, their fp32 gradients, state and the step's transient leave the device
+    # for the host; the device keeps the staged buffers of the largest collective
+    common = ["--model", str(path), "--plugin", "zero", "--zero", "2", "--dp", "4", "--optimizer", "muon"]
+    main([*common, "--no-activations", "--json"])
+    plain = json.loads(capsys.readouterr().out)
+    main([*common, "--no-activations", "--json", "--cpu-offload"])
+    off = json.loads(capsys.readouterr().out)
+    b = off["busiest"]
+    host = 2 * b["fp32_masters"] + b["optimizer_state"] + b["kept_buffers"] + b["peak_transient"]
+    assert off["host_total"] == host > 0 and "host_total" not in plain
+    assert off["total"] == plain["total"] - host + b["staged_peak"] and 0 < b["staged_peak"] < b["peak_transient"]
+    assert off["host_traffic"]["zero"] == 2 * b["fp32_masters"]
+    assert off["host_traffic"]["staging"] == off["steady"]["staged"] > off["steady"]["bytes_sent"]
+    main([*common, "--no-activations", "--cpu-offload"])
+    assert "of which in host memory (offload)" in capsys.readouterr().out
 
 
 def test_cli_builds_configuration_objects() -> None:
