@@ -27,6 +27,8 @@ class Family:
     checkpoint: tuple[str, dict[str, Any]]
 
 
+_PER_HEAD = dict(adamw_lr=1e-3, per_head=True)
+
 FAMILIES: list[Family] = [
     Family(
         "LAMB",
@@ -114,6 +116,14 @@ FAMILIES: list[Family] = [
         booster=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=dict(adamw_lr=1e-3))),
         checkpoint=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=dict(adamw_lr=1e-3))),
     ),
+    # Per-head Muon (muon_param_groups(per_head=True)): q, k and v by their 4 heads each, whole in
+    # every TP slice at tp=2, so orthogonalized where they are; the other matrices as Muon's.
+    Family(
+        "Muon per-head",
+        dist_optim.DistributedMuon,
+        booster=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=_PER_HEAD)),
+        checkpoint=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=_PER_HEAD)),
+    ),
 ]
 
 
@@ -122,6 +132,8 @@ class Case:
     id: str
     cls: type
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: The support-table row it backs, where not the first family of its class.
+    row: str | None = None
 
 
 PARITY_CASES: list[Case] = [
@@ -463,5 +475,6 @@ PARITY_CASES += [
             _per_param={"col": dict(heads=4), "emb": dict(heads=6), "row": dict(heads=2), "padrep": dict(heads=5)},
             _vector_group=_AUX,
         ),
+        row="Muon per-head",
     ),
 ]

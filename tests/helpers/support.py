@@ -188,8 +188,9 @@ def headers() -> list[str]:
 def cells() -> dict[str, dict[str, list[str]]]:
     """Row (optimizer) -> column header -> the keys of the tests backing that cell.
 
-    Rows are named by tests/distributed/test_booster.py's ``SPECS``; a parity case maps to the row whose
-    spec expects its class, a checkpoint entry to the row of the same name (any case case-blind).
+    Rows are named by tests/distributed/test_booster.py's ``SPECS``; a parity case maps to its ``row``, else
+    to the first row whose spec expects its class, a checkpoint entry to the row of the same name
+    (any case case-blind).
     A configuration that matches no row gets a row of its own, so it cannot go unreported.
     """
     from tests.distributed import test_booster, test_checkpoint
@@ -202,11 +203,13 @@ def cells() -> dict[str, dict[str, list[str]]]:
 
     for name in test_booster.SPECS:
         cell(name, PARITY_HEADER)
-    by_class = {spec.expected_cls: name for name, spec in test_booster.SPECS.items()}
+    by_class: dict[str, str] = {}
+    for name, spec in test_booster.SPECS.items():
+        by_class.setdefault(spec.expected_cls, name)  # a class's first row; a case may name another
     by_lower = {name.lower(): name for name in test_booster.SPECS}
 
     for case in PARITY_CASES:
-        row = by_class.get(case.cls.__name__, case.cls.__name__.removeprefix("Distributed"))
+        row = case.row or by_class.get(case.cls.__name__, case.cls.__name__.removeprefix("Distributed"))
         cell(row, PARITY_HEADER).append(f"tests.distributed.test_parity::test_parity_grid[{case.id}]")
     for param in test_booster.CASES:
         name, col = param.values
