@@ -62,8 +62,9 @@ STAGED: collections.Counter[str] = collections.Counter()
 
 #: Backend name -> the device type it communicates from.
 _BACKEND_DEVICES = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu", "hccl": "npu", "xccl": "xpu", "ucc": "cuda"}
-#: The attribute marking a tensor Staging made on a simulated accelerator (``nccl`` mode): the
-#: only host tensors the rules accept there (a set of tensors would compare them by value).
+#: The attribute marking a tensor as on the simulated accelerator (``nccl`` mode) while Staging
+#: hands it to a collective: the only host tensors the rules accept there (a set of tensors would
+#: compare them by value).
 _SIMULATED = "_dist_optim_simulated_device"
 #: The dtypes a rank's description names by index (cross-rank check).
 _DTYPES = (
@@ -141,6 +142,14 @@ class Staging:
         self.device = group_device(group) if STAGE and active else None
         self.simulated = self.device is not None and _simulated(group)
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._marked: list[torch.Tensor] = []  # simulated: the caller's tensors, marked for this collective
+
+    def _simulate(self, t: torch.Tensor) -> torch.Tensor:
+        """The simulated accelerator's copy of ``t`` is ``t`` itself, marked until :meth:`finish`:
+        no allocation, so that what a test measures of a step is what a real run allocates."""
+        setattr(t, _SIMULATED, True)
+        self._marked.append(t)
+        return t
 
     def _here(self, t: torch.Tensor) -> bool:
         return self.device is None or _on_device(t, self.group, self.device)
@@ -151,9 +160,7 @@ class Staging:
             return t
         STAGED["in"] += t.numel() * t.element_size()
         if self.simulated:
-            staged = t.clone(memory_format=torch.contiguous_format)
-            setattr(staged, _SIMULATED, True)
-            return staged
+            return self._simulate(t)
         assert self.device is not None
         if t.device.type == "cpu" and torch.cuda.is_available() and not t.is_pinned():
             pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -168,18 +175,21 @@ class Staging:
             return t
         if filled:
             staged = self.send(t)
+        elif self.simulated:
+            staged = self._simulate(t)
         else:
-            staged = torch.empty(t.shape, dtype=t.dtype, device=t.device if self.simulated else self.device)
-            if self.simulated:
-                setattr(staged, _SIMULATED, True)
+            staged = torch.empty(t.shape, dtype=t.dtype, device=self.device)
         self._back.append((t, staged))
         return staged
 
     def finish(self) -> None:
         for t, staged in self._back:
             STAGED["out"] += staged.numel() * staged.element_size()
-            t.copy_(staged)
-        self._back = []
+            if staged is not t:
+                t.copy_(staged)
+        for t in self._marked:
+            setattr(t, _SIMULATED, False)
+        self._back, self._marked = [], []
 
 
 class StagedWork:
