@@ -106,28 +106,30 @@ def _backend_devices(group: Any) -> set[str] | None:
     return kinds
 
 
+def _device_of(group: Any) -> tuple[torch.device | None, bool]:
+    """:func:`group_device` and whether that device is the simulated accelerator (``nccl`` mode on
+    a host backend), from one look at the group's backend: asked once per collective."""
+    kinds = _backend_devices(group)
+    if kinds is None or "cpu" in kinds:
+        simulated = MODE == "nccl" and kinds is not None
+        return (torch.device("cpu") if simulated else None), simulated
+    kind = sorted(kinds)[0]
+    module = getattr(torch, kind, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    return torch.device(kind, index), False
+
+
 def group_device(group: Any) -> torch.device | None:
     """The device ``group`` communicates from, where tensors elsewhere must be staged: the
     current accelerator for a device backend (NCCL: ``cuda:<current>``), ``None`` where the
     backend takes host tensors (gloo) and the rules do not simulate one."""
-    kinds = _backend_devices(group)
-    if kinds is None or "cpu" in kinds:
-        return torch.device("cpu") if MODE == "nccl" and kinds is not None else None
-    kind = sorted(kinds)[0]
-    module = getattr(torch, kind, None)
-    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
-    return torch.device(kind, index)
+    return _device_of(group)[0]
 
 
-def _simulated(group: Any) -> bool:
-    kinds = _backend_devices(group)
-    return MODE == "nccl" and kinds is not None and "cpu" in kinds
-
-
-def _on_device(t: torch.Tensor, group: Any, device: torch.device | None) -> bool:
+def _on_device(t: torch.Tensor, device: torch.device | None, simulated: bool) -> bool:
     if device is None:
         return True
-    if _simulated(group):
+    if simulated:
         return t.device.type != "cpu" or getattr(t, _SIMULATED, False)
     return t.device == device
 
@@ -139,8 +141,8 @@ class Staging:
 
     def __init__(self, group: Any, active: bool = True) -> None:
         self.group = group
-        self.device = group_device(group) if STAGE and active else None
-        self.simulated = self.device is not None and _simulated(group)
+        device, simulated = _device_of(group) if STAGE and active else (None, False)
+        self.device, self.simulated = device, device is not None and simulated
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._marked: list[torch.Tensor] = []  # simulated: the caller's tensors, marked for this collective
 
@@ -152,7 +154,7 @@ class Staging:
         return t
 
     def _here(self, t: torch.Tensor) -> bool:
-        return self.device is None or _on_device(t, self.group, self.device)
+        return _on_device(t, self.device, self.simulated)
 
     def send(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the group's device (itself where it is there already)."""
@@ -222,17 +224,17 @@ def check(
     """Refuse the collective ``name`` (one of all_reduce, all_gather, broadcast, all_to_all) where
     NCCL would (module docstring). ``inputs``/``outputs`` are the tensors handed to it (the same
     tensor for in-place ones); ``src`` the broadcast's source; the all_to_all's split sizes."""
-    device = group_device(group)
+    device, simulated = _device_of(group)
     tensors = [*inputs, *outputs]
     for t in tensors:
         if not t.is_contiguous():
             raise _fail(name, group, f"a non-contiguous tensor {tuple(t.shape)}", "pass a contiguous buffer")
-        if not _on_device(t, group, device):
+        if not _on_device(t, device, simulated):
             raise _fail(
                 name,
                 group,
                 f"a {t.device.type} tensor ({tuple(t.shape)}, {t.dtype}) on a group that communicates from "
-                + ("a simulated accelerator (DIST_OPTIM_COLLECTIVE_RULES=nccl)" if _simulated(group) else str(device)),
+                + ("a simulated accelerator (DIST_OPTIM_COLLECTIVE_RULES=nccl)" if simulated else str(device)),
                 "stage it through dist_optim.comm.rules.Staging (NCCL refuses host tensors)",
             )
     if len({t.dtype for t in tensors}) > 1:
@@ -244,7 +246,8 @@ def check(
     if name == "all_to_all" and (sum(send_splits or ()) != numel_in or sum(recv_splits or ()) != numel_out):
         raise _fail(name, group, f"split sizes {send_splits}/{recv_splits} for {numel_in}/{numel_out} elements", "")
     if MODE and size > 1 and dist.is_available() and dist.is_initialized():
-        _check_across(name, group, tensors[0].dtype, numel_in, src, send_splits, recv_splits, device)
+        where = torch.device("cpu") if device is None or simulated else device
+        _check_across(name, group, tensors[0].dtype, numel_in, src, send_splits, recv_splits, where)
 
 
 def _check_across(
@@ -255,14 +258,14 @@ def _check_across(
     src: int,
     send_splits: Sequence[int] | None,
     recv_splits: Sequence[int] | None,
-    device: torch.device | None,
+    where: torch.device,
 ) -> None:
-    """Every rank's description of the collective it is about to issue, all-gathered: the same
-    operation, dtype and (where NCCL needs them equal) sizes everywhere, else an error on every rank."""
+    """Every rank's description of the collective it is about to issue, all-gathered (on ``where``,
+    the device the group communicates from): the same operation, dtype and (where NCCL needs them
+    equal) sizes everywhere, else an error on every rank."""
     size, me = group_size(group), group_rank(group)
     kind = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
     mine = [_OPS.index(name), kind, numel, src, *(send_splits or [0] * size), *(recv_splits or [0] * size)]
-    where = torch.device("cpu") if device is None or _simulated(group) else device
     desc = torch.tensor(mine, dtype=torch.int64, device=where)
     every = torch.empty(size * desc.numel(), dtype=torch.int64, device=where)
     _RAW_ALL_GATHER(every, desc, group=group)
