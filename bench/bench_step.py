@@ -244,6 +244,8 @@ DIST_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     # Per-head Muon (muon_param_groups(per_head=True)): q, k and v by heads, whole in each TP slice.
     "muon-per-head": ("dist_optim.DistributedMuon", None, dict(lr=2e-3, weight_decay=1e-2)),
+    # NorMuon: Muon's exchanges; each owner normalizes its matrices' rows.
+    "normuon": ("dist_optim.DistributedNorMuon", None, dict(lr=2e-3, weight_decay=1e-2)),
     # kron_torch's Kron (swapped for ours): pieces of the momenta to the parameters' owners and the
     # directions' pieces back, and for comparison every full momentum gathered and every full
     # direction shared. ColossalAI has no Kron.
@@ -252,7 +254,7 @@ DIST_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 
 def _dist_params(fam: str, model: torch.nn.Module) -> Any:
-    if fam.startswith("muon"):
+    if "muon" in fam:
         from dist_optim import muon_param_groups
 
         return muon_param_groups(model, per_head=fam == "muon-per-head")
@@ -327,7 +329,7 @@ def _dist_worker(
         ordinary, theirs, options = DIST_FAMILIES[fam]
         if theirs is None:  # Shampoo, Muon: ours, two ways of moving gradients and directions
             ways = ((True, "pieces to block owners"), (False, "full gradients gathered"))
-            if fam.startswith("muon"):
+            if "muon" in fam:
                 dtype = ("bf16" if fam.endswith("bf16") else "fp32") + (", per head" if fam == "muon-per-head" else "")
                 ways = ((True, f"pieces to matrix owners, {dtype}"), (False, f"every C gathered, {dtype}"))
             if fam == "kron":

@@ -54,6 +54,8 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "Kron": ("kron", {}),
     "GaLore": ("galore", {}),
     "Muon": ("muon", {}),
+    "Muon per-head": ("muon", dict(per_head=True)),
+    "NorMuon": ("normuon", {}),
 }
 #: label -> (lowest, highest) learning rate of the sweep: a decade each, placed (after a first
 #: sweep over 1e-3..1e-2 (LAMB 3e-3..3e-2, CAME 3e-4..3e-3, Kron 1e-4..1e-3) so that the best rate
@@ -68,6 +70,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "Kron": (3e-4, 3e-3),
     "GaLore": (3e-3, 3e-2),
     "Muon": (3e-3, 3e-2),
+    "Muon per-head": (3e-3, 3e-2),
+    "NorMuon": (3e-3, 3e-2),
 }
 ALIASES = {label.lower(): label for label in OPTIMIZERS}
 #: label -> a function (model, lr) -> optimizer, for the labels that the recipe's build_optimizer

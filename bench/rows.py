@@ -194,3 +194,8 @@ _add(
     lambda p: _dist("DistributedMuon")(muon_groups(p), lr=2e-3, weight_decay=0.01, optim_bits=8),
 )
 _add("plain Muon (bench/plain_muon.py)", "muon", _plain_muon)
+_add(
+    "dist_optim NorMuon",
+    "normuon",
+    lambda p: _dist("DistributedNorMuon")(muon_groups(p), lr=2e-3, weight_decay=0.01),
+)

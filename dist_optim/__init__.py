@@ -12,7 +12,7 @@ from .galore import DistributedGaLore, galore_param_groups
 from .kron import DistributedKron
 from .lamb import DistributedLamb
 from .layout import ParamLayout, TPSplit, ZeroShard
-from .muon import DistributedMuon, muon_param_groups
+from .muon import DistributedMuon, DistributedNorMuon, muon_param_groups
 from .registry import convert
 from .shampoo import (
     AdaGradGraftingConfig,
@@ -31,6 +31,7 @@ __all__ = [
     "DistributedLamb",
     "DistributedKron",
     "DistributedMuon",
+    "DistributedNorMuon",
     "muon_param_groups",
     "ParamLayout",
     "TPSplit",

@@ -40,6 +40,7 @@ DEFAULT = [
     ("PSGD Kron (initial scale from the gradient)", "kron", 6e-3),
     ("GaLore (rank 8)", "galore", 3e-2),
     ("Muon (aux AdamW, AdamW-matched RMS)", "muon", 1.4e-2),
+    ("NorMuon (aux AdamW, AdamW-matched RMS)", "normuon", 1.4e-2),
 ]
 
 

@@ -25,7 +25,8 @@ demo). The log, the CSV and TensorBoard report loss, held-out loss (``--eval-eve
 second, model FLOPs utilisation (where the device's peak is known, or ``--peak-tflops``) and each
 rank's peak memory (device memory on GPUs, resident memory on CPU).
 
-``--optimizer`` takes one of ours by short name (lamb, adafactor, came, shampoo, soap, kron, galore, muon;
+``--optimizer`` takes one of ours by short name (lamb, adafactor, came, shampoo, soap, kron, galore, muon,
+normuon;
 ``OURS`` holds their recommended settings, docs/convergence.md) or
 the import path of an ordinary optimizer class (``torch.optim.AdamW``, ``colossalai.nn.optimizer.Lamb``,
 ``transformers.optimization.Adafactor``, ...): dist_optim's plugins swap the latter for our
@@ -96,6 +97,7 @@ OURS = {
     # Muon's update RMS matched to AdamW's (Liu et al. 2025), so one --lr serves the Muon matrices
     # and the auxiliary AdamW group (embeddings, head, norms).
     "muon": ("dist_optim.DistributedMuon", dict(adjust_lr_fn="match_rms_adamw")),
+    "normuon": ("dist_optim.DistributedNorMuon", dict(adjust_lr_fn="match_rms_adamw")),
 }
 
 
@@ -339,10 +341,12 @@ def build_optimizer(
         from dist_optim import galore_param_groups
 
         return cls(galore_param_groups(model, rank=8, update_proj_gap=50), lr=lr, **extra)
-    if name == "muon":
+    if name in ("muon", "normuon"):
         from dist_optim import muon_param_groups
 
-        return cls(muon_param_groups(model, adamw_lr=lr), lr=lr, **{**kwargs, **extra})
+        # per_head: q, k and v orthogonalized by head (muon_param_groups' option, not the class's).
+        groups = muon_param_groups(model, adamw_lr=lr, per_head=bool(extra.pop("per_head", False)))
+        return cls(groups, lr=lr, **{**kwargs, **extra})
     return cls(model.parameters(), lr=lr, **{**kwargs, **extra})
 
 

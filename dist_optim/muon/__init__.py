@@ -79,10 +79,12 @@ from ..newton_schulz import newton_schulz, newton_schulz_flops
 from . import conversions  # noqa: F401  (registers the conversions and the planner entry)
 from .coefficients import DEFAULT_NS_COEFFICIENTS
 from .groups import DEFAULT_HEAD_NAMES, muon_param_groups
+from .normuon import DistributedNorMuon
 from .optimizer import ADJUST_LR_FNS, EPS_FORMS, DistributedMuon, adjusted_lr
 
 __all__ = [
     "DistributedMuon",
+    "DistributedNorMuon",
     "muon_param_groups",
     "newton_schulz",
     "newton_schulz_flops",

@@ -1,6 +1,7 @@
 """Conversions to :class:`~dist_optim.muon.DistributedMuon` from the Muon classes users have
-(``torch.optim.Muon``, KellerJordan's ``muon`` package), and Muon's planner entry; imported by the
-package so that they register on ``import dist_optim``."""
+(``torch.optim.Muon``, KellerJordan's ``muon`` package) and to
+:class:`~dist_optim.muon.DistributedNorMuon` from the NorMuon authors' ``normuon`` module, and their
+planner entries; imported by the package so that they register on ``import dist_optim``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from ..registry import Conversion, PlanEntry, register, register_plan
 from .coefficients import DEFAULT_NS_COEFFICIENTS
+from .normuon import NEURON_STATE, DistributedNorMuon
 from .optimizer import DistributedMuon
 
 __all__: list[str] = []
@@ -48,16 +50,29 @@ def _torch_muon(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
     )
 
 
-def _keller_jordan_muon_group(g: Any, name: str) -> dict[str, Any]:
+def _normuon_state(state: Any) -> dict[str, Any]:
+    """A NorMuon parameter's state: Muon's, and the neuron-wise second moment (``rows x 1`` in the
+    authors' code, the parameter's dtype) as ours (``rows``, at least float32)."""
+    out = _muon_state(state)
+    v = state.get("second_momentum_buffer")
+    if v is not None:
+        out[NEURON_STATE] = v.reshape(-1).to(torch.promote_types(v.dtype, torch.float32))
+    return out
+
+
+def _keller_jordan_muon_group(g: Any, name: str, module: str = "muon") -> dict[str, Any]:
+    cls = DistributedNorMuon if module == "normuon" else DistributedMuon
     for p in g.get("params", ()):
         if p.dim() != 2:
             raise ValueError(
-                f"convert: muon.{name} holds a parameter of shape {tuple(p.shape)}; KellerJordan's Muon flattens 4-D "
-                "weights but scales their update by the kernel's dims, and batches 3-D ones over their first dim, "
-                "which DistributedMuon does not reproduce: convert with 2-D parameters only, or build "
-                "DistributedMuon(dist_optim.muon_param_groups(model)) directly"
+                f"convert: {module}.{name} holds a parameter of shape {tuple(p.shape)}; KellerJordan's Muon (and "
+                "NorMuon, written from it) flattens 4-D weights but scales their update by the kernel's dims, and "
+                f"batches 3-D ones over their first dim, which {cls.__name__} does not reproduce: convert with 2-D "
+                f"parameters only, or build {cls.__name__}(dist_optim.muon_param_groups(model)) directly"
             )
+    extra = dict(beta2=g.get("beta2", 0.95), normalization_eps=1e-10) if module == "normuon" else {}
     return dict(
+        **extra,
         lr=g.get("lr", 0.02),
         weight_decay=g.get("weight_decay", 0.0),
         momentum=g.get("momentum", 0.95),
@@ -73,19 +88,19 @@ def _keller_jordan_muon_group(g: Any, name: str) -> dict[str, Any]:
     )
 
 
-def _keller_jordan_muon(name: str) -> Callable[[torch.optim.Optimizer, Any], dict[str, Any]]:
+def _keller_jordan_muon(name: str, module: str = "muon") -> Callable[[torch.optim.Optimizer, Any], dict[str, Any]]:
     def options(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
-        return _keller_jordan_muon_group(g, name)
+        return _keller_jordan_muon_group(g, name, module)
 
     return options
 
 
-def _keller_jordan_aux(name: str) -> Callable[[torch.optim.Optimizer, Any], dict[str, Any]]:
+def _keller_jordan_aux(name: str, module: str = "muon") -> Callable[[torch.optim.Optimizer, Any], dict[str, Any]]:
     def options(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
         if "use_muon" not in g:
             raise KeyError("use_muon")  # the empty defaults of these classes: no options to take
         if g["use_muon"]:
-            return _keller_jordan_muon_group(g, name)
+            return _keller_jordan_muon_group(g, name, module)
         return dict(
             lr=g["lr"],
             weight_decay=g["weight_decay"],
@@ -133,4 +148,28 @@ for _name in ("MuonWithAuxAdam", "SingleDeviceMuonWithAuxAdam"):
         )
     )
 
+# The NorMuon authors' module (github.com/zichongli5/NorMuon, ``normuon.py``, installed as ``normuon``):
+# KellerJordan's four classes with the neuron-wise normalization and its beta2.
+for _name in ("NorMuon", "SingleDeviceNorMuon"):
+    register(
+        Conversion(
+            f"normuon.{_name}",
+            DistributedNorMuon,
+            _keller_jordan_muon(_name, "normuon"),
+            frozenset({"lr", "weight_decay", "momentum", "beta2"}),
+            state=_normuon_state,
+        )
+    )
+for _name in ("NorMuonWithAuxAdam", "SingleDeviceNorMuonWithAuxAdam"):
+    register(
+        Conversion(
+            f"normuon.{_name}",
+            DistributedNorMuon,
+            _keller_jordan_aux(_name, "normuon"),
+            frozenset({"lr", "weight_decay", "momentum", "beta2", "use_muon", "betas", "eps"}),
+            state=_normuon_state,
+        )
+    )
+
 register_plan(PlanEntry("muon", DistributedMuon, group_builder=("muon_param_groups", {})))
+register_plan(PlanEntry("normuon", DistributedNorMuon, group_builder=("muon_param_groups", {})))

@@ -39,7 +39,8 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     return lr * math.sqrt(max(1.0, rows / cols))
 
 
-def _is_stacked(full_shape: tuple[int, ...], group: dict[str, Any]) -> bool:
+def is_stacked(full_shape: tuple[int, ...], group: dict[str, Any]) -> bool:
+    """Whether a tensor of ``full_shape`` in ``group`` is a stack of matrices (``stacked``, 3+ dims)."""
     return bool(group["stacked"]) and len(full_shape) > 2
 
 
@@ -52,7 +53,7 @@ def _matrix_shape(full_shape: tuple[int, ...], group: dict[str, Any]) -> tuple[i
     """The shape of one matrix of a parameter: ``shape[0] x prod(shape[1:])``, or with
     ``stacked`` (3+ dims) ``shape[1] x prod(shape[2:])`` for each of its ``shape[0]`` slices, or
     with ``heads`` one of its ``heads`` row blocks, ``shape[0] / heads x prod(shape[1:])``."""
-    if _is_stacked(full_shape, group):
+    if is_stacked(full_shape, group):
         return full_shape[1], math.prod(full_shape[2:])
     return full_shape[0] // _heads(group), math.prod(full_shape[1:])
 
@@ -63,7 +64,7 @@ def _matrix_boxes(
     """The boxes of the tensor (of ``full_shape``) that are one matrix each: the whole tensor, its
     slices (``stacked``) or its row blocks (``heads`` of them: the group's, or those of a view)."""
     rest = tuple((0, s) for s in full_shape[1:])
-    if _is_stacked(full_shape, group):
+    if is_stacked(full_shape, group):
         return [((i, i + 1), *rest) for i in range(full_shape[0])]
     n = _heads(group) if heads is None else heads
     rows = full_shape[0] // n
@@ -217,11 +218,16 @@ class DistributedMuon(DistOptimizer):
             adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
             adamw_eps=adamw_eps,
             use_muon=True,
+            **self._variant_defaults(),
         )
         self.owner_runtime = OwnerRuntime()  # who orthogonalizes each matrix, and the step's exchanges
         self._view_heads: dict[torch.Tensor, int] = {}  # heads of the tensor each task sees (_ensure_tasks)
         self._checked = False
         super().__init__(params, defaults, nonfinite=nonfinite)
+
+    def _variant_defaults(self) -> dict[str, Any]:
+        """Group options a variant adds to Muon's (:class:`~dist_optim.muon.DistributedNorMuon`)."""
+        return {}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -292,8 +298,8 @@ class DistributedMuon(DistOptimizer):
                         "use_muon=False (AdamW); dist_optim.muon_param_groups(model) builds the usual split"
                     )
                 heads = _heads(group)
-                if heads > 1 and (_is_stacked(shape, group) or shape[0] % heads):
-                    why = "is a stack of matrices (stacked=True)" if _is_stacked(shape, group) else "rows"
+                if heads > 1 and (is_stacked(shape, group) or shape[0] % heads):
+                    why = "is a stack of matrices (stacked=True)" if is_stacked(shape, group) else "rows"
                     raise ValueError(
                         f"DistributedMuon: heads={heads} for {self.param_label(p)} of shape {tuple(shape)}, whose "
                         f"{shape[0]} {why}: give its group a heads that divides its rows, or heads=None"
@@ -384,9 +390,14 @@ class DistributedMuon(DistOptimizer):
                 into.append((w, b))
         for (w, box), result in zip(into, self._orthogonalize_all(jobs)):
             if box is None:
-                w.whole = result
+                w.whole = self._finish_owned(w, None, result)
             else:
-                w.results[box] = result
+                w.results[box] = self._finish_owned(w, box, result)
+
+    def _finish_owned(self, work: OwnedWork[Any], box: int | None, x: torch.Tensor) -> torch.Tensor:
+        """The update of an owned box (``box`` None: of the whole tensor, every box) from its
+        orthogonalized ``x``: ``x`` itself. A variant that rescales it on the owner overrides this."""
+        return x
 
     def _deliver(self, works: list[OwnedWork[tuple[dict[str, Any], torch.Tensor]]]) -> None:
         _apply_all([(p, w.local().view_as(p), self.layout(p), group) for w in works for group, p in [w.entry]])
@@ -416,7 +427,7 @@ class DistributedMuon(DistOptimizer):
         pieces: list[list[torch.Tensor]] = []
         for j, (c, group, overwrite, row_blocks) in enumerate(jobs):
             shape = tuple(c.shape)
-            stacked = _is_stacked(shape, group)
+            stacked = is_stacked(shape, group)
             mats = [s.reshape(shape[1], -1) for s in c] if stacked else list(c.reshape(shape[0], -1).chunk(row_blocks))
             _, where, todo = calls.setdefault((id(group), overwrite and not stacked), (group, [], []))
             where += [(j, k) for k in range(len(mats))]
@@ -429,7 +440,7 @@ class DistributedMuon(DistOptimizer):
         out = []
         for (c, group, _, _), mats in zip(jobs, pieces):
             shape = tuple(c.shape)
-            whole = torch.stack(mats) if _is_stacked(shape, group) else mats[0] if len(mats) == 1 else torch.cat(mats)
+            whole = torch.stack(mats) if is_stacked(shape, group) else mats[0] if len(mats) == 1 else torch.cat(mats)
             out.append(whole.reshape(shape))
         return out
 

@@ -285,6 +285,7 @@ class Plan:
 TRANSIENT_OPTIONS = {
     "shampoo": "bucket_bytes (full gradients moved per bucket), communication_dtype",
     "muon": "bucket_bytes (full C moved per bucket), ns_dtype (Newton-Schulz workspace)",
+    "normuon": "bucket_bytes (full C moved per bucket), ns_dtype (Newton-Schulz workspace)",
     "galore": "bucket_bytes (full gradients at the SVD owners per refresh bucket, low-rank sums per bucket), the rank",
     "kron": "bucket_bytes (full momenta moved per bucket), max_size_triangular (dense factors)",
     "lamb": "bucket_bytes (the local update buffers of one bucket of parameters; default 256 MiB)",

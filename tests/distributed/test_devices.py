@@ -297,6 +297,15 @@ CASES = [
         paired=True,
         measured_u=185.7,
     ),
+    # NorMuon: Muon's case, the owner's normalization in fp32 beside it (float64 in the reference).
+    DeviceCase(
+        "normuon",
+        dist_optim.DistributedNorMuon,
+        dict(lr=2e-2, weight_decay=1e-2),
+        vectors=dict(use_muon=False),
+        paired=True,
+        measured_u=199.8,
+    ),
     # 8-bit Muon momentum and 8-bit AdamW moments of the vector "b" (min_8bit_size=16): every
     # state is 8-bit but the step counters, the parameters judged by quantisation.
     DeviceCase(

@@ -111,10 +111,11 @@ ARGS: dict[str, dict[str, Any]] = {
     "lamb": {"foreach": True, "bucket_bytes": 2**14},
     "shampoo": BUDGET,
     "muon": BUDGET,
+    "normuon": BUDGET,
     "kron": BUDGET,
 }
 #: The optimizers whose every step must show several buckets (more exchanges than one bucket has).
-BUCKETED = {"shampoo", "muon", "kron"}
+BUCKETED = {"shampoo", "muon", "normuon", "kron"}
 
 #: The planner's name for each torch.distributed collective (it names what dist_optim.comm does);
 #: a collective missing here keeps its torch name, which no planned kind has: the comparison fails.

@@ -124,6 +124,14 @@ FAMILIES: list[Family] = [
         booster=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=_PER_HEAD)),
         checkpoint=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=_PER_HEAD)),
     ),
+    # NorMuon, per head: q, k and v by their 4 heads, each head's rows normalized by the owner of
+    # its TP slice; the other matrices' rows by their owners of the TP x DP grid.
+    Family(
+        "NorMuon",
+        dist_optim.DistributedNorMuon,
+        booster=("dist_optim.DistributedNorMuon", dict(lr=2e-3, weight_decay=1e-2, muon=_PER_HEAD)),
+        checkpoint=("dist_optim.DistributedNorMuon", dict(lr=2e-3, weight_decay=1e-2, muon=_PER_HEAD)),
+    ),
 ]
 
 
@@ -476,5 +484,31 @@ PARITY_CASES += [
             _vector_group=_AUX,
         ),
         row="Muon per-head",
+    ),
+    # NorMuon: the owner of each matrix (each head of "col" and "emb", as muon-heads) normalizes its
+    # rows and keeps their second moment; the second case with 8-bit momentum, the EMA form, and the
+    # 3-D "conv" as a stack of 3 matrices (a second moment of 3 x 4 rows).
+    Case(
+        "normuon",
+        dist_optim.DistributedNorMuon,
+        dict(
+            lr=2e-2,
+            weight_decay=1e-2,
+            _per_param={"col": dict(heads=4), "emb": dict(heads=6)},
+            _vector_group=_AUX,
+        ),
+    ),
+    Case(
+        "normuon-8bit-stacked",
+        dist_optim.DistributedNorMuon,
+        dict(
+            lr=2e-2,
+            beta2=0.9,
+            momentum_ema=True,
+            stacked=True,
+            optim_bits=8,
+            min_8bit_size=0,
+            _vector_group=_AUX,
+        ),
     ),
 ]

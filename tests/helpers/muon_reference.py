@@ -1,9 +1,11 @@
 """A float64 reference of Muon with an auxiliary AdamW, written from the algorithm's statement
-(torch.optim.Muon's documentation / Jordan et al.), independent of dist_optim.muon: plain
-per-step formulas, no shared helpers, no fused kernels.
+(torch.optim.Muon's documentation / Jordan et al.), and of NorMuon (Li et al. 2025, Algorithm 1
+with the released code's norm-preserving rescale), independent of dist_optim.muon: plain per-step
+formulas, no shared helpers, no fused kernels.
 
 Each parameter is a float64 tensor; ``groups`` are dicts with ``params`` and the options of
-``DistributedMuon`` (every option spelled out by the caller)."""
+``DistributedMuon`` (every option spelled out by the caller); a group with ``beta2`` and
+``normalization_eps`` is NorMuon's."""
 
 from __future__ import annotations
 
@@ -48,6 +50,15 @@ def _orthogonalize(
     return x.reshape(c.shape)
 
 
+def _normalize_rows(x: torch.Tensor, v: torch.Tensor, beta2: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """NorMuon on one ``rows x cols`` matrix: the row second moment's EMA, each row divided by its
+    root, the Frobenius norm of ``x`` restored."""
+    v = beta2 * v + (1 - beta2) * (x * x).sum(dim=1) / x.shape[1]
+    u = x / (torch.sqrt(v) + eps)[:, None]
+    u = u * torch.sqrt((x * x).sum()) / (torch.sqrt((u * u).sum()) + eps)
+    return u, v
+
+
 class MuonReference:
     def __init__(self, groups: list[dict[str, Any]]) -> None:
         self.groups = groups
@@ -81,6 +92,17 @@ class MuonReference:
                     else:
                         x = _orthogonalize(c, list(coeffs), group["eps"], add)
                         rows, cols = p.shape[0], p.numel() // p.shape[0]
+                    if "beta2" in group:  # NorMuon: each matrix's rows normalized
+                        mats = x if group["stacked"] and p.dim() > 2 else x[None]
+                        vs = st.get("neuron_second_moment", torch.zeros(mats.shape[:2], dtype=p.dtype))
+                        vs = vs.reshape(mats.shape[:2])
+                        done = [
+                            _normalize_rows(m.reshape(m.shape[0], -1), v, group["beta2"], group["normalization_eps"])
+                            for m, v in zip(mats, vs)
+                        ]
+                        x = torch.stack([u.reshape(m.shape) for (u, _), m in zip(done, mats)]).reshape(x.shape)
+                        v_new = torch.stack([v for _, v in done])
+                        st["neuron_second_moment"] = v_new if group["stacked"] and p.dim() > 2 else v_new[0]
                     if group["adjust_lr_fn"] == "match_rms_adamw":
                         step_size = 0.2 * lr * math.sqrt(max(rows, cols))
                     else:

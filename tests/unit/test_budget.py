@@ -23,7 +23,7 @@ from dist_optim.budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from tests.helpers import parity
 from tests.helpers.cases import PARITY_CASES
 
-CASES = ["shampoo-adam-eigh-blocks-pf2", "shampoo-soap-qr", "muon", "kron"]
+CASES = ["shampoo-adam-eigh-blocks-pf2", "shampoo-soap-qr", "muon", "normuon", "kron"]
 LAYOUTS = [(2, 2, 1), (1, 4, 1), (1, 4, 0)]
 #: None: one bucket per step; 1: every parameter its own bucket, each exchanged in as many rounds as
 #: its work group has ranks; 300: a few parameters per bucket, the larger ones in rounds; "whole":
@@ -107,9 +107,10 @@ def test_buckets_are_consecutive_and_within_the_budget() -> None:
     [
         lambda p, b: dist_optim.DistributedShampoo(p, bucket_bytes=b),
         lambda p, b: dist_optim.DistributedMuon(p, bucket_bytes=b),
+        lambda p, b: dist_optim.DistributedNorMuon(p, bucket_bytes=b),
         lambda p, b: dist_optim.DistributedKron(p, bucket_bytes=b),
     ],
-    ids=["shampoo", "muon", "kron"],
+    ids=["shampoo", "muon", "normuon", "kron"],
 )
 def test_bad_budgets_are_refused(make: Any) -> None:
     for bad in (0, -5, 1.5, True, "1GB"):
