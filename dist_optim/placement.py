@@ -77,6 +77,10 @@ class LocalPiece:
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.offset : self.offset + math.prod(self.box_shape)].view(self.box_shape)[self.rel]
 
+    @property
+    def numel(self) -> int:
+        return math.prod(sl.stop - sl.start for sl in self.rel)
+
 
 @dataclass(frozen=True)
 class BlockPiece:
@@ -87,6 +91,10 @@ class BlockPiece:
 
     def view(self, blocks: Mapping[int, torch.Tensor]) -> torch.Tensor:
         return blocks[self.block][self.rel]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(sl.stop - sl.start for sl in self.rel)
 
 
 @dataclass
