@@ -54,6 +54,7 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "Kron": ("kron", {}),
     "GaLore": ("galore", {}),
     "Muon": ("muon", {}),
+    "KL-Shampoo": ("shampoo", dict(kl_statistics=True)),
     "Muon per-head": ("muon", dict(per_head=True)),
     "NorMuon": ("normuon", {}),
 }
@@ -70,6 +71,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "Kron": (3e-4, 3e-3),
     "GaLore": (3e-3, 3e-2),
     "Muon": (3e-3, 3e-2),
+    "KL-Shampoo": (1e-3, 1e-2),
     "Muon per-head": (3e-3, 3e-2),
     "NorMuon": (3e-3, 3e-2),
 }

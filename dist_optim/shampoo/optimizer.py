@@ -80,6 +80,11 @@ class DistributedShampoo(DistOptimizer):
             state as bitsandbytes' 8-bit codes (Shampoo's first moment only with grafting: :func:`.state.keeps_8bit`).
         preconditioner_bits: 8 or 4: eigenvectors (roots: with fp32 eigenvalues; SOAP's bases)
             block-wise quantised, rectified when used (Wang et al. 2024; :mod:`.state`).
+        kl_statistics: KL-Shampoo (Lin et al. 2025, arXiv:2509.03378; Meta's
+            ``RootInvKLShampooPreconditionerConfig``): each factor's statistics from the gradient
+            preconditioned along the other dims by their current roots, ``L_k <- b2 L_k + (1 - b2)
+            G~_(k) G~_(k)^T`` with ``G~ = G x_{j != k} R_j`` (the identity before the first refresh);
+            Shampoo's direction otherwise. Not with SOAP or quantised roots.
         merge_small_dims: merge small consecutive dims before blocking.
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
@@ -144,6 +149,7 @@ class DistributedShampoo(DistOptimizer):
         optim_bits: int = 32,
         min_8bit_size: int = 4096,
         preconditioner_bits: int = 32,
+        kl_statistics: bool = False,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:

@@ -152,6 +152,7 @@ GROUP_OPTIONS = (
     "optim_bits",
     "min_8bit_size",
     "preconditioner_bits",
+    "kl_statistics",
 )
 _FLAGS = (
     "use_nesterov",
@@ -159,6 +160,7 @@ _FLAGS = (
     "use_decoupled_weight_decay",
     "eigenvalue_correction",
     "merge_small_dims",
+    "kl_statistics",
 )
 
 
@@ -211,6 +213,23 @@ def validate_options(group: dict[str, Any]) -> None:
     if not isinstance(group["use_symmetric_packing"], bool):
         raise ValueError(f"use_symmetric_packing must be True or False, got {group['use_symmetric_packing']!r}")
     _check_preconditioner_bits(group)
+    _check_kl(group)
+
+
+def _check_kl(group: dict[str, Any]) -> None:
+    """KL-Shampoo's statistics read the roots: only where whole roots are kept."""
+    if not group["kl_statistics"]:
+        return
+    if group["eigenvalue_correction"]:
+        raise ValueError(
+            "kl_statistics=True preconditions the statistics with Shampoo's roots, which SOAP "
+            "(eigenvalue_correction=True) does not keep: use eigenvalue_correction=False, or kl_statistics=False"
+        )
+    if group["preconditioner_bits"] < 32:
+        raise ValueError(
+            f"kl_statistics=True reads whole roots at every statistics step, which preconditioner_bits="
+            f"{group['preconditioner_bits']} keeps as quantised eigenvectors: use preconditioner_bits=32"
+        )
 
 
 def _check_preconditioner_bits(group: dict[str, Any]) -> None:

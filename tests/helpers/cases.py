@@ -124,6 +124,35 @@ FAMILIES: list[Family] = [
         booster=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=_PER_HEAD)),
         checkpoint=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=_PER_HEAD)),
     ),
+    # KL-Shampoo (kl_statistics=True): the factors' statistics from the gradient preconditioned by
+    # the current roots, on each block's owner; Shampoo's settings otherwise.
+    Family(
+        "KL-Shampoo",
+        dist_optim.DistributedShampoo,
+        booster=(
+            "dist_optim.DistributedShampoo",
+            dict(
+                lr=1e-2,
+                epsilon=1e-4,
+                max_preconditioner_dim=64,
+                precondition_frequency=2,
+                kl_statistics=True,
+                grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+            ),
+        ),
+        checkpoint=(
+            "dist_optim.DistributedShampoo",
+            dict(
+                lr=1e-3,
+                epsilon=1e-4,
+                max_preconditioner_dim=64,
+                precondition_frequency=2,
+                momentum=0.5,
+                kl_statistics=True,
+                grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+            ),
+        ),
+    ),
     # NorMuon, per head: q, k and v by their 4 heads, each head's rows normalized by the owner of
     # its TP slice; the other matrices' rows by their owners of the TP x DP grid.
     Family(
@@ -229,6 +258,23 @@ PARITY_CASES += [
         "soap-packed",
         dist_optim.DistributedShampoo,
         dict(lr=1e-2, epsilon=1e-8, max_preconditioner_dim=4, eigenvalue_correction=True, use_symmetric_packing=True),
+    ),
+    # KL-Shampoo's statistics, made by each block's owner from its whole block gradient and its
+    # current roots (refreshed every 2nd step from step 2), packed factors and roots.
+    Case(
+        "shampoo-kl",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-6,
+            max_preconditioner_dim=4,
+            precondition_frequency=2,
+            start_preconditioning_step=2,
+            use_symmetric_packing=True,
+            kl_statistics=True,
+            grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+        ),
+        row="KL-Shampoo",
     ),
     # 8-bit moments and grafting state of every block (min_8bit_size=0): quantised on the owner,
     # blocks of the Shampoo block's own elements; codes and absmax gathered as state.

@@ -119,7 +119,9 @@ class ReferenceShampoo:
         merge_small_dims: bool = False,
         exponent_override: float = 0,
         exponent_multiplier: float = 1.0,
+        kl_statistics: bool = False,
     ) -> None:
+        self.kl = kl_statistics
         self.params = [p.detach().double().clone() for p in params]
         self.lr, self.b1, self.b2 = lr, betas[0], betas[1]
         self.eps, self.mom, self.wd = epsilon, momentum, weight_decay
@@ -202,8 +204,13 @@ class ReferenceShampoo:
     def _factors(self, st: dict[str, Any], key: str, g: torch.Tensor) -> None:
         b2 = self.b2
         for k in range(g.dim()):
+            x = g
+            if self.kl:  # KL-Shampoo (Lin et al. 2025): G along the other dims by their current roots
+                for j in range(g.dim()):
+                    if j != k:
+                        x = mode_product(x, st.get(f"{key}root{j}", torch.eye(g.shape[j], dtype=torch.float64)), j)
             f = self._get(st, f"{key}factor{k}", torch.empty(g.shape[k], g.shape[k], dtype=torch.float64))
-            f = f + unfold_outer(g, k) if b2 == 1 else b2 * f + (1 - b2) * unfold_outer(g, k)
+            f = f + unfold_outer(x, k) if b2 == 1 else b2 * f + (1 - b2) * unfold_outer(x, k)
             st[f"{key}factor{k}"] = f
 
     def _graft(self, p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -146,6 +146,15 @@ SEMANTICS = {
         betas=(0.9, 0.95),
     ),
 }
+# KL-Shampoo: each factor's statistics from the gradient preconditioned along the other dims by
+# their current roots (the identity until the first refresh at step 4), a 3-D conv weight in blocks.
+SEMANTICS["kl-adam-pf2-start4-blocks"] = dict(
+    grafting_config=ADAM,
+    precondition_frequency=2,
+    start_preconditioning_step=4,
+    max_preconditioner_dim=4,
+    kl_statistics=True,
+)
 # Vyas et al.'s variant on the same problem as Meta's qr.
 SEMANTICS["soap-qr-eigh-start"] = dict(SEMANTICS["soap-qr-pf1"], eigenbasis="qr-eigh-start")
 # The iterative roots stop at an error of 1e-10 in float64; everything else is the same formula.
@@ -169,6 +178,46 @@ WELL_POSED_GAP = 1e-5
 @pytest.mark.parametrize("name", list(SEMANTICS))
 def test_semantics_against_reference(name: str) -> None:
     _check_against_reference(name)
+
+
+def test_kl_statistics_change_the_factors_and_pack_bit_for_bit() -> None:
+    """KL-Shampoo's factors differ from Shampoo's once a refresh made roots (the reference test
+    above could not tell a KL run that never preconditions its statistics), and packed factors
+    and roots give the same steps bit for bit."""
+    runs = {}
+    for name, options in {
+        "shampoo": dict(),
+        "kl": dict(kl_statistics=True),
+        "kl-packed": dict(kl_statistics=True, use_symmetric_packing=True),
+    }.items():
+        model = _model()
+        opt = dist_optim.DistributedShampoo(
+            model.parameters(), lr=0.05, preconditioner_dtype=torch.float64, precondition_frequency=2,
+            start_preconditioning_step=2, grafting_config=ADAM, **options,
+        )  # fmt: skip
+        for step in range(5):
+            idx, target = _batch(step)
+            opt.zero_grad(set_to_none=True)
+            ((model(idx) - target) ** 2).sum().backward()
+            opt.step()
+        runs[name] = ([p.detach().clone() for p in model.parameters()], opt.full_state())
+    weight = 3  # fc1.weight: a 6 x 5 matrix, one block
+    assert _rel(runs["kl"][1][weight]["block0.factor0"], runs["shampoo"][1][weight]["block0.factor0"]) > 1e-3
+    for a, b in zip(runs["kl"][0], runs["kl-packed"][0]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(eigenvalue_correction=True), "kl_statistics=True preconditions the statistics with Shampoo's roots"),
+        (dict(preconditioner_bits=8, root_inverse="eigh"), "use preconditioner_bits=32"),
+    ],
+)
+def test_kl_statistics_refuse_what_keeps_no_roots(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        dist_optim.DistributedShampoo([nn.Parameter(torch.zeros(4, 3))], kl_statistics=True, **options)
+    assert "\n" not in str(info.value)
 
 
 def _parameter_basis(state: dict) -> dict:

@@ -161,7 +161,8 @@ def _preconditioner_step(
     bs = stored
     packed = group["use_symmetric_packing"]
     if packed:  # the math on whole matrices (scratch), packed back below
-        bs = unpacked(stored, block, scratch, roots=not is_soap and t >= start)
+        # KL-Shampoo's statistics read the roots from the first step (the identity until the first refresh).
+        bs = unpacked(stored, block, scratch, roots=not is_soap and (t >= start or group["kl_statistics"]))
         update_statistics([(bs, block, g)], group, t)
         scale = refresh_scale(bs, block, group, t, start)
     if quantises_bases(block, group):  # the refresh, and the whole bases / roots the step uses
