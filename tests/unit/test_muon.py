@@ -19,6 +19,7 @@ from dist_optim.testing import plain_newton_schulz, stress_momentum
 from tests.helpers import parity
 from tests.helpers.check import assert_close, max_rel_err
 from tests.helpers.collectives import counting_collectives
+from tests.helpers.modules import module_of
 from tests.helpers.muon_reference import DEFAULTS, MuonReference
 
 STEPS = 20
@@ -668,7 +669,6 @@ def _kj_module() -> types.ModuleType:
     """KellerJordan's ``muon`` module's four classes: their constructors (group defaults filled,
     keys asserted) and, for SingleDeviceMuonWithAuxAdam, the step, transcribed from its source
     (github.com/KellerJordan/Muon, muon.py) with the iteration in the parameter's dtype."""
-    mod = types.ModuleType("muon")
 
     class Muon(torch.optim.Optimizer):
         def __init__(self, params: Any, lr: float = 0.02, weight_decay: float = 0, momentum: float = 0.95) -> None:
@@ -707,11 +707,7 @@ def _kj_module() -> types.ModuleType:
     class SingleDeviceMuonWithAuxAdam(MuonWithAuxAdam):
         pass
 
-    for cls in (Muon, SingleDeviceMuon, MuonWithAuxAdam, SingleDeviceMuonWithAuxAdam):
-        cls.__module__ = "muon"
-        cls.__qualname__ = cls.__name__
-        setattr(mod, cls.__name__, cls)
-    return mod
+    return module_of("muon", (Muon, SingleDeviceMuon, MuonWithAuxAdam, SingleDeviceMuonWithAuxAdam))
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import torch
 import dist_optim
 from dist_optim import DistributedMuon, DistributedNorMuon
 from tests.helpers.check import assert_close
+from tests.helpers.modules import module_of
 from tests.helpers.muon_reference import DEFAULTS, MuonReference
 
 STEPS = 12
@@ -145,7 +146,6 @@ def _authors_module() -> types.ModuleType:
     """The ``normuon`` module's four classes: constructors (group defaults filled, keys asserted
     as theirs) and the single-device steps (a parameter without a gradient skipped, where theirs
     steps it with zeros: ours skips it, as Muon's)."""
-    mod = types.ModuleType("normuon")
 
     class NorMuon(torch.optim.Optimizer):
         def __init__(
@@ -196,11 +196,7 @@ def _authors_module() -> types.ModuleType:
     class SingleDeviceNorMuonWithAuxAdam(NorMuonWithAuxAdam):
         pass
 
-    for cls in (NorMuon, SingleDeviceNorMuon, NorMuonWithAuxAdam, SingleDeviceNorMuonWithAuxAdam):
-        cls.__module__ = "normuon"
-        cls.__qualname__ = cls.__name__
-        setattr(mod, cls.__name__, cls)
-    return mod
+    return module_of("normuon", (NorMuon, SingleDeviceNorMuon, NorMuonWithAuxAdam, SingleDeviceNorMuonWithAuxAdam))
 
 
 @pytest.fixture
