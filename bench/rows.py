@@ -78,7 +78,7 @@ _add("colossalai CAME", "came", lambda p: _cls("colossalai.nn.optimizer.CAME")(p
 # refreshes and "amortised" adds one root refresh (the first step's) per precondition_frequency
 # steps; "before start" is a step before start_preconditioning_step (statistics and grafting only).
 def _shampoo(
-    pf: int, start: int, packed: bool = False, bits: int = 32, pbits: int = 32
+    pf: int, start: int, packed: bool = False, bits: int = 32, pbits: int = 32, kl: bool = False
 ) -> Callable[[list[torch.Tensor]], Any]:
     return lambda p: _dist("DistributedShampoo")(
         p,
@@ -90,6 +90,7 @@ def _shampoo(
         use_symmetric_packing=packed,
         optim_bits=bits,
         preconditioner_bits=pbits,
+        kl_statistics=kl,
     )
 
 
@@ -115,6 +116,9 @@ _add(
     refresh_every=10,
 )
 _add("dist_optim Shampoo before start", "shampoo", _shampoo(10_000, 10_000))
+# KL-Shampoo: each factor's statistic from the gradient times the other factor's root, one more
+# product per factor and step than Shampoo's.
+_add("dist_optim KL-Shampoo pf=10", "shampoo", _shampoo(10, 1, kl=True), refresh_every=10)
 _add("dist_optim Kron", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0))
 _add("dist_optim Kron (optim_bits=8)", "kron", lambda p: _dist("DistributedKron")(p, lr=3e-4, seed=0, optim_bits=8))
 _add(

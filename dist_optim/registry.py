@@ -152,8 +152,9 @@ def convert(optimizer: torch.optim.Optimizer, *, strict: bool = True) -> torch.o
                 "convert before the first step"
             )
         for p, st in optimizer.state.items():
-            if st:
-                new.state[p] = conv.state(st)
+            converted = conv.state(st) if st else None
+            if converted:  # a source that builds its state before the first step has nothing to carry
+                new.state[p] = converted
     logger.info("dist_optim: converted %s to %s", conv.source, class_path(type(new)))
     return new
 

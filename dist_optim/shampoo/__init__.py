@@ -164,6 +164,7 @@ parallelism:
 """
 
 from ..registry import PlanEntry, register_plan
+from . import conversions  # noqa: F401  (registers the conversion from Meta's DistributedShampoo)
 from .blocking import Block, apply_each_dim, kept_triangle, merge_small_dims, plan_blocks
 from .optimizer import DistributedShampoo
 from .options import (

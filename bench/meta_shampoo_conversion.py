@@ -1,0 +1,140 @@
+"""``dist_optim.convert`` of Meta's ``DistributedShampoo`` (facebookresearch/optimizers, its current
+option classes) stepped beside Meta's own, in one process, in float64.
+
+Meta's package is not on PyPI; its current commit imports on this project's torch 2.5.1 from a
+checkout on the path::
+
+    PYTHONPATH=/tmp/optimizers .venv/bin/python bench/meta_shampoo_conversion.py [--steps 16] [--soap-eigh]
+
+Each configuration is built twice with Meta's class: one is stepped as it is, the other converted
+and stepped as ours, on the same float64 parameters (a 12 x 7 and a 5 x 9 matrix, a 3 x 4 x 5 tensor,
+a 6-vector and a 40 x 3 matrix) and gradients; lr 2^-7 (exact in Meta's float32 lr tensor), epsilon
+1e-6, weight decay 0.01, the first root or basis at step 14 (the factors of the unmerged tensors
+have full rank by then), then every 2nd step. Printed and written to
+``bench/results/meta_shampoo_conversion.json``: for each configuration, each parameter's largest
+difference from Meta's on its scale (``max |a - b| / max |b|``). Meta keeps its lr and bias
+corrections as float32 scalars, which leaves a residue above float64 rounding. ``--soap-eigh`` also
+runs Meta's eigenvalue-corrected config with its ``eigh`` basis against ours built directly
+(``eigenvalue_correction=True, eigenbasis="eigh"``): the conversion refuses that config, and this is
+why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import dist_optim  # noqa: E402
+
+SHAPES = [(12, 7), (5, 9), (3, 4, 5), (6,), (40, 3)]
+
+
+def _params() -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in SHAPES]
+
+
+def _run(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def configurations(m: Any) -> dict[str, dict[str, Any]]:
+    """Meta's constructor options of each configuration (``m``: Meta's package)."""
+    f64 = torch.float64
+    no_merge = m.SingleDeviceDistributedConfig(target_parameter_dimensionality=math.inf)
+    return {
+        # KL-Shampoo with Adam grafting, Meta's default merging of dims (a 12 x 7 matrix is one
+        # 84-vector) and packed factors.
+        "KL-Shampoo, Adam grafting, merged dims": dict(
+            preconditioner_config=m.RootInvKLShampooPreconditionerConfig(
+                factor_matrix_dtype=f64, inv_factor_matrix_dtype=f64
+            ),
+            grafting_config=m.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
+        ),
+        # Shampoo in blocks of at most 16, merged dims, L2 weight decay.
+        "Shampoo, blocks of 16, L2 decay": dict(
+            preconditioner_config=m.RootInvShampooPreconditionerConfig(
+                factor_matrix_dtype=f64, inv_factor_matrix_dtype=f64
+            ),
+            max_preconditioner_dim=16,
+            weight_decay_type=m.WeightDecayType.L2,
+        ),
+        # Meta's DefaultSOAPConfig (one QR step per refresh), dims kept (merged vectors of 84 and
+        # 120 would have rank-deficient factors, whose eigenbasis no run pins down).
+        "SOAP (DefaultSOAPConfig), dims kept": dict(
+            preconditioner_config=m.EigenvalueCorrectedShampooPreconditionerConfig(
+                amortized_computation_config=m.QREigendecompositionConfig(),
+                factor_matrix_dtype=f64,
+                factor_matrix_eigenvectors_dtype=f64,
+                corrected_eigenvalues_dtype=f64,
+            ),
+            betas=(0.9, 0.95),
+            distributed_config=no_merge,
+        ),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--soap-eigh", action="store_true", help="also Meta's eigh-basis SOAP against ours built directly")
+    ap.add_argument("--meta-commit", default="", help="the checkout's commit, recorded with the results")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "meta_shampoo_conversion.json"))
+    a = ap.parse_args()
+    try:
+        import distributed_shampoo as m
+    except ImportError as exc:
+        raise SystemExit(f"needs Meta's distributed_shampoo on the path ({exc}); see the docstring") from exc
+    common = dict(lr=2**-7, betas=(0.9, 0.999), epsilon=1e-6, precondition_frequency=2, start_preconditioning_step=14)
+    rows: dict[str, Any] = {"steps": a.steps, "shapes": SHAPES, "meta_commit": a.meta_commit, "runs": {}}
+    runs = dict(configurations(m))
+    for name, options in runs.items():
+        kwargs = {**common, "weight_decay": 0.01, **options}
+        theirs = _run(m.DistributedShampoo(ps := _params(), **kwargs), ps, a.steps)
+        ours = _run(dist_optim.convert(m.DistributedShampoo(qs := _params(), **kwargs)), qs, a.steps)
+        diffs = [float((x - y).abs().max() / y.abs().max()) for x, y in zip(ours, theirs)]
+        rows["runs"][name] = diffs
+        print(f"{name}: " + ", ".join(f"{s}: {d:.1e}" for s, d in zip(SHAPES, diffs)))
+    if a.soap_eigh:
+        f64 = torch.float64
+        config = m.EigenvalueCorrectedShampooPreconditionerConfig(
+            factor_matrix_dtype=f64, factor_matrix_eigenvectors_dtype=f64, corrected_eigenvalues_dtype=f64
+        )
+        no_merge = m.SingleDeviceDistributedConfig(target_parameter_dimensionality=math.inf)
+        kwargs = {**common, "betas": (0.9, 0.95)}
+        theirs = _run(
+            m.DistributedShampoo(ps := _params(), preconditioner_config=config, distributed_config=no_merge, **kwargs),
+            ps,
+            a.steps,
+        )
+        ours_opt = dist_optim.DistributedShampoo(
+            qs := _params(), eigenvalue_correction=True, eigenbasis="eigh", preconditioner_dtype=f64, **kwargs
+        )
+        ours = _run(ours_opt, qs, a.steps)
+        diffs = [float((x - y).abs().max() / y.abs().max()) for x, y in zip(ours, theirs)]
+        rows["soap_eigh_built_directly"] = diffs
+        print("SOAP with Meta's eigh basis, ours built directly: " + ", ".join(f"{d:.1e}" for d in diffs))
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"written: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
