@@ -59,6 +59,7 @@ from .comm import (
     Pending,
     all_gather_objects,
     exchange,
+    exchange_counts,
     grid_groups,
     group_key,
     group_rank,
@@ -512,37 +513,19 @@ def _move(
     size = group_size(group)
     send: list[list[torch.Tensor]] = [[] for _ in range(size)]
     recv: list[list[torch.Tensor]] = [[] for _ in range(size)]
-    if device.type == "meta":
-        return exchange(*_stand_ins(moves, size), group, dtype, device, wait, rounds)
+    if device.type == "meta":  # no values to move: the pieces' element counts are the exchange
+        counts = ([0] * size, [0] * size)
+        for out_pieces, _, in_pieces, _ in moves:
+            for side, by_rank in enumerate((out_pieces, in_pieces)):
+                for rank, pieces in by_rank.items():
+                    counts[side][rank] += sum(pc.numel for pc in pieces)
+        return exchange_counts(counts[0], counts[1], group, dtype, device, wait, rounds)
     for out_pieces, source, in_pieces, target in moves:
         for rank, pieces in out_pieces.items():
             send[rank] += [pc.view(source) for pc in pieces]
         for rank, pieces in in_pieces.items():
             recv[rank] += [pc.view(target) for pc in pieces]
     return exchange(send, recv, group, dtype, device, wait, rounds)
-
-
-def _stand_ins(
-    moves: Sequence[tuple[Mapping[int, Sequence[Any]], Any, Mapping[int, Sequence[Any]], Any]], size: int
-) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-    """For meta tensors (the planner's simulated step), which hold no values: each rank's pieces as
-    one zero-stride view of their element count on a tensor that exists, in place of a view per
-    piece (three dispatched operators each, thousands per simulated step: ``time python -m
-    dist_optim.plan --model llama-70b --tp 8 --dp 8 --zero 1 --optimizer shampoo``). The counts,
-    and so the buffers and the bytes sent, are the pieces' own."""
-    counts = ([0] * size, [0] * size)
-    anchors: list[torch.Tensor] = []
-    for out_pieces, source, in_pieces, target in moves:
-        for side, pieces_by_rank in enumerate((out_pieces, in_pieces)):
-            for rank, pieces in pieces_by_rank.items():
-                counts[side][rank] += sum(pc.numel for pc in pieces)
-        anchors += [source] if isinstance(source, torch.Tensor) else list(source.values())
-        anchors += [target] if isinstance(target, torch.Tensor) else list(target.values())
-    anchor = next((t for t in anchors if t.numel() > 0), None)
-    if anchor is None:
-        return [[] for _ in range(size)], [[] for _ in range(size)]
-    stand = [[[anchor.as_strided((n,), (0,))] if n else [] for n in side] for side in counts]
-    return stand[0], stand[1]
 
 
 def share_results(results: Sequence[tuple[Owner, Sequence[torch.Tensor]]], dtype: torch.dtype | None = None) -> None:

@@ -293,19 +293,10 @@ def exchange(
         return None
     send_counts = [sum(t.numel() for t in pieces) for pieces in send]
     recv_counts = [sum(t.numel() for t in pieces) for pieces in recv]
+    if torch.device(device).type == "meta":
+        return exchange_counts(send_counts, recv_counts, group, dtype, device, wait)
     flat = torch.empty(sum(send_counts), dtype=dtype, device=device)
     pieces = [t for per_rank in send for t in per_rank]
-    if flat.is_meta:
-        # The planner's simulated step: meta tensors hold no values, so only the buffers and the
-        # collective are real; a copy per piece was most of what a simulated owner exchange
-        # dispatched (time python -m dist_optim.plan --model llama-70b --tp 8 --dp 8 --zero 1
-        # --optimizer shampoo).
-        out, work = _all_to_all(flat, send_counts, recv_counts, group, wait)
-        pending = Pending(work, out, [])
-        if wait:
-            pending.wait()
-            return None
-        return pending
     if pieces and all(t.dtype == dtype and t.is_contiguous() for t in pieces):
         # One call: a step sends pieces of every tensor of a bucket to every rank, and a copy per
         # piece from Python costs more than the bytes. Not for strided pieces (boxes of a matrix):
@@ -315,6 +306,44 @@ def exchange(
         to_flat(pieces, flat)
     out, work = _all_to_all(flat, send_counts, recv_counts, group, wait)
     pending = Pending(work, out, [t for pieces in recv for t in pieces])
+    if wait:
+        pending.wait()
+        return None
+    return pending
+
+
+def exchange_counts(
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    group: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    wait: bool = True,
+    rounds: int = 1,
+) -> Pending | None:
+    """:func:`exchange` on the meta device (the planner's simulated step), where tensors hold no
+    values: ``send_counts[r]`` elements to rank r, ``recv_counts[r]`` from it, the same buffers,
+    collectives and rounds, without a copy or a view per piece, which were most of what a simulated
+    owner exchange dispatched (``time python -m dist_optim.plan --model llama-70b --tp 8 --dp 8
+    --zero 1 --optimizer shampoo``)."""
+    size = group_size(group)
+    rounds = max(1, min(int(rounds), size))
+    if rounds > 1:
+        me = group_rank(group)
+        sends = [exchange_round(me, r, size, rounds) for r in range(size)]
+        recvs = [exchange_round(r, me, size, rounds) for r in range(size)]
+        for k in range(rounds):
+            exchange_counts(
+                [n if sends[r] == k else 0 for r, n in enumerate(send_counts)],
+                [n if recvs[r] == k else 0 for r, n in enumerate(recv_counts)],
+                group,
+                dtype,
+                device,
+            )
+        return None
+    flat = torch.empty(sum(send_counts), dtype=dtype, device=device)
+    out, work = _all_to_all(flat, list(send_counts), list(recv_counts), group, wait)
+    pending = Pending(work, out, [])
     if wait:
         pending.wait()
         return None

@@ -47,6 +47,7 @@ import torch
 
 from .. import bnb_states, lowbit, structured
 from ..layout import whole_layout
+from ..replay import replayable
 from .blocking import Block, kept_triangle
 from .options import SQUARED_GRAFTING_TYPES, uses_warm_refresh
 
@@ -80,6 +81,16 @@ EIGHT_BIT_MOMENTS = {"exp_avg": True, "exp_avg_eigen": True, "graft_sq": False, 
 
 #: Names (before their dim index) of the preconditioner matrices: :meth:`DistributedShampoo.state_bytes`.
 _MATRICES = ("factor", "root", "basis", "spectrum")
+
+
+@replayable
+def identity(side: int, dtype: torch.dtype, device: torch.device, packed: bool) -> torch.Tensor:
+    """The identity of ``side``, whole or as a packed lower triangle: a block's initial roots and
+    bases. Replayable (:mod:`dist_optim.replay`): a simulated 70B step creates thousands of blocks of
+    a few sides, and a meta ``eye`` dispatches several operators (``time python -m dist_optim.plan
+    --model llama-70b --tp 8 --dp 8 --zero 1 --optimizer shampoo``)."""
+    eye = torch.eye(side, dtype=dtype, device=device)
+    return structured.pack_lower(eye) if packed else eye
 
 
 def block_prefix(index: int) -> str:
@@ -312,8 +323,7 @@ class BlockState:
             elif name.startswith("spectrum"):
                 values[name] = torch.ones(shape, dtype=dt, device=device)
             elif name.startswith(("root", "basis")):
-                eye = torch.eye(block.shape[int(name.lstrip("rotbasi"))], dtype=dt, device=device)
-                values[name] = eye if len(shape) == 2 else structured.pack_lower(eye)
+                values[name] = identity(block.shape[int(name.lstrip("rotbasi"))], dt, device, len(shape) != 2)
             else:
                 values[name] = torch.zeros(shape, dtype=dt, device=device)
         return cls.of(values, "", block.order)
