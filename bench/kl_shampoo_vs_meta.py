@@ -38,26 +38,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import dist_optim  # noqa: E402
+from bench.meta_shampoo_conversion import make_params, run  # noqa: E402
 
 SHAPES = [(12, 7), (5, 9), (3, 4, 5), (6,)]
 #: The first refresh after the factors have full rank (12 statistics steps), then every 2nd step.
 START, FREQUENCY = 14, 2
 EPSILON = 1e-6
 BIAS_CORRECTION = True
-
-
-def _params(seed: int = 0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in SHAPES]
-
-
-def _run(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        opt.step()
-    return [p.detach().clone() for p in params]
 
 
 def _meta(params: list[torch.nn.Parameter], kl: bool) -> torch.optim.Optimizer:
@@ -110,12 +97,12 @@ def main() -> None:
         import distributed_shampoo  # noqa: F401
     except ImportError as exc:
         raise SystemExit(f"needs Meta's distributed_shampoo on the path ({exc}); see the docstring") from exc
-    start = [p.detach().clone() for p in _params()]
+    start = [p.detach().clone() for p in make_params(SHAPES)]
     results: dict[str, Any] = {}
     rows: dict[str, Any] = {"steps": a.steps, "shapes": SHAPES, "meta_commit": a.meta_commit}
     for kl in (True, False):
-        theirs = _run(_meta(ps := _params(), kl), ps, a.steps)
-        ours = _run(_ours(qs := _params(), kl), qs, a.steps)
+        theirs = run(_meta(ps := make_params(SHAPES), kl), ps, a.steps)
+        ours = run(_ours(qs := make_params(SHAPES), kl), qs, a.steps)
         name = "KL-Shampoo" if kl else "Shampoo (control)"
         results[name] = ours
         worst = max(_rel(x, y) for x, y in zip(ours, theirs))

@@ -40,12 +40,14 @@ import dist_optim  # noqa: E402
 SHAPES = [(12, 7), (5, 9), (3, 4, 5), (6,), (40, 3)]
 
 
-def _params() -> list[torch.nn.Parameter]:
+def make_params(shapes: list[tuple[int, ...]] = SHAPES) -> list[torch.nn.Parameter]:
+    """float64 parameters of ``shapes``, the same at every call."""
     gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in shapes]
 
 
-def _run(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int) -> list[torch.Tensor]:
+def run(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int) -> list[torch.Tensor]:
+    """``steps`` steps on the same random float64 gradients at every call; the parameters after them."""
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in params:
@@ -106,8 +108,8 @@ def main() -> None:
     runs = dict(configurations(m))
     for name, options in runs.items():
         kwargs = {**common, "weight_decay": 0.01, **options}
-        theirs = _run(m.DistributedShampoo(ps := _params(), **kwargs), ps, a.steps)
-        ours = _run(dist_optim.convert(m.DistributedShampoo(qs := _params(), **kwargs)), qs, a.steps)
+        theirs = run(m.DistributedShampoo(ps := make_params(), **kwargs), ps, a.steps)
+        ours = run(dist_optim.convert(m.DistributedShampoo(qs := make_params(), **kwargs)), qs, a.steps)
         diffs = [float((x - y).abs().max() / y.abs().max()) for x, y in zip(ours, theirs)]
         rows["runs"][name] = diffs
         print(f"{name}: " + ", ".join(f"{s}: {d:.1e}" for s, d in zip(SHAPES, diffs)))
@@ -118,15 +120,14 @@ def main() -> None:
         )
         no_merge = m.SingleDeviceDistributedConfig(target_parameter_dimensionality=math.inf)
         kwargs = {**common, "betas": (0.9, 0.95)}
-        theirs = _run(
-            m.DistributedShampoo(ps := _params(), preconditioner_config=config, distributed_config=no_merge, **kwargs),
-            ps,
-            a.steps,
+        meta_opt = m.DistributedShampoo(
+            ps := make_params(), preconditioner_config=config, distributed_config=no_merge, **kwargs
         )
+        theirs = run(meta_opt, ps, a.steps)
         ours_opt = dist_optim.DistributedShampoo(
-            qs := _params(), eigenvalue_correction=True, eigenbasis="eigh", preconditioner_dtype=f64, **kwargs
+            qs := make_params(), eigenvalue_correction=True, eigenbasis="eigh", preconditioner_dtype=f64, **kwargs
         )
-        ours = _run(ours_opt, qs, a.steps)
+        ours = run(ours_opt, qs, a.steps)
         diffs = [float((x - y).abs().max() / y.abs().max()) for x, y in zip(ours, theirs)]
         rows["soap_eigh_built_directly"] = diffs
         print("SOAP with Meta's eigh basis, ours built directly: " + ", ".join(f"{d:.1e}" for d in diffs))
