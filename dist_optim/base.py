@@ -261,6 +261,13 @@ class DistOptimizer(SavedState):
                     return f"parameter #{i} of param group {gi} (shape {self.layout(param).full_shape})"
         raise KeyError("the parameter is not in this optimizer")
 
+    def group_of(self, param: torch.Tensor) -> dict[str, Any]:
+        """The param group that holds ``param`` (by identity: tensors compare element-wise)."""
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise KeyError("parameter is not in this optimizer")
+
     def _grads(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Parameters of ``group`` that have a gradient, and their gradients."""
         params, grads = [], []

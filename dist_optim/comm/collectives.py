@@ -279,6 +279,10 @@ def exchange(
     size = group_size(group)
     if len(send) != size or len(recv) != size:
         raise ValueError(f"exchange: one list of pieces per rank of the group ({size}) to send and to receive")
+    send_counts = [sum(t.numel() for t in pieces) for pieces in send]
+    recv_counts = [sum(t.numel() for t in pieces) for pieces in recv]
+    if torch.device(device).type == "meta":  # no values: the counts are the exchange, rounds included
+        return exchange_counts(send_counts, recv_counts, group, dtype, device, wait, rounds)
     rounds = max(1, min(int(rounds), size))
     if rounds > 1:
         me = group_rank(group)
@@ -291,10 +295,6 @@ def exchange(
                 device,
             )
         return None
-    send_counts = [sum(t.numel() for t in pieces) for pieces in send]
-    recv_counts = [sum(t.numel() for t in pieces) for pieces in recv]
-    if torch.device(device).type == "meta":
-        return exchange_counts(send_counts, recv_counts, group, dtype, device, wait)
     flat = torch.empty(sum(send_counts), dtype=dtype, device=device)
     pieces = [t for per_rank in send for t in per_rank]
     if pieces and all(t.dtype == dtype and t.is_contiguous() for t in pieces):

@@ -199,16 +199,10 @@ class DistributedKron(DistOptimizer):
         self._random.probe_rng = value
 
     # ---- plans and owners ---------------------------------------------------------------------
-    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
-        for group in self.param_groups:
-            if any(p is param for p in group["params"]):
-                return group
-        raise KeyError("parameter is not in this optimizer")
-
     def _plan(self, param: torch.Tensor, group: dict[str, Any] | None = None) -> FactorPlan:
         plan = self._plans.get(param)
         if plan is None:
-            plan = plan_factors(self.layout(param).full_shape, group or self._group_of(param))
+            plan = plan_factors(self.layout(param).full_shape, group or self.group_of(param))
             self._plans[param] = plan
         return plan
 
@@ -399,7 +393,7 @@ class DistributedKron(DistOptimizer):
     def _localize_state(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
         """For ``load_full_state``: only the owner keeps a parameter's factors (of the stored shapes
         of its group's options, checked on every rank)."""
-        group = self._group_of(param)
+        group = self.group_of(param)
         check_factor_shapes(state, self._plan(param, group), factor_form(group), self.layout(param).full_shape)
         return state if self._mine(param) else without_factors(state)
 

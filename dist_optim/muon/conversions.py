@@ -12,7 +12,7 @@ import torch
 
 from ..registry import Conversion, PlanEntry, register, register_plan
 from .coefficients import DEFAULT_NS_COEFFICIENTS
-from .normuon import NEURON_STATE, DistributedNorMuon
+from .normuon import NEURON_STATE, DistributedNorMuon, moment_dtype
 from .optimizer import DistributedMuon
 
 __all__: list[str] = []
@@ -56,7 +56,7 @@ def _normuon_state(state: Any) -> dict[str, Any]:
     out = _muon_state(state)
     v = state.get("second_momentum_buffer")
     if v is not None:
-        out[NEURON_STATE] = v.reshape(-1).to(torch.promote_types(v.dtype, torch.float32))
+        out[NEURON_STATE] = v.reshape(-1).to(moment_dtype(v))
     return out
 
 

@@ -72,6 +72,16 @@ def rows_shape(view: tuple[int, ...], group: dict[str, Any]) -> tuple[int, ...]:
     return tuple(view[:2]) if is_stacked(view, group) else tuple(view[:1])
 
 
+def moment_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype ``v`` is kept and computed in: float32, float64 beside float64 parameters."""
+    return torch.promote_types(param.dtype, torch.float32)
+
+
+def _zero_moment(param: torch.Tensor, group: dict[str, Any], task: Task) -> torch.Tensor:
+    """A fresh ``v`` for the tensor ``task`` sees (:func:`rows_shape`)."""
+    return torch.zeros(rows_shape(task.view, group), dtype=moment_dtype(param), device=param.device)
+
+
 def _rows_of(box: Box) -> slice:
     """The entries of ``v`` a box's matrices use: its first dim's range (a stack's slices, a
     matrix's rows or a head's)."""
@@ -128,11 +138,9 @@ class DistributedNorMuon(DistributedMuon):
 
     def _neuron_state(self, p: torch.Tensor, group: dict[str, Any], task: Task) -> torch.Tensor:
         state = self.state[p]
-        v = state.get(NEURON_STATE)
-        if v is None:
-            dtype = torch.promote_types(p.dtype, torch.float32)
-            v = state[NEURON_STATE] = torch.zeros(rows_shape(task.view, group), dtype=dtype, device=p.device)
-        return v
+        if NEURON_STATE not in state:
+            state[NEURON_STATE] = _zero_moment(p, group, task)
+        return state[NEURON_STATE]
 
     # ---- state in full form ---------------------------------------------------------------------
     def _tp_rows(self, p: torch.Tensor, task: Task, group: dict[str, Any]) -> ParamLayout | None:
@@ -157,10 +165,7 @@ class DistributedNorMuon(DistributedMuon):
                 continue
             task = tasks[p]
             mine = self.state[p].get(NEURON_STATE)  # on the owners of its matrices
-            if mine is None:
-                dtype = torch.promote_types(p.dtype, torch.float32)
-                mine = torch.zeros(rows_shape(task.view, group), dtype=dtype, device=p.device)
-            v = mine.clone()
+            v = _zero_moment(p, group, task) if mine is None else mine.clone()
             shares += [(task.owner(b), [v[_rows_of(box)]]) for b, box in enumerate(task.boxes)]
             fulls.append((i, v, self._tp_rows(p, task, group)))
         share_results(shares)
@@ -176,7 +181,7 @@ class DistributedNorMuon(DistributedMuon):
         v = state.get(NEURON_STATE)
         if v is None:
             return state
-        group = self._group_of_param(param)
+        group = self.group_of(param)
         want = rows_shape(self.layout(param).full_shape, group)
         if tuple(v.shape) != want or not v.is_floating_point():
             raise ValueError(
@@ -189,11 +194,7 @@ class DistributedNorMuon(DistributedMuon):
             return {k: x for k, x in state.items() if k != NEURON_STATE}
         layout = self._tp_rows(param, task, group)
         local = v if layout is None else layout.take_local(v)
-        dtype = torch.promote_types(param.dtype, torch.float32)
-        return {**state, NEURON_STATE: local.to(device=param.device, dtype=dtype).clone()}
-
-    def _group_of_param(self, param: torch.Tensor) -> dict[str, Any]:
-        return next(g for g in self.param_groups if any(q is param for q in g["params"]))
+        return {**state, NEURON_STATE: local.to(device=param.device, dtype=moment_dtype(param)).clone()}
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
         """``v`` keeps its float32/float64 on load (torch's loader would cast it to bf16 parameters')."""
