@@ -12,10 +12,14 @@ Terms (see docs/design.md, "Vocabulary"):
 * ZeRO shard: the working param flattened, zero-padded to a multiple of the ZeRO group size, cut
   into equal contiguous chunks; each rank owns one chunk (a 1-D tensor). A chunk may cut rows in
   the middle and may consist of padding only.
+* flat-range shard: the working param flattened and cut at arbitrary boundaries, one contiguous
+  range per rank, unpadded and possibly empty (FSDP's fragments of the original parameters, which
+  fall wherever its flat parameter's equal chunks cut). A :class:`ZeroShard` with ``bounds``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -60,12 +64,19 @@ class ZeroShard:
 
     ``padding`` zeros are appended so that ``working numel + padding`` divides by ``size``;
     rank ``rank`` owns the contiguous chunk ``[rank * chunk, (rank + 1) * chunk)``.
+
+    With ``bounds`` (``size + 1`` non-decreasing offsets from 0 to the working numel), rank ``r``
+    instead owns ``[bounds[r], bounds[r + 1])``, unpadded and possibly empty: a flat-range shard
+    (FSDP's ``use_orig_params`` fragments). ``padding`` is then 0. Equal chunks are the special
+    case the ZeRO plugins produce; everything that maps a chunk to coordinates of the full tensor
+    (:meth:`ParamLayout.chunk_range`) serves both.
     """
 
     size: int
     rank: int
     padding: int
     group: Any = field(default=None, compare=False, hash=False)
+    bounds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -74,6 +85,26 @@ class ZeroShard:
             raise ValueError(
                 f"ZeroShard: padding {self.padding} must be in [0, {self.size}) for a group of size {self.size}"
             )
+        if self.bounds is not None:
+            bounds = tuple(int(b) for b in self.bounds)
+            object.__setattr__(self, "bounds", bounds)
+            if (
+                len(bounds) != self.size + 1
+                or bounds[0] != 0
+                or any(b > c for b, c in zip(bounds, bounds[1:]))
+                or self.padding
+            ):
+                raise ValueError(
+                    f"ZeroShard: bounds {bounds} must be {self.size + 1} non-decreasing offsets from 0 "
+                    "(one range per rank) with padding 0"
+                )
+
+    @property
+    def widths(self) -> tuple[int, ...] | None:
+        """Elements each rank holds of a flat-range shard (None for equal chunks)."""
+        if self.bounds is None:
+            return None
+        return tuple(c - b for b, c in zip(self.bounds, self.bounds[1:]))
 
 
 @dataclass(frozen=True)
@@ -105,7 +136,13 @@ class ParamLayout:
                     )
                 if dim != self.tp.dim:
                     object.__setattr__(self, "tp", TPSplit(dim, self.tp.size, self.tp.rank, self.tp.group))
-        if self.zero is not None:
+        if self.zero is not None and self.zero.bounds is not None:
+            if self.zero.bounds[-1] != self.local_numel:
+                raise ValueError(
+                    f"ParamLayout: flat ranges {self.zero.bounds} end at {self.zero.bounds[-1]}, not at the "
+                    f"{self.local_numel} elements of the working param"
+                )
+        elif self.zero is not None:
             # A ZeRO "shard" over one rank is kept: the optimizer's tensor is then the whole working
             # param, but flat, and factored math needs to know its shape.
             expected = (-self.local_numel) % self.zero.size
@@ -159,7 +196,7 @@ class ParamLayout:
         equality): the key for a cache of what depends only on where the piece sits, which then
         does not keep a destroyed group, and its communicator, alive."""
         tp = None if self.tp is None else TPSplit(self.tp.dim, self.tp.size, self.tp.rank)
-        zero = None if self.zero is None else ZeroShard(self.zero.size, self.zero.rank, self.zero.padding)
+        zero = None if self.zero is None else dataclasses.replace(self.zero, group=None)
         return ParamLayout(self.full_shape, tp, zero)
 
     def is_split_along(self, dim: int) -> bool:
@@ -171,6 +208,8 @@ class ParamLayout:
         """Elements in the tensor the optimizer sees (the ZeRO chunk, padding included)."""
         if self.zero is None:
             return self.local_numel
+        if self.zero.bounds is not None:
+            return self.zero.bounds[self.zero.rank + 1] - self.zero.bounds[self.zero.rank]
         return (self.local_numel + self.zero.padding) // self.zero.size
 
     @property
@@ -178,8 +217,18 @@ class ParamLayout:
         """``[start, stop)`` of this rank's chunk in the flattened, padded working param."""
         if self.zero is None:
             return 0, self.local_numel
+        if self.zero.bounds is not None:
+            return self.zero.bounds[self.zero.rank], self.zero.bounds[self.zero.rank + 1]
         start = self.zero.rank * self.chunk_numel
         return start, start + self.chunk_numel
+
+    @property
+    def gather_widths(self) -> tuple[int, ...]:
+        """Elements each rank of the ZeRO group holds (equal chunks: ``chunk_numel`` each; a
+        flat-range shard: its ranges' lengths); what an all-gather of the pieces pads to."""
+        if self.zero is None:
+            return (self.local_numel,)
+        return self.zero.widths or (self.chunk_numel,) * self.zero.size
 
     @property
     def valid_numel(self) -> int:

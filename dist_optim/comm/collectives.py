@@ -155,15 +155,20 @@ def gather_full(
             # Without an explicit communication dtype, the widest of the bucket: never round a
             # tensor through a narrower neighbour's dtype.
             comm_dtype = dtype or widest_dtype(results[i] for i in idx)
-            flat = torch.cat([results[i].reshape(-1).to(comm_dtype) for i in idx])
+            # Every rank sends as many elements per item: a flat-range shard's pieces differ in
+            # length, so each is padded to the longest (NCCL's all-gather takes equal sizes).
+            widths = [max(items[i][0].gather_widths) if kind == "zero" else results[i].numel() for i in idx]
+            flat = torch.cat([_padded(results[i].reshape(-1).to(comm_dtype), w) for i, w in zip(idx, widths)])
             gathered, _ = _all_gather_flat(flat, group)
             offset = 0
-            for i in idx:
+            for i, n in zip(idx, widths):
                 layout = items[i][0]
-                n = results[i].numel()
                 piece = gathered[:, offset : offset + n]
                 offset += n
-                if kind == "zero":
+                if kind == "zero" and layout.zero.bounds is not None:  # type: ignore[union-attr]
+                    rows = [piece[r, :w] for r, w in enumerate(layout.gather_widths)]
+                    results[i] = layout.to_working_shape(torch.cat(rows))
+                elif kind == "zero":
                     results[i] = layout.to_working_shape(piece.reshape(-1))
                 else:
                     size = layout.tp.size  # type: ignore[union-attr]
@@ -177,6 +182,10 @@ def gather_full(
             results[i] = results[i].reshape(layout.local_shape)
     _stage("tp")
     return [r.to(d) if r.dtype != d else r for r, d in zip(results, out_dtypes)]
+
+
+def _padded(flat: torch.Tensor, width: int) -> torch.Tensor:
+    return flat if flat.numel() == width else torch.nn.functional.pad(flat, (0, width - flat.numel()))
 
 
 def broadcast_from(tensors: Sequence[torch.Tensor], src_rank_in_group: int, group: Any) -> None:

@@ -17,6 +17,7 @@ themselves, with ColossalAI's real reductions, are the booster tests' columns
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -26,13 +27,18 @@ import torch
 import torch.distributed as dist
 
 from dist_optim import comm
-from dist_optim.layout import register_tp_reader
+from dist_optim.layout import ParamLayout, TPSplit, ZeroShard, register_tp_reader
 from dist_optim.plugins.contract import setup_distributed
 from dist_optim.testing import grid_groups
 from tests.helpers.check import describe, excess
 
-#: (tp, dp, ZeRO-sharded): TP only, TP x DDP, ZeRO over 4, TP x ZeRO, TP over 4.
-LAYOUTS: list[tuple[int, int, int]] = [(2, 1, 0), (2, 2, 0), (1, 4, 1), (2, 2, 1), (4, 1, 0)]
+#: The third entry of a layout whose shards are FSDP's: every parameter flattened into one buffer
+#: cut into equal pieces (``torch.chunk``), so each rank holds an unpadded range of each parameter,
+#: empty for most of them (``ZeroShard.bounds``). fp32 masters only: FSDP keeps its sharded
+#: parameters in full precision whatever its mixed-precision policy computes in.
+FLAT = 3
+#: (tp, dp, ZeRO-sharded): TP only, TP x DDP, ZeRO over 4, TP x ZeRO, TP over 4, flat ranges over 4.
+LAYOUTS: list[tuple[int, int, int]] = [(2, 1, 0), (2, 2, 0), (1, 4, 1), (2, 2, 1), (4, 1, 0), (1, 4, FLAT)]
 PRECISIONS = ("fp32", "bf16")
 STEPS = 6
 NONE_GRAD_STEP = 3  # the "row" param gets no gradient at this step
@@ -68,8 +74,8 @@ PRODUCTION_SPECS: list[Spec] = [
     Spec("rowpad", (301, 450), -1),
     Spec("vec", (576,), None),
 ]
-#: tp=2 x dp=2 x ZeRO and dp=4 x ZeRO.
-PRODUCTION_LAYOUTS: list[tuple[int, int, int]] = [(2, 2, 1), (1, 4, 1)]
+#: tp=2 x dp=2 x ZeRO, dp=4 x ZeRO and flat ranges over 4 (each matrix cut across two or three ranks).
+PRODUCTION_LAYOUTS: list[tuple[int, int, int]] = [(2, 2, 1), (1, 4, 1), (1, 4, FLAT)]
 
 # The working params of this harness say their TP split dim with an attribute.
 register_tp_reader(lambda t: getattr(t, "_test_tp_dim", None))
@@ -203,6 +209,8 @@ def build(
 ) -> tuple[Any, list[torch.Tensor], list[Any], Callable[[int, torch.Tensor], torch.Tensor]]:
     """This rank's pieces (masters) and the optimizer bound to them through setup_distributed,
     their TP split dims, and ``local_grad(i, full_grad)``: this rank's piece of param i's gradient."""
+    if zero == FLAT:
+        return _build_flat(cls, kwargs, tp, dp, precision, specs)
     tp_group, dp_group = grid_groups(tp, dp)
     tp_rank = dist.get_rank(tp_group)
     dp_rank = dist.get_rank(dp_group)
@@ -242,6 +250,41 @@ def build(
     def local_grad(i: int, g: torch.Tensor) -> torch.Tensor:
         piece = tp_slice(g, dims[i], tp, tp_rank)
         return zero_chunk(piece, dp, dp_rank).clone() if is_zero else piece.clone()
+
+    return opt, masters, dims, local_grad
+
+
+def flat_bounds(numels: list[int], size: int) -> list[tuple[int, ...]]:
+    """Each parameter's :class:`~dist_optim.layout.ZeroShard` ``bounds`` when parameters of
+    ``numels`` elements are laid end to end in one buffer cut by ``torch.chunk`` into ``size``
+    pieces (FSDP's flat parameter, without its alignment padding)."""
+    total = sum(numels)
+    width = -(-total // size)
+    out, offset = [], 0
+    for n in numels:
+        out.append(tuple(min(max(r * width - offset, 0), n) for r in range(size + 1)))
+        offset += n
+    return out
+
+
+def _build_flat(
+    cls: type, kwargs: dict[str, Any], tp: int, dp: int, precision: str, specs: list[Spec]
+) -> tuple[Any, list[torch.Tensor], list[Any], Callable[[int, torch.Tensor], torch.Tensor]]:
+    """:func:`build` for the :data:`FLAT` layout: TP slices of the parameters, flat ranges over dp."""
+    tp_group, dp_group = grid_groups(tp, dp)
+    tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
+    dims = [_tp_dim(spec, tp) for spec in specs]
+    fulls = full_params(precision, specs=specs)
+    tp_split = [None if d is None else TPSplit(d, tp, tp_rank, tp_group) for d in dims]
+    layouts = [ParamLayout(tuple(f.shape), split) for f, split in zip(fulls, tp_split)]
+    bounds = flat_bounds([lay.local_numel for lay in layouts], dp)
+    layouts = [dataclasses.replace(lay, zero=ZeroShard(dp, dp_rank, 0, dp_group, b)) for lay, b in zip(layouts, bounds)]
+    masters = [lay.take_local(f.float()) for lay, f in zip(layouts, fulls)]
+    opt = make(cls, kwargs, masters, specs)
+    opt.bind(dict(zip(masters, layouts)), dp_group=dp_group, tp_group=tp_group)
+
+    def local_grad(i: int, g: torch.Tensor) -> torch.Tensor:
+        return layouts[i].take_local(g)
 
     return opt, masters, dims, local_grad
 
@@ -308,6 +351,8 @@ def parity_worker(
     for precision in precisions:
         ref_params, ref_states = reference(cls, kwargs, precision, specs)
         for tp, dp, zero in layouts or LAYOUTS:
+            if zero == FLAT and precision != "fp32":
+                continue
             label = f"[tp={tp} dp={dp} zero={zero} {precision}]"
             opt, masters, _ = distributed(cls, kwargs, tp, dp, zero, precision, specs)
             failures += compare(label, *full_result(opt, masters), ref_params, ref_states, specs)

@@ -11,15 +11,32 @@ from dist_optim.layout import ParamLayout, TPSplit, ZeroShard, box_numel, range_
 from dist_optim.placement import assign_owners, plan_route
 
 
-def _pieces(full: torch.Tensor, tp: int, tp_dim: int | None, dp: int) -> list[tuple[ParamLayout, torch.Tensor]]:
+def _cuts(numel: int, size: int, seed: int) -> tuple[int, ...]:
+    """Flat-range bounds for ``size`` ranks (FSDP's fragments): cut anywhere, with empty ranges
+    (the first rank's always, and repeated cuts)."""
+    gen = torch.Generator().manual_seed(seed)
+    inner = sorted(torch.randint(0, numel + 1, (size - 2,), generator=gen).tolist()) if size > 2 else []
+    return (0, 0, *inner, numel)[: size + 1] if size > 1 else (0, numel)
+
+
+def _zero(local_numel: int, dp: int, d: int, ragged: bool) -> ZeroShard | None:
+    if dp == 1 and not ragged:
+        return None
+    if ragged:
+        return ZeroShard(dp, d, 0, bounds=_cuts(local_numel, dp, local_numel * 7 + dp))
+    return ZeroShard(dp, d, (-local_numel) % dp)
+
+
+def _pieces(
+    full: torch.Tensor, tp: int, tp_dim: int | None, dp: int, ragged: bool = False
+) -> list[tuple[ParamLayout, torch.Tensor]]:
     out = []
     if tp_dim is None:
         tp = 1  # replicated across TP: one copy holds everything
     for t, d in itertools.product(range(tp), range(dp)):
         split = TPSplit(tp_dim, tp, t) if tp_dim is not None and tp > 1 else None
         local_numel = full.numel() // (tp if split else 1)
-        zero = ZeroShard(dp, d, (-local_numel) % dp) if dp > 1 else None
-        layout = ParamLayout(tuple(full.shape), split, zero)
+        layout = ParamLayout(tuple(full.shape), split, _zero(local_numel, dp, d, ragged))
         out.append((layout, layout.take_local(full)))
     return out
 
@@ -29,11 +46,12 @@ SHAPES = [((8, 6), 0), ((6, 8), -1), ((5, 3), None), ((3, 4, 3), 1), ((2,), None
 
 @pytest.mark.parametrize("shape,tp_dim", SHAPES)
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 4), (2, 2), (1, 3)])
-def test_chunks_tile_the_full_tensor(shape, tp_dim, tp, dp) -> None:
+@pytest.mark.parametrize("ragged", [False, True], ids=["chunks", "ranges"])
+def test_chunks_tile_the_full_tensor(shape, tp_dim, tp, dp, ragged) -> None:
     if tp_dim is not None and shape[tp_dim] % tp:
         pytest.skip("not divisible")
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape) + 1
-    pieces = _pieces(full, tp, tp_dim, dp)
+    pieces = _pieces(full, tp, tp_dim, dp, ragged)
     # Every real element appears exactly once across the pieces; padding is zero.
     seen = torch.cat([p.reshape(-1) for _, p in pieces])
     real = seen[seen != 0]
@@ -45,7 +63,8 @@ def test_chunks_tile_the_full_tensor(shape, tp_dim, tp, dp) -> None:
 
 @pytest.mark.parametrize("shape,tp_dim", SHAPES)
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 4), (2, 2), (1, 3)])
-def test_full_flat_index_bins_give_full_row_and_col_sums(shape, tp_dim, tp, dp) -> None:
+@pytest.mark.parametrize("ragged", [False, True], ids=["chunks", "ranges"])
+def test_full_flat_index_bins_give_full_row_and_col_sums(shape, tp_dim, tp, dp, ragged) -> None:
     """Scatter-adding chunks at full_flat_index(drop) reproduces the full tensor's sums over drop."""
     if tp_dim is not None and shape[tp_dim] % tp:
         pytest.skip("not divisible")
@@ -53,7 +72,7 @@ def test_full_flat_index_bins_give_full_row_and_col_sums(shape, tp_dim, tp, dp) 
     for drop in [(), (-1,)] + ([(-2,), (0,)] if len(shape) >= 2 else []):
         reduced = ParamLayout(shape).reduced_shape(drop)
         acc = torch.zeros(torch.Size(reduced).numel(), dtype=torch.float64)
-        for layout, piece in _pieces(full, tp, tp_dim, dp):
+        for layout, piece in _pieces(full, tp, tp_dim, dp, ragged):
             idx = layout.full_flat_index(drop)
             mask = idx >= 0
             acc.index_add_(0, idx[mask], piece.reshape(-1)[mask])
@@ -76,6 +95,25 @@ def test_bad_layouts_are_refused() -> None:
         TPSplit(0, 2, 2)
     with pytest.raises(ValueError, match="shape"):
         ParamLayout((4, 4)).take_local(torch.zeros(3, 4))
+
+
+def test_flat_ranges() -> None:
+    """A flat-range shard: each rank's unpadded range, empty ones included; bad bounds refused."""
+    full = torch.arange(12.0).reshape(3, 4)
+    layouts = [ParamLayout((3, 4), zero=ZeroShard(3, r, 0, bounds=(0, 5, 5, 12))) for r in range(3)]
+    assert [lay.chunk_range for lay in layouts] == [(0, 5), (5, 5), (5, 12)]
+    assert [lay.chunk_numel for lay in layouts] == [lay.valid_numel for lay in layouts] == [5, 0, 7]
+    assert layouts[0].gather_widths == (5, 0, 7)
+    assert torch.equal(layouts[2].take_local(full), torch.arange(5.0, 12.0))
+    assert layouts[1].local_boxes((3, 4)) == [] and layouts[1].full_flat_index().numel() == 0
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ZeroShard(3, 0, 0, bounds=(0, 6, 5, 12))
+    with pytest.raises(ValueError, match="3 non-decreasing"):
+        ZeroShard(2, 0, 0, bounds=(0, 5, 5, 12))
+    with pytest.raises(ValueError, match="padding 0"):
+        ZeroShard(3, 0, 1, bounds=(0, 5, 5, 12))
+    with pytest.raises(ValueError, match="end at 11"):
+        ParamLayout((3, 4), zero=ZeroShard(3, 0, 0, bounds=(0, 5, 5, 11)))
 
 
 def test_single_rank_zero_keeps_flat_form() -> None:
@@ -104,11 +142,12 @@ def test_range_boxes_are_the_range_in_order(shape) -> None:
 
 @pytest.mark.parametrize("shape,tp_dim", SHAPES)
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 4), (2, 2), (1, 3)])
-def test_local_boxes_locate_every_local_element(shape, tp_dim, tp, dp) -> None:
+@pytest.mark.parametrize("ragged", [False, True], ids=["chunks", "ranges"])
+def test_local_boxes_locate_every_local_element(shape, tp_dim, tp, dp, ragged) -> None:
     if tp_dim is not None and shape[tp_dim] % tp:
         pytest.skip("not divisible")
     full = torch.randn(shape, dtype=torch.float64)
-    for layout, piece in _pieces(full, tp, tp_dim, dp):
+    for layout, piece in _pieces(full, tp, tp_dim, dp, ragged):
         flat = piece.reshape(-1)
         boxes = layout.local_boxes(shape)
         assert sum(box_numel(b) for b, _ in boxes) == layout.valid_numel
@@ -171,10 +210,12 @@ def _route_all(
 
 
 @pytest.mark.parametrize("shape,tp_dim", SHAPES)
-@pytest.mark.parametrize("tp,dp,zero", [(1, 4, True), (2, 2, True), (2, 2, False), (4, 1, False), (1, 3, True)])
+@pytest.mark.parametrize(
+    "tp,dp,zero", [(1, 4, True), (2, 2, True), (2, 2, False), (4, 1, False), (1, 3, True), (1, 4, "ranges")]
+)
 def test_routes_bring_every_block_to_its_owner_and_back(shape, tp_dim, tp, dp, zero) -> None:
     """Members of a TP x DP grid, each holding its TP slice (or the whole tensor if it is
-    replicated over TP) and its ZeRO chunk (or all of it without ZeRO)."""
+    replicated over TP) and its ZeRO chunk (or all of it without ZeRO), or a flat range of it."""
     if tp_dim is not None and shape[tp_dim] % tp:
         pytest.skip("not divisible")
     full = torch.randn(shape, dtype=torch.float64)
@@ -182,7 +223,7 @@ def test_routes_bring_every_block_to_its_owner_and_back(shape, tp_dim, tp, dp, z
     for t, d in itertools.product(range(tp), range(dp)):
         split = TPSplit(tp_dim, tp, t) if tp_dim is not None and tp > 1 else None
         local_numel = full.numel() // (tp if split else 1)
-        layouts.append(ParamLayout(shape, split, ZeroShard(dp, d, (-local_numel) % dp) if zero else None))
+        layouts.append(ParamLayout(shape, split, _zero(local_numel, dp, d, zero == "ranges") if zero else None))
     pieces = [lay.take_local(full) for lay in layouts]
     for block in (2, 3, 100):
         assert _route_all(full, layouts, pieces, block)
