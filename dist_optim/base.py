@@ -175,10 +175,19 @@ class DistOptimizer(SavedState):
     def _check_unbound_in_job(self) -> None:
         """An unbound optimizer in a multi-process job: refused where a parameter says it is a
         tensor-parallel slice (its math would see the slice alone: a stock plugin that never
-        bound it), warned once otherwise (right for replicated parameters)."""
+        bound it) or an FSDP flat parameter, warned once otherwise (right for replicated parameters)."""
         if self._warned_unbound or self.is_bound:
             return
         world = group_size(None)
+        # FSDP's flat parameters (a stock TorchFSDPPlugin re-creates the optimizer on them) mix the
+        # tensors of a unit: no per-parameter math is right on them.
+        flat = [p for p in self._all_params() if getattr(p, "_is_flat_param", False)] if world > 1 else []
+        if flat:
+            raise RuntimeError(
+                f"{type(self).__name__} is stepping on {len(flat)} FSDP flat parameters, each mixing several "
+                "parameters' pieces: use dist_optim.plugins.TorchFSDPPlugin (binds the original parameters), launch "
+                "under `python -m dist_optim.plugins.launch`, or build FSDP with use_orig_params=True and bind(...)"
+            )
         sliced = [p for p in self._all_params() if read_tp_dim(p) is not None] if world > 1 else []
         if sliced:
             raise RuntimeError(

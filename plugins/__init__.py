@@ -20,12 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from colossalai.accelerator import get_accelerator
 from colossalai.booster.plugin import GeminiPlugin as _GeminiPlugin
 from colossalai.booster.plugin import HybridParallelPlugin as _HybridParallelPlugin
 from colossalai.booster.plugin import LowLevelZeroPlugin as _LowLevelZeroPlugin
 from colossalai.booster.plugin import MoeHybridParallelPlugin as _MoeHybridParallelPlugin
 from colossalai.booster.plugin import TorchDDPPlugin as _TorchDDPPlugin
 from colossalai.booster.plugin import TorchFSDPPlugin as _TorchFSDPPlugin
+from colossalai.booster.plugin.torch_fsdp_plugin import FSDPOptimizerWrapper, TorchFSDPModel
 from colossalai.logging import get_dist_logger
 
 from dist_optim.base import DistOptimizer
@@ -36,6 +38,7 @@ from dist_optim.registry import class_path, convert, lookup
 from .checkpoint import DistOptimCheckpointMixin
 from .colossal import as_colossal_optimizer, bind_from_wrapper, record_param_names, world_group
 from .contract import plugin_binds
+from .fsdp import FSDPBinding, fill_empty_grads, fsdp_layouts
 
 __all__ = [
     "HybridParallelPlugin",
@@ -201,12 +204,13 @@ def _refuse(plugin: str, optimizer: torch.optim.Optimizer | None, why: str) -> N
         raise ValueError(
             f"{plugin} cannot run {class_path(type(optimizer))} correctly: {why} {ours} needs to know how each "
             "parameter is split. Use dist_optim.plugins.LowLevelZeroPlugin (ZeRO-1/2 sharding), "
-            "HybridParallelPlugin (tensor parallelism + ZeRO) or TorchDDPPlugin instead."
+            "TorchFSDPPlugin (parameters sharded too), HybridParallelPlugin (tensor parallelism + ZeRO) or "
+            "TorchDDPPlugin instead."
         )
 
 
 class _Refuses:
-    """Plugins that hand optimizers flat chunks without a layout: refuse ours at boost."""
+    """A plugin that hands optimizers flat chunks without a layout: refuse ours at boost."""
 
     _why = ""
 
@@ -230,8 +234,63 @@ class GeminiPlugin(_Refuses, _GeminiPlugin):
     _why = "Gemini packs parameters into flat chunks and never binds optimizers;"
 
 
-class TorchFSDPPlugin(_Refuses, _TorchFSDPPlugin):
-    """``colossalai.booster.plugin.TorchFSDPPlugin`` that refuses, at boost, optimizers whose math
-    is not element-wise (FSDP hands them flat shards and no layout)."""
+class _FSDPOptimizer(FSDPOptimizerWrapper):
+    """ColossalAI's FSDP optimizer wrapper, for an optimizer bound to FSDP's fragments: empty
+    fragments get their empty gradient before a step, and clipping sees the whole model's norm
+    (ColossalAI's wrapper would clip each rank's fragments by their own norm)."""
 
-    _why = "FSDP flattens and shards parameters and never binds optimizers;"
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Any, binding: FSDPBinding) -> None:
+        super().__init__(optimizer, model)
+        self.binding = binding
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        fill_empty_grads(self.binding, (p for g in self.optim.param_groups for p in g["params"]))
+        return self.optim.step(*args, **kwargs)
+
+    def clip_grad_by_norm(self, max_norm: float | int, norm_type: float | int = 2.0, **kwargs: Any) -> Any:
+        return self.model.module.clip_grad_norm_(max_norm, norm_type)
+
+
+class TorchFSDPPlugin(_TorchFSDPPlugin):
+    """``colossalai.booster.plugin.TorchFSDPPlugin`` that swaps dist_optim optimizers in and binds
+    them to FSDP's fragments of the original parameters (``use_orig_params=True``, see
+    plugins/fsdp.py): the single-device algorithm on any split, the user's param groups and
+    options kept (ColossalAI's plugin re-creates the optimizer on FSDP's flat parameters, one
+    group with the defaults), and checkpoints in the layout-independent format."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fsdp_kwargs["use_orig_params"] = True
+
+    def configure(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, ...]:
+        optimizer = swap_optimizer(optimizer, lr_scheduler)
+        fsdp_model = TorchFSDPModel(model, device_id=get_accelerator().get_current_device(), **self.fsdp_kwargs)
+        if self.fp8_communication:
+            from colossalai.quantization.fp8 import fp8_compress_fsdp_grad_comm_hook, fp8_compress_fsdp_params_comm_hook
+            from colossalai.quantization.utils import patch_fsdp_params_comm_hook
+
+            patch_fsdp_params_comm_hook()
+            fsdp_model.module.register_params_comm_hook(None, fp8_compress_fsdp_params_comm_hook)
+            fsdp_model.module.register_comm_hook(None, fp8_compress_fsdp_grad_comm_hook)
+        wrapper = None
+        if optimizer is not None:
+            # use_orig_params keeps the user's Parameter objects: the optimizer already holds them.
+            binding = fsdp_layouts(fsdp_model.module)
+            wrapper = _FSDPOptimizer(optimizer, fsdp_model, binding)
+            if isinstance(optimizer, DistOptimizer):
+                params = [p for g in optimizer.param_groups for p in g["params"]]
+                optimizer.bind({p: binding.layouts[p] for p in params}, dp_group=world_group())
+                # FSDP's fragments are the masters and the model's state dict gathers them: the
+                # optimizer's checkpoint carries no separate masters (plugins/checkpoint.py).
+                optimizer.param_names = {p: binding.names[p] for p in params}
+        return fsdp_model, wrapper, criterion, dataloader, lr_scheduler
+
+    def get_checkpoint_io(self) -> Any:
+        return _with_dist_optim_checkpoints(super().get_checkpoint_io(), _rank0(world_group()))

@@ -18,6 +18,8 @@ What it fills in, and why (docs/design.md, "Running ColossalAI on CPU"):
 * gloo has no ``all_to_all`` / ``all_to_all_single`` / list-form ``reduce_scatter`` (sequence
   parallelism and MoE dispatch use them): emulated with point-to-point messages and an all-reduce
   for the modules that call them (:class:`GlooCollectives`);
+* ColossalAI's FSDP checkpoint IO asks for state dicts offloaded to the CPU, which crashes
+  FSDP when the parameters already live there: asked without the offload;
 * on a torch without a CUDA device, ``torch.manual_seed`` still queues a CUDA seeding for a CUDA
   that can never initialise, formatting the caller's stack each time: ColossalAI's sharded layers
   seed 32 times per ``booster.boost``, about 6% of a small boosted run on these ranks (docs/design.md).
@@ -64,7 +66,24 @@ def install() -> None:
     _patch_pipeline_p2p()
     _patch_gloo_collectives()
     _skip_queued_cuda_seeding()
+    _keep_fsdp_state_dicts_in_place()
     _INSTALLED = True
+
+
+def _keep_fsdp_state_dicts_in_place() -> None:
+    """ColossalAI's FSDP checkpoint IO asks FSDP for full state dicts "offloaded to the CPU": on
+    CPU processes the unsharded parameters already live there, FSDP frees the storage it copied
+    from, which is the copy's own, and rank 0 crashes (SIGSEGV) cloning it. Ask without the
+    offload when no CUDA device exists; the result is the same tensors."""
+    if torch.cuda.is_available():
+        return
+    import colossalai.booster.plugin.torch_fsdp_plugin as fsdp_plugin
+    from torch.distributed.fsdp import FullStateDictConfig
+
+    def in_place(offload_to_cpu: bool = False, rank0_only: bool = False) -> FullStateDictConfig:
+        return FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only)
+
+    fsdp_plugin.FullStateDictConfig = in_place  # type: ignore[attr-defined]
 
 
 def _skip_queued_cuda_seeding() -> None:

@@ -97,6 +97,8 @@ def plugin_config(col: tuple) -> tuple[str, dict, int]:
         return plugin, dict(kwargs, overlap_communication=False), 4
     if plugin == "LowLevelZeroPlugin":
         return plugin, dict(stage=zero, precision=precision, overlap_communication=False, **offload), 4
+    if plugin == "TorchFSDPPlugin":
+        return plugin, {}, 4
     return plugin, {}, 2
 
 
@@ -130,7 +132,7 @@ def test_booster_parity(name, col, pool4, pool2, tmp_path) -> None:
         assert "DistributedOptim" in res["swapped_to"]
         mine = list(res["errors"])  # this rank's parameters (its pipeline stage's)
         split = [n for n in mine if "norm" not in n]  # every linear, the embedding and the LM head
-        tp, zero = kwargs.get("tp_size", 1), kwargs.get("zero_stage", kwargs.get("stage", 0))
+        tp, zero = col[1], col[3]
         assert res["tp_bound"] == (len(split) if tp > 1 else 0), f"rank {rank}: TP layouts not bound"
         assert res["zero_bound"] == (len(mine) if zero else 0), f"rank {rank}: ZeRO layouts not bound"
         if zero and plugin == "HybridParallelPlugin":

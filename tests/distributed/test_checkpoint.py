@@ -37,6 +37,8 @@ MOE_EP2 = (
     dict(tp_size=1, pp_size=1, ep_size=2, zero_stage=1, precision="bf16", overlap_communication=False),
 )
 MOE_EP1 = ("MoeHybridParallelPlugin", dict(MOE_EP2[1], ep_size=1))
+# FSDP's full shard over 4 ranks: each rank holds unpadded ranges of the parameters, most empty.
+FSDP = ("TorchFSDPPlugin", dict())
 
 
 SAME_LAYOUT = [
@@ -45,11 +47,13 @@ SAME_LAYOUT = [
     pytest.param(HP_TP2_ZERO2, True, id="tp2-zero2-bf16-sharded"),
     pytest.param(MOE_EP2, True, id="moe-ep2-bf16-sharded"),
     pytest.param(LLZ_OFFLOAD, True, id="llz-offload-fp32-sharded"),
+    pytest.param(FSDP, True, id="fsdp-fp32-sharded"),
 ]
 RESAVED = [
     pytest.param(HP_TP2_ZERO2, LLZ_BF16, id="tp2-to-llz"),
     pytest.param(MOE_EP2, MOE_EP1, id="moe-ep2-to-ep1"),
     pytest.param(HP_TP2_ZERO1_OFFLOAD, LLZ_BF16, id="tp2-offload-to-llz"),
+    pytest.param(FSDP, LLZ_BF16, id="fsdp-to-llz"),
 ]
 
 
@@ -85,7 +89,8 @@ def test_exact_resume_same_layout(name, layout, shard, pool4, tmp_path) -> None:
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_resume_after_resharding(name, pool4, pool2, tmp_path) -> None:
-    """Saved at tp=2 x dp=2, resumed with ZeRO-2 on 4 ranks and with DDP on 2 ranks for 3 steps.
+    """Saved at tp=2 x dp=2, resumed with ZeRO-2 on 4 ranks, with FSDP on 4 ranks and with DDP on 2
+    ranks for 3 steps.
     On every rank: the loaded state is the saved one (bit for bit what tp=2 x dp=2 held),
     and the 3 steps after it are the single-device algorithm's from that state on what the new
     layout handed the optimizer (tests/helpers/booster.py ``replay``): weights and full optimizer state
@@ -94,7 +99,7 @@ def test_resume_after_resharding(name, pool4, pool2, tmp_path) -> None:
     opt_path, opt_kwargs = OPTIMIZERS[name]
     path = str(tmp_path)
     saved = pool4.run(ckpt.train_and_save, *HP_TP2, opt_path, opt_kwargs, 3, path, True, with_state=True)[0]
-    for pool, target in ((pool4, LLZ_FP32), (pool2, DDP)):
+    for pool, target in ((pool4, LLZ_FP32), (pool4, FSDP), (pool2, DDP)):
         results = pool.run(ckpt.load_and_train, *target, opt_path, opt_kwargs, 3, 3, path, True, record=True)
         for rank, res in enumerate(results):
             assert len(res["records"]) == 3, (target[0], rank, len(res["records"]))

@@ -86,7 +86,7 @@ def colossal_reader() -> list[Any]:
 
 
 def refusals() -> dict[str, str]:
-    """Gemini and FSDP refuse layout-dependent optimizers at boost, with what to use instead."""
+    """Gemini refuses layout-dependent optimizers at boost, with what to use instead."""
     from dist_optim.plugins.cpu import install
 
     install()
@@ -96,7 +96,7 @@ def refusals() -> dict[str, str]:
     from dist_optim import plugins
 
     out = {}
-    for name in ("GeminiPlugin", "TorchFSDPPlugin"):
+    for name in ("GeminiPlugin",):
         for label, make in (
             ("ordinary", lambda m: Lamb(m.parameters(), lr=1e-3)),
             ("ours", lambda m: dist_optim.DistributedShampoo(m.parameters(), lr=1e-3)),
@@ -138,7 +138,8 @@ def test_bind_errors() -> None:
     assert opt.layout(a).tp_offset == 4
 
 
-def test_gemini_and_fsdp_refuse_layout_dependent_optimizers(pool2) -> None:
+def test_gemini_refuses_layout_dependent_optimizers(pool2) -> None:
     for res in pool2.run(refusals):
+        assert len(res) == 2
         for key, msg in res.items():
-            assert "cannot run" in msg and "LowLevelZeroPlugin" in msg, (key, msg)
+            assert "cannot run" in msg and "TorchFSDPPlugin" in msg and "\n" not in msg, (key, msg)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dist_optim.plugins.cpu import install, quiet_colossal
+from dist_optim.plugins.fsdp import clean_name
 from dist_optim.testing import VOCAB, tiny_llama, tiny_mixtral
 from tests.helpers.check import describe, excess, max_rel_err
 
@@ -113,7 +114,7 @@ def named_masters(model: Any, wrapper: Any) -> tuple[list[torch.Tensor], list[st
     the wrapper's master-to-working map where ColossalAI keeps separate masters)."""
     masters = [p for g in wrapper.optim.param_groups for p in g["params"]]
     to_working = wrapper.get_master_to_working_map() if hasattr(wrapper, "get_master_to_working_map") else None
-    names = {id(p): n for n, p in model.unwrap().named_parameters()}
+    names = {id(p): clean_name(n) for n, p in model.unwrap().named_parameters()}
     return masters, [names[id(to_working[id(m)] if to_working else m)] for m in masters]
 
 

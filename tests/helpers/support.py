@@ -51,6 +51,9 @@ COLUMNS: list[tuple] = [
     ("LowLevelZeroPlugin", 1, 1, 2, "fp32"),
     ("LowLevelZeroPlugin", 1, 1, 2, "fp32", "cpu_offload"),
     ("TorchDDPPlugin", 1, 1, 0, "fp32"),
+    # FSDP's full shard over 4 ranks (the fourth entry: ZeRO-3): one flat parameter for the whole
+    # model, cut into 4 ranges, so most parameters are split anywhere or absent on a rank.
+    ("TorchFSDPPlugin", 1, 1, 3, "fp32"),
 ]
 
 #: The sixth entry of a column with ZeRO's CPU offload.
@@ -164,6 +167,7 @@ def _header(col: tuple) -> str:
         "MoeHybridParallelPlugin": "MoeHybrid ep=2",
         "LowLevelZeroPlugin": "LowLevelZero",
         "TorchDDPPlugin": "TorchDDP",
+        "TorchFSDPPlugin": "TorchFSDP",
     }
     parts = [short[plugin]]
     if plugin == "HybridParallelPlugin":
@@ -172,7 +176,9 @@ def _header(col: tuple) -> str:
             parts.append(f"pp={pp}")
         if sp:
             parts.append(f"sp={2 if sp[0] == 'all_to_all' else tp} {sp[0]}")
-    if plugin != "TorchDDPPlugin":
+    if plugin == "TorchFSDPPlugin":
+        parts.append("full shard")
+    elif plugin != "TorchDDPPlugin":
         parts.append(f"ZeRO-{zero}")
     parts.append(precision)
     if OFFLOAD in extra:

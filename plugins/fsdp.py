@@ -1,0 +1,109 @@
+"""PyTorch FSDP's fragments of the original parameters, as dist_optim layouts.
+
+With ``use_orig_params=True`` FSDP (version 1) keeps the user's ``nn.Parameter`` objects and makes
+each one a view of the part of its flat parameter that this rank holds: the flat parameter, every
+parameter of an FSDP unit laid end to end, is cut by ``torch.chunk`` into one equal piece per rank,
+so a parameter's fragment is a contiguous, unpadded range of it, anywhere, empty on the ranks whose
+piece misses it. :func:`fsdp_layouts` reads those ranges for every rank (FSDP records only this
+rank's), as flat-range :class:`~dist_optim.layout.ZeroShard` layouts; the optimizer's owner work
+then gathers what a matrix needs, as under ZeRO.
+
+FSDP's own optimizer support preconditions each fragment alone (Meta's Shampoo does the same);
+bound here, every optimizer computes the single-device algorithm. This module and
+``plugins/colossal.py`` are the places that know framework internals; FSDP's are checked against
+the rank's own record (``_shard_param_infos``) so that a torch whose internals moved fails at boost,
+naming itself, instead of binding wrong ranges.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from dist_optim.layout import ParamLayout, ZeroShard, whole_layout
+
+__all__ = ["FSDPBinding", "fsdp_layouts", "clean_name"]
+
+
+@dataclass
+class FSDPBinding:
+    """What binding an optimizer to an FSDP model needs: every parameter's layout, the flat
+    parameter each sharded one lives in (whose gradient says whether a step has gradients for its
+    empty fragments), and every parameter's name in the unwrapped model."""
+
+    layouts: dict[torch.Tensor, ParamLayout]
+    flat_of: dict[torch.Tensor, torch.Tensor]
+    names: dict[torch.Tensor, str]
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name in the model FSDP wrapped (FSDP inserts ``_fsdp_wrapped_module.``):
+    checkpoints key state by it, whatever plugin saved them."""
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def fsdp_layouts(model: torch.nn.Module) -> FSDPBinding:
+    """The layout of every parameter of an FSDP-wrapped ``model`` built with ``use_orig_params=True``."""
+    layouts: dict[torch.Tensor, ParamLayout] = {}
+    flat_of: dict[torch.Tensor, torch.Tensor] = {}
+    for unit in FSDP.fsdp_modules(model):
+        handle = getattr(unit, "_handle", None)
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        params = getattr(flat, "_params", None)
+        if params is None:
+            raise ValueError(
+                "dist_optim: FSDP was built without use_orig_params=True, so the optimizer sees flat "
+                "parameters mixing every tensor of a unit; build it with use_orig_params=True "
+                "(dist_optim.plugins.TorchFSDPPlugin does)"
+            )
+        shapes = [tuple(int(s) for s in shape) for shape in flat._shapes]
+        if not handle.uses_sharded_strategy:
+            for p, shape in zip(params, shapes):
+                layouts[p] = whole_layout(shape)
+            continue
+        size, rank, group = handle.world_size, handle.rank, handle.process_group
+        width = flat._sharded_size.numel()
+        # Every rank's piece of the flat parameter is [width * r, width * (r + 1)); FSDP keeps the
+        # metadata of its own only, and computes it with this same function.
+        infos = [handle._get_shard_metadata(width * r, width * (r + 1) - 1) for r in range(size)]
+        if tuple(infos[rank]) != tuple(flat._shard_param_infos):
+            raise RuntimeError(
+                f"dist_optim: FSDP's shard metadata of torch {torch.__version__} does not match the ranges "
+                "computed from it; this torch's FSDP internals changed, please report it"
+            )
+        for i, (p, shape) in enumerate(zip(params, shapes)):
+            bounds = [0]
+            for r in range(size):
+                info = infos[r][i]
+                if info.in_shard:
+                    if info.intra_param_start_idx != bounds[-1]:
+                        raise RuntimeError(f"dist_optim: FSDP's ranks do not hold parameter {i} in rank order")
+                    bounds.append(info.intra_param_end_idx + 1)
+                else:
+                    bounds.append(bounds[-1])
+            if bounds[-1] != math.prod(shape) or p.numel() != bounds[rank + 1] - bounds[rank]:
+                raise RuntimeError(f"dist_optim: FSDP's fragments of parameter {i} do not tile its {shape} elements")
+            layouts[p] = ParamLayout(shape, None, ZeroShard(size, rank, 0, group, tuple(bounds)))
+            flat_of[p] = flat
+    names: dict[torch.Tensor, str] = {p: clean_name(n) for n, p in model.named_parameters()}
+    for p in names:
+        if p not in layouts:  # outside every FSDP unit (ignored modules): whole on every rank
+            layouts[p] = whole_layout(tuple(p.shape))
+    return FSDPBinding(layouts, flat_of, names)
+
+
+def fill_empty_grads(binding: FSDPBinding, params: Any) -> None:
+    """Give every parameter whose fragment on this rank is empty an empty gradient where its flat
+    parameter has one: FSDP leaves ``None`` there, which an optimizer reads as "no gradient this
+    step" while the ranks holding the rest of the parameter step it, so their collectives differ."""
+    for p in params:
+        if p.grad is None and p.numel() == 0:
+            flat = binding.flat_of.get(p)
+            if flat is not None and flat.grad is not None:
+                p.grad = torch.empty_like(p)

@@ -1,0 +1,144 @@
+"""PyTorch FSDP's fragments read as flat-range layouts (plugins/fsdp.py), and what
+dist_optim.plugins.TorchFSDPPlugin keeps that ColossalAI's plugin drops. Parity, checkpoints and
+resharding on FSDP are the support table's (tests/distributed/test_booster.py, test_checkpoint.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dist_optim.testing import tiny_llama
+
+
+# ---- workers (every rank) ----------------------------------------------------------------------
+def _fsdp(model: torch.nn.Module, per_layer: bool, **kwargs: Any) -> Any:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    policy = ModuleWrapPolicy({LlamaDecoderLayer}) if per_layer else None
+    return FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=policy, **kwargs)
+
+
+def fragments(per_layer: bool) -> dict[str, Any]:
+    """Each parameter's fragment against its layout's piece of the parameter before wrapping,
+    read from the unwrapped model, not through the layouts."""
+    from dist_optim.plugins.fsdp import fsdp_layouts
+
+    model = tiny_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    wrapped = _fsdp(model, per_layer, use_orig_params=True)
+    binding = fsdp_layouts(wrapped)
+    wrong, empty, split = [], 0, 0
+    for p in wrapped.parameters():
+        name = binding.names[p]
+        layout = binding.layouts[p]
+        if layout.zero is None or not torch.equal(layout.take_local(before[name]), p.detach().reshape(-1)):
+            wrong.append(name)
+        empty += p.numel() == 0
+        split += 0 < p.numel() < layout.full_numel
+    return {"wrong": wrong, "names": sorted(binding.names.values()) == sorted(before), "empty": empty, "split": split}
+
+
+def flat_parameters_refused() -> str:
+    from dist_optim.plugins.fsdp import fsdp_layouts
+
+    try:
+        fsdp_layouts(_fsdp(tiny_llama(), False))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def stepped_on_flat_parameters() -> str:
+    """What a stock TorchFSDPPlugin does with our optimizer: re-create it on FSDP's flat
+    parameters (without use_orig_params), then step."""
+    import dist_optim
+
+    model = _fsdp(tiny_llama(), False)
+    opt = dist_optim.DistributedLamb(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    model(input_ids=x, labels=x).loss.backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def boosted_groups_and_clipping(max_norm: float) -> dict[str, Any]:
+    """Boost a two-group transformers Adafactor with our plugin; clip the gradients of one batch
+    (the same on every rank, so FSDP's average is the single-process gradient)."""
+    import transformers
+    from colossalai.booster import Booster
+
+    from dist_optim import comm, plugins
+    from dist_optim.plugins.cpu import install, quiet_colossal
+
+    install()
+    with quiet_colossal():
+        model = tiny_llama()
+        reference = tiny_llama()
+        norms = [p for n, p in model.named_parameters() if "norm" in n]
+        rest = [p for n, p in model.named_parameters() if "norm" not in n]
+        opt = transformers.optimization.Adafactor(
+            [{"params": rest, "lr": 1e-2}, {"params": norms, "lr": 1e-3}], relative_step=False, scale_parameter=False
+        )
+        boosted, wrapper, *_ = Booster(plugin=plugins.TorchFSDPPlugin()).boost(model, opt)
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+        boosted(input_ids=x, labels=x).loss.backward()
+        total = float(wrapper.clip_grad_by_norm(max_norm))
+        optim = wrapper.optim
+        params = [p for g in optim.param_groups for p in g["params"]]
+        # FSDP leaves an empty fragment's gradient None (the wrapper fills it in at step)
+        grads = [p.grad if p.grad is not None else torch.empty_like(p) for p in params]
+        clipped = comm.gather_full([(optim.layout(p), g) for p, g in zip(params, grads)])
+        reference(input_ids=x, labels=x).loss.backward()
+        ref_total = float(torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_norm))
+        ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+        worst = max(
+            float((g - ref_grads[optim.param_names[p]]).abs().max() / ref_grads[optim.param_names[p]].abs().max())
+            for p, g in zip(params, clipped)
+        )
+        return {
+            "groups": [(len(g["params"]), g["lr"]) for g in optim.param_groups],
+            "expected_groups": [(len(rest), 1e-2), (len(norms), 1e-3)],
+            "norm_rel": abs(total - ref_total) / ref_total,
+            "clipped_rel": worst,
+        }
+
+
+# ---- tests --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("per_layer", [False, True], ids=["one-unit", "per-layer"])
+def test_layouts_locate_fsdp_fragments(pool4, per_layer) -> None:
+    """Every fragment FSDP hands a rank is its layout's piece of the parameter, whether one FSDP
+    unit holds the model or each decoder layer is a unit; some fragments are empty, some cut."""
+    results = pool4.run(fragments, per_layer)
+    for rank, res in enumerate(results):
+        assert not res["wrong"] and res["names"], (rank, res["wrong"][:5])
+    assert sum(r["empty"] for r in results) > 0 and sum(r["split"] for r in results) > 0
+
+
+def test_flat_parameters_are_refused(pool4) -> None:
+    """FSDP without use_orig_params hands an optimizer flat parameters mixing tensors: refused,
+    naming the fix."""
+    for message in pool4.run(flat_parameters_refused):
+        assert "use_orig_params=True" in message and "\n" not in message, message
+
+
+def test_stepping_on_flat_parameters_is_refused(pool4) -> None:
+    """Our optimizer re-created on FSDP's flat parameters (a stock TorchFSDPPlugin without the
+    launcher) refuses its first step, naming our plugin and the launcher."""
+    for message in pool4.run(stepped_on_flat_parameters):
+        assert "dist_optim.plugins.TorchFSDPPlugin" in message and "launch" in message, message
+
+
+def test_plugin_keeps_groups_and_clips_by_the_global_norm(pool4) -> None:
+    """ColossalAI's TorchFSDPPlugin re-creates the optimizer with one group and its defaults, and
+    clips each rank's fragments by their own norm; ours keeps the user's groups and clips by the
+    whole model's norm, as one process does (fp32: measured identical; asserted within 1e-5)."""
+    for res in pool4.run(boosted_groups_and_clipping, 0.01):
+        assert res["groups"] == res["expected_groups"], res["groups"]
+        assert res["norm_rel"] < 1e-5 and res["clipped_rel"] < 1e-5, res
