@@ -10,6 +10,9 @@ Launch with torchrun or ColossalAI's launcher (one process per GPU, or CPU proce
         --data my_corpus/ --seq-len 4096 --batch-size 1 --grad-accum 8 --eval-every 200
     python recipes/train.py --model 7b --tp 8 --world-size 8 --dry-run   # the layout, no allocation
 
+``--plugin`` is ``hybrid`` (TP, pipelines, SP, ZeRO), ``zero`` (ZeRO-1/2), ``ddp``, or ``fsdp`` (PyTorch
+FSDP's full shard, one unit per decoder layer).
+
 ``--model`` is a preset (tiny, small, 1b, 7b: from scratch) or a local Hugging Face directory: its
 ``config.json`` gives the architecture and its weights (``model.safetensors``, a sharded
 ``*.index.json`` checkpoint or ``pytorch_model.bin``), when present, are loaded shard by shard by
@@ -110,13 +113,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="tiny",
         help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face model directory (config.json [+ weights])",
     )
-    ap.add_argument("--plugin", choices=["hybrid", "zero", "ddp"], default="hybrid")
+    ap.add_argument(
+        "--plugin",
+        choices=["hybrid", "zero", "ddp", "fsdp"],
+        default="hybrid",
+        help="fsdp: PyTorch FSDP's full shard, one unit per decoder layer (parameters sharded too)",
+    )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (hybrid)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (hybrid)")
     ap.add_argument(
         "--sp", type=int, default=1, help="sequence-parallel size, 'all_to_all' mode (hybrid; ZeRO runs over dp x sp)"
     )
-    ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="ZeRO stage")
+    ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="ZeRO stage (hybrid, zero)")
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 with ZeRO")
     ap.add_argument(
         "--cpu-offload",
@@ -190,18 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    if args.precision is None:
-        args.precision = "bf16" if args.zero > 0 else "fp32"
-    if args.plugin != "hybrid" and (args.tp > 1 or args.pp > 1 or args.sp > 1):
-        ap.error("--tp/--pp/--sp need --plugin hybrid")
-    if args.sp > 1 and args.pp > 1:
-        ap.error("--sp with --pp is not supported by this recipe")
-    if args.pp > 1 and args.eval_every > 0:
-        ap.error("--eval-every with --pp > 1 is not supported by this recipe yet")
-    if args.plugin == "zero" and args.zero == 0:
-        args.zero = 1
-    if args.cpu_offload and (args.plugin == "ddp" or args.zero == 0):
-        ap.error("--cpu-offload is ZeRO's: add --zero 1 or --zero 2 (with --plugin hybrid or zero)")
+    _check_plugin(ap, args)
     for name in ("grad_accum", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -224,6 +221,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model not in PRESETS and not os.path.isdir(args.model):
         ap.error(f"--model {args.model!r}: neither a preset ({', '.join(PRESETS)}) nor a directory")
     return args
+
+
+def _check_plugin(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The plugin's options: refused in one line where the plugin has no such thing; ZeRO's
+    defaults (bf16, stage 1 for the zero plugin) filled in."""
+    if args.plugin == "fsdp" and args.zero:
+        ap.error(
+            f"--zero {args.zero} with --plugin fsdp: FSDP shards parameters, gradients and states itself; drop --zero"
+        )
+    if args.plugin == "fsdp" and args.precision == "fp16":
+        ap.error("--precision fp16 with --plugin fsdp: the FSDP plugin has no loss scaling; use bf16 or fp32")
+    if args.precision is None:
+        args.precision = "bf16" if args.zero > 0 else "fp32"
+    if args.plugin != "hybrid" and (args.tp > 1 or args.pp > 1 or args.sp > 1):
+        ap.error("--tp/--pp/--sp need --plugin hybrid")
+    if args.sp > 1 and args.pp > 1:
+        ap.error("--sp with --pp is not supported by this recipe")
+    if args.pp > 1 and args.eval_every > 0:
+        ap.error("--eval-every with --pp > 1 is not supported by this recipe yet")
+    if args.plugin == "zero" and args.zero == 0:
+        args.zero = 1
+    if args.cpu_offload and (args.plugin in ("ddp", "fsdp") or args.zero == 0):
+        ap.error("--cpu-offload is ZeRO's: add --zero 1 or --zero 2 (with --plugin hybrid or zero)")
 
 
 # ---- environment -----------------------------------------------------------------------------
@@ -325,6 +345,12 @@ def build_model(config: Any, seed: int, lazy: bool, attn: str) -> torch.nn.Modul
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
+def decoder_layer(model: torch.nn.Module) -> type | None:
+    """The class of the model's decoder layers (``model.model.layers``), None without them."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return type(layers[0]) if layers is not None and len(layers) else None
+
+
 def optimizer_class(name: str) -> tuple[type, dict[str, Any]]:
     if name in OURS:
         path, kwargs = OURS[name]
@@ -360,9 +386,11 @@ def _import(path: str) -> Any:
         raise SystemExit(f"--optimizer {path!r}: cannot import it ({exc}); ours are {sorted(OURS)}") from exc
 
 
-def build_plugin(args: argparse.Namespace, config: Any = None) -> Any:
+def build_plugin(args: argparse.Namespace, config: Any = None, layer: type | None = None) -> Any:
     """The booster's plugin for ``args``; ``config`` (the model's) sets the hybrid plugin's
-    vocabulary padding (:func:`dist_optim.plan.models.vocab_multiple`: none for a tied Qwen2)."""
+    vocabulary padding (:func:`dist_optim.plan.models.vocab_multiple`: none for a tied Qwen2);
+    ``layer``, the model's decoder-layer class, is FSDP's unit (a layer's parameters are gathered
+    for its forward and backward only, as FSDP's own Llama recipes wrap)."""
     from dist_optim import plugins
     from dist_optim.plan.models import VOCAB_MULTIPLE, vocab_multiple
 
@@ -394,6 +422,16 @@ def build_plugin(args: argparse.Namespace, config: Any = None) -> Any:
             initial_scale=2**16,
             overlap_communication=not cpu,
             cpu_offload=args.cpu_offload,
+        )
+    if args.plugin == "fsdp":
+        from torch.distributed.fsdp import MixedPrecision
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        # bf16 compute and communication; the fp32 shards stay what the optimizer updates.
+        bf16 = torch.bfloat16
+        mixed = MixedPrecision(bf16, bf16, bf16) if args.precision == "bf16" else None
+        return plugins.TorchFSDPPlugin(
+            auto_wrap_policy=ModuleWrapPolicy({layer}) if layer is not None else None, mixed_precision=mixed
         )
     return plugins.TorchDDPPlugin()
 
@@ -656,6 +694,8 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
                 split, rep = count(prefix)
                 n += split // sharded + rep
         stage_params.append(n)
+    if args.plugin == "fsdp":
+        stage_params = [-(-total // world)]  # every unit's flat parameter cut into equal pieces
     cls, _ = optimizer_class(args.optimizer)
     conv = lookup(cls)
     swapped = class_path(conv.target) if conv is not None else f"{class_path(cls)} (unchanged)"
@@ -868,7 +908,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     num_params = sum(p.numel() for p in model.parameters())  # shapes only: lazy tensors hold no data
     optimizer = build_optimizer(args.optimizer, model, args.lr, args.optimizer_args)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
-    plugin = build_plugin(args, config)
+    plugin = build_plugin(args, config, decoder_layer(model))
     booster = Booster(plugin=plugin)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     if weights and not args.resume:
@@ -923,7 +963,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 booster.backward(loss / micro, optimizer)
                 losses.append(loss.detach().float())
             loss = torch.stack(losses).mean()
-        if args.plugin == "ddp" and args.grad_clip > 0:
+        if args.plugin in ("ddp", "fsdp") and args.grad_clip > 0:
             optimizer.clip_grad_by_norm(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
