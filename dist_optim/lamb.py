@@ -23,7 +23,8 @@ see :class:`~dist_optim.base.DistOptimizer`). No other ``.item()``: the trust ra
 
 Step memory (:mod:`dist_optim.budget`): the step goes through the parameters (in param-group
 order) in buckets of at most ``bucket_bytes`` of local update buffers (a parameter's bytes: its
-local tensor's, the update having its dtype); per bucket the moments and updates, the norms' one
+local tensor's, the update having its dtype; of a flat-range shard, the largest rank's piece, so
+that every rank cuts the buckets alike); per bucket the moments and updates, the norms' one
 all-reduce per process group, the trust ratios and the update applied, then the buffers are
 freed. So the step holds one bucket's updates instead of one per parameter, and issues at most one
 all-reduce per group *per bucket* (``bucket_bytes=None``: one bucket, the fewest collectives).
@@ -141,7 +142,10 @@ class DistributedLamb(DistOptimizer):
             return loss
         work = [(group, p, g) for group in self.param_groups for p, g in zip(*self._grads(group))]
         # An 8-bit parameter also holds its two fp32 moments until the bucket's re-quantisation.
-        sizes = [p.numel() * (p.element_size() + 8 * self.eight_bit(self.layout(p))) for _, p, _ in work]
+        sizes = [
+            self.layout(p).largest_chunk_numel * (p.element_size() + 8 * self.eight_bit(self.layout(p)))
+            for _, p, _ in work
+        ]
         for start, stop in buckets(sizes, self.bucket_bytes):
             self._step_bucket(work[start:stop])
         return loss

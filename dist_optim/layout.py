@@ -223,6 +223,13 @@ class ParamLayout:
         return start, start + self.chunk_numel
 
     @property
+    def largest_chunk_numel(self) -> int:
+        """Elements of the largest piece a rank of the ZeRO group holds (``chunk_numel`` but for a
+        flat-range shard): what a step budget counts, so that every rank cuts its buckets, and
+        issues its collectives, at the same parameters."""
+        return max(self.gather_widths)
+
+    @property
     def gather_widths(self) -> tuple[int, ...]:
         """Elements each rank of the ZeRO group holds (equal chunks: ``chunk_numel`` each; a
         flat-range shard: its ranges' lengths); what an all-gather of the pieces pads to."""

@@ -65,7 +65,7 @@ def adamw_step(
     if plain:
         _adamw_32bit(group, [params[i] for i in plain], [grads[i] for i in plain], [states[params[i]] for i in plain])
     # The fp32 moments of 8 bytes per element live until their bucket's re-quantisation.
-    sizes = [params[i].numel() * 8 for i in eight]
+    sizes = [layouts[i].largest_chunk_numel * 8 for i in eight]
     for start, stop in buckets(sizes, bucket_bytes):
         batch = bnb.Batch8bit()
         for i in eight[start:stop]:

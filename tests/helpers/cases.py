@@ -179,7 +179,13 @@ PARITY_CASES: list[Case] = [
     Case("lamb-foreach", dist_optim.DistributedLamb, dict(lr=1e-2, weight_decay=1e-2, foreach=True)),
     # 8-bit moments on every tensor of the grid (min_8bit_size=0): blocks of the full tensor cut by
     # TP slices and ZeRO chunks, their absmax max-reduced over the holders; codes compared as state.
-    Case("lamb-8bit", dist_optim.DistributedLamb, dict(lr=1e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=0)),
+    # A step budget of a few parameters: every rank must cut the same buckets, also where flat
+    # ranges give the ranks pieces of different sizes.
+    Case(
+        "lamb-8bit",
+        dist_optim.DistributedLamb,
+        dict(lr=1e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=0, bucket_bytes=600),
+    ),
 ]
 
 # DistributedShampoo: blocks of 3 cut every test param of the grid into several blocks.
@@ -494,11 +500,11 @@ PARITY_CASES += [
     Case("muon", dist_optim.DistributedMuon, dict(lr=2e-2, weight_decay=1e-2, _vector_group=_AUX)),
     # 8-bit momentum on every matrix of the grid and 8-bit AdamW moments on the vectors
     # (min_8bit_size=0): blocks of the full tensor cut by TP slices and ZeRO chunks, their absmax
-    # max-reduced over the holders; codes compared as state.
+    # max-reduced over the holders; codes compared as state. A budget of a few parameters per bucket.
     Case(
         "muon-8bit",
         dist_optim.DistributedMuon,
-        dict(lr=2e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=0, _vector_group=_AUX),
+        dict(lr=2e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=0, bucket_bytes=64, _vector_group=_AUX),
     ),
     Case(
         "muon-ema-schedule-rms",
