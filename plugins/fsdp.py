@@ -18,6 +18,7 @@ naming itself, instead of binding wrong ranges.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from dist_optim.layout import ParamLayout, ZeroShard, whole_layout
 
-__all__ = ["FSDPBinding", "fsdp_layouts", "clean_name"]
+__all__ = ["FSDPBinding", "fsdp_layouts", "clean_name", "fill_empty_grads", "fsdp_units", "flat_param_bounds"]
 
 
 @dataclass
@@ -107,3 +108,50 @@ def fill_empty_grads(binding: FSDPBinding, params: Any) -> None:
             flat = binding.flat_of.get(p)
             if flat is not None and flat.grad is not None:
                 p.grad = torch.empty_like(p)
+
+
+# ---- FSDP's rule, for a model that is not wrapped (the planner's meta models) ----------------------
+def fsdp_units(model: torch.nn.Module, unit_classes: set[type]) -> list[list[tuple[str, int]]]:
+    """The parameters of each FSDP unit of ``model`` wrapped with ``ModuleWrapPolicy(unit_classes)``,
+    as (name, numel) in FSDP's order: one unit per module of those classes (the innermost), then the
+    root's unit with everything else; a shared (tied) parameter where it first appears."""
+    owner: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if type(module) in unit_classes:
+            for pname, _ in module.named_parameters(prefix=name):
+                owner[pname] = name
+    units: dict[str, list[tuple[str, int]]] = {}
+    for name, p in model.named_parameters():
+        units.setdefault(owner.get(name, ""), []).append((name, p.numel()))
+    root = units.pop("", [])
+    return [*units.values(), *([root] if root else [])]
+
+
+def flat_param_bounds(
+    units: Sequence[Sequence[tuple[str, int]]], world: int, aligned_numel: int
+) -> dict[str, tuple[int, ...]]:
+    """Every parameter's flat-range bounds over ``world`` ranks, by name, as torch 2.5's FSDP lays
+    out a unit with ``use_orig_params=True`` (``FlatParamHandle._init_flat_param_and_metadata``):
+    each parameter starts at a multiple of ``aligned_numel`` (16 bytes of the compute dtype), the
+    unit is padded to a multiple of ``world``, and ``torch.chunk`` cuts it into one piece per rank.
+    ``tests/distributed/test_fsdp.py`` checks it against FSDP's own ranges."""
+    out: dict[str, tuple[int, ...]] = {}
+    for unit in units:
+        starts: list[tuple[str, int, int]] = []
+        total = 0
+        for name, numel in unit:
+            if aligned_numel and total % aligned_numel:
+                total += aligned_numel - total % aligned_numel
+            starts.append((name, total, numel))
+            total += numel
+        if aligned_numel and total % world:
+            total += world - total % world
+        width = -(-total // world)
+        for name, start, numel in starts:
+            out[name] = tuple(min(max(r * width - start, 0), numel) for r in range(world + 1))
+    return out
+
+
+def aligned_numel(compute_dtype: torch.dtype) -> int:
+    """FSDP's address alignment in elements of the dtype it computes in (``_get_aligned_numel``)."""
+    return 16 // compute_dtype.itemsize

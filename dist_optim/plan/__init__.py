@@ -37,6 +37,7 @@ __all__ = [
     "RankPlan",
     "make_plan",
     "format_plan",
+    "fsdp_gathered",
     "format_sweep",
     "parse_bytes",
     "MODELS",
@@ -62,10 +63,12 @@ NOT_SIMULATED = (
     "activations: one micro-batch's forward and backward of the sharded meta model (dist_optim.plan.activations); "
     "memory a kernel frees before returning (workspaces) and the allocator's fragmentation are not counted: "
     "the verdict keeps a margin for them",
-    "ZeRO padding and chunking: LowLevelZero's rule (-numel mod ZeRO size), derived, checked by ParamLayout",
+    "ZeRO padding and chunking: LowLevelZero's rule (-numel mod ZeRO size), derived, checked by ParamLayout; "
+    "FSDP's flat ranges: its layout rule (plugins/fsdp.py), derived, checked against FSDP in the tests",
     "working params, fp32 masters and gradients beside the optimizer: derived from ColossalAI's wrappers "
     "(ZeRO-0/1 keep working-precision gradients whole, ZeRO-2 only the fp32 chunk; torch DDP's buckets as "
-    "large as the local parameters where the plugin wraps the model in DDP)",
+    "large as the local parameters where the plugin wraps the model in DDP; FSDP's fp32 shards, their gradients, "
+    "and the units it gathers in the forward and backward: plan.fsdp_gathered)",
     "values that depend on tensor contents (.item() of a meta tensor): answered 0 / True; iterations run to "
     "their limit, NaN checks find none",
     "mixture of experts: routing balanced (every expert tokens x top_k / experts; a real router's busiest expert "
@@ -105,6 +108,9 @@ class RankPlan:
     offloaded: bool = False
     #: simulated: the device buffers of the largest collective staged from the host (offload)
     staged_peak: int = 0
+    #: derived, FSDP: parameters gathered whole in working precision during forward and backward
+    #: (:func:`fsdp_gathered`)
+    fsdp_gathered: int = 0
 
     @property
     def host_static(self) -> int:
@@ -199,12 +205,14 @@ class Plan:
         reduction over the data-parallel group of g ranks, in working-precision bytes W: DDP's
         all-reduce ``2 (g-1)/g W``; ColossalAI's ZeRO-1 all-reduces the gradients and all-gathers
         the updated parameters, ``3 (g-1)/g W``; ZeRO-2 reduce-scatters them instead,
-        ``2 (g-1)/g W``; checked against real runs but for the one-scalar overflow flag ZeRO also
-        all-reduces; under expert parallelism each expert's over its MoE data-parallel group) and
+        ``2 (g-1)/g W``; FSDP gathers every unit's parameters for the forward and again for the
+        backward and reduce-scatters the gradients, ``3 (g-1)/g W``; checked against real runs but
+        for the one-scalar overflow flag ZeRO also all-reduces (FSDP's not yet); under expert
+        parallelism each expert's over its MoE data-parallel group) and
         ``pipeline`` (each micro-batch's hidden states to the next stage and their gradient back,
         once per model chunk under the interleaved schedule) derived."""
         layout, b = self.layout, self.busiest
-        ring = {0: 2, 1: 3, 2: 2}[layout.zero]
+        ring = 3 if layout.plugin == "fsdp" else {0: 2, 1: 3, 2: 2}[layout.zero]
         out = {"optimizer": float(self.steady["bytes_sent"]), "gradients": ring * b.reduced_share}
         a, w = self.activations, self.workload
         if a is not None and w is not None:
@@ -298,7 +306,7 @@ TRANSIENT_OPTIONS = {
 def rank_total(rank: RankPlan, activations: Activations | None) -> int:
     """``rank``'s peak with its stage's ``activations``: its static bytes plus the larger of its
     step's transient and the activation peak of its schedule."""
-    act = activations.schedule_peak if activations is not None else 0
+    act = (activations.schedule_peak if activations is not None else 0) + rank.fsdp_gathered
     return rank.total - rank.device_transient + max(rank.device_transient, act)
 
 
@@ -308,6 +316,12 @@ def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
     separate = layout.zero > 0 or layout.precision != "fp32"
     working_grads = working if (layout.zero < 2 and layout.precision != "fp32") or not separate else 0
     grads = (master_bytes if separate else 0) + working_grads
+    gathered = 0
+    if layout.plugin == "fsdp":
+        # FSDP's fp32 shards are the parameters and the masters; their gradients stay sharded in
+        # fp32; a unit's parameters exist whole only while it computes (fsdp_gathered).
+        working, separate, grads = master_bytes, False, master_bytes
+        gathered = fsdp_gathered(result.pieces) * layout.working_dtype.itemsize
     steps: list[dict[str, Any]] = [
         {
             "step": i + 1,
@@ -329,8 +343,23 @@ def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
         result.rank, working, master_bytes if separate else 0, grads, result.state_bytes, result.kept_bytes,
         peak["transient"], peak["step"], steps, load, working if layout.uses_torch_ddp else 0,
         float(reduced * layout.working_dtype.itemsize), layout.cpu_offload,
-        max(s.traffic.staged_peak for s in result.steps),
+        max(s.traffic.staged_peak for s in result.steps), gathered,
     )  # fmt: skip
+
+
+def fsdp_gathered(pieces: Sequence[Any]) -> int:
+    """Elements FSDP holds whole at once in the forward and backward, with a unit per decoder
+    layer: the root unit's (embeddings, final norm, head: kept gathered from the forward to the
+    backward), two layers' (the one computing and the next, prefetched) and the gradient of the
+    largest unit before its reduce-scatter. Derived, not simulated."""
+    units: dict[str, int] = {}
+    for p in pieces:
+        match = re.match(r"(.*\.layers\.\d+)\.", p.name)
+        key = match.group(1) if match else ""
+        units[key] = units.get(key, 0) + p.working.numel()
+    root = units.pop("", 0)
+    layer = max(units.values(), default=0)
+    return root + 2 * layer + max(root, layer)
 
 
 def make_plan(
@@ -444,7 +473,7 @@ def format_plan(plan: Plan) -> str:
         ("optimizer state", "optimizer_state"),
         ("buffers kept by step()", "kept_buffers"),
         ("peak transient in step()", "peak_transient"),
-    ):
+    ) + ((("FSDP units gathered (derived)", "fsdp_gathered"),) if plan.layout.plugin == "fsdp" else ()):
         lines.append(f"{label:<34}{_gb(getattr(b, key)):>12}{_gb(plan.mean(key)):>20}")
     if b.offloaded:
         # masters, their fp32 gradients, state, kept buffers and the step's transient are on the host

@@ -33,7 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--model", default="llama-7b", help=f"{', '.join(MODELS)}, or a Llama model directory or its config.json"
     )
-    ap.add_argument("--plugin", default="hybrid", help="hybrid, zero (LowLevelZeroPlugin) or ddp")
+    ap.add_argument(
+        "--plugin",
+        default="hybrid",
+        help="hybrid, zero (LowLevelZeroPlugin), ddp or fsdp (TorchFSDPPlugin, a unit per decoder layer)",
+    )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument(

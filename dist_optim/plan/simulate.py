@@ -139,10 +139,30 @@ def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[t
             tp_dims = {n: tp_dim_of(p) for n, p in sharded.named_parameters()}
         if layout.ep > 1:
             experts = {n for n, p in sharded.named_parameters() if is_expert(p)}
+    if layout.plugin == "fsdp" and world is not None:
+        return model, _fsdp_pieces(sharded, layout, world)
     pieces = []
     for name, working in sharded.named_parameters():
         pieces.append(_piece(name, working, tp_dims.get(name), layout, world, name in experts))
     return model, pieces
+
+
+def _fsdp_pieces(model: torch.nn.Module, layout: Layout, world: SimWorld) -> list[Piece]:
+    """What the FSDP plugin hands the optimizer: each parameter's range of its unit's flat
+    parameter (a unit per decoder layer, as the recipe wraps), by FSDP's own layout rule
+    (:func:`dist_optim.plugins.fsdp.flat_param_bounds`, checked against FSDP in the tests)."""
+    from dist_optim.plugins.fsdp import aligned_numel, flat_param_bounds, fsdp_units
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    classes = {type(layers[0])} if layers is not None and len(layers) else set()
+    bounds = flat_param_bounds(fsdp_units(model, classes), layout.world, aligned_numel(layout.working_dtype))
+    pieces = []
+    for name, param in model.named_parameters():
+        zero = ZeroShard(layout.world, world.rank, 0, dist.group.WORLD, bounds[name])
+        piece = ParamLayout(tuple(param.shape), None, zero)
+        working = torch.empty(param.shape, dtype=layout.working_dtype, device="meta")
+        pieces.append(Piece(name, working, torch.empty(piece.chunk_numel, device="meta"), piece))
+    return pieces
 
 
 def _piece(
@@ -307,7 +327,8 @@ def simulate_rank(
 def bind_like_plugin(opt: Any, pieces: Sequence[Piece], layout: Layout, tp_group: Any, dp_group: Any) -> None:
     """Bind as dist_optim.plugins does for ``layout``: HybridParallelPlugin and LowLevelZeroPlugin
     through ``setup_distributed``'s layouts with the data-parallel group (the world for
-    LowLevelZero), TorchDDPPlugin with whole layouts and the world."""
+    LowLevelZero), TorchDDPPlugin with whole layouts and TorchFSDPPlugin with flat ranges, both
+    with the world."""
     layouts = {p.master: p.layout for p in pieces}
     if layout.plugin == "hybrid":
         opt.bind(layouts, dp_group=dp_group, tp_group=tp_group if layout.tp > 1 else None)

@@ -15,7 +15,7 @@ from .models import PlanError
 
 __all__ = ["PLUGINS", "PP_STYLES", "PRECISIONS", "Layout", "SimWorld", "install_cpu_shims", "meta_device_mesh"]
 
-PLUGINS = ("hybrid", "zero", "ddp")
+PLUGINS = ("hybrid", "zero", "ddp", "fsdp")
 #: HybridParallelPlugin's ``pp_style`` values the planner simulates (``zbv`` is not).
 PP_STYLES = ("1f1b", "interleaved")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,7 +54,7 @@ class Layout:
                 raise PlanError(f"--{name} {getattr(self, name)}: must be at least 1")
         if self.zero not in (0, 1, 2):
             raise PlanError(
-                f"--zero {self.zero}: ZeRO stage 0, 1 or 2 (stage 3 is Gemini, which refuses our optimizers)"
+                f"--zero {self.zero}: ZeRO stage 0, 1 or 2 (for parameters sharded too, plan --plugin fsdp)"
             )
         if self.pp > 1 and self.plugin != "hybrid":
             raise PlanError(f"--pp {self.pp} needs --plugin hybrid (the {self.plugin} plugin has no pipeline stages)")
@@ -75,12 +75,7 @@ class Layout:
             raise PlanError(
                 f"--tp {self.tp} needs --plugin hybrid (the {self.plugin} plugin has no tensor parallelism)"
             )
-        if self.plugin == "zero" and self.zero == 0:
-            raise PlanError("--plugin zero needs --zero 1 or 2 (LowLevelZeroPlugin always shards)")
-        if self.plugin == "ddp" and (self.zero or self.precision != "fp32"):
-            raise PlanError(
-                "--plugin ddp runs --zero 0 --precision fp32 (TorchDDPPlugin has no ZeRO or mixed precision)"
-            )
+        self._check_data_parallel_plugins()
         if self.cpu_offload and not self.zero:
             raise PlanError(
                 "--cpu-offload is ZeRO's (it moves the fp32 masters and the optimizer to host memory): "
@@ -89,6 +84,20 @@ class Layout:
         self._check_schedule()
         if self.ep > 1:
             self._check_experts()
+
+    def _check_data_parallel_plugins(self) -> None:
+        """What LowLevelZeroPlugin, TorchDDPPlugin and TorchFSDPPlugin take, refused in one line."""
+        if self.plugin == "zero" and self.zero == 0:
+            raise PlanError("--plugin zero needs --zero 1 or 2 (LowLevelZeroPlugin always shards)")
+        if self.plugin == "fsdp" and (self.zero or self.precision == "fp16"):
+            raise PlanError(
+                "--plugin fsdp runs --zero 0 (FSDP shards parameters, gradients and states itself) with --precision "
+                "fp32 or bf16 (its plugin has no loss scaling)"
+            )
+        if self.plugin == "ddp" and (self.zero or self.precision != "fp32"):
+            raise PlanError(
+                "--plugin ddp runs --zero 0 --precision fp32 (TorchDDPPlugin has no ZeRO or mixed precision)"
+            )
 
     def _check_schedule(self) -> None:
         """HybridParallelPlugin's asserts on ``pp_style`` and ``num_model_chunks`` (ColossalAI 0.5.0),
@@ -201,6 +210,8 @@ class Layout:
         sp = f" x sp={self.sp}" if self.sp > 1 else ""
         ep = f" (ep={self.ep} x moe_dp={self.moe_dp})" if self.ep > 1 else ""
         kind = self.precision + (", CPU offload" if self.cpu_offload else "")
+        if self.plugin == "fsdp":
+            zero = " x FSDP full shard, a unit per decoder layer"
         return f"{self.plugin} tp={self.tp}{pp}{sp} x dp={self.dp}{ep}{zero} ({self.world} ranks, {kind})"
 
     def stage_of(self, rank: int) -> int:

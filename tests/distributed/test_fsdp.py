@@ -22,24 +22,46 @@ def _fsdp(model: torch.nn.Module, per_layer: bool, **kwargs: Any) -> Any:
     return FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=policy, **kwargs)
 
 
-def fragments(per_layer: bool) -> dict[str, Any]:
+def _odd_model() -> torch.nn.Module:
+    """Parameters of 35, 7 and 21 elements: FSDP pads between them (16-byte alignment) and at the
+    end (a multiple of the world size)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3, bias=False))
+
+
+def fragments(kind: str) -> dict[str, Any]:
     """Each parameter's fragment against its layout's piece of the parameter before wrapping,
     read from the unwrapped model, not through the layouts."""
-    from dist_optim.plugins.fsdp import fsdp_layouts
+    per_layer = kind == "per-layer"
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    model = tiny_llama()
+    from dist_optim.plugins.fsdp import aligned_numel, flat_param_bounds, fsdp_layouts, fsdp_units
+
+    model = _odd_model() if kind == "odd" else tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # FSDP's rule as the planner applies it to a model it never wraps
+    units = fsdp_units(model, {LlamaDecoderLayer} if per_layer else set())
+    derived = flat_param_bounds(units, torch.distributed.get_world_size(), aligned_numel(torch.float32))
     wrapped = _fsdp(model, per_layer, use_orig_params=True)
     binding = fsdp_layouts(wrapped)
-    wrong, empty, split = [], 0, 0
+    wrong, empty, split, rule = [], 0, 0, []
     for p in wrapped.parameters():
         name = binding.names[p]
         layout = binding.layouts[p]
         if layout.zero is None or not torch.equal(layout.take_local(before[name]), p.detach().reshape(-1)):
             wrong.append(name)
+        elif layout.zero.bounds != derived[name]:
+            rule.append(name)
         empty += p.numel() == 0
         split += 0 < p.numel() < layout.full_numel
-    return {"wrong": wrong, "names": sorted(binding.names.values()) == sorted(before), "empty": empty, "split": split}
+    return {
+        "wrong": wrong,
+        "rule": rule,
+        "units": len(units),
+        "names": sorted(binding.names.values()) == sorted(before),
+        "empty": empty,
+        "split": split,
+    }
 
 
 def flat_parameters_refused() -> str:
@@ -111,13 +133,16 @@ def boosted_groups_and_clipping(max_norm: float) -> dict[str, Any]:
 
 
 # ---- tests --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("per_layer", [False, True], ids=["one-unit", "per-layer"])
-def test_layouts_locate_fsdp_fragments(pool4, per_layer) -> None:
+@pytest.mark.parametrize("kind", ["one-unit", "per-layer", "odd"])
+def test_layouts_locate_fsdp_fragments(pool4, kind) -> None:
     """Every fragment FSDP hands a rank is its layout's piece of the parameter, whether one FSDP
-    unit holds the model or each decoder layer is a unit; some fragments are empty, some cut."""
-    results = pool4.run(fragments, per_layer)
+    unit holds the model or each decoder layer is a unit; some fragments are empty, some cut. The
+    ranges are those FSDP's layout rule gives the unwrapped model (what the planner simulates)."""
+    results = pool4.run(fragments, kind)
     for rank, res in enumerate(results):
         assert not res["wrong"] and res["names"], (rank, res["wrong"][:5])
+        assert not res["rule"], (rank, res["rule"][:5])
+        assert res["units"] == (3 if kind == "per-layer" else 1)
     assert sum(r["empty"] for r in results) > 0 and sum(r["split"] for r in results) > 0
 
 

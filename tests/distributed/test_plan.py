@@ -1,6 +1,6 @@
 """The planner against real runs: a tiny Llama boosted by dist_optim.plugins on gloo processes,
 every optimizer, tp=2 x dp=2 x ZeRO-1, pp=2 x dp=2 x ZeRO-1, sp=2 x dp=2 x ZeRO-1 (all_to_all),
-LowLevelZero ZeRO-2 x 4 and DDP x 2. For every rank and
+LowLevelZero ZeRO-2 x 4, DDP x 2 and FSDP x 4. For every rank and
 every step, the optimizer state bytes, the collectives (by kind) and the bytes sent that the
 planner simulates on meta tensors equal what the run measures; the peak transient bytes of a
 step are within 10%; the tensors and layouts the planner hands the optimizer are the ones the
@@ -97,6 +97,19 @@ CASES = [
 CASES += [
     pytest.param(name, "zero2-x4-offload", OFFLOAD_LAYOUT, id=f"{name}-zero2-x4-offload") for name in OFFLOAD_OPTIMIZERS
 ]
+
+
+def _decoder_layers() -> Any:
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return ModuleWrapPolicy({LlamaDecoderLayer})
+
+
+#: FSDP's full shard over 4 ranks, a unit per decoder layer as the recipe wraps: every parameter a
+#: flat range of its unit, empty on most ranks; the planner derives the ranges by FSDP's rule.
+FSDP_LAYOUT = ("TorchFSDPPlugin", dict(auto_wrap_policy=_decoder_layers()), 4, Layout("fsdp", dp=4, precision="fp32"))
+CASES += [pytest.param(name, "fsdp-x4", FSDP_LAYOUT, id=f"{name}-fsdp-x4") for name in OPTIMIZERS]
 
 
 #: Optimizer options for the tiny model (GaLore's default rank 128 exceeds its 64-wide matrices;
@@ -204,7 +217,9 @@ def _accelerator_workspaces(opt: Any) -> None:
 
 def _layout_key(layout: Any) -> tuple:
     tp = None if layout.tp is None else (layout.tp.dim, layout.tp.size, layout.tp.rank)
-    zero = None if layout.zero is None else (layout.zero.size, layout.zero.rank, layout.zero.padding)
+    zero = (
+        None if layout.zero is None else (layout.zero.size, layout.zero.rank, layout.zero.padding, layout.zero.bounds)
+    )
     return (layout.full_shape, tp, zero)
 
 
