@@ -29,7 +29,7 @@ from tests.helpers.cases import FAMILIES, PARITY_CASES
 CASES = [case for i, case in enumerate(PARITY_CASES) if all(c.cls is not case.cls for c in PARITY_CASES[:i])]
 CLASSES = [case.cls for case in CASES]
 POISON_STEP = 3
-POISONED = 0  # "col" (8, 6): every rank holds real elements of it on every layout, at flat index 0
+POISONED = 0  # "col" (8, 6): every rank holds real elements of it on every layout but flat ranges, at flat index 0
 POISONED_LABEL = "parameter #0 of param group 0 (shape (8, 6))"
 BAD_VALUES = (float("nan"), float("inf"))
 
@@ -76,10 +76,16 @@ def _snapshot(opt: Any, params: list[torch.Tensor]) -> Any:
 
 
 # ---- every layout, on 4 processes -------------------------------------------------------------
-def _poisonings(layout_index: int, world: int) -> list[tuple[float, int, str]]:
-    """(bad value, culprit rank, policy) of one layout: both values under both policies."""
+def _poisonings(layout_index: int, world: int, zero: int = 0) -> list[tuple[float, int, str]]:
+    """(bad value, culprit rank, policy) of one layout: both values under both policies. On flat
+    ranges only the ranks holding elements of the poisoned parameter can be culprits."""
+    holders = list(range(world))
+    if zero == parity.FLAT:
+        numels = [math.prod(spec.shape) for spec in parity.SPECS]
+        bounds = parity.flat_bounds(numels, world)[POISONED]
+        holders = [r for r in range(world) if bounds[r + 1] > bounds[r]]
     return [
-        (value, (layout_index + 2 * v) % world, policy)
+        (value, holders[(layout_index + 2 * v) % len(holders)], policy)
         for v, value in enumerate(BAD_VALUES)
         for policy in ("raise", "skip")
     ]
@@ -115,7 +121,7 @@ def nonfinite_worker(cls: type, kwargs: dict[str, Any]) -> list[str]:
     for n, (tp, dp, zero) in enumerate(parity.LAYOUTS):
         # NaN and Inf on every layout, each under both policies, from a rank that changes with the
         # layout and the value (NaN from rank n, Inf from rank n + 2).
-        for value, culprit, policy in _poisonings(n, world):
+        for value, culprit, policy in _poisonings(n, world, zero):
             label = f"[tp={tp} dp={dp} zero={zero} {policy} {value} on rank {culprit}]"
             opt, masters, _, local_grad = parity.build(cls, dict(kwargs, nonfinite=policy), tp, dp, zero, "fp32")
             for step in range(parity.STEPS):
