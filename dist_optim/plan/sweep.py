@@ -1,5 +1,6 @@
 """``python -m dist_optim.plan --sweep``: every layout of a world of N GPUs for one model, optimizer and
-micro-batch (tp x pp x dp x ZeRO x activation checkpointing on HybridParallelPlugin), each planned as
+micro-batch (tp x pp x dp x ZeRO x activation checkpointing on HybridParallelPlugin, and FSDP's full
+shard over every rank), each planned as
 :func:`dist_optim.plan.make_plan` plans it, ranked by the bytes a rank sends per training step among
 the layouts that fit the GPU's memory.
 
@@ -29,7 +30,8 @@ PP_SIZES = (1, 2, 4, 8)
 def candidate_layouts(config: Any, world: int, precision: str, batch_size: int) -> list[Layout]:
     """The HybridParallelPlugin layouts of ``world`` ranks the model and ColossalAI accept: TP
     dividing the heads, no more stages than layers nor than the micro-batches of a step, ZeRO 0-2
-    (0-1 with stages) where there is data parallelism to shard over."""
+    (0-1 with stages) where there is data parallelism to shard over; then TorchFSDPPlugin over all
+    ``world`` ranks (fp32 or bf16: its plugin has no loss scaling for fp16)."""
     out = []
     for tp in TP_SIZES:
         for pp in PP_SIZES:
@@ -42,6 +44,8 @@ def candidate_layouts(config: Any, world: int, precision: str, batch_size: int) 
             dp = world // (tp * pp)
             zeros = (0,) if dp == 1 or precision == "fp32" else ((0, 1) if pp > 1 else (0, 1, 2))
             out += [Layout("hybrid", tp=tp, pp=pp, dp=dp, zero=z, precision=precision) for z in zeros]
+    if world > 1 and precision != "fp16":
+        out.append(Layout("fsdp", dp=world, precision=precision))
     return out
 
 
