@@ -8,8 +8,9 @@ piece misses it. :func:`fsdp_layouts` reads those ranges for every rank (FSDP re
 rank's), as flat-range :class:`~dist_optim.layout.ZeroShard` layouts; the optimizer's owner work
 then gathers what a matrix needs, as under ZeRO.
 
-FSDP's own optimizer support preconditions each fragment alone (Meta's Shampoo does the same);
-bound here, every optimizer computes the single-device algorithm. This module and
+An optimizer handed these fragments without their layout treats each as a tensor of its own (Meta's
+Shampoo preconditions each FSDP fragment alone by design); bound here, every optimizer computes the
+single-device algorithm. This module and
 ``plugins/colossal.py`` are the places that know framework internals; FSDP's are checked against
 the rank's own record (``_shard_param_infos``) so that a torch whose internals moved fails at boost,
 naming itself, instead of binding wrong ranges.
@@ -27,7 +28,15 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from dist_optim.layout import ParamLayout, ZeroShard, whole_layout
 
-__all__ = ["FSDPBinding", "fsdp_layouts", "clean_name", "fill_empty_grads", "fsdp_units", "flat_param_bounds"]
+__all__ = [
+    "FSDPBinding",
+    "fsdp_layouts",
+    "clean_name",
+    "fill_empty_grads",
+    "fsdp_units",
+    "flat_param_bounds",
+    "aligned_numel",
+]
 
 
 @dataclass
