@@ -504,7 +504,7 @@ PARITY_CASES += [
     Case(
         "muon-8bit",
         dist_optim.DistributedMuon,
-        dict(lr=2e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=0, bucket_bytes=64, _vector_group=_AUX),
+        dict(lr=2e-2, weight_decay=1e-2, optim_bits=8, min_8bit_size=0, bucket_bytes=100, _vector_group=_AUX),
     ),
     Case(
         "muon-ema-schedule-rms",
