@@ -38,7 +38,7 @@ from dist_optim.registry import class_path, convert, lookup
 from .checkpoint import DistOptimCheckpointMixin
 from .colossal import as_colossal_optimizer, bind_from_wrapper, record_param_names, world_group
 from .contract import plugin_binds
-from .fsdp import FSDPBinding, fill_empty_grads, fsdp_layouts
+from .fsdp import FSDPBinding, empty_fragments, fill_empty_grads, fsdp_layouts
 
 __all__ = [
     "HybridParallelPlugin",
@@ -241,10 +241,10 @@ class _FSDPOptimizer(FSDPOptimizerWrapper):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Any, binding: FSDPBinding) -> None:
         super().__init__(optimizer, model)
-        self.binding = binding
+        self._empty = empty_fragments(binding, (p for g in optimizer.param_groups for p in g["params"]))
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
-        fill_empty_grads(self.binding, (p for g in self.optim.param_groups for p in g["params"]))
+        fill_empty_grads(self._empty)
         return self.optim.step(*args, **kwargs)
 
     def clip_grad_by_norm(self, max_norm: float | int, norm_type: float | int = 2.0, **kwargs: Any) -> Any:

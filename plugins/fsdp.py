@@ -19,9 +19,8 @@ naming itself, instead of binding wrong ranges.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -32,8 +31,10 @@ __all__ = [
     "FSDPBinding",
     "fsdp_layouts",
     "clean_name",
+    "empty_fragments",
     "fill_empty_grads",
     "fsdp_units",
+    "decoder_layer_classes",
     "flat_param_bounds",
     "aligned_numel",
 ]
@@ -108,22 +109,34 @@ def fsdp_layouts(model: torch.nn.Module) -> FSDPBinding:
     return FSDPBinding(layouts, flat_of, names)
 
 
-def fill_empty_grads(binding: FSDPBinding, params: Any) -> None:
-    """Give every parameter whose fragment on this rank is empty an empty gradient where its flat
+def empty_fragments(binding: FSDPBinding, params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Those of ``params`` whose fragment on this rank is empty, each with its flat parameter
+    (fixed once FSDP has sharded: looked up at bind, not every step)."""
+    return [(p, binding.flat_of[p]) for p in params if p.numel() == 0 and p in binding.flat_of]
+
+
+def fill_empty_grads(empty: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give each empty fragment (:func:`empty_fragments`) an empty gradient where its flat
     parameter has one: FSDP leaves ``None`` there, which an optimizer reads as "no gradient this
     step" while the ranks holding the rest of the parameter step it, so their collectives differ."""
-    for p in params:
-        if p.grad is None and p.numel() == 0:
-            flat = binding.flat_of.get(p)
-            if flat is not None and flat.grad is not None:
-                p.grad = torch.empty_like(p)
+    for p, flat in empty:
+        if p.grad is None and flat.grad is not None:
+            p.grad = torch.empty_like(p)
 
 
 # ---- FSDP's rule, for a model that is not wrapped (the planner's meta models) ----------------------
-def fsdp_units(model: torch.nn.Module, unit_classes: set[type]) -> list[list[tuple[str, int]]]:
+def decoder_layer_classes(model: torch.nn.Module) -> set[type]:
+    """The class of a Hugging Face causal LM's decoder layers (``model.model.layers``): the FSDP
+    unit the recipe wraps and the planner plans (empty without such layers)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return {type(layers[0])} if layers is not None and len(layers) else set()
+
+
+def fsdp_units(model: torch.nn.Module, unit_classes: set[type]) -> dict[str, list[tuple[str, int]]]:
     """The parameters of each FSDP unit of ``model`` wrapped with ``ModuleWrapPolicy(unit_classes)``,
-    as (name, numel) in FSDP's order: one unit per module of those classes (the innermost), then the
-    root's unit with everything else; a shared (tied) parameter where it first appears."""
+    as (name, numel) in FSDP's order, by the unit module's name: one unit per module of those
+    classes (the innermost), and the root's unit (name ``""``) with everything else; a shared
+    (tied) parameter where it first appears."""
     owner: dict[str, str] = {}
     for name, module in model.named_modules():
         if type(module) in unit_classes:
@@ -132,12 +145,11 @@ def fsdp_units(model: torch.nn.Module, unit_classes: set[type]) -> list[list[tup
     units: dict[str, list[tuple[str, int]]] = {}
     for name, p in model.named_parameters():
         units.setdefault(owner.get(name, ""), []).append((name, p.numel()))
-    root = units.pop("", [])
-    return [*units.values(), *([root] if root else [])]
+    return units
 
 
 def flat_param_bounds(
-    units: Sequence[Sequence[tuple[str, int]]], world: int, aligned_numel: int
+    units: Iterable[Sequence[tuple[str, int]]], world: int, aligned_numel: int
 ) -> dict[str, tuple[int, ...]]:
     """Every parameter's flat-range bounds over ``world`` ranks, by name, as torch 2.5's FSDP lays
     out a unit with ``use_orig_params=True`` (``FlatParamHandle._init_flat_param_and_metadata``):

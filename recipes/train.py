@@ -345,12 +345,6 @@ def build_model(config: Any, seed: int, lazy: bool, attn: str) -> torch.nn.Modul
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
-def decoder_layer(model: torch.nn.Module) -> type | None:
-    """The class of the model's decoder layers (``model.model.layers``), None without them."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    return type(layers[0]) if layers is not None and len(layers) else None
-
-
 def optimizer_class(name: str) -> tuple[type, dict[str, Any]]:
     if name in OURS:
         path, kwargs = OURS[name]
@@ -386,10 +380,10 @@ def _import(path: str) -> Any:
         raise SystemExit(f"--optimizer {path!r}: cannot import it ({exc}); ours are {sorted(OURS)}") from exc
 
 
-def build_plugin(args: argparse.Namespace, config: Any = None, layer: type | None = None) -> Any:
+def build_plugin(args: argparse.Namespace, config: Any = None, units: set[type] | None = None) -> Any:
     """The booster's plugin for ``args``; ``config`` (the model's) sets the hybrid plugin's
     vocabulary padding (:func:`dist_optim.plan.models.vocab_multiple`: none for a tied Qwen2);
-    ``layer``, the model's decoder-layer class, is FSDP's unit (a layer's parameters are gathered
+    ``units``, the model's decoder-layer class, FSDP's unit (a layer's parameters are gathered
     for its forward and backward only, as FSDP's own Llama recipes wrap)."""
     from dist_optim import plugins
     from dist_optim.plan.models import VOCAB_MULTIPLE, vocab_multiple
@@ -431,7 +425,7 @@ def build_plugin(args: argparse.Namespace, config: Any = None, layer: type | Non
         bf16 = torch.bfloat16
         mixed = MixedPrecision(bf16, bf16, bf16) if args.precision == "bf16" else None
         return plugins.TorchFSDPPlugin(
-            auto_wrap_policy=ModuleWrapPolicy({layer}) if layer is not None else None, mixed_precision=mixed
+            auto_wrap_policy=ModuleWrapPolicy(units) if units else None, mixed_precision=mixed
         )
     return plugins.TorchDDPPlugin()
 
@@ -898,6 +892,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Train; return the per-step log (loss, lr, seconds, throughput, memory) on every rank."""
     from colossalai.booster import Booster
 
+    from dist_optim.plugins.fsdp import decoder_layer_classes
+
     device = launch(args.seed) if not dist.is_initialized() else _current_device()
     attn = attn_implementation(args.attn)
     config, weights = model_config(args.model)
@@ -908,7 +904,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     num_params = sum(p.numel() for p in model.parameters())  # shapes only: lazy tensors hold no data
     optimizer = build_optimizer(args.optimizer, model, args.lr, args.optimizer_args)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
-    plugin = build_plugin(args, config, decoder_layer(model))
+    plugin = build_plugin(args, config, decoder_layer_classes(model))
     booster = Booster(plugin=plugin)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     if weights and not args.resume:

@@ -352,11 +352,9 @@ def fsdp_gathered(pieces: Sequence[Any]) -> int:
     layer: the root unit's (embeddings, final norm, head: kept gathered from the forward to the
     backward), two layers' (the one computing and the next, prefetched) and the gradient of the
     largest unit before its reduce-scatter. Derived, not simulated."""
-    units: dict[str, int] = {}
+    units: dict[str | None, int] = {}
     for p in pieces:
-        match = re.match(r"(.*\.layers\.\d+)\.", p.name)
-        key = match.group(1) if match else ""
-        units[key] = units.get(key, 0) + p.working.numel()
+        units[p.unit] = units.get(p.unit, 0) + p.working.numel()
     root = units.pop("", 0)
     layer = max(units.values(), default=0)
     return root + 2 * layer + max(root, layer)

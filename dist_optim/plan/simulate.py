@@ -65,6 +65,7 @@ class Piece:
     working: torch.Tensor  # the TP slice forward/backward uses (meta)
     master: torch.Tensor  # what the optimizer steps: fp32, a flat ZeRO chunk under ZeRO (meta)
     layout: ParamLayout
+    unit: str | None = None  # FSDP: the name of the unit module it belongs to ("" the root's)
 
 
 def _meta_model(config: Any, attn_implementation: str = "eager") -> torch.nn.Module:
@@ -151,17 +152,17 @@ def _fsdp_pieces(model: torch.nn.Module, layout: Layout, world: SimWorld) -> lis
     """What the FSDP plugin hands the optimizer: each parameter's range of its unit's flat
     parameter (a unit per decoder layer, as the recipe wraps), by FSDP's own layout rule
     (:func:`dist_optim.plugins.fsdp.flat_param_bounds`, checked against FSDP in the tests)."""
-    from dist_optim.plugins.fsdp import aligned_numel, flat_param_bounds, fsdp_units
+    from dist_optim.plugins.fsdp import aligned_numel, decoder_layer_classes, flat_param_bounds, fsdp_units
 
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    classes = {type(layers[0])} if layers is not None and len(layers) else set()
-    bounds = flat_param_bounds(fsdp_units(model, classes), layout.world, aligned_numel(layout.working_dtype))
+    units = fsdp_units(model, decoder_layer_classes(model))
+    bounds = flat_param_bounds(units.values(), layout.world, aligned_numel(layout.working_dtype))
+    unit_of = {name: unit for unit, params in units.items() for name, _ in params}
     pieces = []
     for name, param in model.named_parameters():
         zero = ZeroShard(layout.world, world.rank, 0, dist.group.WORLD, bounds[name])
         piece = ParamLayout(tuple(param.shape), None, zero)
         working = torch.empty(param.shape, dtype=layout.working_dtype, device="meta")
-        pieces.append(Piece(name, working, torch.empty(piece.chunk_numel, device="meta"), piece))
+        pieces.append(Piece(name, working, torch.empty(piece.chunk_numel, device="meta"), piece, unit_of[name]))
     return pieces
 
 

@@ -41,7 +41,7 @@ def fragments(kind: str) -> dict[str, Any]:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     # FSDP's rule as the planner applies it to a model it never wraps
     units = fsdp_units(model, {LlamaDecoderLayer} if per_layer else set())
-    derived = flat_param_bounds(units, torch.distributed.get_world_size(), aligned_numel(torch.float32))
+    derived = flat_param_bounds(units.values(), torch.distributed.get_world_size(), aligned_numel(torch.float32))
     wrapped = _fsdp(model, per_layer, use_orig_params=True)
     binding = fsdp_layouts(wrapped)
     wrong, empty, split, rule = [], 0, 0, []
