@@ -157,7 +157,7 @@ def gather_full(
             comm_dtype = dtype or widest_dtype(results[i] for i in idx)
             # Every rank sends as many elements per item: a flat-range shard's pieces differ in
             # length, so each is padded to the longest (NCCL's all-gather takes equal sizes).
-            widths = [max(items[i][0].gather_widths) if kind == "zero" else results[i].numel() for i in idx]
+            widths = [items[i][0].largest_chunk_numel if kind == "zero" else results[i].numel() for i in idx]
             flat = torch.cat([_padded(results[i].reshape(-1).to(comm_dtype), w) for i, w in zip(idx, widths)])
             gathered, _ = _all_gather_flat(flat, group)
             offset = 0
@@ -314,11 +314,7 @@ def exchange(
     else:
         to_flat(pieces, flat)
     out, work = _all_to_all(flat, send_counts, recv_counts, group, wait)
-    pending = Pending(work, out, [t for pieces in recv for t in pieces])
-    if wait:
-        pending.wait()
-        return None
-    return pending
+    return _waited(Pending(work, out, [t for pieces in recv for t in pieces]), wait)
 
 
 def exchange_counts(
@@ -352,7 +348,11 @@ def exchange_counts(
         return None
     flat = torch.empty(sum(send_counts), dtype=dtype, device=device)
     out, work = _all_to_all(flat, list(send_counts), list(recv_counts), group, wait)
-    pending = Pending(work, out, [])
+    return _waited(Pending(work, out, []), wait)
+
+
+def _waited(pending: Pending, wait: bool) -> Pending | None:
+    """An exchange's end: waited for (None), or handed to the caller to wait for."""
     if wait:
         pending.wait()
         return None
