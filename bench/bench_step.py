@@ -244,6 +244,9 @@ DIST_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     # Per-head Muon (muon_param_groups(per_head=True)): q, k and v by heads, whole in each TP slice.
     "muon-per-head": ("dist_optim.DistributedMuon", None, dict(lr=2e-3, weight_decay=1e-2)),
+    # Muon with QK-clip: the logits measured in every forward, max-reduced over the data-parallel
+    # ranks at the step, clipped heads scaled where their rows are (a bound the tiny model exceeds).
+    "muon-qk-clip": ("dist_optim.DistributedMuon", None, dict(lr=2e-3, weight_decay=1e-2, qk_clip_tau=0.05)),
     # NorMuon: Muon's exchanges; each owner normalizes its matrices' rows.
     "normuon": ("dist_optim.DistributedNorMuon", None, dict(lr=2e-3, weight_decay=1e-2)),
     # kron_torch's Kron (swapped for ours): pieces of the momenta to the parameters' owners and the

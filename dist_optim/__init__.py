@@ -12,7 +12,7 @@ from .galore import DistributedGaLore, galore_param_groups
 from .kron import DistributedKron
 from .lamb import DistributedLamb
 from .layout import ParamLayout, TPSplit, ZeroShard
-from .muon import DistributedMuon, DistributedNorMuon, muon_param_groups
+from .muon import DistributedMuon, DistributedNorMuon, muon_param_groups, watch_attention_logits
 from .registry import convert
 from .shampoo import (
     AdaGradGraftingConfig,
@@ -33,6 +33,7 @@ __all__ = [
     "DistributedMuon",
     "DistributedNorMuon",
     "muon_param_groups",
+    "watch_attention_logits",
     "ParamLayout",
     "TPSplit",
     "ZeroShard",

@@ -255,18 +255,28 @@ class DistOptimizer(SavedState):
         device = grads[0].device if grads else next(iter(self._all_params()), torch.empty(0)).device
         return local_flag(grads, device)
 
-    def param_label(self, param: torch.Tensor) -> str:
-        """How messages name ``param``: its model name (:attr:`param_names`, or a ``param_names``
-        list in its param group), else its position and full shape."""
+    def param_name(self, param: torch.Tensor) -> str | None:
+        """The model name of ``param``: :attr:`param_names`, else the ``param_names`` list of its
+        param group; None where neither names it."""
         name = self.param_names.get(param)
+        if name:
+            return name
+        for group in self.param_groups:
+            for i, q in enumerate(group["params"]):
+                if q is param:
+                    names = group.get("param_names")
+                    return names[i] if names is not None and i < len(names) else None
+        raise KeyError("the parameter is not in this optimizer")
+
+    def param_label(self, param: torch.Tensor) -> str:
+        """How messages name ``param``: its model name (:meth:`param_name`), else its position and
+        full shape."""
+        name = self.param_name(param)
         if name:
             return f"parameter {name!r}"
         for gi, group in enumerate(self.param_groups):
             for i, q in enumerate(group["params"]):
                 if q is param:
-                    names = group.get("param_names")
-                    if names is not None and i < len(names):
-                        return f"parameter {names[i]!r}"
                     return f"parameter #{i} of param group {gi} (shape {self.layout(param).full_shape})"
         raise KeyError("the parameter is not in this optimizer")
 

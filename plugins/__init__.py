@@ -39,6 +39,7 @@ from .checkpoint import DistOptimCheckpointMixin
 from .colossal import as_colossal_optimizer, bind_from_wrapper, record_param_names, world_group
 from .contract import plugin_binds
 from .fsdp import FSDPBinding, empty_fragments, fill_empty_grads, fsdp_layouts
+from .qk_clip import watch_boosted
 
 __all__ = [
     "HybridParallelPlugin",
@@ -134,6 +135,7 @@ class _SwapAndBind:
         if wrapper is not None and isinstance(getattr(wrapper, "optim", None), DistOptimizer):
             self._bind(wrapper)
             record_param_names(wrapper, model)
+            watch_boosted(self, model, wrapper.optim)
         return out
 
     def get_checkpoint_io(self) -> Any:
@@ -290,6 +292,7 @@ class TorchFSDPPlugin(_TorchFSDPPlugin):
                 # FSDP's fragments are the masters and the model's state dict gathers them: the
                 # optimizer's checkpoint carries no separate masters (plugins/checkpoint.py).
                 optimizer.param_names = {p: binding.names[p] for p in params}
+                watch_boosted(self, fsdp_model, optimizer)
         return fsdp_model, wrapper, criterion, dataloader, lr_scheduler
 
     def get_checkpoint_io(self) -> Any:

@@ -71,6 +71,9 @@ norm and the shape), so the result is the single-device one. Pipeline stages own
 (each stage's data-parallel groups and grids are its work groups); MoE experts are split over
 their expert data-parallel group, the group that shards them. Experts or heads stacked in one
 tensor: ``stacked=True``.
+
+QK-clip (``qk_clip_tau``, Kimi K2's MuonClip): the attention heads whose logits exceeded a bound
+in the step are scaled back after it, each TP rank on its own heads (:mod:`.qk_clip`).
 """
 
 from __future__ import annotations
@@ -81,11 +84,13 @@ from .coefficients import DEFAULT_NS_COEFFICIENTS
 from .groups import DEFAULT_HEAD_NAMES, muon_param_groups
 from .normuon import DistributedNorMuon
 from .optimizer import ADJUST_LR_FNS, EPS_FORMS, DistributedMuon, adjusted_lr
+from .qk_clip import watch_attention_logits
 
 __all__ = [
     "DistributedMuon",
     "DistributedNorMuon",
     "muon_param_groups",
+    "watch_attention_logits",
     "newton_schulz",
     "newton_schulz_flops",
     "adjusted_lr",

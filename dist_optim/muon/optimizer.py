@@ -23,6 +23,7 @@ from ..runtime import OwnedWork, OwnerRuntime, Transport
 from .adamw import adamw_step
 from .coefficients import DEFAULT_NS_COEFFICIENTS, check_coefficients, schedule
 from .momentum import momentum_directions
+from .qk_clip import AttentionLogits, HeadMaxima, check_qk_clip, clip_heads
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
 
@@ -163,6 +164,12 @@ class DistributedMuon(DistOptimizer):
             fewest collectives). The result does not depend on it (bit for bit).
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
+        qk_clip_tau: QK-clip (MuonClip, Kimi K2; :mod:`dist_optim.muon.qk_clip`; None: off):
+            after each step, the ``q_proj``/``k_proj`` rows (any group) of every head whose
+            largest logit in the step exceeded this bound are scaled down to it (Kimi K2: 100).
+            The logits are measured by :func:`~dist_optim.muon.qk_clip.watch_attention_logits`,
+            which the dist_optim booster plugins call at ``booster.boost``.
+        qk_clip_alpha: the query's share ``alpha`` of a clipped head's scaling (the report's 0.5).
     """
 
     _sharded_state = ("momentum_buffer", "exp_avg", "exp_avg_sq")
@@ -193,8 +200,18 @@ class DistributedMuon(DistOptimizer):
         min_8bit_size: int = 4096,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
+        qk_clip_tau: float | None = None,
+        qk_clip_alpha: float = 0.5,
     ) -> None:
         check_communication_dtype(communication_dtype)
+        check_qk_clip(qk_clip_tau, qk_clip_alpha)
+        self.qk_clip_tau = qk_clip_tau
+        self.qk_clip_alpha = float(qk_clip_alpha)
+        #: The model's attention logits, measured for QK-clip (:func:`watch_attention_logits`).
+        self.attention_logits: AttentionLogits | None = None
+        #: Per attention module, the last step's largest logit of each query head of this rank
+        #: (``.values``), reduced over the data-parallel ranks: what QK-clip acted on.
+        self.last_max_logits: dict[str, HeadMaxima] = {}
         bnb.check_8bit_options(optim_bits, min_8bit_size, "8-bit block-wise momentum and AdamW moments")
         self.optim_bits = optim_bits
         self.min_8bit_size = min_8bit_size
@@ -342,6 +359,8 @@ class DistributedMuon(DistOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._begin_step(closure)
         if not self._gradients_ok():
+            if self.attention_logits is not None:
+                self.attention_logits.reset()  # the skipped batch's logits do not count
             return loss
         self._check_matrices()
         matrices: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
@@ -365,7 +384,21 @@ class DistributedMuon(DistOptimizer):
             comm_dtype=self.communication_dtype,
             budget=self.bucket_bytes,
         )
+        if self.qk_clip_tau is not None and (matrices or self._all_grads()[0]):
+            self.clip_qk()  # not on a step without gradients, which moves nothing (torch's contract)
         return loss
+
+    def clip_qk(self) -> None:
+        """QK-clip after the update (:func:`~dist_optim.muon.qk_clip.clip_heads`)."""
+        if self.attention_logits is None:
+            raise RuntimeError(
+                "DistributedMuon(qk_clip_tau=...) clips by the attention logits of the step's forwards, which nothing "
+                "measures: call dist_optim.watch_attention_logits(model, optimizer) once (the dist_optim booster "
+                "plugins do at boost)"
+            )
+        taken = self.attention_logits.take()
+        clip_heads(self, taken, float(self.qk_clip_tau or 0.0), self.qk_clip_alpha)
+        self.last_max_logits = taken
 
     def _prepare(
         self, bucket: Sequence[tuple[dict[str, Any], torch.Tensor, torch.Tensor]], tasks: dict[torch.Tensor, Task]

@@ -309,6 +309,7 @@ def simulate_rank(
         opt = build_optimizer(optimizer, model, {p.name: p.master for p in pieces}, args)
         for p in pieces:
             p.master.grad = torch.empty_like(p.master)
+        plan_logits(opt, config, pieces)
         traffic = Traffic(simulate=True, peers=world.peers)
         if isinstance(opt, DistOptimizer):
             with traffic_of(traffic), warnings.catch_warnings():
@@ -323,6 +324,42 @@ def simulate_rank(
         rank, pieces, total, bind, results, owner_loads, meta_items, time.perf_counter() - t0,
         kept_bytes=max(0, sum(s.kept for s in results) - total),
     )  # fmt: skip
+
+
+class PlannedLogits:
+    """The attention logits a Muon with QK-clip acts on, as this rank would measure them: every
+    head of each attention module whose query projection it holds, each head's maximum at the
+    bound (so the step issues the clip's all-reduce, and scales nothing: the scaling is element-wise
+    work on a few rows)."""
+
+    def __init__(self, config: Any, pieces: Sequence[Piece]) -> None:
+        from dist_optim.muon.qk_clip import projection_of
+
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.heads: dict[str, int] = {}
+        self.kv_heads: dict[str, int] = {}
+        for p in pieces:
+            found = projection_of(p.name)
+            if found is not None and p.name.endswith(".weight"):
+                into = self.heads if found[1] == "q" else self.kv_heads
+                into[found[0]] = p.layout.local_shape[0] // self.head_dim
+
+    def take(self) -> dict[str, Any]:
+        from dist_optim.muon.qk_clip import HeadMaxima
+
+        return {
+            name: HeadMaxima(torch.zeros(heads), self.head_dim, max(1, heads // max(1, self.kv_heads.get(name, heads))))
+            for name, heads in self.heads.items()
+        }
+
+    def reset(self) -> None:
+        pass
+
+
+def plan_logits(opt: Any, config: Any, pieces: Sequence[Piece]) -> None:
+    """Give a Muon built with ``qk_clip_tau`` the logits its rank would measure (:class:`PlannedLogits`)."""
+    if getattr(opt, "qk_clip_tau", None) is not None:
+        opt.attention_logits = PlannedLogits(config, pieces)
 
 
 def bind_like_plugin(opt: Any, pieces: Sequence[Piece], layout: Layout, tp_group: Any, dp_group: Any) -> None:
@@ -363,6 +400,7 @@ def single_device_state(
     opt = build_optimizer(optimizer, model, representatives, args)
     for t in representatives.values():
         t.grad = torch.empty_like(t)
+    plan_logits(opt, config, pieces)
     with warnings.catch_warnings(), meta_generators(), as_device(device):
         warnings.simplefilter("ignore")
         run_steps(opt, Traffic(), 2, meta=True)

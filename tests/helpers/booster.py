@@ -161,6 +161,8 @@ def reference_run(
     pairs = list(zip(model.named_parameters(), working.parameters()))
     opt = dist_optim.convert(make_optimizer(opt_path, model, opt_kwargs))
     opt.param_names = {p: n for n, p in model.named_parameters()}
+    if getattr(opt, "qk_clip_tau", None) is not None:
+        dist_optim.watch_attention_logits(working, opt)  # the model that runs the forwards
     if pipeline:
         opt.use_layout_independent_randomness()
     scale = FP16_INITIAL_SCALE if low_precision == torch.float16 else 1.0
@@ -267,10 +269,44 @@ def record_steps(wrapper: Any, model: Any) -> list[dict[str, Any]]:
                 "values": {n: v.float().clone() for n, v in zip(mnames, values)},
             }
         )
-        return real_step(*args, **kwargs)
+        result = real_step(*args, **kwargs)
+        if getattr(opt, "qk_clip_tau", None) is not None:
+            records[-1]["logits"] = full_max_logits(opt)
+        return result
 
     opt.step = step
     return records
+
+
+def full_max_logits(opt: Any) -> dict[str, Any]:
+    """The per-head maxima QK-clip acted on in the last step, every head of each attention module
+    (each TP rank measured its own heads: its rows of q_proj, in rank order), as
+    :class:`~dist_optim.muon.qk_clip.HeadMaxima` for a replay."""
+    from dist_optim.muon.qk_clip import HeadMaxima
+
+    local = {name: m.values.detach().cpu() for name, m in opt.last_max_logits.items()}
+    tp = opt.tp_group
+    parts = [local]
+    if tp is not None and dist.get_world_size(tp) > 1:
+        parts = [None] * dist.get_world_size(tp)
+        dist.all_gather_object(parts, local, group=tp)
+    return {
+        name: HeadMaxima(torch.cat([part[name] for part in parts]), m.head_dim, m.group)
+        for name, m in opt.last_max_logits.items()
+    }
+
+
+class RecordedLogits:
+    """What a boosted step's QK-clip measured, handed to the replayed optimizer in its place."""
+
+    def __init__(self, maxima: dict[str, Any]) -> None:
+        self.maxima = maxima
+
+    def take(self) -> dict[str, Any]:
+        return self.maxima
+
+    def reset(self) -> None:
+        pass
 
 
 def _boosted_run(
@@ -337,6 +373,8 @@ def replay(
         for record in records:
             for n, p in named:
                 p.grad = record["grads"].get(n)
+            if "logits" in record:
+                opt.attention_logits = RecordedLogits(record["logits"])
             opt.step()
     order = [p for g in opt.param_groups for p in g["params"]]
     states = dict(zip((opt.param_names[p] for p in order), opt.full_state()))
@@ -488,3 +526,18 @@ def weights_only_refusals(folder: str) -> tuple[dict[str, str], int]:
             except Exception as exc:  # noqa: BLE001 - every refusal is reported with its reason
                 refused[os.path.relpath(os.path.join(root, name), folder)] = f"{type(exc).__name__}: {exc}"[:300]
     return refused, count
+
+
+def booster_parity_with_cpu_attention(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """:func:`booster_parity` with ColossalAI's ``ColoAttention.attention`` given torch's SDPA for
+    its causal mask: its flash kernels have no CPU build, and what is tested is everything around
+    the kernel (the mask dict, the q/k the attention is handed)."""
+    from colossalai.shardformer.layer.attn import AttnMaskType, ColoAttention
+
+    def attention(q: Any, k: Any, v: Any, attention_mask_type: Any = None, scale: Any = None, **rest: Any) -> Any:
+        if attention_mask_type != AttnMaskType.CAUSAL:
+            raise NotImplementedError(f"the test's CPU attention takes causal masks only, not {attention_mask_type}")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    ColoAttention.attention = staticmethod(attention)  # type: ignore[method-assign]
+    return booster_parity(*args, **kwargs)

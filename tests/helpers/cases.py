@@ -28,6 +28,7 @@ class Family:
 
 
 _PER_HEAD = dict(adamw_lr=1e-3, per_head=True)
+_AUX_ONLY = dict(adamw_lr=1e-3)
 
 FAMILIES: list[Family] = [
     Family(
@@ -123,6 +124,15 @@ FAMILIES: list[Family] = [
         dist_optim.DistributedMuon,
         booster=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=_PER_HEAD)),
         checkpoint=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, muon=_PER_HEAD)),
+    ),
+    # Muon with QK-clip (MuonClip, Kimi K2): the tiny models' largest logits start near 0.1, so a
+    # bound of 0.07 clips some heads' q and k rows at every step; each TP rank measures and clips
+    # its own heads, the maxima max-reduced over the data-parallel ranks.
+    Family(
+        "Muon QK-clip",
+        dist_optim.DistributedMuon,
+        booster=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, qk_clip_tau=0.07, muon=_AUX_ONLY)),
+        checkpoint=("dist_optim.DistributedMuon", dict(lr=2e-3, weight_decay=1e-2, qk_clip_tau=0.07, muon=_AUX_ONLY)),
     ),
     # KL-Shampoo (kl_statistics=True): the factors' statistics from the gradient preconditioned by
     # the current roots, on each block's owner; Shampoo's settings otherwise.
@@ -549,6 +559,23 @@ PARITY_CASES += [
             _per_param={"col": dict(heads=4), "emb": dict(heads=6)},
             _vector_group=_AUX,
         ),
+    ),
+    # QK-clip: "col" is attention a's q_proj (4 heads of 2 rows) and "bias" its k_proj's bias (each
+    # head's rows times gamma^0.4 and gamma^0.6); "emb" is attention b's q_proj, 4 heads of 3 rows
+    # sharing 2 key heads (times gamma). TP slices hold whole heads at tp=2 and 4; the logits are
+    # tests/helpers/parity.py's GridLogits, each head's maximum on one data-parallel rank.
+    Case(
+        "muon-qk-clip",
+        dist_optim.DistributedMuon,
+        dict(
+            lr=2e-2,
+            weight_decay=1e-2,
+            qk_clip_tau=1.0,
+            qk_clip_alpha=0.4,
+            _vector_group=_AUX,
+            _qk_clip={"col": ("a", "q", 2, 1), "bias": ("a", "k", 2, 1), "emb": ("b", "q", 3, 2)},
+        ),
+        row="Muon QK-clip",
     ),
     Case(
         "normuon-8bit-stacked",

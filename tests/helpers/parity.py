@@ -118,6 +118,59 @@ VECTOR_GROUP = "_vector_group"
 PER_PARAM = "_per_param"
 
 
+#: A Case kwargs key (not passed to the optimizer): QK-clip on the grid, {spec name: (attention
+#: name, "q" or "k", head_dim, query heads per key head)}: those parameters are named as that
+#: attention's projections and :class:`GridLogits` plays the measured logits.
+QK_CLIP = "_qk_clip"
+_NOT_OPTIONS = (MATRIX_GROUP, VECTOR_GROUP, PER_PARAM, QK_CLIP)
+
+
+@dataclass
+class GridLogits:
+    """The attention logits a QK-clip case's optimizer acts on at each step, as a rank would
+    measure them: per head a value in [0.5, 1.5] (``qk_clip_tau=1`` clips about half the heads),
+    held whole by one data-parallel rank and halved on the others (which rank differs from head to
+    head: the maxima must be max-reduced over them), and cut to the heads of this rank's TP slice
+    of the query projection. The same every step, so that an optimizer rebuilt from a state dict
+    sees what the original would (tests/unit/test_contract.py)."""
+
+    roles: dict[str, tuple[str, str, int, int]]
+    specs: list[Spec]
+    tp: int = 1
+    tp_rank: int = 0
+    dp: int = 1
+    dp_rank: int = 0
+
+    def take(self) -> dict[str, Any]:
+        from dist_optim.muon.qk_clip import HeadMaxima
+
+        out = {}
+        for index, (name, (attention, which, head_dim, group)) in enumerate(sorted(self.roles.items())):
+            if which != "q":
+                continue
+            spec = next(sp for sp in self.specs if sp.name == name)
+            heads = spec.shape[0] // head_dim
+            gen = torch.Generator().manual_seed(index)
+            values = 0.5 + torch.rand(heads, generator=gen, dtype=torch.float64)
+            holder = (torch.arange(heads) + index) % self.dp
+            values = torch.where(holder == self.dp_rank, values, values / 2).float()
+            if _tp_dim(spec, self.tp) == 0:
+                values = values.chunk(self.tp)[self.tp_rank]
+            out[attention] = HeadMaxima(values, head_dim, group)
+        return out
+
+    def reset(self) -> None:
+        pass
+
+
+def qk_clip_names(opt: Any, params: list[torch.Tensor], kwargs: dict[str, Any], specs: list[Spec]) -> None:
+    """Name a QK-clip case's parameters as their attention projections (:data:`QK_CLIP`)."""
+    for p, spec in zip(params, specs):
+        if spec.name in kwargs.get(QK_CLIP, {}):
+            attention, which = kwargs[QK_CLIP][spec.name][:2]
+            opt.param_names[p] = f"{attention}.{which}_proj.{'weight' if len(spec.shape) > 1 else 'bias'}"
+
+
 def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any], specs: list[Spec] = SPECS) -> list[dict[str, Any]]:
     """Two groups (matrices, vectors) so per-group options are exercised too; the vectors' group
     takes ``kwargs[VECTOR_GROUP]`` (a dict) where given.
@@ -127,7 +180,7 @@ def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any], specs: list
     if PER_PARAM in kwargs:
         named = kwargs[PER_PARAM]
         rest = [(p, spec) for p, spec in zip(params, specs) if spec.name not in named]
-        others = {k: v for k, v in kwargs.items() if k != PER_PARAM}
+        others = {k: v for k, v in kwargs.items() if k not in (PER_PARAM, QK_CLIP)}
         groups = param_groups([p for p, _ in rest], others, [spec for _, spec in rest])
         own = [{"params": [p], **named[spec.name]} for p, spec in zip(params, specs) if spec.name in named]
         return own + [g for g in groups if g["params"]]
@@ -144,8 +197,12 @@ def param_groups(params: list[torch.Tensor], kwargs: dict[str, Any], specs: list
 
 
 def make(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor], specs: list[Spec] = SPECS) -> Any:
-    options = {k: v for k, v in kwargs.items() if k not in (MATRIX_GROUP, VECTOR_GROUP, PER_PARAM)}
-    return cls(param_groups(params, kwargs, specs), **options)
+    options = {k: v for k, v in kwargs.items() if k not in _NOT_OPTIONS}
+    opt = cls(param_groups(params, kwargs, specs), **options)
+    if QK_CLIP in kwargs:
+        qk_clip_names(opt, params, kwargs, specs)
+        opt.attention_logits = GridLogits(kwargs[QK_CLIP], specs)
+    return opt
 
 
 def set_grads(params: list[torch.Tensor], step: int, local_grad: Any, specs: list[Spec] = SPECS) -> None:
@@ -237,6 +294,7 @@ def build(
             master = working
         masters.append(master)
     opt = make(cls, kwargs, masters, specs)
+    _place_logits(opt, tp, tp_rank, dp, dp_rank)
     setup_distributed(
         opt,
         tp_group,
@@ -252,6 +310,13 @@ def build(
         return zero_chunk(piece, dp, dp_rank).clone() if is_zero else piece.clone()
 
     return opt, masters, dims, local_grad
+
+
+def _place_logits(opt: Any, tp: int, tp_rank: int, dp: int, dp_rank: int) -> None:
+    """Tell a QK-clip case's :class:`GridLogits` which rank of the grid it plays."""
+    logits = getattr(opt, "attention_logits", None)
+    if isinstance(logits, GridLogits):
+        logits.tp, logits.tp_rank, logits.dp, logits.dp_rank = tp, tp_rank, dp, dp_rank
 
 
 def flat_bounds(numels: list[int], size: int) -> list[tuple[int, ...]]:
@@ -281,6 +346,7 @@ def _build_flat(
     layouts = [dataclasses.replace(lay, zero=ZeroShard(dp, dp_rank, 0, dp_group, b)) for lay, b in zip(layouts, bounds)]
     masters = [lay.take_local(f.float()) for lay, f in zip(layouts, fulls)]
     opt = make(cls, kwargs, masters, specs)
+    _place_logits(opt, tp, tp_rank, dp, dp_rank)
     opt.bind(dict(zip(masters, layouts)), dp_group=dp_group, tp_group=tp_group)
 
     def local_grad(i: int, g: torch.Tensor) -> torch.Tensor:

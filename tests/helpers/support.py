@@ -65,6 +65,9 @@ CHECKPOINT_HEADER = "checkpoint resume / reshard"
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 MARKS = {PASSED: "✔", FAILED: "✘", ERROR: "✘", SKIPPED: "⊘"}
 NOT_RUN = "—"
+#: A cell an optimizer refuses at boost by design (tests/distributed/test_booster.py ``EXCLUDED``);
+#: the notes under the table give the reason.
+NOT_APPLICABLE = "n/a"
 # When one test has several reports (a failing teardown after a passed call), the worst counts.
 _SEVERITY = {PASSED: 0, SKIPPED: 1, FAILED: 2, ERROR: 3}
 
@@ -250,13 +253,18 @@ def _cell_outcome(keys: list[str], outcomes: dict[str, Outcome]) -> tuple[str, s
 def markdown(outcomes: dict[str, Outcome]) -> str:
     """The support table of a run, followed (after a blank line) by a list of the skipped and
     failed cells with their reasons when there are any."""
+    from tests.distributed import test_booster
+
     hs = headers()
     lines = ["| " + " | ".join(["optimizer", *hs]) + " |", "|" + "---|" * (len(hs) + 1)]
     notes = []
+    refused = {(name, _header(col)): why for (name, col), why in test_booster.EXCLUDED.items()}
     for row, columns in cells().items():
         marks = []
         for header in hs:
             mark, note = _cell_outcome(columns[header], outcomes)
+            if not columns[header] and (row, header) in refused:
+                mark, note = NOT_APPLICABLE, f"refused at boost: {refused[row, header]}"
             marks.append(mark)
             if note:
                 notes.append(f"- {mark} {row}, {header}: {note}")
@@ -274,7 +282,7 @@ def readme_table(text: str) -> str | None:
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
     notes = end + 1
-    while notes < len(lines) and lines[notes].startswith(("- ✘", "- ⊘")):
+    while notes < len(lines) and lines[notes].startswith(("- ✘", "- ⊘", f"- {NOT_APPLICABLE}")):
         notes += 1
     if notes > end + 1 and lines[end] == "":
         end = notes

@@ -126,15 +126,17 @@ def test_table_from_a_report_with_a_skipped_a_failed_and_a_missing_test(tmp_path
     table = support.markdown(support.read_junit(str(report)))
     got = _rows(table)
     assert list(got) == rows and all(list(r) == support.headers() for r in got.values())
-    expected = {row: dict.fromkeys(support.headers(), "✔") for row in rows}
+    expected = {row: {h: "✔" if cells[row][h] else support.NOT_APPLICABLE for h in support.headers()} for row in rows}
     expected[skipped_row][ddp] = "⊘"
     expected[failed_row][support.PARITY_HEADER] = "✘"
     expected[missing_row][support.CHECKPOINT_HEADER] = "—"  # not every test behind it ran
     assert got == expected
     notes = table.split("\n\n", 1)[1].splitlines()
-    assert notes == [
+    refused = [f"- n/a {row}, {h}: refused at boost" for row in rows for h in support.headers() if not cells[row][h]]
+    assert [n.split(": refused at boost")[0] + ": refused at boost" if "refused" in n else n for n in notes] == [
         f"- ⊘ {skipped_row}, {ddp}: skipped: needs 2 GPUs",
         f"- ✘ {failed_row}, parity grid: {cells[failed_row][support.PARITY_HEADER][-1]}: AssertionError: parity",
+        *refused,
     ]
     # no outcome at all: nothing ran
     assert set(_rows(support.markdown({}))[rows[0]].values()) == {"—"}
