@@ -333,7 +333,8 @@ def _dist_worker(
         if theirs is None:  # Shampoo, Muon: ours, two ways of moving gradients and directions
             ways = ((True, "pieces to block owners"), (False, "full gradients gathered"))
             if "muon" in fam:
-                dtype = ("bf16" if fam.endswith("bf16") else "fp32") + (", per head" if fam == "muon-per-head" else "")
+                variant = {"muon-per-head": ", per head", "muon-qk-clip": ", QK-clip"}.get(fam, "")
+                dtype = ("bf16" if fam.endswith("bf16") else "fp32") + variant
                 ways = ((True, f"pieces to matrix owners, {dtype}"), (False, f"every C gathered, {dtype}"))
             if fam == "kron":
                 ways = ((True, "pieces to owners"), (False, "every momentum and direction gathered"))

@@ -43,6 +43,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+#: QK-clip's bound for this model: below the largest logits Muon reaches in 300 steps here, so
+#: that the clip acts: they pass 20 by step 100 at the best rate (Kimi K2's 100 is for logits
+#: that grow over trillions of tokens).
+QK_CLIP_TAU = 15.0
+
 #: label -> (the recipe's optimizer name, extra constructor options).
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "AdamW": ("torch.optim.AdamW", dict(betas=(0.9, 0.95), weight_decay=0.1)),
@@ -57,6 +62,7 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "KL-Shampoo": ("shampoo", dict(kl_statistics=True)),
     "Muon per-head": ("muon", dict(per_head=True)),
     "NorMuon": ("normuon", {}),
+    "Muon QK-clip": ("muon", dict(qk_clip_tau=QK_CLIP_TAU)),
 }
 #: label -> (lowest, highest) learning rate of the sweep: a decade each, placed (after a first
 #: sweep over 1e-3..1e-2 (LAMB 3e-3..3e-2, CAME 3e-4..3e-3, Kron 1e-4..1e-3) so that the best rate
@@ -74,6 +80,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "KL-Shampoo": (1e-3, 1e-2),
     "Muon per-head": (3e-3, 3e-2),
     "NorMuon": (3e-3, 3e-2),
+    "Muon QK-clip": (6.5e-3, 6.5e-2),
 }
 ALIASES = {label.lower(): label for label in OPTIMIZERS}
 #: label -> a function (model, lr) -> optimizer, for the labels that the recipe's build_optimizer
@@ -106,6 +113,10 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     name, extra = OPTIMIZERS[job["label"]]
     builder = BUILDERS.get(job["label"])
     opt = builder(model, job["lr"]) if builder else recipe.build_optimizer(name, model, job["lr"], extra)
+    if getattr(opt, "qk_clip_tau", None) is not None:
+        from dist_optim import watch_attention_logits
+
+        watch_attention_logits(model, opt)  # what the plugins do at boost
     steps = job["steps"]
     # ``warmup``: a fraction of the steps (bench/settings.py); the sweep's is a tenth.
     warmup = max(1, steps // 10) if "warmup" not in job else int(steps * job["warmup"])
