@@ -23,7 +23,7 @@ from ..runtime import OwnedWork, OwnerRuntime, Transport
 from .adamw import adamw_step
 from .coefficients import DEFAULT_NS_COEFFICIENTS, check_coefficients, schedule
 from .momentum import momentum_directions
-from .qk_clip import AttentionLogits, HeadMaxima, check_qk_clip, clip_heads
+from .qk_clip import HeadMaxima, LogitSource, check_qk_clip, clip_heads
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
 
@@ -208,7 +208,7 @@ class DistributedMuon(DistOptimizer):
         self.qk_clip_tau = qk_clip_tau
         self.qk_clip_alpha = float(qk_clip_alpha)
         #: The model's attention logits, measured for QK-clip (:func:`watch_attention_logits`).
-        self.attention_logits: AttentionLogits | None = None
+        self.attention_logits: LogitSource | None = None
         #: Per attention module, the last step's largest logit of each query head of this rank
         #: (``.values``), reduced over the data-parallel ranks: what QK-clip acted on.
         self.last_max_logits: dict[str, HeadMaxima] = {}

@@ -34,7 +34,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -44,6 +44,7 @@ from ..layout import ParamLayout
 __all__ = [
     "AttentionLogits",
     "HeadMaxima",
+    "LogitSource",
     "LOGIT_BLOCK",
     "check_qk_clip",
     "clip_factors",
@@ -74,6 +75,19 @@ class HeadMaxima:
     values: torch.Tensor
     head_dim: int
     group: int
+
+
+class LogitSource(Protocol):
+    """What a QK-clipping optimizer reads the step's maxima from: :class:`AttentionLogits` on a
+    model, or a stand-in that knows them otherwise (the planner's, a replay's)."""
+
+    def take(self) -> dict[str, HeadMaxima]:
+        """The maxima since the last take, by attention module name; start over."""
+        ...
+
+    def reset(self) -> None:
+        """Forget the maxima measured so far."""
+        ...
 
 
 def check_qk_clip(tau: float | None, alpha: float) -> None:
