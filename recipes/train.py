@@ -977,6 +977,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             "peak_mem_gib": gather_peak_memory(),
             "eval_loss": None,
         }
+        entry.update(_clip_metrics(optimizer))
         if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             entry["eval_loss"] = evaluate(model, data, args, device)
             log(f"step {step + 1}: eval loss {entry['eval_loss']:.4f}")
@@ -1000,6 +1001,20 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     if history:
         log(f"final loss {history[-1]['loss']:.4f} after {history[-1]['step']} steps")
     return history
+
+
+def _clip_metrics(optimizer: Any) -> dict[str, float]:
+    """With QK-clip on (``--optimizer-args '{"qk_clip_tau": ...}'``), ``max_attention_logit``: the
+    largest attention logit of the step over every head of the model (each rank holds its heads and
+    layers), on every rank; else nothing."""
+    inner = getattr(optimizer, "optim", optimizer)
+    if getattr(inner, "qk_clip_tau", None) is None:
+        return {}
+    found = [m.values.max() for m in inner.last_max_logits.values()]
+    value = torch.stack(found).max().float() if found else torch.tensor(-math.inf)
+    value = value.reshape(1).to(_current_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return {"max_attention_logit": float(value)}
 
 
 def _global_loss(loss: torch.Tensor | None, plugin: Any) -> float:

@@ -357,29 +357,33 @@ def test_the_old_module_name_is_the_recipe() -> None:
 
 
 def _losses_worker(plugin: list[str]) -> list[float]:
-    """The recipe's train() for 3 steps in fp32 with Muon (its auxiliary AdamW on the vectors) under
-    ``plugin``'s flags: the losses."""
+    """The recipe's train() for 3 steps in fp32 with Muon (its auxiliary AdamW on the vectors) and
+    QK-clip at a bound the tiny model's logits pass under ``plugin``'s flags: the losses, then the
+    largest attention logit of each step."""
     from dist_optim.plugins.cpu import install, quiet_colossal
     from recipes import train
 
     install()
     argv = ["--model", "tiny", *plugin, "--precision", "fp32", "--steps", "3", "--seq-len", "32"]
     argv += ["--batch-size", "2", "--no-progress", "--log-every", "0", "--warmup", "1", "--optimizer", "muon"]
+    argv += ["--optimizer-args", '{"qk_clip_tau": 0.08}']
     with quiet_colossal():
-        return [e["loss"] for e in train.train(train.parse_args([*argv, "--lr", "1e-2"]))]
+        history = train.train(train.parse_args([*argv, "--lr", "1e-2"]))
+    return [e["loss"] for e in history] + [e["max_attention_logit"] for e in history]
 
 
 def test_fsdp_trains_like_zero(pool4, capsys: pytest.CaptureFixture[str]) -> None:
     """--plugin fsdp (one FSDP unit per decoder layer, parameters sharded over the 4 ranks) takes
-    the steps ZeRO-2 takes: the same losses on the same data in fp32 (measured 3e-8 of the loss
-    apart, FSDP and ZeRO reducing gradients in different orders; bound 1e-5). --zero and fp16 are
-    refused with it in one line."""
+    the steps ZeRO-2 takes: the same losses and largest attention logits (QK-clip on, clipping)
+    on the same data in fp32 (measured 3e-8 of the loss apart, FSDP and ZeRO reducing gradients in
+    different orders; bound 1e-5). --zero and fp16 are refused with it in one line."""
     from recipes.train import parse_args
 
     zero = pool4.run(_losses_worker, ["--plugin", "zero", "--zero", "2"])
     fsdp = pool4.run(_losses_worker, ["--plugin", "fsdp"])
+    assert max(zero[0][3:]) > 0.08, f"the bound never clipped: largest logits {zero[0][3:]}"
     for rank, (a, b) in enumerate(zip(zero, fsdp)):
-        assert len(a) == len(b) == 3
+        assert len(a) == len(b) == 6
         for x, y in zip(a, b):
             assert abs(x - y) <= 1e-5 * abs(x), (rank, a, b)
     for bad, why in ((["--zero", "1"], "drop --zero"), (["--precision", "fp16"], "no loss scaling")):

@@ -190,6 +190,8 @@ def test_factors() -> None:
     q, k = clip_factors(HeadMaxima(s, 8, 1), 100.0, 0.5)
     assert_close(q, torch.tensor([0.5**0.5, 1, 1, 1], dtype=torch.float64), msg="q")
     assert torch.equal(q, k)
+    q, k = clip_factors(HeadMaxima(s, 8, 1), math.inf, 0.5)  # tau=inf: measure and log, never clip
+    assert bool((q == 1).all()) and bool((k == 1).all())
     q, k = clip_factors(HeadMaxima(s, 8, 2), 100.0, 0.5)
     assert torch.equal(q, torch.tensor([0.5, 1, 1, 1], dtype=torch.float64)) and torch.equal(
         k, torch.ones(2, dtype=torch.float64)
