@@ -539,5 +539,9 @@ def booster_parity_with_cpu_attention(*args: Any, **kwargs: Any) -> dict[str, An
             raise NotImplementedError(f"the test's CPU attention takes causal masks only, not {attention_mask_type}")
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
+    kernel = ColoAttention.__dict__["attention"]
     ColoAttention.attention = staticmethod(attention)  # type: ignore[method-assign]
-    return booster_parity(*args, **kwargs)
+    try:
+        return booster_parity(*args, **kwargs)
+    finally:  # the pool's workers run later tests
+        ColoAttention.attention = kernel  # type: ignore[method-assign]
