@@ -13,10 +13,11 @@ from dist_optim.muon.qk_clip import hf_mask, watch_attention_logits
 
 from .fsdp import clean_name
 
-#: Sequence-parallel modes whose attention sees the whole sequence (ColossalAI's "split_gather"
-#: and "ring" gather it over the TP group before the q/k/v projections); "all_to_all" and
-#: "ring_attn" split it.
-WHOLE_SEQUENCE_MODES = (None, "split_gather", "ring")
+#: Sequence-parallel modes QK-clip measures under: "split_gather" and "ring" gather the sequence
+#: over the TP group before the q/k/v projections; "all_to_all" splits it in contiguous pieces
+#: over its own group, whose keys the measurement gathers. "ring_attn" (zigzag pieces, varlen
+#: batches) is refused.
+MEASURED_MODES = (None, "split_gather", "ring", "all_to_all")
 
 
 def colossal_mask(mask: Any, batch: int, q_len: int, k_len: int) -> torch.Tensor | None:
@@ -51,11 +52,12 @@ def watch_boosted(plugin: Any, model: Any, optimizer: Any) -> None:
         if getattr(plugin, "enable_sequence_parallelism", False)
         else None
     )
-    if mode not in WHOLE_SEQUENCE_MODES:
+    if mode not in MEASURED_MODES:
         raise ValueError(
             f"QK-clip (qk_clip_tau={optimizer.qk_clip_tau}) measures each head's logits over the whole sequence, which "
-            f"sequence_parallelism_mode={mode!r} splits before attention: use 'split_gather' or no sequence "
-            "parallelism, or qk_clip_tau=None"
+            f"sequence_parallelism_mode={mode!r} cuts in zigzag pieces: use 'split_gather' or 'all_to_all', or "
+            "qk_clip_tau=None"
         )
     inner = model.unwrap() if hasattr(model, "unwrap") else model
-    watch_attention_logits(inner, optimizer, colossal_mask, clean_name)
+    sequence = plugin.sp_group if mode == "all_to_all" else None
+    watch_attention_logits(inner, optimizer, colossal_mask, clean_name, sequence)

@@ -445,6 +445,16 @@ def all_gather_chunks(
     return start_all_gather_chunks(chunks, numels, group, align).wait()
 
 
+def all_gather_along(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Every rank's ``tensor`` (all of one shape) concatenated along ``dim`` in rank order: a
+    sequence split over sequence-parallel ranks made whole again. One all-gather."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    rows, _ = _all_gather_flat(tensor.reshape(-1), group)
+    return torch.cat([row.view(tensor.shape) for row in rows.unbind(0)], dim=dim)
+
+
 def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's picklable ``obj`` (checkpoint metadata, not tensors on a hot path)."""
     if not dist.is_available() or not dist.is_initialized():

@@ -397,7 +397,8 @@ class DistributedMuon(DistOptimizer):
                 "plugins do at boost)"
             )
         taken = self.attention_logits.take()
-        clip_heads(self, taken, float(self.qk_clip_tau or 0.0), self.qk_clip_alpha)
+        sequence = getattr(self.attention_logits, "sequence_group", None)
+        clip_heads(self, taken, float(self.qk_clip_tau or 0.0), self.qk_clip_alpha, sequence)
         self.last_max_logits = taken
 
     def _prepare(

@@ -107,11 +107,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
-def max_logits(q: torch.Tensor, k: torch.Tensor, scaling: float, allowed: torch.Tensor | None) -> torch.Tensor:
+def max_logits(
+    q: torch.Tensor, k: torch.Tensor, scaling: float, allowed: torch.Tensor | None, offset: int | None = None
+) -> torch.Tensor:
     """The largest ``q_i . k_j * scaling`` of each query head over the batch and the allowed
     (query, key) pairs: ``q`` (batch, heads, q_len, d), ``k`` (batch, kv_heads, k_len, d),
     ``allowed`` a boolean mask broadcastable to (batch, 1, q_len, k_len), or None for causal
-    (key ``j`` allowed for query ``i`` when ``j <= i + k_len - q_len``). ``-inf`` for a head
+    (key ``j`` allowed for query ``i`` when ``j <= i + offset``; ``offset`` the position of the
+    first query, default ``k_len - q_len``: the queries are the last ones). ``-inf`` for a head
     without an allowed pair. Computed in row blocks of at most :data:`LOGIT_BLOCK` logits."""
     b, heads, q_len, d = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
@@ -121,12 +124,13 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scaling: float, allowed: torch.
     best = torch.full((heads,), -math.inf, dtype=q.dtype, device=q.device)
     rows = max(1, LOGIT_BLOCK // max(1, b * heads * k_len))
     keys = torch.arange(k_len, device=q.device)
+    offset = k_len - q_len if offset is None else offset
     for start in range(0, q_len, rows):
         stop = min(q_len, start + rows)
         logits = torch.matmul(qg[:, :, :, start:stop], kt) * scaling  # (b, kv, group, rows, k_len)
         if allowed is None:
             queries = torch.arange(start, stop, device=q.device)
-            keep = keys[None, :] <= queries[:, None] + (k_len - q_len)
+            keep = keys[None, :] <= queries[:, None] + offset
         else:
             keep = allowed[..., start:stop, :].unsqueeze(2)  # (b or 1, 1, 1, rows, k_len)
         logits = logits.masked_fill(~keep, -math.inf)
@@ -156,15 +160,21 @@ class AttentionLogits:
 
     ``mask_reader`` turns an attention's ``attention_mask`` argument into the pairs it attends
     (default :func:`hf_mask`); ``rename`` maps ``model``'s module names to the names the optimizer
-    knows its parameters by (a wrapper's prefixes removed)."""
+    knows its parameters by (a wrapper's prefixes removed). ``sequence_group``: the ranks over which
+    the sequence is split before the q/k projections, in order (ColossalAI's ``all_to_all``
+    sequence parallelism): each rank's keys are gathered from the group (one all-gather per layer
+    and forward) and its queries, those of its own positions, met with all of them; the maxima are
+    then max-reduced over the group with the data-parallel ranks'."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         mask_reader: MaskReader = hf_mask,
         rename: Callable[[str], str] = lambda name: name,
+        sequence_group: Any = None,
     ) -> None:
         self.mask_reader = mask_reader
+        self.sequence_group = sequence_group
         self.modules: dict[str, torch.nn.Module] = {}
         self._maxima: dict[str, torch.Tensor] = {}
         self._heads: dict[str, tuple[int, int]] = {}  # (query heads, key heads) each module computes
@@ -223,18 +233,26 @@ class AttentionLogits:
         cos, sin = embeddings
         d = int(module.head_dim)
         b, q_len = q.shape[0], q.shape[1]
-        if cos.shape[-2] != q_len or k.shape[1] != q_len:
+        offset = 0
+        if self.sequence_group is not None:
+            k = comm.all_gather_along(k.contiguous(), 1, self.sequence_group)
+            offset = comm.group_rank(self.sequence_group) * q_len
+        k_len = k.shape[1]
+        if cos.shape[-2] != k_len:
             raise ValueError(
-                f"QK-clip: {type(module).__name__}'s q_proj gave {q_len} positions but its rotary embedding has "
-                f"{cos.shape[-2]}: the sequence is split before attention (ColossalAI's sequence parallelism "
-                "'all_to_all' or 'ring_attn'); use sequence_parallelism_mode='split_gather' or none with qk_clip_tau"
+                f"QK-clip: {type(module).__name__}'s k_proj gave {k_len} positions but its rotary embedding has "
+                f"{cos.shape[-2]}: the sequence is split before attention in a way it does not follow (ColossalAI's "
+                "'ring_attn'); use sequence_parallelism_mode='split_gather' or 'all_to_all' with qk_clip_tau"
             )
         work = q.dtype if q.dtype == torch.float64 else torch.float32
+        cos, sin = cos.to(work), sin.to(work)
         qh = q.to(work).view(b, q_len, -1, d).transpose(1, 2)
-        kh = k.to(work).view(b, q_len, -1, d).transpose(1, 2)
-        qh, kh = rotate(qh, cos.to(work), sin.to(work)), rotate(kh, cos.to(work), sin.to(work))
+        kh = k.to(work).view(b, k_len, -1, d).transpose(1, 2)
+        here = slice(offset, offset + q_len)
+        qh, kh = rotate(qh, cos[:, here], sin[:, here]), rotate(kh, cos, sin)
         scaling = float(getattr(module, "scaling", d**-0.5))
-        return max_logits(qh, kh, scaling, self.mask_reader(mask, b, q_len, q_len))
+        allowed = self.mask_reader(mask, b, k_len, k_len)
+        return max_logits(qh, kh, scaling, None if allowed is None else allowed[..., here, :], offset)
 
     def take(self) -> dict[str, HeadMaxima]:
         """The maxima since the last take, by attention module name, and start over. Local to this
@@ -294,15 +312,19 @@ def scale_head_rows_(param: torch.Tensor, layout: ParamLayout, factors: torch.Te
             flat[lo - start : hi - start].mul_(factors[head].to(param.dtype))
 
 
-def clip_heads(optimizer: Any, taken: dict[str, HeadMaxima], tau: float, alpha: float) -> None:
+def clip_heads(
+    optimizer: Any, taken: dict[str, HeadMaxima], tau: float, alpha: float, sequence_group: Any = None
+) -> None:
     """QK-clip of a :class:`~dist_optim.base.DistOptimizer` after its update: the maxima
-    ``taken`` from the step's forwards max-reduced over its data-parallel ranks (one all-reduce,
+    ``taken`` from the step's forwards max-reduced over its data-parallel ranks and then over
+    ``sequence_group`` where the measurement split the queries over one (one all-reduce a group,
     in place; none unbound), then every ``q_proj``/``k_proj`` piece it holds, found by the
     parameter's model name, scaled in place by its heads' factors."""
     if optimizer.is_bound:
+        groups = tuple(g for g in (optimizer.dp_group, sequence_group) if g is not None)
         maxima = comm.MaxBucket()
         for name in sorted(taken):
-            maxima.add(taken[name].values, (optimizer.dp_group,))
+            maxima.add(taken[name].values, groups)
         maxima.flush()
     factors = {name: clip_factors(m, tau, alpha) for name, m in taken.items()}
     for group in optimizer.param_groups:
@@ -326,12 +348,14 @@ def watch_attention_logits(
     optimizer: Any,
     mask_reader: MaskReader = hf_mask,
     rename: Callable[[str], str] = lambda name: name,
+    sequence_group: Any = None,
 ) -> AttentionLogits:
     """Measure ``model``'s attention logits for ``optimizer`` (a :class:`DistributedMuon` built with
     ``qk_clip_tau``), which clips after each step. The dist_optim booster plugins call this at
     ``booster.boost``; call it yourself when you step the optimizer without a booster. The
-    optimizer's parameters that are ``model``'s own are named from it."""
-    monitor = AttentionLogits(model, mask_reader, rename)
+    optimizer's parameters that are ``model``'s own are named from it. ``sequence_group``: see
+    :class:`AttentionLogits`."""
+    monitor = AttentionLogits(model, mask_reader, rename, sequence_group)
     ours = {p for g in optimizer.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
         if p in ours:

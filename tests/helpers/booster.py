@@ -493,6 +493,7 @@ def booster_parity(
         floor = max(floor, noise)
     masters = [p for g in opt.param_groups for p in g["params"]]
     return {
+        "logits_rel": first_logits_error(records, plugin_name, low),
         "swapped_to": [c.__name__ for c in type(opt).__mro__],
         "is_dist_optim": isinstance(opt, dist_optim.DistOptimizer),
         "tp_bound": sum(opt.layout(p).tp is not None for p in masters),
@@ -509,6 +510,30 @@ def booster_parity(
         "unsafe_files": saved[0],
         "saved_files": saved[1],
     }
+
+
+def first_logits_error(records: list[dict[str, Any]], plugin_name: str, low: torch.dtype | None) -> float | None:
+    """QK-clip: the largest relative difference between the per-head maxima the boosted run acted on
+    at its first step and those one process measures on the same weights and global batch (None
+    without QK-clip). The replay feeds the boosted run's own maxima; this checks the measurement."""
+    import dist_optim
+
+    if "logits" not in records[0]:
+        return None
+    model = model_for(plugin_name)
+    if low is not None:
+        model.to(low)
+    opt = dist_optim.DistributedMuon(dist_optim.muon_param_groups(model), qk_clip_tau=1.0)
+    monitor = dist_optim.watch_attention_logits(model, opt)
+    x = global_batch(0)
+    with torch.no_grad():
+        model(input_ids=x, labels=x)
+    single = monitor.take()
+    worst = 0.0
+    for name, got in records[0]["logits"].items():
+        want = single[name].values.float()
+        worst = max(worst, float(((got.values.float() - want).abs() / want.abs()).max()))
+    return worst
 
 
 def weights_only_refusals(folder: str) -> tuple[dict[str, str], int]:

@@ -254,8 +254,8 @@ def test_max_logits_masks_and_blocks(monkeypatch: pytest.MonkeyPatch, block: int
 
 def test_colossal_masks_and_sequence_splits() -> None:
     """ShardFormer's mask forms: causal; padded causal from the valid tokens' flat indices (padded
-    queries and keys attend nothing); a non-causal mask refused. A sequence-parallel mode that
-    splits the sequence before attention is refused at boost, naming the mode and the fix."""
+    queries and keys attend nothing); a non-causal mask refused. Ring attention's zigzag split of
+    the sequence is refused at boost, naming the mode and the fix."""
     from colossalai.shardformer.layer.attn import AttnMaskType, ColoAttention
 
     from dist_optim.plugins.qk_clip import colossal_mask, watch_boosted
@@ -274,11 +274,12 @@ def test_colossal_masks_and_sequence_splits() -> None:
 
     class Plugin:
         enable_sequence_parallelism = True
-        sequence_parallelism_mode = "all_to_all"
+        sequence_parallelism_mode = "ring_attn"
+        sp_group = None
 
     model = llama64()
     opt = DistributedMuon(muon_param_groups(model), qk_clip_tau=100.0)
-    with pytest.raises(ValueError, match="sequence_parallelism_mode='all_to_all'.*split_gather"):
+    with pytest.raises(ValueError, match="sequence_parallelism_mode='ring_attn'.*'split_gather' or 'all_to_all'"):
         watch_boosted(Plugin(), model, opt)
     Plugin.sequence_parallelism_mode = "split_gather"
     watch_boosted(Plugin(), model, opt)
@@ -298,3 +299,17 @@ def test_the_planner_counts_the_clips_all_reduce() -> None:
     # 2 layers x 2 heads of this TP rank x fp32, sent by a 2-rank all-reduce
     assert 0 < clipped.steady["bytes_sent"] - plain.steady["bytes_sent"] <= 2 * 2 * 4 * 2
     assert clipped.busiest.optimizer_state == plain.busiest.optimizer_state
+
+
+def test_queries_at_an_offset_meet_the_keys_before_them() -> None:
+    """A sequence-parallel rank's queries start at its offset: max_logits with ``offset`` against
+    the whole sequence's logits cut to those rows (causal, as all_to_all's ranks measure them)."""
+    from dist_optim.muon.qk_clip import max_logits
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64, generator=gen)
+    k = torch.randn(1, 2, 8, 4, dtype=torch.float64, generator=gen)
+    full = (q @ k.transpose(-1, -2)).masked_fill(~torch.ones(8, 8).tril().bool(), -math.inf)
+    halves = [max_logits(q[:, :, r * 4 : (r + 1) * 4], k, 1.0, None, offset=r * 4) for r in range(2)]
+    assert_close(torch.maximum(*halves), full.amax(dim=(0, 2, 3)), msg="two ranks' halves")
+    assert_close(halves[1], full[:, :, 4:].amax(dim=(0, 2, 3)), msg="the second half")
