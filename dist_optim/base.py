@@ -255,17 +255,25 @@ class DistOptimizer(SavedState):
         device = grads[0].device if grads else next(iter(self._all_params()), torch.empty(0)).device
         return local_flag(grads, device)
 
+    def named_params(self) -> list[tuple[torch.Tensor, str | None]]:
+        """Every parameter in param-group order with its model name: :attr:`param_names`, else the
+        ``param_names`` list of its param group; None where neither names it."""
+        out: list[tuple[torch.Tensor, str | None]] = []
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                listed = names[i] if names is not None and i < len(names) else None
+                out.append((p, self.param_names.get(p) or listed))
+        return out
+
     def param_name(self, param: torch.Tensor) -> str | None:
-        """The model name of ``param``: :attr:`param_names`, else the ``param_names`` list of its
-        param group; None where neither names it."""
+        """The model name of ``param`` (:meth:`named_params`)."""
         name = self.param_names.get(param)
         if name:
             return name
-        for group in self.param_groups:
-            for i, q in enumerate(group["params"]):
-                if q is param:
-                    names = group.get("param_names")
-                    return names[i] if names is not None and i < len(names) else None
+        for p, name in self.named_params():
+            if p is param:
+                return name
         raise KeyError("the parameter is not in this optimizer")
 
     def param_label(self, param: torch.Tensor) -> str:

@@ -389,7 +389,9 @@ class DistributedMuon(DistOptimizer):
         return loss
 
     def clip_qk(self) -> None:
-        """QK-clip after the update (:func:`~dist_optim.muon.qk_clip.clip_heads`)."""
+        """QK-clip after the update (:func:`~dist_optim.muon.qk_clip.clip_heads`); off at tau None."""
+        if self.qk_clip_tau is None:
+            return
         if self.attention_logits is None:
             raise RuntimeError(
                 "DistributedMuon(qk_clip_tau=...) clips by the attention logits of the step's forwards, which nothing "
@@ -397,8 +399,7 @@ class DistributedMuon(DistOptimizer):
                 "plugins do at boost)"
             )
         taken = self.attention_logits.take()
-        sequence = getattr(self.attention_logits, "sequence_group", None)
-        clip_heads(self, taken, float(self.qk_clip_tau or 0.0), self.qk_clip_alpha, sequence)
+        clip_heads(self, taken, float(self.qk_clip_tau), self.qk_clip_alpha, self.attention_logits.sequence_group)
         self.last_max_logits = taken
 
     def _prepare(

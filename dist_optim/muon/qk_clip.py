@@ -50,6 +50,7 @@ __all__ = [
     "clip_factors",
     "clip_heads",
     "max_logits",
+    "projection_of",
     "scale_head_rows_",
     "watch_attention_logits",
 ]
@@ -80,6 +81,10 @@ class HeadMaxima:
 class LogitSource(Protocol):
     """What a QK-clipping optimizer reads the step's maxima from: :class:`AttentionLogits` on a
     model, or a stand-in that knows them otherwise (the planner's, a replay's)."""
+
+    #: The ranks the measurement split each sequence's queries over (their maxima are max-reduced
+    #: over it too), or None.
+    sequence_group: Any
 
     def take(self) -> dict[str, HeadMaxima]:
         """The maxima since the last take, by attention module name; start over."""
@@ -327,14 +332,13 @@ def clip_heads(
             maxima.add(taken[name].values, groups)
         maxima.flush()
     factors = {name: clip_factors(m, tau, alpha) for name, m in taken.items()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            found = projection_of(optimizer.param_name(p) or "")
-            if found is None or found[0] not in factors:
-                continue
-            attention, which = found
-            rows = factors[attention][0 if which == "q" else 1]
-            scale_head_rows_(p, optimizer.layout(p), rows, taken[attention].head_dim)
+    for p, name in optimizer.named_params():
+        found = projection_of(name or "")
+        if found is None or found[0] not in factors:
+            continue
+        attention, which = found
+        rows = factors[attention][0 if which == "q" else 1]
+        scale_head_rows_(p, optimizer.layout(p), rows, taken[attention].head_dim)
 
 
 def projection_of(name: str) -> tuple[str, str] | None:

@@ -309,7 +309,7 @@ def simulate_rank(
         opt = build_optimizer(optimizer, model, {p.name: p.master for p in pieces}, args)
         for p in pieces:
             p.master.grad = torch.empty_like(p.master)
-        plan_logits(opt, config, pieces)
+        plan_logits(opt, config, pieces, world.sp_group if layout.sp > 1 else None)
         traffic = Traffic(simulate=True, peers=world.peers)
         if isinstance(opt, DistOptimizer):
             with traffic_of(traffic), warnings.catch_warnings():
@@ -328,13 +328,15 @@ def simulate_rank(
 
 class PlannedLogits:
     """The attention logits a Muon with QK-clip acts on, as this rank would measure them: every
-    head of each attention module whose query projection it holds, each head's maximum at the
-    bound (so the step issues the clip's all-reduce, and scales nothing: the scaling is element-wise
-    work on a few rows)."""
+    head of each attention module whose query projection it holds, each head's maximum 0, below
+    any bound (so the step issues the clip's all-reduces, over the data-parallel group and, under
+    sequence parallelism, ``sequence_group``, and scales nothing: the scaling is element-wise work
+    on a few rows)."""
 
-    def __init__(self, config: Any, pieces: Sequence[Piece]) -> None:
+    def __init__(self, config: Any, pieces: Sequence[Piece], sequence_group: Any = None) -> None:
         from dist_optim.muon.qk_clip import projection_of
 
+        self.sequence_group = sequence_group
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.heads: dict[str, int] = {}
         self.kv_heads: dict[str, int] = {}
@@ -356,10 +358,11 @@ class PlannedLogits:
         pass
 
 
-def plan_logits(opt: Any, config: Any, pieces: Sequence[Piece]) -> None:
-    """Give a Muon built with ``qk_clip_tau`` the logits its rank would measure (:class:`PlannedLogits`)."""
+def plan_logits(opt: Any, config: Any, pieces: Sequence[Piece], sequence_group: Any = None) -> None:
+    """Give a Muon built with ``qk_clip_tau`` the logits its rank would measure (:class:`PlannedLogits`;
+    ``sequence_group``: the ranks all_to_all sequence parallelism splits its sequences over)."""
     if getattr(opt, "qk_clip_tau", None) is not None:
-        opt.attention_logits = PlannedLogits(config, pieces)
+        opt.attention_logits = PlannedLogits(config, pieces, sequence_group)
 
 
 def bind_like_plugin(opt: Any, pieces: Sequence[Piece], layout: Layout, tp_group: Any, dp_group: Any) -> None:

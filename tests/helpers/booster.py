@@ -301,6 +301,7 @@ class RecordedLogits:
 
     def __init__(self, maxima: dict[str, Any]) -> None:
         self.maxima = maxima
+        self.sequence_group = None  # the replay is one process
 
     def take(self) -> dict[str, Any]:
         return self.maxima

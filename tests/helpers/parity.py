@@ -140,6 +140,7 @@ class GridLogits:
     tp_rank: int = 0
     dp: int = 1
     dp_rank: int = 0
+    sequence_group: Any = None  # the grid has no sequences
 
     def take(self) -> dict[str, Any]:
         from dist_optim.muon.qk_clip import HeadMaxima

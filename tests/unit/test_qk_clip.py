@@ -313,3 +313,15 @@ def test_queries_at_an_offset_meet_the_keys_before_them() -> None:
     halves = [max_logits(q[:, :, r * 4 : (r + 1) * 4], k, 1.0, None, offset=r * 4) for r in range(2)]
     assert_close(torch.maximum(*halves), full.amax(dim=(0, 2, 3)), msg="two ranks' halves")
     assert_close(halves[1], full[:, :, 4:].amax(dim=(0, 2, 3)), msg="the second half")
+
+
+def test_the_planner_reduces_over_the_sequence_group_under_all_to_all() -> None:
+    """Under all_to_all sequence parallelism the clip's maxima are max-reduced over the
+    data-parallel group and then the sequence-parallel one: two all-reduces more than Muon's."""
+    from dist_optim.plan import Layout, make_plan
+
+    config = tiny_llama().config
+    layout = Layout("hybrid", dp=2, sp=2, zero=1)
+    plain = make_plan(config, layout, "muon", steps=2)
+    clipped = make_plan(config, layout, "muon", {"qk_clip_tau": 100.0}, steps=2)
+    assert clipped.steady["collectives"] == plain.steady["collectives"] + 2
