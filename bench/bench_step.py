@@ -19,7 +19,7 @@ directly; ColossalAI has none) runs twice: gradient pieces sent to the block own
 default) and full gradients gathered on every rank; so do Muon and Kron (``kron``: kron_torch's
 Kron swapped for ours; momentum pieces to the owners, or every full momentum gathered). With
 ``--bucket-bytes N`` those three run with that step-memory budget instead, once as they are (the
-next bucket's exchange in flight while one computes, :func:`dist_optim.owners.pipelined`) and once
+next bucket's exchange in flight while one computes, :func:`dist_optim.sharding.owners.pipelined`) and once
 with the same buckets in sequence: the overlap's effect on the step.
 
 ``--split shampoo|kron|muon`` measures the per-rank preconditioner work (CPU seconds) and bytes at
@@ -279,7 +279,7 @@ def _dist_options(fam: str, options: dict[str, Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def _buckets_in_sequence() -> Iterator[None]:
     """The owner optimizers' buckets one after another (each bucket's exchange waited for before the
-    next is issued), instead of :func:`dist_optim.owners.pipelined`'s next exchange in flight while
+    next is issued), instead of :func:`dist_optim.sharding.owners.pipelined`'s next exchange in flight while
     one computes: the same collectives and results, no overlap (``--dist --bucket-bytes``)."""
     from dist_optim.kron import optimizer as kron
     from dist_optim.muon import optimizer as muon
@@ -368,7 +368,7 @@ def _dist_worker(
                 True,
             )
         )
-    from dist_optim.runtime import OwnerRuntime
+    from dist_optim.sharding.runtime import OwnerRuntime
 
     for fam, label, plugin_cls, make, options, route in runs:
         OwnerRuntime.route_pieces = route is not False

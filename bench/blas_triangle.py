@@ -3,7 +3,7 @@ block, by every triangle kernel reachable from this environment, timed in turn::
 
     .venv/bin/python bench/blas_triangle.py [--n 1024] [--repeats 30] [--threads 1]
 
-Rows: torch's full product (``addmm_``, both triangles), ours (:func:`dist_optim.structured.
+Rows: torch's full product (``addmm_``, both triangles), ours (:func:`dist_optim.kernels.structured.
 gram_update_`: the lower triangle in column panels of 128, each one ``addmm_``), and the BLAS
 triangle kernels torch does not expose, called through ctypes: MKL's ``ssyrk`` and ``sgemmt``
 (the triangle-only gemm) from the MKL linked into libtorch, and OpenBLAS's ``ssyrk`` from the
@@ -34,7 +34,7 @@ ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from dist_optim import structured  # noqa: E402
+from dist_optim.kernels import structured  # noqa: E402
 
 BETA, ALPHA = 0.999, 0.001
 FULL, OURS = "torch addmm_ (full product)", "ours: gram_update_ (panels of 128)"

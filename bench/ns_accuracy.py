@@ -1,4 +1,4 @@
-"""Accuracy and speed of Muon's Newton-Schulz paths (dist_optim.newton_schulz) against the plain
+"""Accuracy and speed of Muon's Newton-Schulz paths (dist_optim.kernels.newton_schulz) against the plain
 formula, on the momenta that stress them: rank 8, singular values log-spaced over 1..1e-6, Gaussian.
 
     python bench/ns_accuracy.py                                   # the shapes below, fp32, accuracy only
@@ -32,9 +32,9 @@ ROOT = __file__.rsplit("/bench/", 1)[0]
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import dist_optim.newton_schulz as ns_module  # noqa: E402
+import dist_optim.kernels.newton_schulz as ns_module  # noqa: E402
+from dist_optim.kernels.newton_schulz import newton_schulz  # noqa: E402
 from dist_optim.muon import DEFAULT_NS_COEFFICIENTS  # noqa: E402
-from dist_optim.newton_schulz import newton_schulz  # noqa: E402
 from dist_optim.testing import STRESS_KINDS, plain_newton_schulz, stress_momentum  # noqa: E402
 
 COEFFS = [DEFAULT_NS_COEFFICIENTS] * 5

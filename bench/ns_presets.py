@@ -1,6 +1,6 @@
 """How close Muon's named coefficient schedules (``ns_coefficients="jordan"``, ``"newton_schulz"``,
 ``"polar_express"``; dist_optim.muon.coefficients) bring a momentum to its polar factor, run through
-``dist_optim.newton_schulz.newton_schulz`` (the code Muon runs) in fp32 and bf16.
+``dist_optim.kernels.newton_schulz.newton_schulz`` (the code Muon runs) in fp32 and bf16.
 
     python bench/ns_presets.py               # prints the table, writes bench/results/ns_presets.json
     python bench/ns_presets.py --steps 5 --shapes 256x704 512x512
@@ -30,8 +30,8 @@ ROOT = __file__.rsplit("/bench/", 1)[0]
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from dist_optim.kernels.newton_schulz import newton_schulz  # noqa: E402
 from dist_optim.muon.coefficients import PRESETS  # noqa: E402
-from dist_optim.newton_schulz import newton_schulz  # noqa: E402
 from dist_optim.testing import STRESS_KINDS, stress_momentum  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -35,7 +35,7 @@ round-robin (one step of each optimizer in turn), the first round dropped, media
   timed in turn; the warm-up steps above include setting up the state and run one after the other).
 * "products only": the multiply-adds that the same math cannot avoid, on the same blocks and with
   nothing else (no grafting, no update, no checks): every factor's statistics by our fastest
-  triangle update (:func:`dist_optim.structured.gram_update_`), and, preconditioned, ``R_0^T M R_1``
+  triangle update (:func:`dist_optim.kernels.structured.gram_update_`), and, preconditioned, ``R_0^T M R_1``
   by two ``mm`` into reused outputs. Its ratio to Meta's step is the lowest ratio any implementation
   of this math reaches with torch's BLAS on this machine; "ours / products only" is what we spend
   beyond it.
@@ -66,7 +66,7 @@ if ROOT not in sys.path:
 import dist_optim  # noqa: E402  (ours)
 from bench.bench_step import fixed_params, llama_like  # noqa: E402
 from bench.warm_refresh import WarmTally  # noqa: E402
-from dist_optim import structured  # noqa: E402
+from dist_optim.kernels import structured  # noqa: E402
 from dist_optim.shampoo import apply_each_dim, kept_triangle, plan_blocks  # noqa: E402
 
 try:  # from its modules: the package's __init__.py exports nothing at b91f46b

@@ -1,4 +1,4 @@
-"""What dist_optim.structured's half-precision CPU detour (``FP16_CPU_GEMM_DETOUR``) saves, in one
+"""What dist_optim.kernels.structured's half-precision CPU detour (``FP16_CPU_GEMM_DETOUR``) saves, in one
 process on this torch: Muon's Newton-Schulz iteration (5 default steps, Gaussian input) in fp16 and
 bf16, the formula and Gram space, each with the detour and without it (the median of ``--repeats``
 round-robin runs, one thread), and whether the two give the same bits; then the same for Kron's
@@ -10,7 +10,7 @@ products of a factor of side ``--factor`` (``matmul_triangular``, ``upper_times_
 
 Without the detour, torch 2.5.1's CPU gemm takes a slow path for fp16 operands that are row-major
 blocks of larger matrices and for a half-precision product written into such a block (the blocked
-symmetric products of dist_optim.structured make both); torch 2.13 has no such path (the detour is
+symmetric products of dist_optim.kernels.structured make both); torch 2.13 has no such path (the detour is
 off there, and this script then times one path twice).
 """
 
@@ -25,8 +25,8 @@ from functools import partial
 import torch
 
 import dist_optim
-from dist_optim import newton_schulz, structured
-from dist_optim.structured import gram_update_, matmul_triangular, upper_times_upper
+from dist_optim.kernels import newton_schulz, structured
+from dist_optim.kernels.structured import gram_update_, matmul_triangular, upper_times_upper
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -31,7 +31,7 @@ benchmarking matrix-product kernels after 120 s for the Muon pair alone, and on 
 GPU, fp32 on a CPU: ``HOST_DTYPE``) on the set's 15 matrices at 1/16 of their sides (32 x 32 to
 128 x 32: the products negligible, the step's host time and launches all that is left), with the
 Newton-Schulz iteration per matrix and in batches of one shape
-(``dist_optim.newton_schulz.newton_schulz_many``: the GPU's path, forced here on a CPU), timed
+(``dist_optim.kernels.newton_schulz.newton_schulz_many``: the GPU's path, forced here on a CPU), timed
 round-robin, and the aten operators a step dispatches (each one kernel launch on a GPU or less),
 counted at torch. On a GPU, where the bench set's Muon step is its host time (its products take
 well under a millisecond), the ratio is what batching takes off the step.
@@ -222,7 +222,7 @@ class _Ops(TorchDispatchMode):
 @contextlib.contextmanager
 def _batches(on: bool) -> Iterator[None]:
     """Muon's iteration in batches (``on``) or per matrix, whatever the device (the bench's switch)."""
-    from dist_optim import newton_schulz
+    from dist_optim.kernels import newton_schulz
 
     old = newton_schulz.batches
     newton_schulz.batches = lambda t, dtype=None, gram_space=False: on  # type: ignore[assignment]

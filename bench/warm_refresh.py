@@ -26,7 +26,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench import convergence  # noqa: E402
-from dist_optim import matrix_functions  # noqa: E402
+from dist_optim.kernels import matrix_functions  # noqa: E402
 
 #: label -> (convergence label of the base optimizer, its best rate in docs/convergence.md, the
 #: option that selects the refresh).
@@ -35,10 +35,10 @@ BASES = {"Shampoo": ("Shampoo", 0.0046, "root_inverse"), "SOAP": ("SOAP", 0.014,
 
 class WarmTally:
     """What the warm refreshes did while it is entered, counted at the two functions of
-    :mod:`dist_optim.matrix_functions` they call (the bench's own count): a factor kept its
-    eigenvectors where :func:`~dist_optim.matrix_functions.warm_criteria` decided so (the
+    :mod:`dist_optim.kernels.matrix_functions` they call (the bench's own count): a factor kept its
+    eigenvectors where :func:`~dist_optim.kernels.matrix_functions.warm_criteria` decided so (the
     refresh then needs no more of it); every other factor goes to
-    :func:`~dist_optim.matrix_functions.warm_eigh`, which took QR steps or recomputed it."""
+    :func:`~dist_optim.kernels.matrix_functions.warm_eigh`, which took QR steps or recomputed it."""
 
     def __init__(self) -> None:
         self.kept = self.refined = self.recomputed = 0

@@ -5,12 +5,12 @@ layouts (``bind``) it is exact on TP slices and ZeRO chunks. ``dist_optim.plugin
 that is ColossalAI's: it swaps ordinary optimizers for these when a model is boosted and binds them.
 """
 
-from .adafactor import DistributedAdafactor
 from .base import DistOptimizer
-from .came import DistributedCAME
+from .factored.adafactor import DistributedAdafactor
+from .factored.came import DistributedCAME
 from .galore import DistributedGaLore, galore_param_groups
 from .kron import DistributedKron
-from .lamb import DistributedLamb
+from .lamb.optimizer import DistributedLamb
 from .layout import ParamLayout, TPSplit, ZeroShard
 from .muon import DistributedMuon, DistributedNorMuon, muon_param_groups, watch_attention_logits
 from .registry import convert

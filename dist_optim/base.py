@@ -17,7 +17,7 @@ policy (``nonfinite``, see :meth:`DistOptimizer._gradients_ok`): ``"raise"`` (de
 gradient in one rank's shard stops or skips the step on every rank.
 
 Copies, pickles and state dicts (torch.optim's persistence contract) come from
-:class:`dist_optim.state_dicts.SavedState`, which the base is built on.
+:class:`dist_optim.states.saved.SavedState`, which the base is built on.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .checks import check_adam_options, check_lr, check_range, group_lr
 from .comm import SumBucket, gather_full, group_size
 from .layout import ParamLayout, local_layout, read_tp_dim
 from .nonfinite import NONFINITE_POLICIES, bad_parameters, check_nonfinite_policy, local_flag, refusal
-from .state_dicts import STATE_DICT_KEY, SavedState, check_state_dict, class_path
+from .states.saved import STATE_DICT_KEY, SavedState, check_state_dict, class_path
 
 __all__ = [
     "DistOptimizer",

@@ -12,7 +12,7 @@ reshapes them into the parameter's shape. For our optimizers ``booster.save_opti
   ``size_per_shard`` MB and an index ``dist_optim_optimizer.index.json``.
 
 Every file holds plain data only (tensors, numbers, strings, lists, dicts; option objects as their
-fields, ``dist_optim.state_dicts``) and is read with ``torch.load(..., weights_only=True)``.
+fields, ``dist_optim.states.saved``) and is read with ``torch.load(..., weights_only=True)``.
 Nothing in it depends on TP, ZeRO or pipeline layout, so a run saved at tp=2 x zero=2 resumes at
 tp=1 x dp=4, on one process, or with another plugin. Files are written to a temporary name and
 renamed, so a failed save does not destroy the previous checkpoint; a load validates everything
@@ -31,8 +31,7 @@ from colossalai.interface.optimizer import OptimizerWrapper
 
 from dist_optim import comm
 from dist_optim.base import DistOptimizer
-from dist_optim.registry import class_path
-from dist_optim.state_dicts import restored_group, saved_group
+from dist_optim.states.saved import restored_group, same_optimizer, saved_group, saved_name
 
 __all__ = ["FORMAT", "INDEX_NAME", "DistOptimCheckpointMixin", "read_checkpoint"]
 
@@ -110,7 +109,7 @@ class DistOptimCheckpointMixin:
             assert parts is not None  # gathered above whenever shard is False
             payload = {
                 "format": FORMAT,
-                "optimizer": class_path(type(optim)),
+                "optimizer": saved_name(type(optim)),
                 "groups": [p["groups"] for p in parts],  # one list per pipeline stage
                 "state": {k: v for p in parts for k, v in p["state"].items()},
                 "extra": parts[0]["extra"],
@@ -155,7 +154,7 @@ class DistOptimCheckpointMixin:
             # their Python types in a torch file; the JSON index only says where each parameter's state is.
             index = {
                 "format": FORMAT,
-                "optimizer": class_path(type(optim)),
+                "optimizer": saved_name(type(optim)),
                 "weight_map": {n: f for p in parts for n, f in p["files"].items()},
                 "meta_file": "meta.bin",
             }
@@ -179,7 +178,7 @@ class DistOptimCheckpointMixin:
         payload = read_checkpoint(checkpoint)
         names = _names(optim)
         saved_cls = payload["optimizer"]
-        if saved_cls.rsplit(".", 1)[-1] != type(optim).__name__:
+        if not same_optimizer(saved_cls, type(optim)):
             raise ValueError(
                 f"optimizer checkpoint {checkpoint} holds {saved_cls} state; it cannot be loaded into "
                 f"{type(optim).__name__}"

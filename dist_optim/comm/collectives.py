@@ -11,9 +11,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..chunks import aligns_for, chunk_numel, exchange_round, flat_to, pack_chunks, scratch, to_flat, unpack_chunks
-from ..dtypes import widest_dtype
 from ..layout import ParamLayout
+from .chunks import (
+    aligns_for,
+    chunk_numel,
+    exchange_round,
+    flat_to,
+    pack_chunks,
+    scratch,
+    to_flat,
+    unpack_chunks,
+)
+from .dtypes import widest_dtype
 from .groups import group_rank, group_size, ordered_groups
 from .rules import StagedWork, Staging, check
 
@@ -281,7 +290,7 @@ def exchange(
     once: they were copied into the send buffer).
 
     ``rounds`` (the same on every rank; at most the group's size counts) splits the exchange into
-    that many all_to_alls, each moving the pieces of the pairs :func:`dist_optim.chunks.exchange_round`
+    that many all_to_alls, each moving the pieces of the pairs :func:`dist_optim.comm.chunks.exchange_round`
     gives it: the send and receive buffers then hold about ``1/rounds`` of the pieces each, where one
     owner sending a whole tensor's pieces to every holder would otherwise copy all of it at once.
     Run one after the other (``wait`` is ignored: None is returned); the same values."""

@@ -26,7 +26,7 @@ _GRID_OF: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Any, Any]] = {}
 
 def topology_token() -> Any:
     """Changes wherever group_size, group_rank, group_key or grid_of may answer otherwise for the same
-    groups (a new default group, a grid made, :func:`release_groups`): :mod:`dist_optim.partition`
+    groups (a new default group, a grid made, :func:`release_groups`): :mod:`dist_optim.sharding.partition`
     keeps its plans by it. None where not torch.distributed's own (collectives_through; no group)."""
     if dist is not _TORCH_DIST or not dist.is_available() or not dist.is_initialized():
         return None
@@ -36,7 +36,7 @@ def topology_token() -> Any:
 def grid_of(base: Any, tp: Any) -> Any:
     """The grid group :func:`grid_groups` made of data-parallel group ``base`` and TP group ``tp``
     when every member's rank in it is ``rank(base) * size(tp) + rank(tp)``: the index of the part
-    a member keeps of a tensor partitioned over ``(base, tp)`` (:mod:`dist_optim.partition`), which
+    a member keeps of a tensor partitioned over ``(base, tp)`` (:mod:`dist_optim.sharding.partition`), which
     then takes one collective over the grid instead of one per group. None otherwise (no grid made,
     or its ranks in another order)."""
     if base is None or tp is None or not dist.is_available() or not dist.is_initialized():

@@ -32,7 +32,7 @@ Parameters in groups without ``rank`` get plain AdamW with the same update rule.
 ``exp_avg[_sq]`` of plain params, as bitsandbytes' GaLoreAdamW8bit) are stored as uint8 codes plus
 one fp32 absmax per block of 256 values, quantised with bitsandbytes'
 ``functional.quantize_blockwise`` / ``dequantize_blockwise`` and its signed / unsigned dynamic
-maps (the format of bitsandbytes' own 8-bit blockwise Adam; :mod:`dist_optim.bnb_states`). Each
+maps (the format of bitsandbytes' own 8-bit blockwise Adam; :mod:`dist_optim.states.bnb`). Each
 step dequantises, updates in fp32, takes the step from the fp32 values and re-quantises, as
 bitsandbytes' kernel does. Like bitsandbytes, moments with fewer than ``min_8bit_size`` elements
 stay fp32. ``is_paged`` allocates moments of >= 1e5 elements in bitsandbytes' paged (CUDA
@@ -40,11 +40,11 @@ unified) memory; on CPU it warns and uses ordinary tensors.
 
 Distributed (TP slices, ZeRO chunks, both): every quantity the algorithm reads is of the full
 matrix, and what a rank keeps of a matrix's state is a 1/n partition of it, as ZeRO partitions
-full moments (:mod:`dist_optim.partition`: the flattened tensor cut into n contiguous parts, rank
+full moments (:mod:`dist_optim.sharding.partition`: the flattened tensor cut into n contiguous parts, rank
 ``(r_0, r_1)`` of its groups keeping part ``r_0 s_1 + r_1``):
 
 * the projectors over the matrix's *work group* (the TP x ZeRO/data-parallel grid of the ranks that
-  hold it, :mod:`dist_optim.owners`): every rank of it needs the whole projectors to project its
+  hold it, :mod:`dist_optim.sharding.owners`): every rank of it needs the whole projectors to project its
   pieces (under TP, ``std`` projects the un-split side), so they are kept 1/n and gathered per
   bucket for the step;
 * the low-rank moments (fp32, or 8-bit codes and their ``*_absmax``) over the ranks that hold
@@ -63,7 +63,7 @@ loads under any other layout. ``optimizer.state_partitions(p)`` names each entry
 
 * Refresh steps: each SVD has one owner rank in the matrix's work group (owners balanced by the
   SVDs' cost, planned once with the routes of the gradient's pieces). Bucket by bucket
-  (``bucket_bytes`` of full gradients, :mod:`dist_optim.budget`), every rank sends its pieces of
+  (``bucket_bytes`` of full gradients, :mod:`dist_optim.sharding.budget`), every rank sends its pieces of
   the bucket's gradients straight to their owners (``owners.to_owners``: one all-to-all per work
   group), each owner computes its SVDs on the whole matrices it assembled, and sends each rank of
   the work group its partition of the projectors (``owners.scatter_results``: one all-to-all per
@@ -104,8 +104,8 @@ Deviations from galore_torch (all deliberate):
 * ``reverse_std`` on an ``M < N`` matrix with ``rank == M`` back-projects on the side it
   projected (galore_torch picks the side from the low-rank shape and fails with a shape error).
 * 8-bit plain-param moments are quantised in blocks of the *full* flattened parameter
-  (``bnb_states.FullBlocks``), as on one device: a ZeRO chunk or TP slice holds pieces of blocks, whose absmax
-  is max-reduced over its holders (one collective per group and step) and forced on
+  (``dist_optim.states.bnb.FullBlocks``), as on one device: a ZeRO chunk or TP slice holds pieces
+  of blocks, whose absmax is max-reduced over its holders (one collective per group and step) and forced on
   bitsandbytes' quantiser, so codes and absmax are the same on every layout. Between the two
   passes this needs, the new moments are recomputed rather than held.
 * The projector is kept in the gradient's dtype (as galore_torch) in 32-bit mode; the SVD is done

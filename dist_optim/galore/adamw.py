@@ -1,6 +1,6 @@
 """AdamW on local tensors (no communication): the low-rank moments of GaLore parameters and the
 moments of plain parameters, in fp32 (or the gradient's dtype) or as 8-bit block-wise codes
-(:mod:`dist_optim.bnb_states`; paged buffers through its ``Buffers``).
+(:mod:`dist_optim.states.bnb`; paged buffers through its ``Buffers``).
 
 ``adam_style`` picks the reference arithmetic (see :mod:`dist_optim.galore`): ``"hf"``
 (transformers' AdamW, as galore_torch.GaLoreAdamW) or ``"bnb"`` (bitsandbytes' Adam kernel).
@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
 from ..checks import group_lr
-from ..fused_adam import fused_applies
+from ..kernels.fused_adam import fused_applies
+from ..kernels.multi_tensor import scale_
 from ..layout import ParamLayout
-from ..multi_tensor import scale_
+from ..states import bnb
 from .state import init_low_rank_state
 
 __all__ = [

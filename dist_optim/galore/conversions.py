@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
 from ..registry import Conversion, PlanEntry, register, register_plan
+from ..states import bnb
 from .optimizer import DistributedGaLore
 from .options import GROUP_DEFAULTS
 

@@ -1,14 +1,14 @@
 """Who computes what, and the collectives of a GaLore step (every one in :mod:`dist_optim.comm`,
-owners from :mod:`dist_optim.owners`); the arithmetic is :mod:`.projection`'s and :mod:`.adamw`'s.
+owners from :mod:`dist_optim.sharding.owners`); the arithmetic is :mod:`.projection`'s and :mod:`.adamw`'s.
 
 * :func:`plan_refresh`: one SVD owner per matrix in its work group (balanced by
-  :func:`.projection.svd_cost`), planned once by the owner runtime (:mod:`dist_optim.runtime`);
+  :func:`.projection.svd_cost`), planned once by the owner runtime (:mod:`dist_optim.sharding.runtime`);
 * :func:`refresh`: one run of the owner runtime: bucket by bucket (``bucket_bytes`` of full
   gradients), the refreshing gradients to their SVD owners (pieces routed: one all-to-all per work
   group), the SVDs, each rank's partition of the projectors from their owners (one all-to-all per
   work group);
 * :func:`start_gather_projectors`: a bucket's whole projectors from the work groups' partitions (one
-  all-gather per work group, :mod:`dist_optim.partition`), issued asynchronously so that it travels
+  all-gather per work group, :mod:`dist_optim.sharding.partition`), issued asynchronously so that it travels
   while the step does other work (the NaN/Inf check, the previous bucket);
 * :func:`project_all`: every rank's partial low-rank gradients of a bucket summed over the ranks
   that hold pieces of each matrix, in rank order, each rank receiving its partition of the sums
@@ -31,12 +31,18 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
 from .. import comm
 from ..layout import ParamLayout
-from ..owners import Task
-from ..partition import all_gather_parts, live_groups, partition_span, reduce_scatter_parts, start_all_gather_parts
-from ..runtime import OwnedWork, OwnerRuntime, Transport
+from ..sharding.owners import Task
+from ..sharding.partition import (
+    all_gather_parts,
+    live_groups,
+    partition_span,
+    reduce_scatter_parts,
+    start_all_gather_parts,
+)
+from ..sharding.runtime import OwnedWork, OwnerRuntime, Transport
+from ..states import bnb
 from .adamw import plain_moments_8bit
 from .geometry import low_rank_shape, projector_shapes
 from .projection import new_projectors, project, svd_cost
@@ -83,8 +89,8 @@ def refresh(
     bucket_bytes: int | None,
 ) -> None:
     """New projectors from the SVDs of the full gradients of ``items`` (their tasks: :func:`plan_refresh`),
-    one run of the owner runtime (:meth:`dist_optim.runtime.OwnerRuntime.run`): bucket by bucket
-    (:func:`dist_optim.budget.buckets` of the full gradients' bytes), each rank's pieces of the
+    one run of the owner runtime (:meth:`dist_optim.sharding.runtime.OwnerRuntime.run`): bucket by bucket
+    (:func:`dist_optim.sharding.budget.buckets` of the full gradients' bytes), each rank's pieces of the
     bucket's gradients to the SVD owners (one ``all_to_all`` per work group; a matrix whose pieces
     have no route is gathered whole instead), the owners' SVDs, each rank's partition of the
     projectors from their owner (one ``all_to_all`` per work group; with whether the owner's SVD
@@ -210,7 +216,7 @@ def start_gather_projectors(
 ) -> ProjectorGathering:
     """Every item's whole projectors (``item.proj``, in the gradient's dtype, set by the returned
     object's ``wait()``) from the partitions the ranks of its work group keep: one all-gather per
-    work group for the call (:func:`dist_optim.partition.start_all_gather_parts`), issued
+    work group for the call (:func:`dist_optim.sharding.partition.start_all_gather_parts`), issued
     asynchronously; the stored ones where they are whole. ``flag``: this rank's NaN/Inf flag
     (:meth:`dist_optim.base.DistOptimizer._gradients_ok`), carried to every rank where a work
     group is the whole job (then ``carries_flag``, and ``flag_sum`` after ``wait()``): the check
@@ -232,7 +238,7 @@ def project_all(
 ) -> None:
     """Every item's low-rank gradient: this rank's partial sum (its pieces times the whole
     projectors, ``item.proj``), summed over the ranks that hold pieces of the matrix, each rank
-    receiving its partition of the sum (``item.low``, :func:`dist_optim.partition.reduce_scatter_parts`:
+    receiving its partition of the sum (``item.low``, :func:`dist_optim.sharding.partition.reduce_scatter_parts`:
     an all-to-all per group and stage, added in rank order), so that the sum does not depend on the
     other items of the call (the caller's buckets). ``eight_bit(item)``: its moments are 8-bit (their
     partitions hold whole blocks). Counts the bytes summed in ``stats["sum_bytes"]``."""
@@ -252,7 +258,7 @@ def gather_steps(
 ) -> list[torch.Tensor]:
     """The whole normalised low-rank steps of ``items`` (of their low-rank shapes) from every
     rank's partition (``parts``, as :func:`project_all` gave the gradients): the inverse collectives
-    (:func:`dist_optim.partition.all_gather_parts`), the same bytes as the partial sums' all-gather."""
+    (:func:`dist_optim.sharding.partition.all_gather_parts`), the same bytes as the partial sums' all-gather."""
     requests = [
         (part, it.layout.sum_groups + it.replicas, low_rank_numel(it), _align(it, eight_bit))
         for it, part in zip(items, parts)

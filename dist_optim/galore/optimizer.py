@@ -21,15 +21,15 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
 from ..base import DistOptimizer
-from ..budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..checks import group_lr
 from ..comm import group_size
+from ..kernels.multi_tensor import scale_
 from ..layout import ParamLayout
-from ..multi_tensor import scale_
-from ..partition import all_gather_parts, live_groups, partition_span
-from ..runtime import OwnerRuntime
+from ..sharding.budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..sharding.partition import all_gather_parts, live_groups, partition_span
+from ..sharding.runtime import OwnerRuntime
+from ..states import bnb
 from .adamw import fused_plain_adamw, low_rank_adamw, plain_adamw_update
 from .coordination import (
     ProjectorGathering,
@@ -81,7 +81,7 @@ class DistributedGaLore(DistOptimizer):
             Projections always multiply in the gradient's dtype.
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
-        bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`; default
+        bucket_bytes: the step-memory budget (:mod:`dist_optim.sharding.budget`; default
             ``DEFAULT_BUCKET_BYTES``, None: one bucket per step). A refresh goes through the GaLore
             parameters in buckets of at most this many bytes of *full* gradients (what an SVD owner
             assembles), the projection and update in buckets of this many bytes of low-rank
@@ -325,7 +325,7 @@ class DistributedGaLore(DistOptimizer):
     def state_partitions(self, p: torch.Tensor) -> dict[str, Partitioned]:
         """How this rank keeps each entry of GaLore parameter ``p``'s state: its full shape, the
         groups it is partitioned over and the alignment of the parts
-        (:func:`.state.state_partitions`, :func:`dist_optim.partition.partition_span`)."""
+        (:func:`.state.state_partitions`, :func:`dist_optim.sharding.partition.partition_span`)."""
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         layout = self.layout(p)
         side = projection_side(layout.full_shape, group["proj_type"])
@@ -426,9 +426,3 @@ class DistributedGaLore(DistOptimizer):
             plain_adamw_update(state, p, grad, group, self.adam_style, blocks)
         if self.adam_style == "hf" and wd > 0.0:
             torch._foreach_add_(params, params, alpha=-lr * wd)
-
-
-# state_dict() names the optimizer by its class path and load_state_dict refuses another: keep the
-# single-module version's ``dist_optim.galore.DistributedGaLore`` (the package re-exports it), so
-# checkpoints saved before and after the package split load into each other.
-DistributedGaLore.__module__ = "dist_optim.galore"

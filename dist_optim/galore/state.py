@@ -7,12 +7,12 @@ the layout (galore_torch keeps a projector object instead):
 * GaLore parameters: ``proj_left`` (``M x r``) and/or ``proj_right`` (``r x N``) in the projector
   dtype; ``low_rank_exp_avg`` / ``low_rank_exp_avg_sq`` of the low-rank shape. Where ranks share a
   matrix, each keeps only its partition of these (:func:`state_partitions`, the rule of
-  :mod:`dist_optim.partition`): a projector over the matrix's work group, the low-rank moments over
+  :mod:`dist_optim.sharding.partition`): a projector over the matrix's work group, the low-rank moments over
   the ranks that hold its pieces; :meth:`~dist_optim.galore.DistributedGaLore.full_state` assembles
   the full tensors;
 * plain parameters: ``exp_avg`` / ``exp_avg_sq``, shaped (and sharded) like the parameter;
 * 8-bit moments: uint8 codes under the moment's name plus ``<name>_absmax`` (fp32, one per block of
-  256 values of the full tensor; :mod:`dist_optim.bnb_states`).
+  256 values of the full tensor; :mod:`dist_optim.states.bnb`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
 from ..layout import ParamLayout
+from ..states import bnb
 from .geometry import low_rank_shape, projection_side, projector_shapes
 
 __all__ = [
@@ -111,7 +111,7 @@ def projector_numel(item: GaLoreMatrix) -> int:
 
 
 #: How one partitioned state entry is kept: its full shape, the groups it is partitioned over and the
-#: alignment of its parts (:func:`dist_optim.partition.partition_span`).
+#: alignment of its parts (:func:`dist_optim.sharding.partition.partition_span`).
 Partitioned = tuple[tuple[int, ...], tuple[Any, ...], int]
 
 

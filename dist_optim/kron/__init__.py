@@ -70,31 +70,31 @@ Deviations from ``kron_torch.kron.Kron``:
   ``momentum_into_precond_update=False``; we do not touch gradients. kron_torch prints buffer
   sizes on the first step; we do not.
 * The contractions are written as matrix products along one dim at a time instead of einsum,
-  and they skip what the structure makes known (:mod:`dist_optim.structured`: the zero half of
+  and they skip what the structure makes known (:mod:`dist_optim.kernels.structured`: the zero half of
   the upper-triangular factors, the mirrored half of the Gram matrices): the same math, fp32
   rounding differs (~1e-7 relative), about a third of the multiply-adds of a large factor.
 * ``clip_update_rms`` (default True) can switch the RMS clipping off, as in kron_torch's
   DistributedKron.
 
 Distribution. Preconditioners are functions of the *full* tensor, so each parameter has one
-owner rank among the ranks that hold pieces of it: its work group (:mod:`dist_optim.owners`: the
+owner rank among the ranks that hold pieces of it: its work group (:mod:`dist_optim.sharding.owners`: the
 TP x data-parallel grid of its ZeRO group, or of the data-parallel group; assigned once at bind
-time by :func:`dist_optim.owners.plan_tasks` with the cost model :func:`precond_cost`). The owner keeps
+time by :func:`dist_optim.sharding.owners.plan_tasks` with the cost model :func:`precond_cost`). The owner keeps
 the factors. Per step:
 
 1. every rank updates its local piece of the momentum (elementwise, exact);
 2. every rank sends its pieces of each momentum (and of the gradient with
    ``momentum_into_precond_update=False``) straight to the parameter's owner, which assembles the
-   whole tensor (:func:`dist_optim.owners.to_owners`: one all_to_all per work group for all its
+   whole tensor (:func:`dist_optim.sharding.owners.to_owners`: one all_to_all per work group for all its
    parameters; a tensor every rank holds whole, replicated, is not sent: its owner has it);
 3. the owner debiases, updates its factors, preconditions and clips, on the whole tensor exactly
    as a single device does;
 4. the owner sends every rank that holds a piece of the parameter that piece of the direction
-   (:func:`dist_optim.owners.from_owners`: one all_to_all per work group);
+   (:func:`dist_optim.sharding.owners.from_owners`: one all_to_all per work group);
 5. each rank applies weight decay and the step to its own elements.
 
 Which piece goes where is planned once per binding, at the first step (one all_gather_object per
-work group, :func:`dist_optim.owners.route_tasks`). So a step issues the NaN/Inf check's flag
+work group, :func:`dist_optim.sharding.owners.route_tasks`). So a step issues the NaN/Inf check's flag
 before anything changes (one all-reduce over the job and one host read, unless
 ``nonfinite="ignore"``; see :class:`~dist_optim.base.DistOptimizer`) plus one all_to_all each way
 per work group (only the way back where every rank holds every tensor whole), whatever the number
@@ -107,9 +107,9 @@ holders receive and replicas cannot drift apart. A parameter replicated across t
 owned on the TP x data grid too (its TP replicas hold the same gradient); where no grid could be
 made (or a parameter's TP group is not the optimizer's), the TP replicas compute it redundantly.
 Where no route exists (unbound, a work group of one, holdings that do not tile the tensor, or
-``dist_optim.runtime.OwnerRuntime.route_pieces = False``) every rank gathers the full momentum
+``dist_optim.sharding.runtime.OwnerRuntime.route_pieces = False``) every rank gathers the full momentum
 (:func:`dist_optim.comm.gather_full`, one all_gather per ZeRO/TP group) and receives the owner's full direction
-(:func:`dist_optim.owners.share_results`, one all_gather per work group): the same result, bit
+(:func:`dist_optim.sharding.owners.share_results`, one all_gather per work group): the same result, bit
 for bit in fp32. :meth:`DistributedKron.full_state` returns every factor in full on every rank.
 
 Memory: the owner holds the whole momentum of each parameter it owns (received, or its own when
@@ -134,7 +134,7 @@ what and how tensors move):
 * :mod:`.structure`: merged shapes, diagonal or triangular factors, the cost model;
 * :mod:`.state`: what ``optimizer.state`` holds per parameter and its keys, and the stored forms
   of the factors (``use_symmetric_packing``: packed triangles; ``preconditioner_bits=8``:
-  block-wise codes, :mod:`dist_optim.lowbit`, as Wang et al. 2024, arXiv:2405.18144, keep
+  block-wise codes, :mod:`dist_optim.states.lowbit`, as Wang et al. 2024, arXiv:2405.18144, keep
   Shampoo's preconditioners; a deviation from kron_torch, which keeps them in ``precond_dtype``);
 * :mod:`.momentum`: the momentum's update on the holders, in ``mu_dtype`` or 8-bit
   (``optim_bits=8``: bitsandbytes' block-wise codes, Dettmers et al. 2022, arXiv:2110.02861);
@@ -142,7 +142,7 @@ what and how tensors move):
   and clipping, on whole local tensors, no communication;
 * :mod:`.blocks`: the block plan of a large tensor's owner work and the probe's chunks;
 * :mod:`.routing`: the owner of each parameter, as a task of the owner runtime
-  (:mod:`dist_optim.runtime`, which moves momenta and directions);
+  (:mod:`dist_optim.sharding.runtime`, which moves momenta and directions);
 * :mod:`.optimizer`: :class:`DistributedKron`, the coordinator;
 * :mod:`.conversions`: ``kron_torch.kron.Kron`` -> :class:`DistributedKron` and the planner entry,
   registered when the package is imported.

@@ -8,7 +8,7 @@ probe noise, ``A = (Q_1 (x) ...) G`` and ``B = (Q_1^-T (x) ...) V`` (the diagona
 along its dim, the others act within each index of it), that factor's statistics (a sum within
 each index) and the preconditioning. The two that are not: ``mean|G|`` (summed block by block
 first) and the other factors' statistics ``A_(k) A_(k)^T`` (accumulated over the blocks in place,
-:func:`dist_optim.structured.gram_update_`). So the owner works through ``ROW_BLOCK_BYTES`` of the
+:func:`dist_optim.kernels.structured.gram_update_`). So the owner works through ``ROW_BLOCK_BYTES`` of the
 tensor at a time along that dim (dim 0 if it is diagonal, else the largest diagonal dim) and holds,
 besides the momentum it received, the direction (written into the received momentum when that
 buffer is the owner's own and in the preconditioner dtype: no second full-size tensor), the

@@ -3,11 +3,11 @@
 parameter's dtype), or with ``optim_bits=8`` as bitsandbytes' block-wise 8-bit codes.
 
 8 bits (Dettmers et al., 2022, "8-bit Optimizers via Block-wise Quantization", arXiv:2110.02861;
-:mod:`dist_optim.bnb_states`): blocks of 256 values of the *full* flattened tensor, one fp32 absmax
+:mod:`dist_optim.states.bnb`): blocks of 256 values of the *full* flattened tensor, one fp32 absmax
 each, bitsandbytes' signed dynamic map. As its 8-bit kernels use a moment, a step dequantises the
 momentum, updates it in fp32 and hands that fp32 value on (debiasing, the preconditioner's fit and
 the direction on the owner are those of a 32-bit momentum of that value); the value is quantised
-again before it travels, all of a bucket's at once (:class:`dist_optim.bnb_states.Batch8bit`: one
+again before it travels, all of a bucket's at once (:class:`dist_optim.states.bnb.Batch8bit`: one
 max-reduction of the block absmax per process group for the bucket, so the codes are the
 single-device ones under any TP slicing or ZeRO chunking).
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
 from ..layout import ParamLayout
+from ..states import bnb
 from .state import MOMENTUM
 
 __all__ = ["update_momenta", "momentum_bytes"]

@@ -1,7 +1,7 @@
 """The optimizer class: a coordinator of the package's parts (see :mod:`dist_optim.kron`).
 
 A step takes the update decision and the probes from :mod:`.randomness`, updates every local
-piece of the momenta and runs the owner runtime (:mod:`dist_optim.runtime`): the momenta reach
+piece of the momenta and runs the owner runtime (:mod:`dist_optim.sharding.runtime`): the momenta reach
 their owners (tasks: :mod:`.routing`), the owners compute the directions (:mod:`.preconditioner` on
 the factors of :mod:`.state`, shaped by :mod:`.structure`), every holder applies its part.
 """
@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
 from ..base import DistOptimizer
-from ..budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..checks import group_lr
 from ..layout import ParamLayout
-from ..owners import Owner, share_results
-from ..runtime import OwnedWork, OwnerRuntime
+from ..sharding.budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from ..sharding.owners import Owner, share_results
+from ..sharding.runtime import OwnedWork, OwnerRuntime
+from ..states import bnb
 from .blocks import discard_probe, draw_probe
 from .momentum import momentum_bytes, update_momenta
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
@@ -98,16 +98,16 @@ class DistributedKron(DistOptimizer):
             working set, since each factor acts whole on every block of a large tensor.
         preconditioner_bits: 32, or 8 for the triangular factors kept block-wise quantised (uint8
             codes of the packed triangle or the whole matrix, blocks of 256, fp32 absmax:
-            :mod:`dist_optim.lowbit`, as Wang et al. 2024, arXiv:2405.18144, keep Shampoo's),
+            :mod:`dist_optim.states.lowbit`, as Wang et al. 2024, arXiv:2405.18144, keep Shampoo's),
             dequantised for each step and quantised anew where an update changed them, rounded
             stochastically (:mod:`dist_optim.kron.state`); diagonal factors stay in ``precond_dtype``.
             4 bits is refused: measured 3.6% above full precision's loss (:mod:`dist_optim.kron.options`).
-        bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): when bound, the
+        bucket_bytes: the step-memory budget (:mod:`dist_optim.sharding.budget`): when bound, the
             parameters go to their owners and back in buckets of consecutive parameters of at
             most this many bytes of full momenta (a larger parameter is a bucket of its own), each
             bucket's directions applied before the next moves, so the owners' whole momenta and
             directions and the exchange buffers are bounded by the budget, not the model. Default
-            :data:`~dist_optim.budget.DEFAULT_BUCKET_BYTES`; None: all at once (the fewest
+            :data:`~dist_optim.sharding.budget.DEFAULT_BUCKET_BYTES`; None: all at once (the fewest
             collectives). The result does not depend on it (bit for bit: the probes are drawn in
             parameter order either way).
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
@@ -406,9 +406,3 @@ class DistributedKron(DistOptimizer):
     def load_extra_state(self, extra: dict[str, Any]) -> None:
         super().load_extra_state(extra)
         self._random.load_state(extra)
-
-
-# Saved states name the optimizer by its class path (base.class_path: state_dict(), checkpoints, the
-# registry's logs): keep dist_optim.kron.DistributedKron of the single-module version, so states
-# saved before and after the split load under either (the package re-exports it).
-DistributedKron.__module__ = "dist_optim.kron"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..base import check_lr, check_range
-from ..dtypes import check_communication_dtype
+from ..comm.dtypes import check_communication_dtype
 
 __all__ = [
     "MEMORY_SAVE_MODES",

@@ -2,7 +2,7 @@
 computes (Li 2015, 2018; kron_torch's ``Kron``). See :mod:`dist_optim.kron` for the formulas.
 
 The contractions are matrix products along one dim at a time instead of kron_torch's einsum, and
-they skip what the structure makes known (:mod:`dist_optim.structured`: the zero half of the
+they skip what the structure makes known (:mod:`dist_optim.kernels.structured`: the zero half of the
 upper-triangular factors, the mirrored half of the Gram matrices): the same math, fp32 rounding
 differs (~1e-7 relative).
 """
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..multi_tensor import scale_
-from ..structured import gram, gram_update_, matmul_triangular, symmetrize_, upper_times_upper
+from ..kernels.multi_tensor import scale_
+from ..kernels.structured import gram, gram_update_, matmul_triangular, symmetrize_, upper_times_upper
 from .blocks import Blocks, block_plan, factor_block
 from .options import precond_dtype
 from .state import FactorScratch, factor_form, has_factors, store_factors, store_whole, whole_factors

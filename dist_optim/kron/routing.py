@@ -1,8 +1,8 @@
-"""Who owns each Kron parameter: Kron's tasks for the owner runtime (:mod:`dist_optim.runtime`).
+"""Who owns each Kron parameter: Kron's tasks for the owner runtime (:mod:`dist_optim.sharding.runtime`).
 
 * :func:`plan_param_owners`: one owner per parameter (one box: the whole tensor, in :func:`route_view`)
   in its work group, balancing :func:`~dist_optim.kron.structure.precond_cost`
-  (:meth:`dist_optim.runtime.OwnerRuntime.plan`);
+  (:meth:`dist_optim.sharding.runtime.OwnerRuntime.plan`);
 * :class:`KronParam`: a parameter's record in a step, whose :meth:`KronParam.fit_inputs` are the tensors
   its owner needs whole. How they reach the owner (routed pieces, or gathered whole where no
   route exists) and how the directions come back is the runtime's.
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ..layout import Box, ParamLayout
-from ..owners import Task
-from ..runtime import OwnerRuntime
+from ..sharding.owners import Task
+from ..sharding.runtime import OwnerRuntime
 
 __all__ = ["KronParam", "route_view", "plan_param_owners"]
 

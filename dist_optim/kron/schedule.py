@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..base import check_range
-from ..state_dicts import register_option_class
+from ..states.saved import register_option_class
 
 __all__ = ["ProbabilitySchedule", "precond_update_prob_schedule", "threshold"]
 

@@ -10,14 +10,14 @@ and the checkpoints serialise), and the one place that spells its keys.
 * ``Q_0, Q_1, ...``: the factors of :class:`~dist_optim.kron.structure.FactorPlan`, full, in
   ``precond_dtype``, on the parameter's owner only (kron_torch: a list ``Q`` plus einsum strings).
   With ``use_symmetric_packing`` an upper-triangular factor ``(n, n)`` is kept as its packed upper
-  triangle, 1-D of ``n (n + 1) / 2`` elements (:func:`dist_optim.structured.pack_upper`); diagonal
+  triangle, 1-D of ``n (n + 1) / 2`` elements (:func:`dist_optim.kernels.structured.pack_upper`); diagonal
   factors are vectors either way. The math never sees that form: :func:`whole_factors` unpacks
   the factors of one parameter into reused scratch memory (:class:`FactorScratch`), strict lower
   triangle exactly zero as every unpacked factor keeps it (the identity it starts from and
   ``Q - triu(D) Q`` keep it), and :func:`store_whole` packs back what a step changed: packing
   loses nothing, the packed run equals the unpacked one bit for bit.
 * with ``preconditioner_bits=8`` a triangular factor is kept block-wise quantised
-  (:mod:`dist_optim.lowbit`, the package's one quantiser; Wang et al. 2024, "4-bit Shampoo",
+  (:mod:`dist_optim.states.lowbit`, the package's one quantiser; Wang et al. 2024, "4-bit Shampoo",
   arXiv:2405.18144, quantise preconditioner matrices the same way): ``Q_k`` the uint8 codes of its
   packed triangle (with packing) or of the whole flattened matrix, ``Q_k_absmax`` one fp32 absmax
   per block of 256. The same mechanism: :func:`whole_factors` dequantises into the scratch, the
@@ -28,7 +28,7 @@ and the checkpoints serialise), and the one place that spells its keys.
   fp32) stay in ``precond_dtype``: quantising them would save almost nothing and would tie the
   precision of each dim's scale to the largest in its block.
 
-  The rounding is stochastic (:mod:`dist_optim.lowbit`: with ``y = x / absmax * 127``, the code
+  The rounding is stochastic (:mod:`dist_optim.states.lowbit`: with ``y = x / absmax * 127``, the code
   ``floor(y) + 127 + [u < y - floor(y)]``, up with probability the fraction). Kron's fit
   multiplies ``Q`` by ``I - step`` with ``|step| <= precond_lr`` each update, and part of an
   update is below half a code (1/254 of its block's absmax; 20% of an update's entries on a
@@ -58,7 +58,8 @@ from typing import Any
 
 import torch
 
-from .. import lowbit, structured
+from ..kernels import structured
+from ..states import lowbit
 from .options import precond_dtype
 from .structure import FactorPlan
 
@@ -92,7 +93,7 @@ def init_param_state(
     state: dict[str, Any], p: torch.Tensor, mu_dtype: torch.dtype | None, eight_bit: bool = False
 ) -> None:
     """A parameter's state at its first step with a gradient: step 0 and a zero momentum (an 8-bit
-    one is made by :func:`dist_optim.bnb_states.start_8bit` at its first update)."""
+    one is made by :func:`dist_optim.states.bnb.start_8bit` at its first update)."""
     state["step"] = torch.zeros((), dtype=torch.float32)
     if not eight_bit:
         state[MOMENTUM] = torch.zeros_like(p, dtype=mu_dtype or p.dtype, memory_format=torch.preserve_format)

@@ -74,7 +74,7 @@ def precond_cost(shape: Sequence[int], diag: Sequence[bool]) -> float:
     """Work of one preconditioner update plus preconditioning, in multiply-adds (a model).
 
     Per triangular factor of size ``n`` on a tensor of ``N`` elements, with the structured
-    products of :mod:`dist_optim.structured`: ``A`` and the triangular solve ~N n / 2 each, the
+    products of :mod:`dist_optim.kernels.structured`: ``A`` and the triangular solve ~N n / 2 each, the
     two Gram products ~N n / 2 each, the two triangular applications in the preconditioning
     ~N n / 2 each (3 N n together), the factor update ``triu(D) Q`` ~n^3 / 3. A diagonal factor
     costs ~8 N."""

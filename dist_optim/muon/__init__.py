@@ -20,7 +20,7 @@ matrices ``shape[1] x prod(shape[2:])``: experts or heads stored in one tensor) 
 
 The iteration runs in ``ns_dtype`` (default: the parameter's dtype), in fp32/fp64 with its
 symmetric products computed blockwise, and with ``ns_gram_space=True`` for wide matrices in Gram
-space in any dtype (fewer flops, somewhat less accurate: :mod:`dist_optim.newton_schulz`), the
+space in any dtype (fewer flops, somewhat less accurate: :mod:`dist_optim.kernels.newton_schulz`), the
 other matrices then blockwise in bfloat16/float16 too. The defaults and the sum form
 of the momentum are ``torch.optim.Muon``'s documented algorithm. Two variants exist for exact
 conversions (:func:`dist_optim.convert`):
@@ -49,7 +49,7 @@ wise, so every rank keeps the momentum of the elements it holds (no full-size st
 computes its part of ``C``. Each matrix (a parameter: its full tensor, whatever TP split it or ZeRO
 cut it) has one *owner* rank in its work group, the TP x data-parallel grid of the ranks that hold
 pieces of it, chosen by the iteration's cost (:func:`newton_schulz_flops`), through the owner
-interface every owner-computing optimizer shares (:mod:`dist_optim.owners`). Every rank sends its
+interface every owner-computing optimizer shares (:mod:`dist_optim.sharding.owners`). Every rank sends its
 pieces of ``C`` straight to the matrix's owner (each slice's owner with ``stacked``), the owner
 runs the iteration on the whole matrix, and sends the pieces of ``X`` back to every rank that holds
 them (:func:`owners.to_owners` / :func:`owners.from_owners`: one ``all_to_all`` per work group and
@@ -58,8 +58,8 @@ matrix every rank holds whole, under DDP, is not sent: its owner has it). Each r
 its own elements. A step issues these two collectives per work group (one, the way back, where
 every rank holds every matrix whole) plus the NaN/Inf check's flag all-reduce: 3 with one work
 group of pieces. Where pieces cannot be routed (holdings that do not tile the matrix;
-``OwnerRuntime.route_pieces = False``, :mod:`dist_optim.runtime`) the full ``C`` is gathered, the
-owners iterate and share ``X`` whole (:func:`dist_optim.owners.share_results`). The matrix
+``OwnerRuntime.route_pieces = False``, :mod:`dist_optim.sharding.runtime`) the full ``C`` is gathered, the
+owners iterate and share ``X`` whole (:func:`dist_optim.sharding.owners.share_results`). The matrix
 orthogonalized is the single-device run's, so the result is the single-device result (fp32
 communication: the same bits up to the iteration's own rounding, which is the same computation
 on the same matrix). AdamW groups are element-wise and need no communication.
@@ -78,7 +78,7 @@ in the step are scaled back after it, each TP rank on its own heads (:mod:`.qk_c
 
 from __future__ import annotations
 
-from ..newton_schulz import newton_schulz, newton_schulz_flops
+from ..kernels.newton_schulz import newton_schulz, newton_schulz_flops
 from . import conversions  # noqa: F401  (registers the conversions and the planner entry)
 from .coefficients import DEFAULT_NS_COEFFICIENTS
 from .groups import DEFAULT_HEAD_NAMES, muon_param_groups

@@ -4,11 +4,11 @@ the moments of tensors of at least ``min_8bit_size`` elements kept as bitsandbyt
 codes.
 
 8 bits (as bitsandbytes' ``AdamW8bit``; Dettmers et al., 2022, "8-bit Optimizers via Block-wise
-Quantization", arXiv:2110.02861; :mod:`dist_optim.bnb_states`): ``exp_avg`` with the signed
+Quantization", arXiv:2110.02861; :mod:`dist_optim.states.bnb`): ``exp_avg`` with the signed
 dynamic map, ``exp_avg_sq`` with the unsigned one, blocks of 256 values of the *full* flattened
 tensor with one fp32 absmax each. A step dequantises both, updates them and the parameter in fp32
 with torch's AdamW formula (the 32-bit path's), then stores them quantised again, a bucket of
-``bucket_bytes`` of fp32 moments at a time (:class:`dist_optim.bnb_states.Batch8bit`: the absmax
+``bucket_bytes`` of fp32 moments at a time (:class:`dist_optim.states.bnb.Batch8bit`: the absmax
 of a block held in pieces max-reduced over its holders, one all-reduce per process group and
 bucket, so the codes are the single-device ones). What stays fp32: the step counter, the absmax,
 and the moments of smaller tensors (norms and biases, where an absmax per 256 values saves little
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from .. import bnb_states as bnb
-from ..budget import buckets
 from ..checks import group_lr
-from ..fused_adam import fused_applies
+from ..kernels.fused_adam import fused_applies
 from ..layout import ParamLayout
+from ..sharding.budget import buckets
+from ..states import bnb
 
 __all__ = ["adamw_step"]
 

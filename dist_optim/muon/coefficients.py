@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..newton_schulz import Coefficients
+from ..kernels.newton_schulz import Coefficients
 
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",

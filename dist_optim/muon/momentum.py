@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
+from ..kernels.multi_tensor import FOREACH_DTYPES, scale_
 from ..layout import ParamLayout
-from ..multi_tensor import FOREACH_DTYPES, scale_
+from ..states import bnb
 
 __all__ = ["momentum_directions", "momentum_direction", "momentum_foreach"]
 
@@ -25,11 +25,12 @@ def momentum_directions(
     """Each matrix's momentum updated and its local part of ``C`` (``bucket``: group, parameter,
     local gradient, layout). An 8-bit momentum is dequantised, updated and ``C`` made from it in
     fp32 (as bitsandbytes' 8-bit kernels use the fp32 moment before storing it), then stored
-    quantised again, all of the bucket's at once (:class:`dist_optim.bnb_states.Batch8bit`: blocks
+    quantised again, all of the bucket's at once (:class:`dist_optim.states.bnb.Batch8bit`: blocks
     of the full tensor, one max-reduction of the absmax per process group). A momentum saved
     with the other ``optim_bits`` is carried over (quantised, or dequantised into the state). The
     fp32/fp64 momenta of one param group and dtype are updated together (:func:`momentum_foreach`:
-    a few launches per group on a GPU instead of a few per matrix; :data:`dist_optim.multi_tensor.FOREACH_DTYPES`)."""
+    a few launches per group on a GPU instead of a few per matrix;
+    :data:`dist_optim.kernels.multi_tensor.FOREACH_DTYPES`)."""
     out: list[torch.Tensor | None] = [None] * len(bucket)
     plain: dict[tuple[int, torch.dtype], tuple[dict[str, Any], list[int]]] = {}
     batch = bnb.Batch8bit()
@@ -59,7 +60,7 @@ def momentum_directions(
 def momentum_foreach(bufs: list[torch.Tensor], gs: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
     """:func:`momentum_direction` of each ``(buf, g)`` pair, by ``torch._foreach_*`` (on the CPU
     the per-tensor kernels, bit for bit :func:`momentum_direction`'s in
-    :data:`dist_optim.multi_tensor.FOREACH_DTYPES`)."""
+    :data:`dist_optim.kernels.multi_tensor.FOREACH_DTYPES`)."""
     mu = group["momentum"]
     if group["momentum_ema"]:
         torch._foreach_lerp_(bufs, gs, 1.0 - mu)

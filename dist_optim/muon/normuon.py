@@ -45,8 +45,8 @@ import torch
 from ..base import check_range
 from ..comm import gather_full
 from ..layout import Box, ParamLayout, TPSplit
-from ..owners import Owner, Task, share_results
-from ..runtime import OwnedWork
+from ..sharding.owners import Owner, Task, share_results
+from ..sharding.runtime import OwnedWork
 from .optimizer import DistributedMuon, is_stacked
 
 __all__ = ["DistributedNorMuon", "normalize_neurons", "NEURON_STATE"]
@@ -199,7 +199,3 @@ class DistributedNorMuon(DistributedMuon):
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
         """``v`` keeps its float32/float64 on load (torch's loader would cast it to bf16 parameters')."""
         return key == NEURON_STATE or super().keeps_saved_dtype(key, value)
-
-
-# Saved state dicts and checkpoints name the class by this path (base.class_path).
-DistributedNorMuon.__module__ = "dist_optim.muon"

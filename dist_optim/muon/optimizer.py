@@ -9,17 +9,17 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
-from .. import structured
 from ..base import DistOptimizer, check_lr, check_range
-from ..budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..checks import group_lr
-from ..dtypes import check_communication_dtype
+from ..comm.dtypes import check_communication_dtype
+from ..kernels import structured
+from ..kernels.multi_tensor import scale_
+from ..kernels.newton_schulz import Coefficients, newton_schulz_flops, newton_schulz_many
 from ..layout import ParamLayout
-from ..multi_tensor import scale_
-from ..newton_schulz import Coefficients, newton_schulz_flops, newton_schulz_many
-from ..owners import Task, WorkGroup
-from ..runtime import OwnedWork, OwnerRuntime, Transport
+from ..sharding.budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from ..sharding.owners import Task, WorkGroup
+from ..sharding.runtime import OwnedWork, OwnerRuntime, Transport
+from ..states import bnb
 from .adamw import adamw_step
 from .coefficients import DEFAULT_NS_COEFFICIENTS, check_coefficients, schedule
 from .momentum import momentum_directions
@@ -118,15 +118,15 @@ class DistributedMuon(DistOptimizer):
             torch's implementations) instead of the sum ``momentum * B + G``.
         ns_gram_space: iterate a wide matrix (long side at least twice the short one) in Gram
             space, in every ``ns_dtype``, restarting from ``X`` every 3 iterations
-            (:func:`dist_optim.newton_schulz.newton_schulz_gram_space`, the Gram Newton-Schulz of
+            (:func:`dist_optim.kernels.newton_schulz.newton_schulz_gram_space`, the Gram Newton-Schulz of
             Dao AI Lab, 2026): 0.78x the formula's unblocked flops at a Llama MLP's aspect 2.7,
             0.67x at 4; measured 1.0-3.1x the formula's own fp32 error on rank-8, ill-conditioned
             and Gaussian momenta, and in bfloat16/float16 0.83-1.71x the formula's error in that
-            dtype (:data:`dist_optim.newton_schulz.GRAM_SPACE_RESTART_EVERY`). The other matrices
+            dtype (:data:`dist_optim.kernels.newton_schulz.GRAM_SPACE_RESTART_EVERY`). The other matrices
             then compute their symmetric products blockwise in bfloat16/float16 too, as fp32 does
             by default (on a CPU; 0.798x the formula's time at 512 x 512 in bf16, two threads,
             ``bench/ns_accuracy.py --dtype bf16 --shapes 512x512 --speed``): as accurate as the
-            formula (:func:`dist_optim.newton_schulz.reorders`). On a CPU with AMX, whose bf16
+            formula (:func:`dist_optim.kernels.newton_schulz.reorders`). On a CPU with AMX, whose bf16
             products are fast, those blocked products cost more than they save: the bench set's
             bf16 step measured 1.36x and 1.38x heavyball's against 0.70x and 0.71x without this
             option (docs/benchmarks.md); leave it off there. Default False: the formula (a converted
@@ -155,12 +155,12 @@ class DistributedMuon(DistOptimizer):
             The codes equal the single-device ones under any layout (docs/optimizers.md).
         min_8bit_size: with ``optim_bits=8``, tensors with fewer elements (full tensor) keep
             32-bit states (bitsandbytes' default 4096).
-        bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): the matrices are
+        bucket_bytes: the step-memory budget (:mod:`dist_optim.sharding.budget`): the matrices are
             orthogonalized in buckets of consecutive parameters of at most this many bytes of full
             ``C`` (a larger matrix is a bucket of its own), each bucket's ``C`` made, moved to the
             owners, iterated, moved back and applied before the next, so the step's transient
             memory is bounded by the budget, not the model. Default
-            :data:`~dist_optim.budget.DEFAULT_BUCKET_BYTES`; None: every matrix at once (the
+            :data:`~dist_optim.sharding.budget.DEFAULT_BUCKET_BYTES`; None: every matrix at once (the
             fewest collectives). The result does not depend on it (bit for bit).
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).
@@ -324,7 +324,7 @@ class DistributedMuon(DistOptimizer):
         self._checked = True
 
     def _ensure_tasks(self) -> dict[torch.Tensor, Task]:
-        """Each Muon parameter's owner :class:`~dist_optim.owners.Task`: its matrices
+        """Each Muon parameter's owner :class:`~dist_optim.sharding.owners.Task`: its matrices
         (:func:`_matrix_boxes`) owned in its work group, balancing the iteration's cost
         (:func:`newton_schulz_flops`, with the products' forms on the parameters' device). The
         iteration's dtype is the group's ``ns_dtype`` or the parameter's, the same on every rank of
@@ -453,11 +453,11 @@ class DistributedMuon(DistOptimizer):
         slice of one or all its slices (each its own matrix), or its ``row_blocks`` heads (each its
         own matrix; 1 for one head's box); ``overwrite``: ``c`` is scratch (a block received by its
         owner) that the iteration may work in. The matrices of one param
-        group go to :func:`~dist_optim.newton_schulz.newton_schulz_many` together, which on a GPU
+        group go to :func:`~dist_optim.kernels.newton_schulz.newton_schulz_many` together, which on a GPU
         iterates those of one shape as one batch (the step's launches, not its flops, bind a GPU
         on small matrices), and on the CPU in bfloat16 (faster batched products there:
-        :data:`~dist_optim.newton_schulz.CPU_BATCHED_DTYPES`); otherwise each is
-        :func:`~dist_optim.newton_schulz.newton_schulz`, bit for bit."""
+        :data:`~dist_optim.kernels.newton_schulz.CPU_BATCHED_DTYPES`); otherwise each is
+        :func:`~dist_optim.kernels.newton_schulz.newton_schulz`, bit for bit."""
         calls: dict[tuple[int, bool], tuple[dict[str, Any], list[tuple[int, int]], list[torch.Tensor]]] = {}
         pieces: list[list[torch.Tensor]] = []
         for j, (c, group, overwrite, row_blocks) in enumerate(jobs):
@@ -493,7 +493,7 @@ def _apply_all(items: Sequence[tuple[torch.Tensor, torch.Tensor, ParamLayout, di
     """Each ``(param, update, layout, group)``: decoupled weight decay, then ``-adjusted_lr``
     times the update, by ``torch._foreach_*`` over the parameters of one factor and step size (a
     launch per few parameters on a GPU; on the CPU the per-tensor kernels, bit for bit; the decay
-    by :func:`dist_optim.multi_tensor.scale_`, per tensor in bf16/fp16). An update in a
+    by :func:`dist_optim.kernels.multi_tensor.scale_`, per tensor in bf16/fp16). An update in a
     narrower dtype (a bfloat16 iteration's) is added by type promotion, exactly as converted
     first; a wider one (an fp32 iteration of bfloat16 parameters) is rounded to the parameter's
     dtype first, as before."""
@@ -511,7 +511,3 @@ def _apply_all(items: Sequence[tuple[torch.Tensor, torch.Tensor, ParamLayout, di
         scale_(params, factor)
     for alpha, (params, updates) in steps.items():
         torch._foreach_add_(params, updates, alpha=alpha)
-
-
-# Saved state dicts and checkpoints name the class by this path (base.class_path).
-DistributedMuon.__module__ = "dist_optim.muon"

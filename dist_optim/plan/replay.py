@@ -1,8 +1,8 @@
-"""Replaying the pure functions of a simulated step (:mod:`dist_optim.replay`) instead of running
+"""Replaying the pure functions of a simulated step (:mod:`dist_optim.kernels.replay`) instead of running
 them again.
 
 A simulated step runs the optimizer's own code on meta tensors under :class:`~.traffic.LiveBytes`.
-The first call of a :func:`~dist_optim.replay.replayable` function with given argument metadata
+The first call of a :func:`~dist_optim.kernels.replay.replayable` function with given argument metadata
 runs and is recorded: the peak of bytes alive it added above its start, the bytes it left alive
 besides its outputs, how many unknowable values it guessed, and its outputs (shape, strides,
 dtype, storage size, or which argument's storage they are a view of). A later call with the same

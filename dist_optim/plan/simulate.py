@@ -24,10 +24,10 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from dist_optim.kernels.replay import replaying
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
-from dist_optim.placement import recording_owner_loads
 from dist_optim.registry import PlanEntry, plan_entries
-from dist_optim.replay import replaying
+from dist_optim.sharding.placement import recording_owner_loads
 
 from .models import MODELS, PlanError, load_config, vocab_multiple
 from .replay import Replays

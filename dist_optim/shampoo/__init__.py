@@ -21,13 +21,13 @@ Per parameter, with ``t`` its 1-based step (steps without a gradient do not coun
 4. Roots at ``t == start`` and whenever ``t % precondition_frequency == 0 and t > start``:
    ``A = L / (1 - b2^n)`` (bias correction, ``n`` factor updates so far),
    ``R = (A + epsilon I)^(-exponent_multiplier / r)``, ``r = 2 * order of the block`` unless
-   ``exponent_override``; see :func:`dist_optim.matrix_functions.matrix_inverse_root`. A root that is not
+   ``exponent_override``; see :func:`dist_optim.kernels.matrix_functions.matrix_inverse_root`. A root that is not
    finite or whose iteration error exceeds ``inverse_failure_threshold`` is discarded: the previous
    root is kept (identity before the first) and ``block<i>.failures`` counts it.
    ``root_inverse="warm"`` (Meta's ``EighEigendecompositionConfig(tolerance)`` and
    ``QREigendecompositionConfig`` in one, with a recomputation where Meta's QR has none): the block
    keeps ``Q_k``, the eigenvectors of its last refresh (made by ``eigh`` at the first), and
-   refreshes from them by :func:`dist_optim.matrix_functions.warm_eigh` on ``A + epsilon I``:
+   refreshes from them by :func:`dist_optim.kernels.matrix_functions.warm_eigh` on ``A + epsilon I``:
    ``B = Q^T (A + epsilon I) Q``; if ``||B - diag(B)||_F <= refresh_tolerance ||B||_F`` the
    eigenvectors are kept and ``R = Q diag(B)^(-alpha) Q^T`` (a product and two symmetric ones
    instead of an ``eigh``); else up to ``refresh_iterations`` QR-algorithm steps on ``B`` (columns first sorted
@@ -48,13 +48,13 @@ until the first refresh. At the steps of (4), with ``A = L / (1 - b2^n)``, the b
 * ``eigenbasis="qr"``: Meta's ``DefaultSOAPConfig`` (``QREigendecompositionConfig(max_iterations=1)``):
   one QR-algorithm step from the current basis (the identity at the first refresh),
   ``B = Q^T (A + epsilon I) Q``, ``Q' R = qr(B)``, ``Q <- Q Q'``, columns sorted by ``diag(R Q')``
-  increasing (:func:`dist_optim.matrix_functions.qr_algorithm_step`).
+  increasing (:func:`dist_optim.kernels.matrix_functions.qr_algorithm_step`).
 * ``eigenbasis="qr-eigh-start"``: Vyas et al.'s recipe: the eigenvectors at the first refresh, then
   one power step ``Q' R = qr(A Q)`` from the current basis whose columns are first sorted by
   decreasing ``diag(Q^T A Q)``, ``S`` below permuted with them
-  (:func:`dist_optim.matrix_functions.qr_power_step`).
+  (:func:`dist_optim.kernels.matrix_functions.qr_power_step`).
 * ``eigenbasis="warm"``: the eigenvectors at the first refresh, then
-  :func:`dist_optim.matrix_functions.warm_eigh` from the current basis as for ``root_inverse="warm"``
+  :func:`dist_optim.kernels.matrix_functions.warm_eigh` from the current basis as for ``root_inverse="warm"``
   (on ``A``, without ``epsilon``): kept within ``refresh_tolerance``, else QR-algorithm steps
   (``S`` permuted with the columns they sort), else the eigenvectors as ``"eigh"`` makes them.
 
@@ -98,18 +98,18 @@ Deviations, all stated:
 
 Distribution: blocks are defined on the *full* tensor, so TP and ZeRO do not change the math.
 Every block is owned by one rank of its work group by a cost model ``sum_k d_k^3``, through the
-owner interface every owner-computing optimizer shares (:mod:`dist_optim.owners`): the work group
+owner interface every owner-computing optimizer shares (:mod:`dist_optim.sharding.owners`): the work group
 is the data-parallel group (the ZeRO group of a ZeRO-sharded parameter), or under TP the TP x DP
 grid that group spans with the TP group (made when the optimizer is bound, collectively over the
-job, :class:`dist_optim.owners.WorkGroups`). Owners
+job, :class:`dist_optim.sharding.owners.WorkGroups`). Owners
 update their blocks' state and compute the block directions; each rank applies the part of the
 update that it holds. How gradients reach the owners and directions the holders:
 
 * A parameter held in pieces (TP slices, ZeRO chunks): each rank sends the pieces it holds of
   every block straight to that block's owner, and each owner sends the pieces of its directions to
-  every rank that holds them (:func:`dist_optim.owners.route_tasks` says which, from every rank's pieces,
-  asked once per work group in the first step; :func:`dist_optim.owners.to_owners` and
-  :func:`dist_optim.owners.from_owners`: one all_to_all per work group and direction for all parameters,
+  every rank that holds them (:func:`dist_optim.sharding.owners.route_tasks` says which, from every rank's pieces,
+  asked once per work group in the first step; :func:`dist_optim.sharding.owners.to_owners` and
+  :func:`dist_optim.sharding.owners.from_owners`: one all_to_all per work group and direction for all parameters,
   in ``communication_dtype``, a rank's pieces to itself included so that every copy of a value
   is rounded alike). A rank receives its blocks' gradients and its
   pieces' directions: about ``2/size`` of the parameters' bytes instead of ``2x`` (ZeRO over 4
@@ -132,7 +132,7 @@ step); ``preconditioner_bits`` 8 or 4 keeps, instead of each root ``R_k``, the
 eigenvectors of its damped factor block-wise quantised with the root's eigenvalues in fp32 (SOAP:
 its bases quantised), dequantised and rectified by one Björck step at each use (Wang et al. 2024,
 "4-bit Shampoo"; the algorithm and its deviations: :mod:`.preconditioner.quantized`, the format:
-:mod:`dist_optim.lowbit`). The factors stay in ``preconditioner_dtype``. A block's owner quantises
+:mod:`dist_optim.states.lowbit`). The factors stay in ``preconditioner_dtype``. A block's owner quantises
 its whole matrices, so the distributed result stays the single-device one bit for bit.
 
 Cost (see docs/benchmarks.md): factors larger than ``structured.MIN_SIZE`` (256) are updated
@@ -157,7 +157,7 @@ parallelism:
 * :mod:`.preconditioner`: a batch of blocks' math on local tensors, no communication (grafting,
   factors, root-inverse Shampoo, SOAP);
 * :mod:`.work`: an owner's blocks of a step cut into batches, their directions applied or handed back;
-* :mod:`.routing`: the owners of blocks, as tasks of the owner runtime (:mod:`dist_optim.runtime`,
+* :mod:`.routing`: the owners of blocks, as tasks of the owner runtime (:mod:`dist_optim.sharding.runtime`,
   which moves gradients and directions);
 * :mod:`.update`: momentum, decay and the parameter update;
 * :mod:`.optimizer`: :class:`DistributedShampoo`, the coordinator.

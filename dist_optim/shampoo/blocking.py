@@ -42,7 +42,7 @@ class Block:
 
     @property
     def box(self) -> tuple[tuple[int, int], ...]:
-        """``(start, stop)`` per dim of the view (:func:`dist_optim.placement.plan_route`'s boxes)."""
+        """``(start, stop)`` per dim of the view (:func:`dist_optim.sharding.placement.plan_route`'s boxes)."""
         return tuple((s.start, s.stop) for s in self.slices)
 
 
@@ -86,7 +86,7 @@ def plan_blocks(
 
 
 def kept_triangle(factor: torch.Tensor, order: int, k: int) -> torch.Tensor:
-    """The view of a factor whose lower triangle :func:`dist_optim.structured.gram_update_` keeps:
+    """The view of a factor whose lower triangle :func:`dist_optim.kernels.structured.gram_update_` keeps:
     the factor itself, or for the second dim of a matrix block (whose rows are the block's columns,
     a transposed view) its transpose, i.e. the upper triangle. BLAS reads a transposed operand
     faster when the output is transposed too: 0.35 ms less per 1024-factor here."""

@@ -4,10 +4,10 @@ docstring), 32-bit or bitsandbytes' block-wise 8-bit (``optim_bits=8``; Dettmers
 
 The buffer is kept where the parameter is (a TP slice, a ZeRO chunk), so an 8-bit one is quantised
 in blocks of the *full* flattened tensor with their absmax max-reduced over the ranks that hold
-pieces (:class:`dist_optim.bnb_states.FullBlocks`): every code equals the single-device one. The
+pieces (:class:`dist_optim.states.bnb.FullBlocks`): every code equals the single-device one. The
 update runs on the fp32 values (as bitsandbytes' 8-bit kernels do), quantised again once the
 bucket's updates are made, all of them with one max-reduction per process group
-(:class:`dist_optim.bnb_states.Batch8bit`). A buffer saved with the other ``optim_bits`` is
+(:class:`dist_optim.states.bnb.Batch8bit`). A buffer saved with the other ``optim_bits`` is
 carried over.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
 from ..layout import ParamLayout
+from ..states import bnb
 
 __all__ = ["keeps_8bit_momentum", "read_momenta", "momentum_buffer"]
 

@@ -1,6 +1,6 @@
 """The optimizer class: a coordinator of the package's parts (see :mod:`dist_optim.shampoo`).
 
-A step is one run of the owner runtime (:mod:`dist_optim.runtime`): each parameter's step counted
+A step is one run of the owner runtime (:mod:`dist_optim.sharding.runtime`): each parameter's step counted
 and its gradient declared as the input of its blocks' task (:mod:`.routing`); the owners compute
 their blocks' directions (:mod:`.work`, :mod:`.preconditioner` on the typed
 :class:`~.state.BlockState` views of ``optimizer.state``); each holder applies its part of them
@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
 from ..base import DistOptimizer
-from ..budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
-from ..owners import Owner, share_results
-from ..runtime import OwnedWork, OwnerRuntime, Transport
+from ..sharding.budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from ..sharding.owners import Owner, share_results
+from ..sharding.runtime import OwnedWork, OwnerRuntime, Transport
+from ..states import bnb
 from .blocking import Block
 from .momentum import keeps_8bit_momentum, momentum_buffer, read_momenta
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
@@ -97,7 +97,7 @@ class DistributedShampoo(DistOptimizer):
         higher_order_degree: order of the ``"higher_order"`` iteration (>= 3; 2 would be Newton).
         max_gather_bytes: the old name of ``bucket_bytes`` (a value given here is used as
             ``bucket_bytes``, with a ``FutureWarning``).
-        bucket_bytes: the step-memory budget (:mod:`dist_optim.budget`): when bound, move and
+        bucket_bytes: the step-memory budget (:mod:`dist_optim.sharding.budget`): when bound, move and
             finish the parameters in buckets of at most this many bytes of full gradients (a
             parameter larger than that is its own bucket), one bucket after the other: caps the
             transient memory of gathered full gradients, of the owners' block gradients and of
@@ -105,7 +105,7 @@ class DistributedShampoo(DistOptimizer):
             computed in batches of at most this many bytes of gradients (one element-wise call
             per batch, :mod:`.work`; bound or not), which also bounds the reused scratch of a
             batch's directions. Default
-            :data:`~dist_optim.budget.DEFAULT_BUCKET_BYTES`; None: all parameters at once, the
+            :data:`~dist_optim.sharding.budget.DEFAULT_BUCKET_BYTES`; None: all parameters at once, the
             fewest collectives. The result does not depend on it (bit for bit). Gradients are
             checked for NaN/Inf on the local pieces before any bucket moves (``nonfinite``).
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or

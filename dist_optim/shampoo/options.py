@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
-from .. import lowbit, matrix_functions
 from ..base import check_lr, check_range
-from ..bnb_states import check_8bit_options
-from ..dtypes import check_communication_dtype
-from ..state_dicts import register_option_class
+from ..comm.dtypes import check_communication_dtype
+from ..kernels import matrix_functions
+from ..states import lowbit
+from ..states.bnb import check_8bit_options
+from ..states.saved import register_option_class
 
 __all__ = [
     "SGDGraftingConfig",
@@ -112,7 +113,7 @@ for _cls in GRAFTING_TYPES:
 #: The grafting methods that keep a second moment ``V`` per block (state ``graft_sq``).
 SQUARED_GRAFTING_TYPES = (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig)
 #: The refresh of ``root_inverse`` / ``eigenbasis`` warm-started from the block's previous
-#: eigenvectors (:func:`dist_optim.matrix_functions.warm_eigh`, options ``refresh_tolerance`` and
+#: eigenvectors (:func:`dist_optim.kernels.matrix_functions.warm_eigh`, options ``refresh_tolerance`` and
 #: ``refresh_iterations``); the block keeps its eigenvectors (state ``basis<k>``).
 WARM = "warm"
 EIGENBASES = ("eigh", "qr", "qr-eigh-start", WARM)
@@ -189,7 +190,7 @@ def start_step(group: dict[str, Any]) -> int:
 
 def check_communication(communication_dtype: Any) -> None:
     """The optimizer-wide communication option (not per group; ``bucket_bytes`` is checked by
-    :func:`dist_optim.budget.check_bucket_bytes`)."""
+    :func:`dist_optim.sharding.budget.check_bucket_bytes`)."""
     # Not None: owners round their shared results in this dtype, so it must name one.
     check_communication_dtype(communication_dtype, COMM_DTYPES)
 

@@ -1,8 +1,8 @@
-"""Which rank owns which block: Shampoo's tasks for the owner runtime (:mod:`dist_optim.runtime`).
+"""Which rank owns which block: Shampoo's tasks for the owner runtime (:mod:`dist_optim.sharding.runtime`).
 
 * :func:`plan_block_owners`: every parameter's blocks (:func:`~dist_optim.shampoo.blocking.plan_blocks`)
   as one owner task of its work group, owners balanced by the cost model ``sum_k d_k^3``
-  (:meth:`dist_optim.runtime.OwnerRuntime.plan`); how gradients reach the owners and directions
+  (:meth:`dist_optim.sharding.runtime.OwnerRuntime.plan`); how gradients reach the owners and directions
   the holders is the runtime's;
 * :func:`total_failures`: the root-inverse failure counters summed over each work group.
 """
@@ -17,8 +17,8 @@ import torch
 
 from ..comm import SumBucket
 from ..layout import ParamLayout
-from ..owners import Owner, Task, WorkGroup
-from ..runtime import OwnerRuntime
+from ..sharding.owners import Owner, Task, WorkGroup
+from ..sharding.runtime import OwnerRuntime
 from .blocking import Block, plan_blocks
 
 __all__ = ["BlockPlan", "plan_block_owners", "total_failures"]

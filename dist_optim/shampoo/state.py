@@ -9,7 +9,7 @@ grafting: ``exp_avg_eigen``), ``graft_sq``, ``factor<k>``, ``root<k>`` (Shampoo)
 updated in place); nothing else spells a key.
 
 With ``use_symmetric_packing`` the symmetric matrices (factors, roots) are kept as packed lower
-triangles, ``d (d + 1) / 2`` elements (:func:`dist_optim.structured.pack_lower`): a factor's
+triangles, ``d (d + 1) / 2`` elements (:func:`dist_optim.kernels.structured.pack_lower`): a factor's
 kept triangle (:func:`~dist_optim.shampoo.blocking.kept_triangle`), a root's lower one. The math
 never sees that form: :func:`unpacked` gives a block's matrices whole, in reused scratch memory,
 and :func:`store_packed` packs back what a step changed. Every stored symmetric matrix, packed or
@@ -20,11 +20,11 @@ With ``optim_bits=8`` a block of at least ``min_8bit_size`` elements keeps its m
 (:data:`EIGHT_BIT_MOMENTS`; Shampoo's first moment only with grafting: :func:`keeps_8bit`) as
 bitsandbytes' block-wise 8-bit codes, each with
 ``<name>_absmax`` (one fp32 absmax per 256 consecutive elements of the block, flattened): the
-math runs on their fp32 values (:func:`step_state`, through :class:`dist_optim.bnb_states.Batch8bit`),
+math runs on their fp32 values (:func:`step_state`, through :class:`dist_optim.states.bnb.Batch8bit`),
 stored again after the step. A moment saved with the other ``optim_bits`` is carried over there.
 
 With ``preconditioner_bits`` 8 or 4 the eigenvector matrices of blocks of at least 2 dims
-(:func:`quantises_bases`) are kept block-wise quantised (:mod:`dist_optim.lowbit`): ``basis<k>``
+(:func:`quantises_bases`) are kept block-wise quantised (:mod:`dist_optim.states.lowbit`): ``basis<k>``
 holds the codes of ``Q_k`` (1-D uint8; SOAP's bases, and for Shampoo the eigenvectors of the
 damped factor, in place of ``root<k>``) and ``basis<k>_absmax`` their block absmax, and Shampoo
 keeps ``spectrum<k>``, the root's eigenvalues ``(lam + epsilon)^-alpha`` (length ``d``,
@@ -45,9 +45,10 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states, lowbit, structured
+from ..kernels import structured
+from ..kernels.replay import replayable
 from ..layout import whole_layout
-from ..replay import replayable
+from ..states import bnb, lowbit
 from .blocking import Block, kept_triangle
 from .options import SQUARED_GRAFTING_TYPES, uses_warm_refresh
 
@@ -86,7 +87,7 @@ _MATRICES = ("factor", "root", "basis", "spectrum")
 @replayable
 def identity(side: int, dtype: torch.dtype, device: torch.device, packed: bool) -> torch.Tensor:
     """The identity of ``side``, whole or as a packed lower triangle: a block's initial roots and
-    bases. Replayable (:mod:`dist_optim.replay`): a simulated 70B step creates thousands of blocks of
+    bases. Replayable (:mod:`dist_optim.kernels.replay`): a simulated 70B step creates thousands of blocks of
     a few sides, and a meta ``eye`` dispatches several operators (``time python -m dist_optim.plan
     --model llama-70b --tp 8 --dp 8 --zero 1 --optimizer shampoo``)."""
     eye = torch.eye(side, dtype=dtype, device=device)
@@ -141,7 +142,7 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
 
 def _absmax_entry(block: Block, name: str) -> tuple[str, tuple, torch.dtype]:
     """The ``<name>_absmax`` entry of an 8-bit moment: one fp32 absmax per 256 elements of the block."""
-    return f"{name}_absmax", (-(-math.prod(block.shape) // bnb_states.BLOCKSIZE),), torch.float32
+    return f"{name}_absmax", (-(-math.prod(block.shape) // bnb.BLOCKSIZE),), torch.float32
 
 
 def keeps_8bit(block: Block, group: dict[str, Any], name: str) -> bool:
@@ -451,12 +452,12 @@ def step_state(
     block: Block,
     group: dict[str, Any],
     dtype: torch.dtype,
-    batch: bnb_states.Batch8bit,
+    batch: bnb.Batch8bit,
 ) -> BlockState:
     """The typed state of the block whose flat keys start with ``prefix`` for a step on its owner,
     its moments as the step updates them. A block that keeps 8-bit moments (:func:`keeps_8bit`)
     gets their fp32 values (SOAP's second moment in ``preconditioner_dtype``, where it is kept at
-    32 bits), new tensors from ``batch`` (:meth:`~dist_optim.bnb_states.Batch8bit.read`), to be
+    32 bits), new tensors from ``batch`` (:meth:`~dist_optim.states.bnb.Batch8bit.read`), to be
     stored quantised by ``batch.store()`` after the step; bitsandbytes' 8-bit optimizers too
     update the fp32 values and store them quantised again. The owner holds the block whole, so
     its quantisation blocks are the block's own elements and storing needs no collective.
@@ -492,7 +493,7 @@ def carry_over(state: dict[str, Any], prefix: str, block: Block, group: dict[str
     others are left as they are): a rank exports its state in the form the other ranks expect,
     where such a state was loaded and no step has been taken since."""
     layout = whole_layout(tuple(block.shape))
-    batch = bnb_states.Batch8bit()
+    batch = bnb.Batch8bit()
     for name, signed in EIGHT_BIT_MOMENTS.items():
         key = prefix + name
         value = state.get(key)
@@ -516,7 +517,7 @@ def decoded_bases(
 ) -> list[torch.Tensor]:
     """The quantised eigenvector matrices of ``stored`` whole, in ``pdt``, in ``scratch`` (slots
     ``basis<k>``, reused by the next block): dequantised, then rectified by one Björck step
-    (:func:`dist_optim.lowbit.rectify`; why: the measurements of :mod:`dist_optim.lowbit`)."""
+    (:func:`dist_optim.states.lowbit.rectify`; why: the measurements of :mod:`dist_optim.states.lowbit`)."""
     out = []
     for k, (codes, absmax) in enumerate(zip(stored.bases, stored.basis_absmax)):
         d = block.shape[k]
@@ -545,7 +546,7 @@ def store_basis(
 
 def mirror_whole_factors(block_states: Iterable[tuple[Any, Block, BlockState]]) -> None:
     """Mirror every whole (not packed) factor's kept triangle, the only one its updates keep
-    current (:func:`dist_optim.structured.gram_update_`), so that exported state is symmetric."""
+    current (:func:`dist_optim.kernels.structured.gram_update_`), so that exported state is symmetric."""
     for _, block, bs in block_states:
         for k, factor in enumerate(bs.factors):
             if factor.dim() == 2:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..checks import group_lr
-from ..multi_tensor import scale_
+from ..kernels.multi_tensor import scale_
 
 __all__ = ["apply_update", "apply_updates", "whole_views"]
 

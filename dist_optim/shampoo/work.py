@@ -6,7 +6,7 @@ batches of one param group and step, reads their typed states, has
 :func:`.preconditioner.block_directions` compute a batch at once, and, for a parameter held
 whole by this rank alone, applies the batch's directions before the next batch reuses their
 scratch memory. A batch holds at most ``budget`` bytes of gradients (the step-memory budget,
-:mod:`dist_optim.budget`), so its directions' scratch stays within it too.
+:mod:`dist_optim.sharding.budget`), so its directions' scratch stays within it too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import bnb_states as bnb
+from ..states import bnb
 from .blocking import Block
 from .preconditioner import Job, block_directions
 from .state import Scratch, block_prefix, step_state

@@ -54,11 +54,11 @@ DEVICES = [
 
 # Matrices (GaLore-projected where a case has GaLore options), a 3-D tensor and a vector.
 SHAPES = {"w": (24, 16), "v": (16, 40), "t3": (4, 6, 5), "b": (24,)}
-# bitsandbytes pages states of >= 1e5 elements (dist_optim.bnb_states.PAGED_MIN_NUMEL): a plain
+# bitsandbytes pages states of >= 1e5 elements (dist_optim.states.bnb.PAGED_MIN_NUMEL): a plain
 # parameter that large, for the paged cases.
 BIG = {"big": (256, 400)}
 # Two more matrices of w's shape, one of them transposed: on a GPU Muon iterates the three as one
-# batch (dist_optim.newton_schulz.newton_schulz_many), the other matrices one at a time.
+# batch (dist_optim.kernels.newton_schulz.newton_schulz_many), the other matrices one at a time.
 PAIRED = {"w2": (24, 16), "w3": (16, 24)}
 
 

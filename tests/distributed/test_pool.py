@@ -67,7 +67,7 @@ def _boost_once(path: str, kwargs: dict[str, Any]) -> int:
 
 
 # LAMB holds the plugin's groups in the places of comm.group_size; GaLore also in the partition
-# plans of its distributed projections (dist_optim.partition).
+# plans of its distributed projections (dist_optim.sharding.partition).
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 @pytest.mark.parametrize(
     "path, kwargs",

@@ -35,7 +35,7 @@ def test_recipe_checkpoint_and_resume(tmp_path, pool4) -> None:
     assert os.path.exists(os.path.join(ckpt, "step_0000002", "optimizer", "dist_optim_optimizer.index.json"))
     out = _torchrun("recipes/train.py", *common, "--steps", "3", "--resume")
     assert "dist_optim: swapped" in out  # the plugin's log line (ColossalAI's logger wraps it)
-    assert "optimizer: dist_optim.adafactor.DistributedAdafactor" in out
+    assert "optimizer: dist_optim.factored.adafactor.DistributedAdafactor" in out
     # No --data: the books of recipes/corpus.py train, their held-out part is held out (byte tokens,
     # --seq-len 64: ASCII text, a byte a character).
     train, held = (os.path.getsize(f) // 64 for f in (corpus.TRAIN, corpus.HELDOUT))

@@ -208,7 +208,7 @@ def test_dry_run_prints_the_layout_without_allocating() -> None:
     total, norms = 6_738_415_616, (2 * 32 + 1) * 4096
     assert f"{total / 1e6:.2f}M parameters" in out
     assert f"{((total - norms) // 2 + norms) / 1e6:.2f}M working parameters per rank" in out
-    assert "transformers.optimization.Adafactor -> dist_optim.adafactor.DistributedAdafactor" in out
+    assert "transformers.optimization.Adafactor -> dist_optim.factored.adafactor.DistributedAdafactor" in out
     assert "dry run: every rank simulated: python -m dist_optim.plan" in out  # the plan came too
     maxrss_gib = int(re.search(r"maxrss_kib (\d+)", out).group(1)) / 2**20
     assert maxrss_gib < 2.0, maxrss_gib  # the fp32 model alone would be 25 GiB

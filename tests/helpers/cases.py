@@ -468,7 +468,7 @@ PARITY_CASES += [
 ]
 
 # Production-size factors under distribution (tests/helpers/parity.py PRODUCTION_SPECS: dims 300-576, above
-# dist_optim.structured.MIN_SIZE, so the blocked triangle and Gram kernels run on the owners) on
+# dist_optim.kernels.structured.MIN_SIZE, so the blocked triangle and Gram kernels run on the owners) on
 # tp=2 x dp=2 x ZeRO and dp=4 x ZeRO.
 PRODUCTION_CASES: list[Case] = [
     Case(

@@ -65,7 +65,7 @@ SPECS: list[Spec] = [
     Spec("tiny", (2,), None),  # at dp=4 two ranks hold padding only
 ]
 
-#: Production-size shapes: every factor is 300-576 wide, above ``dist_optim.structured.MIN_SIZE``
+#: Production-size shapes: every factor is 300-576 wide, above ``dist_optim.kernels.structured.MIN_SIZE``
 #: (256), where the blocked triangle/Gram kernels take over; "colbig" splits rows under TP,
 #: "rowpad" splits columns and needs ZeRO padding (301 * 225 and 301 * 450 are not multiples of 2
 #: and 4), "vec" is a replicated vector.

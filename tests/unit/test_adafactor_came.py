@@ -354,7 +354,7 @@ def _partition_worker(cls: type, kwargs: dict[str, Any]) -> tuple[list[tuple[str
     """tp=2 x zero=2: every factored statistic a rank keeps is its 1/n partition of the full one
     (what full_state() returns; n = 4 for a TP-split parameter, 2 for a TP-replicated one, which
     its TP replicas keep alike), and load_full_state() of that full state cuts the same partition."""
-    from dist_optim.factored import STAT_KEYS
+    from dist_optim.factored.statistics import STAT_KEYS
     from dist_optim.testing import tp_zero_chunks
 
     tp_group, dp_group = grid_groups_22()
@@ -485,7 +485,7 @@ def test_bad_input() -> None:
 def test_factored_layout_sums_and_expansion(shape: tuple[int, ...], tp_dim: int | None, tp: int, zero: int) -> None:
     """Partial row/column sums over every (TP rank, ZeRO rank) add up to the full tensor's, and
     expansion puts row i's and column j's values on every element, padding left at zero."""
-    from dist_optim.factored import FactoredLayout
+    from dist_optim.factored.layout import FactoredLayout
 
     gen = torch.Generator().manual_seed(0)
     full = torch.rand(shape, generator=gen, dtype=torch.float64) + 0.1

@@ -1,4 +1,4 @@
-"""The step-memory budget (``bucket_bytes``, dist_optim/budget.py) of the optimizers that move work
+"""The step-memory budget (``bucket_bytes``, dist_optim/sharding/budget.py) of the optimizers that move work
 to owners: Shampoo (and SOAP), Muon and Kron.
 
 Whatever the budget, the result is the same bit for bit (parameters and full state after the
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import dist_optim
-from dist_optim.budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from dist_optim.sharding.budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from tests.helpers import parity
 from tests.helpers.cases import PARITY_CASES
 

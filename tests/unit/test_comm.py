@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import dist_optim
 from dist_optim import ParamLayout, TPSplit, ZeroShard, comm
-from dist_optim.placement import assign_owners
+from dist_optim.sharding.placement import assign_owners
 from dist_optim.testing import grid_groups
 
 
@@ -174,7 +174,7 @@ def test_exchange_rounds_split_the_pairs(size: int) -> None:
     """Every (source, target) pair moves in exactly one round; both ends compute the same one; with
     as many rounds as ranks, each rank sends to one rank per round (and so holds 1/size of an
     owner's pieces to all); rounds hold consecutive offsets of about size/rounds targets each."""
-    from dist_optim.chunks import exchange_round
+    from dist_optim.comm.chunks import exchange_round
 
     for rounds in range(1, size + 1):
         per_round = collections.Counter()
@@ -189,7 +189,7 @@ def test_exchange_rounds_split_the_pairs(size: int) -> None:
 
 
 def test_exchange_rounds_from_bytes() -> None:
-    from dist_optim.budget import exchange_rounds
+    from dist_optim.sharding.budget import exchange_rounds
 
     assert exchange_rounds(10, None) == 1 and exchange_rounds(10, 10) == 1 and exchange_rounds(11, 10) == 2
     assert exchange_rounds(1_048_576_000, 256 * 2**20) == 4  # Kron's 70B embedding direction, fp32
@@ -233,7 +233,7 @@ def test_pack_and_unpack_chunks(rows: int) -> None:
     """chunks.pack_chunks puts chunk r of each tensor in row r, zeros past a tensor's end whatever
     the buffer held (rows that hold nothing, a chunk cut short, a tensor of no elements), and
     chunks.unpack_chunks gives each tensor back whole, in a buffer of its own when there are rows."""
-    from dist_optim.chunks import chunk_numel, pack_chunks, unpack_chunks
+    from dist_optim.comm.chunks import chunk_numel, pack_chunks, unpack_chunks
 
     flats = [torch.arange(n, dtype=torch.float32) + 1000 * i for i, n in enumerate((12, 7, 1, 0, 9))]
     widths = [chunk_numel(f.numel(), rows, 2) for f in flats] if rows > 1 else [f.numel() + 3 for f in flats]
@@ -253,7 +253,7 @@ def test_pack_and_unpack_chunks(rows: int) -> None:
 
 
 def test_scratch_is_reused_on_the_cpu_from_a_mib() -> None:
-    from dist_optim.chunks import SCRATCH_MIN_BYTES, scratch
+    from dist_optim.comm.chunks import SCRATCH_MIN_BYTES, scratch
 
     cpu = torch.device("cpu")
     big = SCRATCH_MIN_BYTES // 4

@@ -572,7 +572,7 @@ def test_paged_states_allocation_and_prefetch(monkeypatch: pytest.MonkeyPatch, o
     are ordinary tensors, and the run is identical to the unpaged one."""
     import bitsandbytes.functional as bnbf
 
-    from dist_optim import bnb_states
+    from dist_optim.states import bnb
 
     allocated: list[torch.Tensor] = []
     prefetched: list[int] = []
@@ -583,7 +583,7 @@ def test_paged_states_allocation_and_prefetch(monkeypatch: pytest.MonkeyPatch, o
         allocated.append(t)
         return t
 
-    monkeypatch.setattr(bnb_states, "paging_supported", lambda device: True)
+    monkeypatch.setattr(bnb, "paging_supported", lambda device: True)
     monkeypatch.setattr(bnbf, "get_paged", fake_get_paged)
     monkeypatch.setattr(bnbf, "prefetch_tensor", lambda t, to_cpu=False: prefetched.append(t.data_ptr()))
     shapes = [(512, 256), (400, 300), (64, 48), (700,)]  # big GaLore, big plain, small GaLore, small plain
@@ -911,7 +911,7 @@ def _partition_worker(optim_bits: int) -> dict[str, Any]:
     against the single-device one."""
     import torch.distributed as dist
 
-    from dist_optim.partition import partition_span
+    from dist_optim.sharding.partition import partition_span
     from dist_optim.testing import grid_groups
     from tests.helpers.parity import tp_slice, zero_chunk
 

@@ -132,7 +132,7 @@ def test_unbound_matches_kron_torch(name: str) -> None:
 def test_structured_products_match_kron_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The blocked triangular/Gram products (real factors are hundreds of dims, these are <= 8):
     forced to recurse down to 1x1 blocks, the 20 steps still match kron_torch."""
-    from dist_optim import structured
+    from dist_optim.kernels import structured
 
     monkeypatch.setattr(structured, "MIN_SIZE", 1)
     ref_net, ref_opt = train(lambda ps: kron_torch.Kron(ps, lr=1e-2), seed_global=42)

@@ -1,5 +1,5 @@
 """DistributedKron with ``preconditioner_bits=8``: its triangular factors kept block-wise quantised
-(dist_optim/lowbit.py).
+(dist_optim/states/lowbit.py).
 
 The stored form against this file's own formulas: over blocks of 256 consecutive elements of the
 packed upper triangle (``use_symmetric_packing``) or of the whole flattened matrix, one fp32 absmax

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import dist_optim
-from dist_optim import structured
+from dist_optim.kernels import structured
 
 # 300: a triangular factor above structured.MIN_SIZE (256), worked on by the recursive products;
 # 40, 33, 17 below it; a vector and a scalar (diagonal factors); a 3-D tensor (merged to 30 x 7).

@@ -187,7 +187,7 @@ def _bucket_worker(budgets: list[int | None], foreach: bool) -> list[tuple[list[
     2); per budget, every parameter and state tensor after the steps, the all-reduces of the last
     step (counted at torch.distributed), the number of buckets and the process groups summed over
     per bucket (a TP-replicated vector's bucket: its ZeRO group only)."""
-    from dist_optim.budget import buckets
+    from dist_optim.sharding.budget import buckets
     from dist_optim.testing import grid_groups, tp_zero_chunks
     from tests.helpers.collectives import counting_collectives
 

@@ -118,27 +118,67 @@ def test_modules_and_classes_stay_readable() -> None:
     assert too_long == []
 
 
+#: The package's layers, lowest first (docs/architecture.md): a module imports from its own folder
+#: and from lower layers only. The optimizers never import each other; the test support, the plugins
+#: and the planner sit above them all.
+LAYERS: dict[str, int] = {
+    **dict.fromkeys(["layout", "checks", "kernels"], 0),  # what a piece is; option checks; local numerics
+    "comm": 1,  # every collective
+    **dict.fromkeys(["sharding", "states", "nonfinite"], 2),  # owners, owner runtime; state formats; NaN check
+    "base": 3,  # the one optimizer class
+    "registry": 4,  # conversions and the planner's entries
+    **dict.fromkeys(["factored", "galore", "kron", "lamb", "muon", "shampoo"], 5),  # the optimizers
+    **dict.fromkeys(["testing", "plugins"], 6),  # test support; all that is ColossalAI's
+    "plan": 7,  # the planner simulates the plugins
+}
+
+
+def _layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "dist_optim" and len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_the_folders_show_the_layers() -> None:
+    """At most 8 modules directly in dist_optim/, every folder and module placed in a layer, and
+    every import going down the layers (or within its own folder)."""
+    top = sorted(p.name for p in (ROOT / "dist_optim").glob("*.py"))
+    assert len(top) <= 8, top
+    entries = {p.stem for p in (ROOT / "dist_optim").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    assert entries - {"__init__"} == set(LAYERS) - {"plugins"}
+    upward = []
+    for path in sorted((ROOT / "dist_optim").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.name == "__init__.py" and len(rel.parts) == 2:
+            continue  # the package's front door re-exports the optimizers
+        home = rel.parts[1] if len(rel.parts) > 2 else rel.stem
+        for name in _imports(path):
+            there = _layer_of(name)
+            if there is not None and there != home and LAYERS[there] >= LAYERS[home]:
+                upward.append(f"{rel.as_posix()}: {name}")
+    assert sorted(set(upward)) == []
+
+
 #: Primitives with one home and the only modules that may use them (call them, or name them as an
 #: attribute, ``torch._foreach_mul_`` say): an optimizer reaches owners, routes and exchanges through
-#: dist_optim.owners alone (one interface, nothing re-written), steps its owner work through
-#: dist_optim.runtime alone, and scales a list of tensors through
-#: dist_optim.multi_tensor.scale_ (torch 2.5.1's CPU ``_foreach_mul_`` by a number rounds it to a
+#: dist_optim.sharding.owners alone (one interface, nothing re-written), steps its owner work through
+#: dist_optim.sharding.runtime alone, and scales a list of tensors through
+#: dist_optim.kernels.multi_tensor.scale_ (torch 2.5.1's CPU ``_foreach_mul_`` by a number rounds it to a
 #: bf16/fp16 list's dtype first).
 ONE_HOME = {
-    "assign_owners": {"dist_optim/placement.py", "dist_optim/owners.py"},
-    "plan_route": {"dist_optim/placement.py", "dist_optim/owners.py"},
-    "exchange": {"dist_optim/comm/collectives.py", "dist_optim/owners.py"},
-    "share_owned": {"dist_optim/comm/collectives.py", "dist_optim/owners.py"},
-    "work_grids": {"dist_optim/owners.py"},
+    "assign_owners": {"dist_optim/sharding/placement.py", "dist_optim/sharding/owners.py"},
+    "plan_route": {"dist_optim/sharding/placement.py", "dist_optim/sharding/owners.py"},
+    "exchange": {"dist_optim/comm/collectives.py", "dist_optim/sharding/owners.py"},
+    "share_owned": {"dist_optim/comm/collectives.py", "dist_optim/sharding/owners.py"},
+    "work_grids": {"dist_optim/sharding/owners.py"},
     # a step's owner choreography: the owner runtime's alone
-    "to_owners": {"dist_optim/owners.py", "dist_optim/runtime.py"},
-    "from_owners": {"dist_optim/owners.py", "dist_optim/runtime.py"},
-    "pipelined": {"dist_optim/owners.py", "dist_optim/runtime.py"},
-    "route_tasks": {"dist_optim/owners.py", "dist_optim/runtime.py"},
-    "plan_tasks": {"dist_optim/owners.py", "dist_optim/runtime.py"},
-    "scatter_results": {"dist_optim/owners.py", "dist_optim/runtime.py"},
-    "work_group": {"dist_optim/owners.py"},
-    "_foreach_mul_": {"dist_optim/multi_tensor.py"},
+    "to_owners": {"dist_optim/sharding/owners.py", "dist_optim/sharding/runtime.py"},
+    "from_owners": {"dist_optim/sharding/owners.py", "dist_optim/sharding/runtime.py"},
+    "pipelined": {"dist_optim/sharding/owners.py", "dist_optim/sharding/runtime.py"},
+    "route_tasks": {"dist_optim/sharding/owners.py", "dist_optim/sharding/runtime.py"},
+    "plan_tasks": {"dist_optim/sharding/owners.py", "dist_optim/sharding/runtime.py"},
+    "scatter_results": {"dist_optim/sharding/owners.py", "dist_optim/sharding/runtime.py"},
+    "work_group": {"dist_optim/sharding/owners.py"},
+    "_foreach_mul_": {"dist_optim/kernels/multi_tensor.py"},
 }
 
 

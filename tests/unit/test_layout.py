@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard, box_numel, range_boxes
-from dist_optim.placement import assign_owners, plan_route
+from dist_optim.sharding.placement import assign_owners, plan_route
 
 
 def _cuts(numel: int, size: int, seed: int) -> tuple[int, ...]:

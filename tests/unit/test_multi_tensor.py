@@ -1,4 +1,4 @@
-"""dist_optim.multi_tensor.scale_: every list of tensors scaled as ``Tensor.mul_`` scales each,
+"""dist_optim.kernels.multi_tensor.scale_: every list of tensors scaled as ``Tensor.mul_`` scales each,
 bit for bit, in every dtype (torch 2.5.1's CPU ``_foreach_mul_`` by a Python scalar rounds the
 scalar to bf16/fp16 first); the optimizers' multi-tensor paths then step bf16 states as their
 per-tensor paths do. That no other module of the package uses ``torch._foreach_mul_`` is
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_optim.lamb import DistributedLamb
-from dist_optim.multi_tensor import scale_
+from dist_optim.kernels.multi_tensor import scale_
+from dist_optim.lamb.optimizer import DistributedLamb
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import dist_optim
-from dist_optim import DistributedMuon, comm, muon_param_groups, newton_schulz, structured
+from dist_optim import DistributedMuon, comm, muon_param_groups
+from dist_optim.kernels import newton_schulz, structured
 from dist_optim.testing import plain_newton_schulz, stress_momentum
 from tests.helpers import parity
 from tests.helpers.check import assert_close, max_rel_err

@@ -15,7 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dist_optim import DistributedMuon, newton_schulz
+from dist_optim import DistributedMuon
+from dist_optim.kernels import newton_schulz
 from dist_optim.muon import DEFAULT_NS_COEFFICIENTS
 from tests.helpers.check import assert_close
 from tests.helpers.muon_reference import DEFAULTS, MuonReference

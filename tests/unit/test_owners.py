@@ -1,4 +1,4 @@
-"""dist_optim.owners: the one owner interface (work groups, owners by cost, the routed exchange,
+"""dist_optim.sharding.owners: the one owner interface (work groups, owners by cost, the routed exchange,
 whole results shared).
 
 The geometry under the routes (placement.plan_route) is tested in tests/unit/test_layout.py and
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dist_optim import comm
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
-from dist_optim.owners import (
+from dist_optim.sharding.owners import (
     ONE_RANK,
     Owner,
     RoutedTensors,

@@ -1,4 +1,4 @@
-"""dist_optim/partition.py on its own: 1/n parts of tensors shared over process groups, their
+"""dist_optim/sharding/partition.py on its own: 1/n parts of tensors shared over process groups, their
 reduce-scatter and all-gather, on a tp=2 x dp=2 grid of 4 processes.
 
 The expected values are measured without the code under test: every rank's input is gathered
@@ -31,7 +31,8 @@ def _expected_span(numel: int, index: int, n: int, align: int) -> tuple[int, int
 def _worker(fused: bool) -> list[str]:
     """The cases below, with the ZeRO x TP grid made and used (``fused``: one collective over the
     grid for a tensor summed over both groups) or set aside (two stages, group by group)."""
-    from dist_optim import comm, partition
+    from dist_optim import comm
+    from dist_optim.sharding import partition
     from dist_optim.testing import grid_groups
 
     tp_group, dp_group = grid_groups(2, 2)
@@ -51,7 +52,7 @@ def _collectives(tp_group: Any, dp_group: Any, fused: bool) -> list[str]:
     """The collectives of one tensor partitioned over (ZeRO, TP), counted at torch.distributed:
     one all-to-all and one all-gather over the 4-rank grid when fused, one per 2-rank group
     otherwise; with TP replicas the reduce-scatter sums over ZeRO alone either way."""
-    from dist_optim.partition import all_gather_parts, reduce_scatter_parts
+    from dist_optim.sharding.partition import all_gather_parts, reduce_scatter_parts
     from tests.helpers.collectives import counting_collectives
 
     t = torch.ones(37)
@@ -74,7 +75,7 @@ def _collectives(tp_group: Any, dp_group: Any, fused: bool) -> list[str]:
 
 def _cases(tp_group: Any, dp_group: Any) -> list[str]:
     from dist_optim import comm
-    from dist_optim.partition import all_gather_parts, partition_span, reduce_scatter_parts
+    from dist_optim.sharding.partition import all_gather_parts, partition_span, reduce_scatter_parts
 
     tp_rank, dp_rank = comm.group_rank(tp_group), comm.group_rank(dp_group)
     me = dist.get_rank()

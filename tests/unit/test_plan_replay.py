@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_optim import replay
+from dist_optim.kernels import replay
 from dist_optim.plan import Layout, make_plan, simulate
 from dist_optim.plan import replay as plan_replay
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import pytest
 
 from dist_optim.layout import Box, ParamLayout, TPSplit, ZeroShard, box_numel
-from dist_optim.placement import BlockPiece, LocalPiece, Route, assign_owners, plan_route
+from dist_optim.sharding.placement import BlockPiece, LocalPiece, Route, assign_owners, plan_route
 
 
 def _intersect(a: Box, b: Box) -> Box | None:

@@ -70,6 +70,6 @@ def test_every_optimizer_is_in_every_list(where: str) -> None:
 @pytest.mark.parametrize("bad", ["bf16", torch.int8, 16])
 def test_communication_dtype_has_one_rule(cls: type, bad: object) -> None:
     """Every optimizer with a ``communication_dtype`` refuses a bad one through the one check
-    (``dist_optim.dtypes.check_communication_dtype``), with its one message."""
+    (``dist_optim.comm.dtypes.check_communication_dtype``), with its one message."""
     with pytest.raises(ValueError, match=r"^communication_dtype must be one of .*; got " + re.escape(repr(bad)) + "$"):
         cls([torch.nn.Parameter(torch.zeros(4, 3))], lr=1e-3, communication_dtype=bad)

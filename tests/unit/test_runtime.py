@@ -1,4 +1,4 @@
-"""The owner runtime (dist_optim.runtime) on its own, without an optimizer.
+"""The owner runtime (dist_optim.sharding.runtime) on its own, without an optimizer.
 
 Each tensor's work is a function of whole boxes that no piece can compute alone (every element
 plus the box's sum), so a holder's result is right only if the whole box reached its owner and the
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_optim.chunks import chunk_span
+from dist_optim.comm.chunks import chunk_span
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
-from dist_optim.runtime import OwnedWork, OwnerRuntime, Transport
+from dist_optim.sharding.runtime import OwnedWork, OwnerRuntime, Transport
 from dist_optim.testing import grid_groups
 from tests.helpers.collectives import counting_collectives
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import dist_optim
 from dist_optim import comm
-from dist_optim.runtime import OwnerRuntime
+from dist_optim.sharding.runtime import OwnerRuntime
 from tests.helpers import parity
 from tests.helpers.check import excess
 from tests.helpers.collectives import counting_collectives
@@ -432,7 +432,7 @@ def test_large_factors_keep_lower_triangles_between_refreshes(name: str, monkeyp
     """Factors above structured.MIN_SIZE are updated in one triangle only and mirrored
     at refreshes and exports. With MIN_SIZE lowered to 1 every factor of the tiny model takes that
     path: the reference still agrees, and exported factors are symmetric."""
-    from dist_optim import structured
+    from dist_optim.kernels import structured
 
     monkeypatch.setattr(structured, "MIN_SIZE", 1)
     monkeypatch.setattr(structured, "PANEL", 2)
@@ -465,7 +465,7 @@ def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatc
     separate operations otherwise; both follow the reference. Before the start (no momentum,
     bias correction), a contiguous block's whole update is that kernel run on the parameter
     itself (AdamW's for decoupled decay); the other blocks get the direction, then the update."""
-    from dist_optim import fused_adam
+    from dist_optim.kernels import fused_adam
 
     calls: dict[str, list[bool]] = {"_fused_adam_": [], "_fused_adamw_": []}
     param_ptrs: set[int] = set()
@@ -508,7 +508,7 @@ def test_adam_grafting_with_and_without_the_fused_kernel(fused: bool, monkeypatc
 
 
 def test_iterative_roots_match_eigh() -> None:
-    from dist_optim.matrix_functions import matrix_inverse_root
+    from dist_optim.kernels.matrix_functions import matrix_inverse_root
 
     gen = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float64, 1e-8), (torch.float32, 1e-3)):

@@ -12,7 +12,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import dist_optim
-from dist_optim import structured
+from dist_optim.kernels import structured
 from dist_optim.shampoo.preconditioner import warm
 from dist_optim.shampoo.state import ALIGN_BYTES, Scratch
 from dist_optim.shampoo.update import apply_updates

@@ -1,6 +1,6 @@
 """DistributedShampoo with ``preconditioner_bits`` 8 and 4 (quantised eigenvectors).
 
-The format (dist_optim/lowbit.py) against this file's own formulas: codes ``round(x / absmax * h) +
+The format (dist_optim/states/lowbit.py) against this file's own formulas: codes ``round(x / absmax * h) +
 h`` per block, two to a byte at 4 bits, values ``(c - h) / h * absmax``, the Björck step. The
 optimizer against a float64 reference written here (on tests/helpers/shampoo_reference.py's moments,
 factors and grafting): each step from our state, the stored codes decoded by formula, rectified and
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import dist_optim
-from dist_optim import lowbit
+from dist_optim.states import lowbit
 from tests.helpers import blockwise
 from tests.helpers.shampoo_reference import ReferenceShampoo, mode_product
 

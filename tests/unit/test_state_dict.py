@@ -74,9 +74,27 @@ def test_a_state_dict_of_another_optimizer_is_refused() -> None:
     params = [p.clone() for p in full_params("fp32")]
     shampoo = make(dist_optim.DistributedShampoo, CASES["shampoo-adam-eigh-blocks-pf2"].kwargs, params)
     before = copy.deepcopy(shampoo.state_dict())
-    with pytest.raises(ValueError, match=r"saved by dist_optim\.lamb\.DistributedLamb; load it into a"):
-        shampoo.load_state_dict(lamb.state_dict())
+    saved = lamb.state_dict()
+    assert saved["dist_optim"]["optimizer"] == "DistributedLamb"
+    with pytest.raises(ValueError, match=r"saved by DistributedLamb; load it into a"):
+        shampoo.load_state_dict(saved)
     assert differences(shampoo.state_dict(), before) == [], "a refused state dict changed the optimizer"
+
+
+def test_a_state_dict_naming_its_optimizer_by_module_path_still_loads() -> None:
+    """States saved before optimizers were named by class alone carry ``module.ClassName``, whose
+    module has since moved; they still load, and resume the same trajectory (another class's path
+    is still refused)."""
+    _, opt = _trained("lamb")
+    saved = copy.deepcopy(opt.state_dict())
+    saved["dist_optim"]["optimizer"] = "dist_optim.lamb.DistributedLamb"
+    params = [p.clone() for p in full_params("fp32")]
+    fresh = make(CASES["lamb"].cls, CASES["lamb"].kwargs, params)
+    fresh.load_state_dict(saved)
+    assert differences(fresh.full_state(), opt.full_state()) == []
+    saved["dist_optim"]["optimizer"] = "dist_optim.came.DistributedCAME"
+    with pytest.raises(ValueError, match=r"saved by dist_optim\.came\.DistributedCAME; load it into a"):
+        make(CASES["lamb"].cls, CASES["lamb"].kwargs, [p.clone() for p in full_params("fp32")]).load_state_dict(saved)
 
 
 def test_a_plain_torch_state_dict_without_our_options_is_refused() -> None:

@@ -1,12 +1,12 @@
-"""The structured products of dist_optim.structured against plain matrix products."""
+"""The structured products of dist_optim.kernels.structured against plain matrix products."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dist_optim import structured
-from dist_optim.structured import (
+from dist_optim.kernels import structured
+from dist_optim.kernels.structured import (
     gram,
     gram_update_,
     matmul_triangular,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dist_optim
-from dist_optim import structured
+from dist_optim.kernels import structured
 
 # 300 rows: a factor above structured.MIN_SIZE (256), updated in one triangle; the others below it.
 SHAPES = [(300, 40), (33, 17), (17,), (5, 6, 7)]

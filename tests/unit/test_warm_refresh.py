@@ -1,5 +1,5 @@
 """The warm-started refresh (``root_inverse="warm"`` / ``eigenbasis="warm"``,
-:func:`dist_optim.matrix_functions.warm_eigh`): the criterion and the roots checked with this
+:func:`dist_optim.kernels.matrix_functions.warm_eigh`): the criterion and the roots checked with this
 file's own float64 formulas (which form ``B = Q^T A Q``; the code does not), the recomputation
 against ``eigh`` bit for bit, skipped ``eigh`` calls counted at ``torch.linalg``, resuming, and bad
 options. The distributed runs
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dist_optim
-from dist_optim import matrix_functions
+from dist_optim.kernels import matrix_functions
 
 SHAPES = {"w": (12, 7), "v": (9,), "t": (3, 4, 5)}
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...matrix_functions import WarmCriterion
+from ...kernels.matrix_functions import WarmCriterion
 from ..blocking import Block
 from ..options import start_step
 from ..state import (

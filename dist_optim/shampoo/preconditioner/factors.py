@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ... import structured
+from ...kernels import structured
 from ..blocking import Block, kept_triangle
 from ..state import BlockState
 
@@ -18,7 +18,7 @@ def update_statistics(blocks: list[tuple[BlockState, Block, torch.Tensor]], grou
     """``L_k <- b2 L_k + (1 - b2) G_(k) G_(k)^T`` for every factor of the ``(state, block,
     gradient)`` triples, every ``statistics_compute_steps`` steps (one triangle of large factors,
     :func:`~dist_optim.shampoo.blocking.kept_triangle`), all of them in one
-    :func:`~dist_optim.structured.gram_updates_` call; with ``kl_statistics``, ``G`` preconditioned
+    :func:`~dist_optim.kernels.structured.gram_updates_` call; with ``kl_statistics``, ``G`` preconditioned
     along the other dims by the block's current roots (:func:`kl_gradient`)."""
     if t % group["statistics_compute_steps"] != 0:
         return

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ...checks import group_lr
-from ...fused_adam import fused_applies
-from ...multi_tensor import scale_
+from ...kernels.fused_adam import fused_applies
+from ...kernels.multi_tensor import scale_
 from ..options import SQUARED_GRAFTING_TYPES, AdaGradGraftingConfig, AdamGraftingConfig
 from ..state import BlockState
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ... import matrix_functions
+from ...kernels import matrix_functions
 from ..blocking import apply_each_dim
 from ..options import WARM
 from ..state import BlockState, Scratch
@@ -32,8 +32,8 @@ def refresh_roots(
     in ``failures``. A root is stored as the mirror of its lower triangle (the products that make
     it round its two triangles apart by an ulp or so), the form a packed root holds
     (:mod:`dist_optim.shampoo.state`): every method returns it so
-    (:func:`~dist_optim.matrix_functions.inverse_root_from_eigen`, or the iterations'
-    ``(X + X^T) / 2``). ``root_inverse="warm"``: from :func:`~dist_optim.matrix_functions.warm_eigh`
+    (:func:`~dist_optim.kernels.matrix_functions.inverse_root_from_eigen`, or the iterations'
+    ``(X + X^T) / 2``). ``root_inverse="warm"``: from :func:`~dist_optim.kernels.matrix_functions.warm_eigh`
     of the damped factor started from the block's previous eigenvectors ``Q_k`` (kept with the
     root), except at the ``first`` refresh, which has none (``Q_k = I``) and goes to ``eigh`` at
     once: testing the identity and taking QR steps from it would only add to the ``eigh`` that
@@ -89,9 +89,9 @@ def refresh_eigen(
 ) -> None:
     """:func:`refresh_roots` for quantised eigenvectors (``preconditioner_bits`` 8 or 4): the
     eigenpairs ``(lam, Q_k)`` of ``scale L_k + epsilon I`` by ``eigh``, or with
-    ``root_inverse="warm"`` after the ``first`` refresh by :func:`~dist_optim.matrix_functions.warm_eigh`
+    ``root_inverse="warm"`` after the ``first`` refresh by :func:`~dist_optim.kernels.matrix_functions.warm_eigh`
     from the block's decoded eigenvectors ``bs.bases``, and the root's eigenvalues ``s_k = lam'^-alpha``
-    (:func:`~dist_optim.matrix_functions.inverse_root_spectrum`, the root ``eigh`` makes being
+    (:func:`~dist_optim.kernels.matrix_functions.inverse_root_spectrum`, the root ``eigh`` makes being
     ``Q_k diag(s_k) Q_k^T``), handed to ``store(k, Q_k, s_k, ok)`` (``Q_k`` None: the warm refresh
     kept the eigenvectors, whose codes then stay as they are); a refresh that is not finite
     (``ok`` false) or fails keeps the previous pair and counts in ``failures``. The warm criteria

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ... import matrix_functions
+from ...kernels import matrix_functions
 from ..blocking import apply_each_dim
 from ..state import BlockState, Scratch
 from . import warm
@@ -76,7 +76,7 @@ def refresh_bases(
 def _warm_basis(eig: matrix_functions.WarmEigh) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``eigenbasis="warm"`` after the first refresh, from the warm-started eigendecomposition
     ``eig`` of the symmetrised ``scale L_k`` (:func:`.warm.eigen`): a recomputed basis in
-    :func:`~dist_optim.matrix_functions.eigenbasis`'s convention (decreasing eigenvalues,
+    :func:`~dist_optim.kernels.matrix_functions.eigenbasis`'s convention (decreasing eigenvalues,
     canonical signs), as ``"eigh"`` makes it. Returns the basis, the permutation of the current
     basis's columns (for ``S``; None: none) and whether it is finite."""
     q = eig.eigenvectors

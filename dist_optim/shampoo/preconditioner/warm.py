@@ -1,6 +1,6 @@
 """The warm refresh's criteria (``root_inverse="warm"``, ``eigenbasis="warm"``): for every factor
 of a batch of blocks, whether its previous eigenvectors still diagonalise it
-(:func:`~dist_optim.matrix_functions.warm_criteria`), decided with one host read for the batch.
+(:func:`~dist_optim.kernels.matrix_functions.warm_criteria`), decided with one host read for the batch.
 
 On a GPU a host read waits for every kernel queued before it, so a refresh that read one
 criterion per factor stalled the host once per factor (73 times a refresh on the bench set of
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ... import matrix_functions
-from ...matrix_functions import WarmCriterion, WarmEigh
+from ...kernels import matrix_functions
+from ...kernels.matrix_functions import WarmCriterion, WarmEigh
 from ..options import WARM
 from ..state import BlockState
 
@@ -38,7 +38,7 @@ def takes(group: dict[str, Any], first: bool) -> bool:
 
 def target(factor: torch.Tensor, scale: float, group: dict[str, Any]) -> torch.Tensor:
     """The matrix a refresh decomposes, a fresh tensor: SOAP's ``scale L_k`` symmetrised (as
-    :func:`~dist_optim.matrix_functions.eigenbasis` does, so that a recomputation is ``"eigh"``'s
+    :func:`~dist_optim.kernels.matrix_functions.eigenbasis` does, so that a recomputation is ``"eigh"``'s
     basis bit for bit), Shampoo's damped ``scale L_k + epsilon I``."""
     a = factor * scale
     if group["eigenvalue_correction"]:
@@ -50,7 +50,7 @@ def target(factor: torch.Tensor, scale: float, group: dict[str, Any]) -> torch.T
 def criteria(blocks: list[tuple[BlockState, float]], group: dict[str, Any]) -> list[list[WarmCriterion]]:
     """The criterion of every factor of the ``(state, scale)`` blocks against its basis
     (``bs.bases``: decoded ones for quantised bases), per block, with one host read in all. The
-    :func:`target` is not formed (:class:`~dist_optim.matrix_functions.Shifted`: the criterion
+    :func:`target` is not formed (:class:`~dist_optim.kernels.matrix_functions.Shifted`: the criterion
     comes from the factor's product with the basis): a kept factor never builds it. The factor is
     exactly symmetric here (mirrored by
     :func:`~dist_optim.shampoo.preconditioner.factors.refresh_scale`), so SOAP's symmetrised
@@ -68,7 +68,7 @@ def eigen(
 ) -> WarmEigh:
     """The eigendecomposition a refresh makes of ``factor``'s :func:`target`: ``eigh``'s without a
     warm ``start`` (a first refresh, or ``root_inverse="eigh"`` with quantised eigenvectors), else
-    :func:`~dist_optim.matrix_functions.warm_eigh`'s from the start's ``(basis, criterion)``. A
+    :func:`~dist_optim.kernels.matrix_functions.warm_eigh`'s from the start's ``(basis, criterion)``. A
     kept factor's result is its criterion's own, the target not built a second time."""
     if start is not None and start[1].keep:
         return start[1].kept(start[0])

@@ -7,7 +7,7 @@ contiguous parts, ``n`` the product of the groups' sizes. The rank with rank ``r
 (of ``s_k`` ranks) keeps part ``index = (r_0 s_1 + r_1) s_2 + ...`` of ``p = chunk_numel(numel, n,
 align)`` elements (:func:`partition_span`; the last parts shorter, or empty). ``align`` puts the
 part boundaries on multiples of a block: 8-bit states quantise blocks of 256 values, so each rank
-then holds whole blocks. With ``align=1`` this is :class:`dist_optim.factored_layout.FactoredLayout`'s
+then holds whole blocks. With ``align=1`` this is :class:`dist_optim.factored.layout.FactoredLayout`'s
 rule for the factored statistics (it calls :func:`partition_span`).
 
 * :func:`reduce_scatter_parts`: each tensor summed over its groups, every rank receiving only its
@@ -43,8 +43,7 @@ from typing import Any
 
 import torch
 
-from .chunks import chunk_numel, chunk_span
-from .comm import (
+from ..comm import (
     Gathering,
     grid_of,
     group_rank,
@@ -54,6 +53,7 @@ from .comm import (
     start_all_gather_chunks,
     topology_token,
 )
+from ..comm.chunks import chunk_numel, chunk_span
 
 __all__ = [
     "live_groups",

@@ -10,11 +10,11 @@ work goes through the same five steps, all here:
    the TP group (:func:`work_grids`), so that TP peers split the work instead of repeating it;
    with no data-parallel group its TP group; :data:`ONE_RANK` (one rank, no collective) when unbound.
 2. **Owners by cost** (:func:`plan_tasks`, :func:`assign`): the items of each work group balanced
-   over its ranks (:func:`dist_optim.placement.assign_owners`, longest-processing-time greedy).
+   over its ranks (:func:`dist_optim.sharding.placement.assign_owners`, longest-processing-time greedy).
    Pure: every rank computes the same owners from full shapes.
 3. **Routes** (:func:`route_tasks`): for a tensor held in pieces (TP slices, ZeRO chunks), which
    piece goes from which rank to the owner of its box and which piece of the result comes back
-   (:func:`dist_optim.placement.plan_route`), from every rank's holding, asked in one
+   (:func:`dist_optim.sharding.placement.plan_route`), from every rank's holding, asked in one
    ``all_gather_object`` per work group (when the optimizer plans, not every step).
 4. **The routed exchange** (:func:`to_owners` / :func:`from_owners`): each rank's pieces straight
    to the owners, who assemble their boxes, and the owners' results back to every rank that holds
@@ -34,7 +34,7 @@ work goes through the same five steps, all here:
 
 Work groups are visited in the one global order (:func:`dist_optim.comm.ordered_groups`), so every
 rank issues the same collectives in the same order. Pure planning here, every collective in
-:mod:`dist_optim.comm`, the geometry and scheduling in :mod:`dist_optim.placement`.
+:mod:`dist_optim.comm`, the geometry and scheduling in :mod:`dist_optim.sharding.placement`.
 
 ``None`` as a group. A process group of ``None`` is the default group, the whole job, here as in
 :mod:`dist_optim.comm` and ``torch.distributed`` (``comm.group_size(None)`` is the world size). The
@@ -53,9 +53,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .budget import exchange_rounds
-from .chunks import chunk_span
-from .comm import (
+from ..comm import (
     Pending,
     all_gather_objects,
     exchange,
@@ -67,8 +65,10 @@ from .comm import (
     ordered_groups,
     share_owned,
 )
-from .dtypes import widest_dtype
-from .layout import Box, ParamLayout
+from ..comm.chunks import chunk_span
+from ..comm.dtypes import widest_dtype
+from ..layout import Box, ParamLayout
+from .budget import exchange_rounds
 from .placement import Route, assign_owners, plan_route
 
 B = TypeVar("B")
@@ -212,7 +212,7 @@ def _work_key(work: WorkGroup) -> tuple[int, int]:
 
 def assign(items: Sequence[tuple[WorkGroup, float]]) -> list[Owner]:
     """The :class:`Owner` of each ``(work group, cost)`` item: the items of each work group, in
-    their order, balanced by cost over its ranks (:func:`~dist_optim.placement.assign_owners`).
+    their order, balanced by cost over its ranks (:func:`~dist_optim.sharding.placement.assign_owners`).
 
     Pure: every rank of a work group computes the same owners when it lists the same items in the
     same order with the same costs (from full shapes, never from local ones)."""
@@ -340,7 +340,7 @@ def _routes(
     owners: Sequence[Sequence[int]],
     group: Any,
 ) -> list[Route | None]:
-    """This rank's :class:`~dist_optim.placement.Route` for each tensor of a work group: tensor i has
+    """This rank's :class:`~dist_optim.sharding.placement.Route` for each tensor of a work group: tensor i has
     ``layouts[i]``, is cut into ``blocks[i]`` (boxes of its full tensor seen in ``views[i]``) with
     owners ``owners[i]`` (ranks of ``group``). None for a tensor whose pieces cannot be routed
     (not boxes of the view, or holdings that do not tile it): the caller gathers it whole.
@@ -423,7 +423,7 @@ def to_owners(
     next bucket's pieces travel while this one's owners compute (:func:`pipelined`).
 
     ``bucket_bytes``: the step-memory budget. A work group's tensors larger than it in full move in
-    :func:`dist_optim.budget.exchange_rounds` rounds, at once (not overlapped: a bucket that size
+    :func:`dist_optim.sharding.budget.exchange_rounds` rounds, at once (not overlapped: a bucket that size
     is not double-buffered)."""
     sending_all = InFlight([])
     for work, members in _by_work_group(moved):
@@ -480,7 +480,7 @@ def pipelined(buckets: Iterable[B], start: Callable[[B], S], finish: Callable[[S
 def from_owners(moved: Sequence[RoutedTensors], dtype: torch.dtype | None, bucket_bytes: int | None = None) -> None:
     """The way back of :func:`to_owners`: each owner's :attr:`RoutedTensors.results` to every rank that holds
     a piece of them, into a new :attr:`RoutedTensors.out`; one ``all_to_all`` per work group in ``dtype``
-    (None: the widest of the group's ``out_dtype``), or :func:`dist_optim.budget.exchange_rounds`
+    (None: the widest of the group's ``out_dtype``), or :func:`dist_optim.sharding.budget.exchange_rounds`
     of them where the work group's tensors exceed ``bucket_bytes`` in full. A rank's pieces to
     itself go through ``dtype`` too, so every holder applies the same values. The owners' boxes
     and results are dropped."""
@@ -555,7 +555,7 @@ def scatter_results(
 ) -> None:
     """Every rank of each item's work group gets its partition of the item's tensors from their
     owner, in place: rank ``r`` of a work group of ``n`` ranks the flattened elements
-    ``chunk_span(numel, n, r)`` (:func:`dist_optim.partition.partition_span` over the work group):
+    ``chunk_span(numel, n, r)`` (:func:`dist_optim.sharding.partition.partition_span` over the work group):
     one ``all_to_all`` per work group for all its items (:func:`~dist_optim.comm.exchange`), work
     groups in the one global order. Each rank receives its parts only, not every whole result
     (:func:`share_results`), and the owner sends each result once.

@@ -1,6 +1,6 @@
 """The dtypes collectives may travel in: every optimizer's ``communication_dtype`` option is
 checked here (one message), and a bucket of mixed dtypes travels in the widest of them
-(:mod:`dist_optim.comm`, :mod:`dist_optim.owners`)."""
+(:mod:`dist_optim.comm`, :mod:`dist_optim.sharding.owners`)."""
 
 from __future__ import annotations
 

@@ -31,6 +31,8 @@ __all__ = [
     "TAG",
     "SavedState",
     "class_path",
+    "saved_name",
+    "same_optimizer",
     "job_handles",
     "register_option_class",
     "saved_group",
@@ -48,8 +50,20 @@ _CLASSES: dict[str, Any] = {}  # dataclass types by name
 
 
 def class_path(cls: type) -> str:
-    """``module.QualName`` of a class: how registries, logs and saved states name optimizers."""
+    """``module.QualName`` of a class: how the registry and logs name optimizers."""
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def saved_name(cls: type) -> str:
+    """How saved states and checkpoints name the optimizer that wrote them: its class name, which
+    moving a module does not change. A name saved as a class path (``module.QualName``) still
+    matches (:func:`same_optimizer`)."""
+    return cls.__qualname__
+
+
+def same_optimizer(saved: str, cls: type) -> bool:
+    """Whether a saved optimizer name (a class name or a class path) is ``cls``'s."""
+    return saved.rsplit(".", 1)[-1] == saved_name(cls)
 
 
 #: Where torch.distributed's objects live (process groups, their backends, stores, works): handles
@@ -151,7 +165,7 @@ def check_state_dict(optimizer: Any, state_dict: Mapping[str, Any], mine: str) -
         raise ValueError(f"{mine}.load_state_dict: expected a dict with 'state' and 'param_groups'")
     meta = state_dict.get(STATE_DICT_KEY)
     saved = meta.get("optimizer") if isinstance(meta, Mapping) else None
-    if saved is not None and saved != mine:
+    if isinstance(saved, str) and not same_optimizer(saved, type(optimizer)):
         raise ValueError(
             f"{mine}.load_state_dict: this state dict was saved by {saved}; load it into a {saved}, or "
             f"convert the saved optimizer with dist_optim.convert(...) before saving"
@@ -246,7 +260,7 @@ class SavedState(torch.optim.Optimizer):
         out = super().state_dict()
         # Options as plain data (saved_group): the dict loads with weights_only=True.
         out["param_groups"] = [{**saved_group(g), "params": g["params"]} for g in out["param_groups"]]
-        out[STATE_DICT_KEY] = {"optimizer": class_path(type(self)), "extra": self.extra_state()}
+        out[STATE_DICT_KEY] = {"optimizer": saved_name(type(self)), "extra": self.extra_state()}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -255,7 +269,8 @@ class SavedState(torch.optim.Optimizer):
         :meth:`keeps_saved_dtype` names, and restoring :meth:`extra_state`."""
         meta = state_dict.get(STATE_DICT_KEY) if isinstance(state_dict, Mapping) else None
         saved_groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-        mine = isinstance(meta, Mapping) and meta.get("optimizer") == class_path(type(self))
+        saved = meta.get("optimizer") if isinstance(meta, Mapping) else None
+        mine = isinstance(saved, str) and same_optimizer(saved, type(self))
         if isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
             groups = [
                 restored_group(sg, g) if isinstance(sg, Mapping) else sg
@@ -267,7 +282,7 @@ class SavedState(torch.optim.Optimizer):
                 built = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
                 groups = [{**b, **sg} for b, sg in zip(built, groups)]
             state_dict = {**state_dict, "param_groups": groups}
-        check_state_dict(self, state_dict, class_path(type(self)))
+        check_state_dict(self, state_dict, saved_name(type(self)))
         kept: dict[Any, dict[str, torch.Tensor]] = {}
         states: dict[Any, Any] = {}
         for pid, st in state_dict["state"].items():

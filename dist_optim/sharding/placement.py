@@ -1,4 +1,4 @@
-"""Where owner work goes, as pure geometry and scheduling: the layer under :mod:`dist_optim.owners`.
+"""Where owner work goes, as pure geometry and scheduling: the layer under :mod:`dist_optim.sharding.owners`.
 
 Pure functions: who owns which item (:func:`assign_owners`), and for a tensor held in pieces
 (TP slices, ZeRO chunks) whose blocks have owners, which piece goes from which rank to which
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layout import Box, box_numel
+from ..layout import Box, box_numel
 
 __all__ = ["assign_owners", "recording_owner_loads", "plan_route", "Route", "LocalPiece", "BlockPiece"]
 

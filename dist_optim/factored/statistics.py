@@ -35,7 +35,7 @@ vector's), writes it into zeros of the local chunk's size, and one all-reduce ov
 queued at the stage where the TP-split parameters' bins are summed over that group (no collective
 more), gives every replica the new chunk, bit for bit (one rank's value plus zeros).
 
-The index math (:class:`FactoredLayout`, :class:`VectorPart`) is in :mod:`dist_optim.factored_layout`.
+The index math (:class:`FactoredLayout`, :class:`VectorPart`) is in :mod:`dist_optim.factored.layout`.
 
 The shared steps of both optimizers live here too: queueing the partial statistics of a step,
 folding them into the state, and preconditioning the gradient.
@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from .base import DistOptimizer
-from .comm import SumBucket, group_rank, group_size
-from .factored_layout import FactoredLayout, VectorPart
-from .layout import ParamLayout
+from ..base import DistOptimizer
+from ..comm import SumBucket, group_rank, group_size
+from ..layout import ParamLayout
+from .layout import FactoredLayout, VectorPart
 
 __all__ = [
     "FactoredLayout",

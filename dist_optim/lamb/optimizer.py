@@ -21,7 +21,7 @@ all-reduced in one collective per process group (see :class:`dist_optim.comm.Sum
 NaN/Inf check's flag (one all-reduce over the job and one host read, unless ``nonfinite="ignore"``;
 see :class:`~dist_optim.base.DistOptimizer`). No other ``.item()``: the trust ratio stays a tensor.
 
-Step memory (:mod:`dist_optim.budget`): the step goes through the parameters (in param-group
+Step memory (:mod:`dist_optim.sharding.budget`): the step goes through the parameters (in param-group
 order) in buckets of at most ``bucket_bytes`` of local update buffers (a parameter's bytes: its
 local tensor's, the update having its dtype; of a flat-range shard, the largest rank's piece, so
 that every rank cuts the buckets alike); per bucket the moments and updates, the norms' one
@@ -36,13 +36,13 @@ last bit of a norm.
 8-bit moments (``optim_bits=8``, bitsandbytes' option; Dettmers et al., 2022, "8-bit Optimizers
 via Block-wise Quantization", arXiv:2110.02861): ``m`` and ``v`` of a parameter of at least
 ``min_8bit_size`` elements (full tensor) are kept as bitsandbytes' block-wise codes
-(:mod:`dist_optim.bnb_states`: blocks of 256 values of the *full* flattened tensor, one fp32 absmax
+(:mod:`dist_optim.states.bnb`: blocks of 256 values of the *full* flattened tensor, one fp32 absmax
 each; the signed dynamic map for ``m``, the unsigned one for ``v``), 2.03 bytes per element for
 the pair instead of 8. As bitsandbytes' 8-bit kernels do, a step dequantises them, updates them and
 computes ``u`` in fp32, then stores them quantised again; the trust ratio's norms are those of the
 fp32 ``u`` and of ``w``, over the full tensor as above. A tensor held in pieces quantises with the
 blocks of the full tensor, each block's absmax max-reduced over the ranks holding a piece of it
-(one all-reduce per bucket and process group, :class:`dist_optim.bnb_states.Batch8bit`), so
+(one all-reduce per bucket and process group, :class:`dist_optim.states.bnb.Batch8bit`), so
 its codes are the single-device ones. What stays fp32: the step counter, the absmax, and the
 moments of smaller tensors (biases, norms: a few elements, where an absmax per 256 would save
 little and quantising hurts most), as in bitsandbytes.
@@ -57,14 +57,14 @@ from typing import Any
 
 import torch
 
-from . import bnb_states as bnb
-from .base import DistOptimizer, check_adam_options, check_range
-from .budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
-from .checks import group_lr
-from .comm import SumBucket
-from .layout import ParamLayout
-from .multi_tensor import scale_
-from .registry import Conversion, PlanEntry, register, register_plan
+from ..base import DistOptimizer, check_adam_options, check_range
+from ..checks import group_lr
+from ..comm import SumBucket
+from ..kernels.multi_tensor import scale_
+from ..layout import ParamLayout
+from ..registry import Conversion, PlanEntry, register, register_plan
+from ..sharding.budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
+from ..states import bnb
 
 __all__ = ["DistributedLamb"]
 
@@ -88,7 +88,7 @@ class DistributedLamb(DistOptimizer):
         min_8bit_size: with ``optim_bits=8``, moments of tensors with fewer elements (full tensor)
             stay 32-bit (bitsandbytes' default 4096).
         bucket_bytes: the step's budget of local update buffers per bucket of parameters
-            (:mod:`dist_optim.budget`; default 256 MiB), or None for one bucket per step. An 8-bit
+            (:mod:`dist_optim.sharding.budget`; default 256 MiB), or None for one bucket per step. An 8-bit
             parameter counts its update and the fp32 moments it holds until they are re-quantised.
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`).

@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import comm
-from .layout import ParamLayout
+from .. import comm
+from ..layout import ParamLayout
 
 __all__ = [
     "BLOCKSIZE",

@@ -1,6 +1,6 @@
 """Splitting flat tensors over the ranks of a group, shared by the collectives
-(:mod:`dist_optim.comm`) and the modules that plan them (:mod:`dist_optim.partition`,
-:mod:`dist_optim.owners`): ZeRO's chunk rule (:func:`chunk_numel`, :func:`chunk_span`) and the
+(:mod:`dist_optim.comm`) and the modules that plan them (:mod:`dist_optim.sharding.partition`,
+:mod:`dist_optim.sharding.owners`): ZeRO's chunk rule (:func:`chunk_numel`, :func:`chunk_span`) and the
 pairing of an exchange run in rounds (:func:`exchange_round`), pure functions of integers; and the
 local copies around a collective's buffer (:func:`pack_chunks`, :func:`unpack_chunks`,
 :func:`scratch`), which communicate nothing."""
@@ -121,7 +121,7 @@ def scratch(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> 
     system (unmapped, or trimmed off the heap's top), and in bench_step.py --dist galore the
     reduce-scatter's two 1.5 MB buffers were faulted in again every step, about 770 page faults per
     rank and step (its smaller buffers were not). It is
-    held between steps: at most the largest bucket's packed bytes (:mod:`dist_optim.budget`) per
+    held between steps: at most the largest bucket's packed bytes (:mod:`dist_optim.sharding.budget`) per
     role and dtype. Elsewhere a new buffer (CUDA's caching allocator already reuses memory; the
     planner's meta tensors hold none)."""
     nbytes = numel * dtype.itemsize

@@ -16,14 +16,14 @@ Per parameter tensor, as in the authors' ``came_pytorch.CAME`` (and ColossalAI's
 Deviations from the paper, kept for compatibility with the implementation users run: the
 second moment has no bias correction, and the factored statistics are over the last two dims
 with leading dims kept. The second moment and its preconditioning are Adafactor's
-(:mod:`dist_optim.factored`, shared with :class:`~dist_optim.DistributedAdafactor`).
+(:mod:`dist_optim.factored.statistics`, shared with :class:`~dist_optim.DistributedAdafactor`).
 
 State keys: ``step``, ``exp_avg``; ``row_var``/``col_var`` (second moment) and
 ``res_row_var``/``res_col_var`` (confidence) in full-matrix form for >= 2-D parameters;
 ``variance`` for vectors. ``exp_avg`` and ``variance`` have the parameter's local form.
 Deviation: a parameter shared by ``n`` ranks (TP slices, ZeRO chunks) keeps in ``optimizer.state``
 only this rank's 1/n partition of the four statistics, flattened, and a vector replicated over
-the TP group only this rank's part of its ``variance`` (:mod:`dist_optim.factored`);
+the TP group only this rank's part of its ``variance`` (:mod:`dist_optim.factored.statistics`);
 ``full_state()`` and checkpoints have them in full form under every layout.
 
 Distributed: every statistic is that of the full tensor. A step flushes three
@@ -35,7 +35,7 @@ flag (one all-reduce over the job and one host read, unless ``nonfinite="ignore"
 8-bit first moment (``optim_bits=8``, bitsandbytes' option name; Dettmers et al., 2022, "8-bit
 Optimizers via Block-wise Quantization", arXiv:2110.02861): ``m`` of a parameter of at least
 ``min_8bit_size`` elements (full tensor) is kept as bitsandbytes' block-wise codes
-(:mod:`dist_optim.bnb_states`: blocks of 256 values of the *full* flattened tensor, one fp32 absmax
+(:mod:`dist_optim.states.bnb`: blocks of 256 values of the *full* flattened tensor, one fp32 absmax
 each, the signed dynamic map), 1.016 bytes per element instead of 4, under the same key
 ``exp_avg`` (its absmax under ``exp_avg_absmax``). As bitsandbytes' 8-bit kernels do, a step
 dequantises it and updates it in fp32; the instability ``U - m`` and the step use that fp32 value,
@@ -56,11 +56,13 @@ from typing import Any
 
 import torch
 
-from . import bnb_states as bnb
-from .base import check_lr, check_range
-from .checks import group_lr
-from .comm import SumBucket
-from .factored import (
+from ..base import check_lr, check_range
+from ..checks import group_lr
+from ..comm import SumBucket
+from ..layout import ParamLayout
+from ..registry import Conversion, PlanEntry, register, register_plan
+from ..states import bnb
+from .statistics import (
     EPS_ADD,
     FactoredOptimizer,
     FactoredParam,
@@ -77,8 +79,6 @@ from .factored import (
     queue_factored_sums,
     queue_sumsq,
 )
-from .layout import ParamLayout
-from .registry import Conversion, PlanEntry, register, register_plan
 
 __all__ = ["DistributedCAME"]
 

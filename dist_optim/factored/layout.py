@@ -9,7 +9,7 @@ suffix of the last rank's chunk beyond the working param) never enters the block
 
 The state-partition geometry is here too: which contiguous part of a flattened statistic a rank
 keeps (:meth:`FactoredLayout.part`) and which part of a TP-replicated vector (:class:`VectorPart`).
-The math of the optimizers that use it is in :mod:`dist_optim.factored`.
+The math of the optimizers that use it is in :mod:`dist_optim.factored.statistics`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .comm import group_rank, group_size
-from .layout import ParamLayout
-from .partition import partition_span
+from ..comm import group_rank, group_size
+from ..layout import ParamLayout
+from ..sharding.partition import partition_span
 
 __all__ = ["FactoredLayout", "VectorPart"]
 
@@ -89,9 +89,9 @@ class FactoredLayout:
     def part(self, key: str) -> tuple[int, int]:
         """``[lo, hi)`` of the flattened statistic ``key`` (one of :data:`STAT_KEYS`) that this
         rank keeps: the ``share_index``-th of ``shares`` parts of ``ceil(numel / shares)``
-        elements, ZeRO's rule (the last part shorter, possibly empty; :func:`dist_optim.partition.partition_span`,
-        the rule GaLore's partitioned state follows too). The whole statistic when the parameter is not
-        shared."""
+        elements, ZeRO's rule (the last part shorter, possibly empty;
+        :func:`dist_optim.sharding.partition.partition_span`, the rule GaLore's partitioned state
+        follows too). The whole statistic when the parameter is not shared."""
         numel = math.prod(self.row_shape if key.endswith("row_var") else self.col_shape)
         return partition_span(numel, self.layout.sum_groups)
 

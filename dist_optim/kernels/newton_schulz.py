@@ -4,7 +4,7 @@ torch's ``FlopCounterMode`` counts it (the owners' cost model, :mod:`dist_optim.
 
 Deviations from the formula as written: in fp32/fp64 (:data:`REORDERED_DTYPES`) every product
 known to be symmetric is computed one off-diagonal block at a time
-(:func:`~dist_optim.structured.symmetric_product`); and, opt-in in every dtype
+(:func:`~dist_optim.kernels.structured.symmetric_product`); and, opt-in in every dtype
 (``gram_space=True``, ``DistributedMuon(ns_gram_space=True)``), a wide matrix iterates in Gram
 space, restarted every :data:`GRAM_SPACE_RESTART_EVERY` iterations
 (:func:`newton_schulz_gram_space`), which is faster and somewhat less accurate (measured at
@@ -82,7 +82,7 @@ SYMMETRIC_MIN_SIZE = 128
 #: ``X <- a X + P X`` in place, one block of columns at a time (:data:`IN_PLACE_BLOCK_BYTES` per
 #: block's product), instead of allocating a new ``X`` per iteration: the owner of a 70B MLP
 #: matrix (8192 x 28672, 0.94 GB in fp32) holds one ``X`` and the ``m x m`` products, not two
-#: ``X`` (part of the step-memory budget, :mod:`dist_optim.budget`). Below it, one ``addmm`` (the
+#: ``X`` (part of the step-memory budget, :mod:`dist_optim.sharding.budget`). Below it, one ``addmm`` (the
 #: fastest on small matrices).
 IN_PLACE_MIN_BYTES = 64 * 2**20
 #: The bytes of one column block's product in the in-place update (a block has at least one column).
@@ -115,7 +115,7 @@ def takes_gram_space(rows: int, cols: int, steps: int, gram_space: bool) -> bool
 
 def reorders(dtype: torch.dtype, gram_space: bool) -> bool:
     """Whether :func:`newton_schulz` computes its symmetric products one off-diagonal block at a
-    time (:func:`~dist_optim.structured.symmetric_product`) in ``dtype``: always in fp32/fp64
+    time (:func:`~dist_optim.kernels.structured.symmetric_product`) in ``dtype``: always in fp32/fp64
     (:data:`REORDERED_DTYPES`), in every dtype with ``gram_space=True`` (the opt-in reordering:
     Gram space for wide matrices, these products for the rest)."""
     return gram_space or dtype in REORDERED_DTYPES
@@ -140,7 +140,7 @@ def newton_schulz(
     :data:`IN_PLACE_MIN_BYTES`, iterated in place and returned (one matrix held instead of two).
 
     In fp32/fp64 (:data:`REORDERED_DTYPES`) the symmetric products ``A = X X^T`` and ``A A`` are
-    computed one off-diagonal block at a time (:func:`~dist_optim.structured.symmetric_product`):
+    computed one off-diagonal block at a time (:func:`~dist_optim.kernels.structured.symmetric_product`):
     the formula in exact arithmetic, and as accurate in rounding: tests/unit/test_muon.py asserts
     that one fp32 step lands within 2x the plain formula's own fp32 distance to the formula run in
     float64, on 512-1536 wide gradients of rank 8, with singular values log-spaced over 1..1e-6, and
@@ -189,7 +189,7 @@ def newton_schulz(
 def batches(t: torch.Tensor, dtype: torch.dtype | None = None, gram_space: bool = False) -> bool:
     """Whether :func:`newton_schulz_many` iterates matrices like ``t`` in batches, in ``dtype``
     (default ``t``'s) with ``gram_space``: where products are one kernel each
-    (:func:`~dist_optim.structured.blocked` is False: a GPU), so that a step's launches, not its
+    (:func:`~dist_optim.kernels.structured.blocked` is False: a GPU), so that a step's launches, not its
     flops, bound it; and elsewhere (the CPU, and the planner's meta tensors, which follow it) in
     :data:`CPU_BATCHED_DTYPES` when the iteration keeps the formula's plain products (not
     :func:`reorders`), where the batched products are faster. Otherwise each matrix iterates on
@@ -328,7 +328,7 @@ def newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficient
     momenta (1.5-1.6x with these updates; a throwaway comparison). Only ``Q_1 = P_1`` is formed (a
     block of one iteration is the formula's own ``a X + B X``). Every ``m x m`` product here is of
     commuting symmetric matrices, hence symmetric, and is computed as one
-    (:func:`~dist_optim.structured.symmetric_product`), as is ``A_0``. Flops:
+    (:func:`~dist_optim.kernels.structured.symmetric_product`), as is ``A_0``. Flops:
     :func:`newton_schulz_flops`.
 
     Equal in exact arithmetic, not in rounding: the formula recomputes ``A`` from ``X`` every
@@ -357,7 +357,7 @@ def newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficient
 def symmetric_product_flops(size: int, min_size: int) -> int:
     """The flops ``FlopCounterMode`` counts for ``symmetric_product(a, b, min_size)`` with ``a`` of
     shape ``size x k``, per unit of ``k`` (multiply by ``k``): the recursion of
-    :func:`~dist_optim.structured.symmetric_product`, ``T(s) = 2 s^2`` at or below ``min_size``,
+    :func:`~dist_optim.kernels.structured.symmetric_product`, ``T(s) = 2 s^2`` at or below ``min_size``,
     else ``T(h) + T(s - h) + 2 h (s - h)`` with ``h = s // 2``. The fraction ``T(s) / 2 s^2`` of an
     unblocked ``mm`` is 1 up to ``min_size``, then 3/4, 5/8, 9/16, ... per doubling, tending to 1/2."""
     if size <= min_size:
@@ -372,9 +372,9 @@ def newton_schulz_flops(
     """The floating-point operations of :func:`newton_schulz` on a ``rows x cols`` matrix with
     ``steps`` iterations in ``dtype``, exactly as torch's ``FlopCounterMode`` counts them (2 per
     multiply-add of every matrix product) on the path it takes: the owners' cost model
-    (:func:`dist_optim.placement.assign_owners`), so owners balance the work that runs.
+    (:func:`dist_optim.sharding.placement.assign_owners`), so owners balance the work that runs.
     ``blocked``: whether the symmetric products take their blocked forms, as on the CPU (and meta
-    tensors); on a GPU each is one ``mm`` (:func:`dist_optim.structured.blocked` of the matrix is
+    tensors); on a GPU each is one ``mm`` (:func:`dist_optim.kernels.structured.blocked` of the matrix is
     False), and ``T = 2 m^2`` below.
 
     With ``m <= n`` the sides and ``T = symmetric_product_flops(m, SYMMETRIC_MIN_SIZE)`` (``2 m^2``

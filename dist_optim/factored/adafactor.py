@@ -37,10 +37,10 @@ and ``col_var`` (``full[:-2] + (1, C)``) for parameters with >= 2 dims; ``varian
 ``exp_avg`` (beta1), which have the parameter's local form. Deviation: a parameter shared by ``n``
 ranks (TP slices, ZeRO chunks) keeps in ``optimizer.state`` only this rank's 1/n partition of
 ``row_var`` and ``col_var``, flattened, and a vector replicated over the TP group (a norm weight)
-only this rank's part of its ``variance`` (:mod:`dist_optim.factored`); ``full_state()`` and
+only this rank's part of its ``variance`` (:mod:`dist_optim.factored.statistics`); ``full_state()`` and
 checkpoints have them in full form, as above, under every layout.
 
-Distributed (see :mod:`dist_optim.factored`): the row/column statistics, RMS(W) and RMS(U)
+Distributed (see :mod:`dist_optim.factored.statistics`): the row/column statistics, RMS(W) and RMS(U)
 are those of the full tensor. A step issues two flushes of one :class:`~dist_optim.comm.SumBucket`
 (the statistics and RMS(W) of every parameter, then RMS(U) of every parameter): at most one
 all-reduce per process group and flush, whatever the number of parameters, plus the NaN/Inf
@@ -58,10 +58,11 @@ from typing import Any
 
 import torch
 
-from .base import check_lr, check_range
-from .checks import group_lr
-from .comm import SumBucket
-from .factored import (
+from ..base import check_lr, check_range
+from ..checks import group_lr
+from ..comm import SumBucket
+from ..registry import ANY, Conversion, PlanEntry, register, register_plan
+from .statistics import (
     EPS_ADD,
     EPS_CLAMP,
     FactoredOptimizer,
@@ -76,7 +77,6 @@ from .factored import (
     queue_sumsq,
     rms,
 )
-from .registry import ANY, Conversion, PlanEntry, register, register_plan
 
 __all__ = ["DistributedAdafactor"]
 

@@ -218,7 +218,7 @@ def inverse_root_from_eigen(
 
 def inverse_root_spectrum(lam: torch.Tensor, epsilon: float, alpha: float) -> torch.Tensor:
     """``lam'^-alpha``: the eigenvalues of :func:`inverse_root_from_eigen`'s result (``lam'`` the
-    shifted ``lam``), which quantised eigenvectors keep beside them (:mod:`dist_optim.lowbit`)."""
+    shifted ``lam``), which quantised eigenvectors keep beside them (:mod:`dist_optim.states.lowbit`)."""
     lam = lam + (epsilon - lam.min()).clamp(min=0)
     return lam.pow(-alpha)
 

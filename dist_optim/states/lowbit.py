@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from . import structured
+from ..kernels import structured
 
 __all__ = ["BITS", "BLOCK", "LEVELS", "codes_numel", "absmax_numel", "quantize", "dequantize", "rectify"]
 
@@ -146,7 +146,7 @@ def rectify(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One step of Björck's orthonormalisation, ``Q (3 I - Q^T Q) / 2``, as Wang et al. rectify a
     dequantised eigenvector matrix: for ``Q = U (I + E)`` with ``U`` orthogonal and small symmetric
     ``E``, the result's departure from orthogonality is ``O(E^2)`` (measured in the module
-    docstring: 2-5x smaller errors at 4 bits). ``Q^T Q`` by :func:`dist_optim.structured.gram`
+    docstring: 2-5x smaller errors at 4 bits). ``Q^T Q`` by :func:`dist_optim.kernels.structured.gram`
     on ``Q^T`` (on the CPU exactly symmetric, about 3/4 of the products of a 1024-side ``mm``)."""
     qtq = structured.gram(q.T)
     if out is None:

@@ -3,27 +3,27 @@
 Shampoo (blocks of a parameter), Muon (its matrices) and Kron (the whole parameter) each need, at
 every step, a function of whole tensors that the ranks holding pieces of them cannot compute
 alone. An optimizer declares that work once per step and parameter as an :class:`OwnedWork`: its
-:class:`~dist_optim.owners.Task` (boxes of the tensor and their owners, planned once by
+:class:`~dist_optim.sharding.owners.Task` (boxes of the tensor and their owners, planned once by
 :meth:`OwnerRuntime.plan`), its local inputs and the dtype of its result. :meth:`OwnerRuntime.run`
 does the rest, the same way for all of them:
 
 * **how each tensor reaches its owners**: a work group of one rank (unbound, or nobody else holds
   the tensor) computes on its own whole inputs (*here*); pieces travel straight to the owners of
-  their boxes and the results' pieces back (*routed*: :func:`dist_optim.owners.to_owners` /
-  :func:`~dist_optim.owners.from_owners`); where no route exists, the full inputs are gathered
+  their boxes and the results' pieces back (*routed*: :func:`dist_optim.sharding.owners.to_owners` /
+  :func:`~dist_optim.sharding.owners.from_owners`); where no route exists, the full inputs are gathered
   and the owners' results shared whole (*gathered*: :func:`dist_optim.comm.gather_full`,
-  :func:`~dist_optim.owners.share_results`);
+  :func:`~dist_optim.sharding.owners.share_results`);
 * **buckets** of consecutive parameters within one step-memory budget
-  (:func:`dist_optim.budget.buckets`), the next bucket's pieces in flight while this one computes
-  (:func:`dist_optim.owners.pipelined`);
+  (:func:`dist_optim.sharding.budget.buckets`), the next bucket's pieces in flight while this one computes
+  (:func:`dist_optim.sharding.owners.pipelined`);
 * **hand-back**: each holder gets its result (:meth:`OwnedWork.local`): its flat piece (routed) or
   the whole result (here, gathered), for the optimizer to apply; or, with ``partitions=True``,
   each rank of the work group its partition of the owner's outputs (GaLore's projectors, kept
-  1/n per rank: :func:`dist_optim.owners.scatter_results`).
+  1/n per rank: :func:`dist_optim.sharding.owners.scatter_results`).
 
 The optimizer supplies three functions, all on local tensors: ``prepare`` (a bucket's inputs),
 ``compute`` (the owned boxes' results from their whole inputs, :attr:`OwnedWork.owned`) and
-``deliver`` (apply the results). Every collective is issued here, through :mod:`dist_optim.owners`
+``deliver`` (apply the results). Every collective is issued here, through :mod:`dist_optim.sharding.owners`
 and :mod:`dist_optim.comm`, in the same order on every rank.
 """
 
@@ -36,10 +36,10 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from ..comm import gather_full
+from ..comm.dtypes import widest_dtype
+from ..layout import Box, ParamLayout
 from .budget import buckets
-from .comm import gather_full
-from .dtypes import widest_dtype
-from .layout import Box, ParamLayout
 from .owners import (
     InFlight,
     Owner,
@@ -174,7 +174,7 @@ class OwnerRuntime:
 
     # ---- planning ------------------------------------------------------------------------------
     def bind(self, layouts: Sequence[ParamLayout], dp_group: Any, tp_group: Any) -> None:
-        """The work groups of the parameters of ``layouts`` (:meth:`~dist_optim.owners.WorkGroups.bind`);
+        """The work groups of the parameters of ``layouts`` (:meth:`~dist_optim.sharding.owners.WorkGroups.bind`);
         forgets the tasks. Collective over the job under TP."""
         self.groups.bind(layouts, dp_group, tp_group)
         self._bound = True
@@ -185,7 +185,7 @@ class OwnerRuntime:
 
     def slice_work_of(self, layout: ParamLayout) -> WorkGroup:
         """The work group of this rank's TP slice of a tensor of ``layout`` planned as a tensor of
-        its own (:meth:`~dist_optim.owners.WorkGroups.of_slice`)."""
+        its own (:meth:`~dist_optim.sharding.owners.WorkGroups.of_slice`)."""
         return self.groups.of_slice(layout)
 
     def plan(
@@ -195,7 +195,7 @@ class OwnerRuntime:
         works: Sequence[WorkGroup | None] | None = None,
     ) -> list[Task]:
         """The task of each parameter, from ``(layout, view, boxes of the view, cost of each box)``:
-        all the boxes of a work group balanced by cost over its ranks (:func:`~dist_optim.owners.plan_tasks`).
+        all the boxes of a work group balanced by cost over its ranks (:func:`~dist_optim.sharding.owners.plan_tasks`).
         ``works`` gives a parameter's work group where it is not its layout's (None: the layout's).
         Pure: every rank gets the same owners from the same full shapes."""
         given = list(works) if works is not None else [None] * len(specs)
@@ -320,7 +320,7 @@ class OwnerRuntime:
 
 
 def _scatter_outputs(works: Sequence[OwnedWork[Any]], comm_dtype: torch.dtype | None) -> None:
-    """Each rank's partitions of the owners' outputs (:func:`~dist_optim.owners.scatter_results`),
+    """Each rank's partitions of the owners' outputs (:func:`~dist_optim.sharding.owners.scatter_results`),
     the owners' whole inputs dropped before the outputs travel."""
     for w in works:
         w.owned, w.inputs = {}, []
@@ -331,7 +331,7 @@ def _scatter_outputs(works: Sequence[OwnedWork[Any]], comm_dtype: torch.dtype | 
 
 def _share_boxes(works: Sequence[OwnedWork[Any]], comm_dtype: torch.dtype | None) -> None:
     """The whole results of work not routed: every box of gathered work from its owner to every
-    rank of the work group (:func:`~dist_optim.owners.share_results`); alone, this rank's own."""
+    rank of the work group (:func:`~dist_optim.sharding.owners.share_results`); alone, this rank's own."""
     shares: list[tuple[Owner, list[torch.Tensor]]] = []
     for w in works:
         w.owned = {}
@@ -350,7 +350,8 @@ def _share_boxes(works: Sequence[OwnedWork[Any]], comm_dtype: torch.dtype | None
 
 
 def _pieces_back(routed: Sequence[OwnedWork[Any]], comm_dtype: torch.dtype | None, budget: int | None) -> None:
-    """The routed results' pieces from their owners to every holder (:func:`~dist_optim.owners.from_owners`)."""
+    """The routed results' pieces from their owners to every holder
+    (:func:`~dist_optim.sharding.owners.from_owners`)."""
     moved = []
     for w in routed:
         assert w.moved is not None
@@ -371,7 +372,7 @@ def _whole_boxes(w: OwnedWork[Any]) -> dict[int, list[torch.Tensor]]:
 
 
 def _arrived(routed: Sequence[OwnedWork[Any]]) -> None:
-    """The routed works' owned boxes, assembled by :func:`~dist_optim.owners.to_owners`."""
+    """The routed works' owned boxes, assembled by :func:`~dist_optim.sharding.owners.to_owners`."""
     for w in routed:
         assert w.moved is not None
         w.owned = w.moved.boxes
