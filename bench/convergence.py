@@ -6,7 +6,7 @@
 A tiny Llama (byte tokens, hidden 128, 2 layers, 4 heads: 0.4M parameters) trains on the books of
 ``recipes/corpus.py`` (installed by ``make setup``), ``--steps`` steps of ``--batch-size`` x
 ``--seq-len`` tokens, the learning rate warmed up linearly over the first 10% of the steps and then
-cosine-decayed to a tenth (the recipe's schedule, ``recipes.train.lr_lambda``), gradients clipped to
+cosine-decayed to a tenth (the recipe's schedule, ``recipes.building.lr_lambda``), gradients clipped to
 norm 1; the held-out loss (the books' held-out part, the same ``--eval-sequences`` every time) is
 measured every ``--eval-every`` steps. Each optimizer runs at ``--rates`` learning rates log-spaced
 over its range in :data:`RANGES` and ``--seeds`` seeds (the seed draws the initial weights and the

@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--only-lazy", action="store_true", help="skip the eager run (when it cannot fit)")
     ap.add_argument("--ready-only", action="store_true", help="build and load the model, take no optimizer step")
     args = ap.parse_args()
-    from recipes.train import model_config
+    from recipes.building import model_config
 
     model = "1b"
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from recipes import train  # noqa: E402
+from recipes import env, train  # noqa: E402
 
 # Learning rates: each optimizer's best of bench/convergence.py's sweep (docs/convergence.md: 4 rates
 # log-spaced over a decade per optimizer, 2 seeds, 300 steps of a tiny Llama on the same books),
@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> None:
                 "--warmup", str(max(1, args.steps // 10)), *data,
             ]
         )  # fmt: skip
-        train.log(f"--- {label}")
+        env.log(f"--- {label}")
         history = train.train(train_args)
         curves[label] = [h["loss"] for h in history]
-    if train.is_main():
+    if env.is_main():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(os.path.splitext(args.out)[0] + ".csv", "w", newline="") as f:
             w = csv.writer(f)

@@ -44,6 +44,7 @@ __all__ = [
     "Piece",
     "SimWorld",
     "build_pieces",
+    "held_parameters",
     "sharded_meta_model",
     "build_optimizer",
     "StepResult",
@@ -146,6 +147,19 @@ def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[t
     for name, working in sharded.named_parameters():
         pieces.append(_piece(name, working, tp_dims.get(name), layout, world, name in experts))
     return model, pieces
+
+
+def held_parameters(config: Any, layout: Layout) -> list[int]:
+    """The parameters one rank holds, by pipeline stage (the stage's first rank; the ranks of a
+    stage hold alike), as the plugin's sharding leaves them: ShardFormer's TP slices with their
+    vocabulary padding and the stage's layers (ZeRO-1/2 keep the working parameters whole), or
+    under FSDP the rank's ranges of its units' flat parameters."""
+    held = []
+    for stage in range(layout.pp):
+        with SimWorld(layout, layout.stage_ranks(stage)[0]) as world:
+            _, pieces = build_pieces(config, layout, world)
+        held.append(sum((p.master if layout.plugin == "fsdp" else p.working).numel() for p in pieces))
+    return held
 
 
 def _fsdp_pieces(model: torch.nn.Module, layout: Layout, world: SimWorld) -> list[Piece]:

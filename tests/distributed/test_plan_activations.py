@@ -160,7 +160,7 @@ def _measured(case: Case) -> dict[str, int]:
     from transformers import AutoModelForCausalLM
 
     from dist_optim.plugins.cpu import install, quiet_colossal
-    from recipes.train import enable_grad_checkpoint
+    from recipes.building import enable_grad_checkpoint
 
     install()
     malloc.fix_mmap_threshold()
@@ -303,7 +303,7 @@ def _measured_pipeline(tp: int, case: Case) -> dict[str, int]:
     from transformers import LlamaForCausalLM
 
     from dist_optim.plugins.cpu import install, quiet_colossal
-    from recipes.train import checkpoint_config, enable_grad_checkpoint
+    from recipes.building import checkpoint_config, enable_grad_checkpoint
 
     install()
     malloc.fix_mmap_threshold()

@@ -191,8 +191,7 @@ def test_pretrained_llama_under_tp2_zero1(real: dict[str, str], pool4, tmp_path)
 
 
 def test_dry_run_prints_the_layout_without_allocating() -> None:
-    # Through the recipe's old name, which runs recipes/train.py with the same arguments.
-    cmd = [sys.executable, "recipes/train_llama.py", "--model", "7b", "--tp", "2", "--zero", "1", "--world-size", "8"]
+    cmd = [sys.executable, "recipes/train.py", "--model", "7b", "--tp", "2", "--zero", "1", "--world-size", "8"]
     cmd += ["--optimizer", "transformers.optimization.Adafactor", "--dry-run"]
     script = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
     script += "print('maxrss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
@@ -207,7 +206,7 @@ def test_dry_run_prints_the_layout_without_allocating() -> None:
     # layer and the final one stay whole.
     total, norms = 6_738_415_616, (2 * 32 + 1) * 4096
     assert f"{total / 1e6:.2f}M parameters" in out
-    assert f"{((total - norms) // 2 + norms) / 1e6:.2f}M working parameters per rank" in out
+    assert f"{((total - norms) // 2 + norms) / 1e6:.2f}M parameters per rank" in out
     assert "transformers.optimization.Adafactor -> dist_optim.factored.adafactor.DistributedAdafactor" in out
     assert "dry run: every rank simulated: python -m dist_optim.plan" in out  # the plan came too
     maxrss_gib = int(re.search(r"maxrss_kib (\d+)", out).group(1)) / 2**20
@@ -235,7 +234,7 @@ def test_gradient_accumulation_is_the_larger_batch(pool4, tmp_path) -> None:
     # attention, per process, over the given peak (CSV rounding: 4 decimals, 0.1 token/s).
     from transformers import LlamaForCausalLM
 
-    from recipes.train import PRESETS
+    from recipes.building import PRESETS
 
     hidden, _, layers, _, _, vocab = PRESETS["tiny"]
     params = sum(p.numel() for p in LlamaForCausalLM(tiny_config("tiny")).parameters())
@@ -251,13 +250,13 @@ def test_gradient_accumulation_is_the_larger_batch(pool4, tmp_path) -> None:
 
 
 def tiny_config(model: str) -> object:
-    from recipes.train import model_config
+    from recipes.building import model_config
 
     return model_config(model)[0]
 
 
 def test_device_peaks_match_the_most_specific_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    from recipes import train
+    from recipes import metrics
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, peak in [
@@ -265,18 +264,18 @@ def test_device_peaks_match_the_most_specific_name(monkeypatch: pytest.MonkeyPat
         ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("Tesla V100-SXM2-32GB", None),
     ]:  # fmt: skip
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda n=name: n)
-        assert train.device_peak_tflops("bf16", None) == peak, name
-    assert train.device_peak_tflops("fp32", None) is None  # the table holds tensor-core bf16/fp16 peaks
-    assert train.device_peak_tflops("fp32", 50.0) == 50.0  # --peak-tflops
+        assert metrics.device_peak_tflops("bf16", None) == peak, name
+    assert metrics.device_peak_tflops("fp32", None) is None  # the table holds tensor-core bf16/fp16 peaks
+    assert metrics.device_peak_tflops("fp32", 50.0) == 50.0  # --peak-tflops
 
 
 def test_dry_run_splits_layers_over_pipeline_stages() -> None:
-    from recipes import train
+    from recipes import building, dry_run, train
 
     args = train.parse_args(["--model", "small", "--tp", "2", "--pp", "3", "--world-size", "12", "--dry-run"])
-    info = train.dry_run(args)
+    info = dry_run.dry_run(args)
     assert (info["tp"], info["pp"], info["dp"]) == (2, 3, 2)
-    hidden, inter, layers, _, _, vocab = train.PRESETS["small"]  # 4 layers over 3 stages: 1, 2, 1
+    hidden, inter, layers, _, _, vocab = building.PRESETS["small"]  # 4 layers over 3 stages: 1, 2, 1
     layer = (4 * hidden * hidden + 3 * hidden * inter) // 2 + 2 * hidden  # kv_heads == heads in "small"
     embed = vocab * hidden // 2
     assert info["params_per_rank"] == [embed + layer, 2 * layer, layer + hidden + embed]
@@ -331,7 +330,8 @@ def test_grad_checkpoint_recomputes_the_layers_and_changes_no_loss(pool4) -> Non
 
 
 def test_grad_checkpoint_option_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
-    from recipes.train import checkpoint_config, parse_args
+    from recipes.building import checkpoint_config
+    from recipes.train import parse_args
 
     assert parse_args(["--model", "tiny", "--grad-checkpoint"]).grad_checkpoint == 1.0
     assert checkpoint_config(parse_args(["--model", "tiny", "--grad-checkpoint"])) is None  # no stages: all
@@ -346,14 +346,6 @@ def test_grad_checkpoint_option_is_checked(capsys: pytest.CaptureFixture[str]) -
         with pytest.raises(SystemExit):
             parse_args(["--model", "tiny", *bad])
         assert message in capsys.readouterr().err
-
-
-def test_the_old_module_name_is_the_recipe() -> None:
-    """``recipes.train_llama`` (the recipe's name before it trained Mistral, Qwen2 and Mixtral) is
-    the same module as ``recipes.train``, so code that imported the old name keeps working."""
-    import importlib
-
-    assert importlib.import_module("recipes.train_llama") is importlib.import_module("recipes.train")
 
 
 def _losses_worker(plugin: list[str]) -> list[float]:
@@ -396,7 +388,7 @@ def _offload_worker(extra: list[str]) -> dict[str, object]:
     """The recipe's train() for 3 steps under ZeRO-2 (fp32, Muon with its auxiliary AdamW): the
     losses, and whether ZeRO kept the masters in host memory."""
     from dist_optim.plugins.cpu import install, quiet_colossal
-    from recipes import train
+    from recipes import building, train
 
     install()
     argv = ["--model", "tiny", "--plugin", "zero", "--zero", "2", "--precision", "fp32", "--steps", "3"]
@@ -405,7 +397,7 @@ def _offload_worker(extra: list[str]) -> dict[str, object]:
     with quiet_colossal():
         args = train.parse_args(argv)
         history = train.train(args)
-        plugin = train.build_plugin(args)
+        plugin = building.build_plugin(args)
     offload = bool(plugin.zero_optim_kwargs.get("cpu_offload"))  # what ColossalAI's LowLevelZero reads
     return {"loss": [e["loss"] for e in history], "offload": offload}
 

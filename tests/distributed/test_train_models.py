@@ -139,14 +139,14 @@ def test_recipe_refuses_the_types_the_planner_refuses(tmp_path: Path) -> None:
 def _dry_run_qwen2(tmp_path: Path) -> dict[str, Any]:
     import json
 
-    from recipes import train
+    from recipes import dry_run, train
     from tests.unit.test_plan_models import TINY
 
     (tmp_path / "config.json").write_text(
         json.dumps({**TINY, "model_type": "qwen2", "vocab_size": 300, "tie_word_embeddings": True})
     )
     args = train.parse_args(["--model", str(tmp_path), "--tp", "2", "--world-size", "2", "--dry-run"])
-    return train.dry_run(args)
+    return dry_run.dry_run(args)
 
 
 def test_dry_run_counts_a_tied_embedding_once(tmp_path: Path) -> None:
@@ -165,7 +165,7 @@ def test_mfu_flops_count_a_mixtrals_active_experts_and_a_tied_head() -> None:
     num_local_experts; a tied embedding, which is also the output head's matmul) + attention."""
     from transformers import MixtralConfig, Qwen2Config
 
-    from recipes.train import flops_per_token
+    from recipes.metrics import flops_per_token
 
     sizes = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
     mixtral = MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2)

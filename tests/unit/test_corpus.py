@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from recipes import corpus, tokens
-from recipes import train as recipe
+from recipes import data as recipe
 
 
 def test_split_cuts_at_a_line_start_after_the_share() -> None:

@@ -130,7 +130,7 @@ def test_recipe_refuses_bad_models_layouts_and_data(tmp_path: Path) -> None:
 
 
 def test_recipe_dry_run_plans_the_default_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
-    from recipes.train import planner_name
+    from recipes.dry_run import planner_name
 
     assert planner_name("colossalai.nn.optimizer.Lamb") == "lamb"
     assert planner_name("torch.optim.AdamW") == "adamw"

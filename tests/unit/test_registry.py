@@ -36,13 +36,13 @@ def _lists() -> dict[str, set[str]]:
     """Each list, as the set of our optimizers' names it covers."""
     from bench.rows import rows
     from dist_optim.plan import TRANSIENT_OPTIONS
-    from recipes import compare_optimizers, train
+    from recipes import building, compare_optimizers
     from tests.distributed.test_devices import CASES as DEVICE_CASES
     from tests.helpers.cases import FAMILIES, PARITY_CASES
 
     compared = set()
     for _, name, _ in compare_optimizers.DEFAULT:
-        if name in train.OURS:
+        if name in building.OURS:
             compared.add(name)
             continue
         module, attr = name.rsplit(".", 1)
@@ -50,7 +50,7 @@ def _lists() -> dict[str, set[str]]:
         if conversion is not None:  # an ordinary optimizer the plugins swap for ours
             compared.add(_name_of(conversion.target))
     return {
-        "recipes/train.py OURS": set(train.OURS),
+        "recipes/train.py OURS": set(building.OURS),
         "recipes/compare_optimizers.py DEFAULT": compared,
         "dist_optim/plan TRANSIENT_OPTIONS": set(TRANSIENT_OPTIONS),
         "tests/helpers/cases.py FAMILIES": {_name_of(f.cls) for f in FAMILIES},
