@@ -7,9 +7,10 @@ each parameter group's hyperparameters. Options that the translation does not ho
 ``initial_lr`` set by an LR scheduler, a user's ``name``) are carried over unchanged.
 
 :func:`convert` is the public entry point; the plugins call it on whatever optimizer a user
-passes to ``booster.boost``. Each optimizer module also registers its planner entry
-(:class:`PlanEntry`); the registered optimizers are the set every list of optimizers must cover
-(tests/unit/test_registry.py checks each list, CONTRIBUTING.md names them).
+passes to ``booster.boost``. Each optimizer package also registers its :class:`CatalogueEntry`
+(name, class, recommended settings, param-group builder, planner options), from which every list
+of optimizers derives (tests/unit/test_registry.py checks the lists that cannot: the tests' and
+the benches').
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ __all__ = [
     "convert",
     "entries",
     "class_path",
-    "PlanEntry",
-    "register_plan",
-    "plan_entries",
+    "CatalogueEntry",
+    "Demo",
+    "register_entry",
+    "catalogue",
 ]
 
 logger = logging.getLogger("dist_optim")
@@ -165,30 +167,79 @@ def _init_args(cls: type) -> set[str]:
     return set(inspect.signature(cls).parameters) - {"params"}
 
 
-# ---- how dist_optim.plan builds each optimizer --------------------------------------------------
+# ---- the catalogue: one entry per optimizer ------------------------------------------------------
 @dataclass(frozen=True)
-class PlanEntry:
-    """How ``python -m dist_optim.plan`` builds an optimizer, registered by the optimizer's own
-    module next to its conversions: its ``--optimizer`` name, its class, the constructor options the
-    planner uses, the options that bring a rare refresh (Shampoo's roots, GaLore's projectors) inside
-    a few simulated steps (a refresh costs the same whatever its period), and the param-group
-    builder of ``dist_optim`` it needs (its name and default options), if any."""
+class Demo:
+    """A row of ``make demo``'s comparison: its label, its learning rate (docs/convergence.md says
+    how each was chosen) and, where the row shows the swap, the import path of the ordinary class
+    a user would pass (None: the catalogue's name)."""
+
+    label: str
+    lr: float
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One optimizer of dist_optim, registered by its own package next to its conversions. Every
+    list that names optimizers derives from these entries: the recipe's ``--optimizer`` short
+    names and their settings, ``make demo``'s comparison, the planner's ``--optimizer`` and what
+    bounds each one's transient memory.
+
+    Attributes:
+        name: the stable short name (``--optimizer`` of the recipe and the planner).
+        target: the dist_optim class.
+        recommended: the options the recipe builds it with (docs/convergence.md says why).
+        param_groups: the ``dist_optim`` function that makes its param groups from a model, if it
+            needs one; options named by that function's parameters go to it (:meth:`split`).
+        plan_options: the options the planner builds it with (its constructor's defaults otherwise).
+        refresh: options that bring a rare refresh (Shampoo's roots, GaLore's projectors) inside a
+            few simulated steps (a refresh costs the same whatever its period).
+        transient: what bounds its step's transient memory, for the plan's reader.
+        demo: its row in ``make demo``'s comparison, if it has one.
+        planned: whether the planner lists it (False for a variant it plans through its base's
+            options, SOAP as ``shampoo`` with ``eigenvalue_correction``: each planner name is a
+            sweep column and a real-run check).
+    """
 
     name: str
     target: type
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    recommended: Mapping[str, Any] = field(default_factory=dict)
+    param_groups: Callable[..., list[dict[str, Any]]] | None = None
+    plan_options: Mapping[str, Any] = field(default_factory=dict)
     refresh: Mapping[str, Any] = field(default_factory=dict)
-    group_builder: tuple[str, Mapping[str, Any]] | None = None
+    transient: str = ""
+    demo: Demo | None = None
+    planned: bool = True
+
+    def split(self, options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``options`` as (the param-group builder's, the constructor's): a key that names a
+        parameter of :attr:`param_groups` goes to the builder."""
+        if self.param_groups is None:
+            return {}, dict(options)
+        import inspect
+
+        named = {
+            n
+            for n, p in inspect.signature(self.param_groups).parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "model"
+        }
+        return {k: v for k, v in options.items() if k in named}, {k: v for k, v in options.items() if k not in named}
 
 
-_PLAN_ENTRIES: dict[str, PlanEntry] = {}
+_CATALOGUE: dict[str, CatalogueEntry] = {}
 
 
-def register_plan(entry: PlanEntry) -> None:
-    """Add ``entry`` to the planner's optimizers (called at import of the optimizer's module)."""
-    _PLAN_ENTRIES[entry.name] = entry
+def register_entry(entry: CatalogueEntry) -> None:
+    """Add ``entry`` to the catalogue (called at import of the optimizer's package); a name is
+    registered once."""
+    if entry.name in _CATALOGUE and _CATALOGUE[entry.name] != entry:
+        raise ValueError(f"catalogue: {entry.name!r} is registered twice; give the second optimizer its own name")
+    _CATALOGUE[entry.name] = entry
 
 
-def plan_entries() -> dict[str, PlanEntry]:
-    """The planner's optimizers by name, in registration order."""
-    return dict(_PLAN_ENTRIES)
+def catalogue() -> dict[str, CatalogueEntry]:
+    """Every optimizer of dist_optim by its short name, in registration order."""
+    import dist_optim  # noqa: F401  (each optimizer package registers its entry on import)
+
+    return dict(_CATALOGUE)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dist_optim import AdamGraftingConfig
+from dist_optim.registry import catalogue
 
 # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -22,41 +22,9 @@ PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "7b": (4096, 11008, 32, 32, 32, 32000),
 }
 
-OURS = {
-    "lamb": ("dist_optim.DistributedLamb", dict(weight_decay=0.01)),
-    "adafactor": ("dist_optim.DistributedAdafactor", dict(relative_step=False, scale_parameter=False)),
-    "came": ("dist_optim.DistributedCAME", dict()),
-    # Adam grafting as Meta's README configures it: without grafting at epsilon 1e-12 Shampoo's first
-    # roots of near-singular factors blow the update up (NaN within the first few dozen steps).
-    "shampoo": (
-        "dist_optim.DistributedShampoo",
-        dict(
-            precondition_frequency=10,
-            start_preconditioning_step=10,
-            grafting_config=AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
-        ),
-    ),
-    # SOAP as Vyas et al. run it: eigenvectors at the first refresh, then one power step.
-    "soap": (
-        "dist_optim.DistributedShampoo",
-        dict(
-            eigenvalue_correction=True,
-            eigenbasis="qr-eigh-start",
-            betas=(0.95, 0.95),
-            epsilon=1e-8,
-            precondition_frequency=10,
-            start_preconditioning_step=10,
-        ),
-    ),
-    # The initial scale from each parameter's first gradient (Li's rule): at kron_torch's fixed 1 the
-    # first updates of small gradients are tiny, and a tiny Llama's loss stays high for ~100 steps.
-    "kron": ("dist_optim.DistributedKron", dict(precond_init_scale=None)),
-    "galore": ("dist_optim.DistributedGaLore", dict()),
-    # Muon's update RMS matched to AdamW's (Liu et al. 2025), so one --lr serves the Muon matrices
-    # and the auxiliary AdamW group (embeddings, head, norms).
-    "muon": ("dist_optim.DistributedMuon", dict(adjust_lr_fn="match_rms_adamw")),
-    "normuon": ("dist_optim.DistributedNorMuon", dict(adjust_lr_fn="match_rms_adamw")),
-}
+#: Our optimizers by short name: the class and the options the recipe builds it with (the
+#: catalogue's, dist_optim.registry.catalogue; docs/convergence.md says why each is set so).
+OURS = {name: (entry.target, dict(entry.recommended)) for name, entry in catalogue().items()}
 
 
 WEIGHT_FILES = (
@@ -129,28 +97,25 @@ def build_model(config: Any, seed: int, lazy: bool, attn: str) -> torch.nn.Modul
 
 
 def optimizer_class(name: str) -> tuple[type, dict[str, Any]]:
+    """The class of ``--optimizer`` (one of :data:`OURS` or an import path) and its recipe options."""
     if name in OURS:
-        path, kwargs = OURS[name]
-        return _import(path), dict(kwargs)
+        cls, kwargs = OURS[name]
+        return cls, dict(kwargs)
     return _import(name), {}
 
 
 def build_optimizer(
     name: str, model: torch.nn.Module, lr: float, extra: dict[str, Any] | None = None
 ) -> torch.optim.Optimizer:
-    extra = dict(extra or {})
+    """``--optimizer`` over ``model``'s parameters, ``extra`` (``--optimizer-args``) over its recipe
+    options; one of ours that needs param groups gets them from its catalogue builder, with the
+    options the builder names (GaLore's ``rank``, Muon's ``per_head``)."""
     cls, kwargs = optimizer_class(name)
-    if name == "galore":
-        from dist_optim import galore_param_groups
-
-        return cls(galore_param_groups(model, rank=8, update_proj_gap=50), lr=lr, **extra)
-    if name in ("muon", "normuon"):
-        from dist_optim import muon_param_groups
-
-        # per_head: q, k and v orthogonalized by head (muon_param_groups' option, not the class's).
-        groups = muon_param_groups(model, adamw_lr=lr, per_head=bool(extra.pop("per_head", False)))
-        return cls(groups, lr=lr, **{**kwargs, **extra})
-    return cls(model.parameters(), lr=lr, **{**kwargs, **extra})
+    entry = catalogue().get(name)
+    if entry is None or entry.param_groups is None:
+        return cls(model.parameters(), lr=lr, **{**kwargs, **(extra or {})})
+    builder_args, options = entry.split({**kwargs, **(extra or {})})
+    return cls(entry.param_groups(model, **builder_args), lr=lr, **options)
 
 
 def _import(path: str) -> Any:

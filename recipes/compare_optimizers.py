@@ -23,24 +23,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from dist_optim.registry import catalogue  # noqa: E402
 from recipes import env, train  # noqa: E402
 
 # Learning rates: each optimizer's best of bench/convergence.py's sweep (docs/convergence.md: 4 rates
 # log-spaced over a decade per optimizer, 2 seeds, 300 steps of a tiny Llama on the same books),
 # except AdamW's, LAMB's, SOAP's and Kron's: their best at the demo's own horizon and layout (120 steps,
 # tp=2 x ZeRO-1; docs/convergence.md "At the demo's horizon"), where shorter runs favour higher rates
-# and LAMB's 300-step best (1e-1) spikes and ends last.
-DEFAULT = [
-    ("AdamW (torch, unchanged)", "torch.optim.AdamW", 4.6e-3),
-    ("LAMB (colossalai Lamb -> ours)", "colossalai.nn.optimizer.Lamb", 3e-2),
-    ("Adafactor (transformers -> ours)", "adafactor", 2.2e-3),
-    ("CAME", "came", 2.2e-4),
-    ("Shampoo (Adam grafting, pf=10)", "shampoo", 4.6e-3),
-    ("SOAP (pf=10)", "soap", 3e-2),
-    ("PSGD Kron (initial scale from the gradient)", "kron", 6e-3),
-    ("GaLore (rank 8)", "galore", 3e-2),
-    ("Muon (aux AdamW, AdamW-matched RMS)", "muon", 1.4e-2),
-    ("NorMuon (aux AdamW, AdamW-matched RMS)", "normuon", 1.4e-2),
+# and LAMB's 300-step best (1e-1) spikes and ends last. Ours come from the catalogue's demo rows.
+DEFAULT = [("AdamW (torch, unchanged)", "torch.optim.AdamW", 4.6e-3)] + [
+    (entry.demo.label, entry.demo.source or name, entry.demo.lr)
+    for name, entry in catalogue().items()
+    if entry.demo is not None
 ]
 
 

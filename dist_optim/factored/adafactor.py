@@ -61,7 +61,7 @@ import torch
 from ..base import check_lr, check_range
 from ..checks import group_lr
 from ..comm import SumBucket
-from ..registry import ANY, Conversion, PlanEntry, register, register_plan
+from ..registry import ANY, CatalogueEntry, Conversion, Demo, register, register_entry
 from .statistics import (
     EPS_ADD,
     EPS_CLAMP,
@@ -409,4 +409,13 @@ register(
     )
 )
 
-register_plan(PlanEntry("adafactor", DistributedAdafactor, {"relative_step": False, "lr": 1e-3}))
+register_entry(
+    CatalogueEntry(
+        "adafactor",
+        DistributedAdafactor,
+        recommended={"relative_step": False, "scale_parameter": False},
+        plan_options={"relative_step": False, "lr": 1e-3},
+        transient="none (row/column statistics are small)",
+        demo=Demo("Adafactor (transformers -> ours)", 2.2e-3),
+    )
+)

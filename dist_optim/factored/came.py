@@ -60,7 +60,7 @@ from ..base import check_lr, check_range
 from ..checks import group_lr
 from ..comm import SumBucket
 from ..layout import ParamLayout
-from ..registry import Conversion, PlanEntry, register, register_plan
+from ..registry import CatalogueEntry, Conversion, Demo, register, register_entry
 from ..states import bnb
 from .statistics import (
     EPS_ADD,
@@ -271,4 +271,12 @@ register(
     Conversion("colossalai.nn.optimizer.distributed_came.DistributedCAME", DistributedCAME, _came_options, _CAME_READS)
 )
 
-register_plan(PlanEntry("came", DistributedCAME, {"lr": 1e-4}))
+register_entry(
+    CatalogueEntry(
+        "came",
+        DistributedCAME,
+        plan_options={"lr": 1e-4},
+        transient="none (row/column statistics are small)",
+        demo=Demo("CAME", 2.2e-4),
+    )
+)

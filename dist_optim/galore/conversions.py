@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from ..registry import Conversion, PlanEntry, register, register_plan
+from ..registry import CatalogueEntry, Conversion, Demo, register, register_entry
 from ..states import bnb
+from .groups import galore_param_groups
 from .optimizer import DistributedGaLore
 from .options import GROUP_DEFAULTS
 
@@ -106,11 +107,17 @@ for _path in (
     register(Conversion(_path, DistributedGaLore, _colossal_galore_8bit, _BNB_READS, _BNB_NEUTRAL))
 del _path
 
-register_plan(
-    PlanEntry(
+register_entry(
+    CatalogueEntry(
         "galore",
         DistributedGaLore,
+        recommended={"rank": 8, "update_proj_gap": 50},
+        param_groups=galore_param_groups,
+        plan_options={"rank": 128},
         refresh={"update_proj_gap": 2},
-        group_builder=("galore_param_groups", {"rank": 128}),
+        transient=(
+            "bucket_bytes (full gradients at the SVD owners per refresh bucket, low-rank sums per bucket), the rank"
+        ),
+        demo=Demo("GaLore (rank 8)", 3e-2),
     )
 )

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..registry import Conversion, PlanEntry, register, register_plan
+from ..registry import CatalogueEntry, Conversion, Demo, register, register_entry
 from .optimizer import DistributedKron
 from .schedule import precond_update_prob_schedule
 
@@ -64,4 +64,14 @@ def _kron_torch_kron(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
 
 register(Conversion("kron_torch.kron.Kron", DistributedKron, _kron_torch_kron, KRON_TORCH_OPTIONS))
 
-register_plan(PlanEntry("kron", DistributedKron))
+register_entry(
+    CatalogueEntry(
+        "kron",
+        DistributedKron,
+        # The initial scale from each parameter's first gradient (Li's rule): at kron_torch's fixed 1
+        # the first updates of small gradients are tiny, and a tiny Llama's loss stays high for ~100 steps.
+        recommended={"precond_init_scale": None},
+        transient="bucket_bytes (full momenta moved per bucket), max_size_triangular (dense factors)",
+        demo=Demo("PSGD Kron (initial scale from the gradient)", 6e-3),
+    )
+)

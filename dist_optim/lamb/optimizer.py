@@ -62,7 +62,7 @@ from ..checks import group_lr
 from ..comm import SumBucket
 from ..kernels.multi_tensor import scale_
 from ..layout import ParamLayout
-from ..registry import Conversion, PlanEntry, register, register_plan
+from ..registry import CatalogueEntry, Conversion, Demo, register, register_entry
 from ..sharding.budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..states import bnb
 
@@ -413,4 +413,13 @@ register(
     )
 )
 
-register_plan(PlanEntry("lamb", DistributedLamb))
+register_entry(
+    CatalogueEntry(
+        "lamb",
+        DistributedLamb,
+        recommended={"weight_decay": 0.01},
+        transient="bucket_bytes (the local update buffers of one bucket of parameters; default 256 MiB)",
+        # The demo shows the swap: ColossalAI's own Lamb, boosted, runs as ours.
+        demo=Demo("LAMB (colossalai Lamb -> ours)", 3e-2, "colossalai.nn.optimizer.Lamb"),
+    )
+)

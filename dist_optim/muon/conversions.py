@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from ..registry import Conversion, PlanEntry, register, register_plan
+from ..registry import CatalogueEntry, Conversion, Demo, register, register_entry
 from .coefficients import DEFAULT_NS_COEFFICIENTS
+from .groups import muon_param_groups
 from .normuon import NEURON_STATE, DistributedNorMuon, moment_dtype
 from .optimizer import DistributedMuon
 
@@ -171,5 +172,27 @@ for _name in ("NorMuonWithAuxAdam", "SingleDeviceNorMuonWithAuxAdam"):
         )
     )
 
-register_plan(PlanEntry("muon", DistributedMuon, group_builder=("muon_param_groups", {})))
-register_plan(PlanEntry("normuon", DistributedNorMuon, group_builder=("muon_param_groups", {})))
+_TRANSIENT = "bucket_bytes (full C moved per bucket), ns_dtype (Newton-Schulz workspace)"
+# Muon's update RMS matched to AdamW's (Liu et al. 2025), so one lr serves the Muon matrices and
+# the auxiliary AdamW group (embeddings, head, norms).
+_MATCHED = {"adjust_lr_fn": "match_rms_adamw"}
+register_entry(
+    CatalogueEntry(
+        "muon",
+        DistributedMuon,
+        recommended=_MATCHED,
+        param_groups=muon_param_groups,
+        transient=_TRANSIENT,
+        demo=Demo("Muon (aux AdamW, AdamW-matched RMS)", 1.4e-2),
+    )
+)
+register_entry(
+    CatalogueEntry(
+        "normuon",
+        DistributedNorMuon,
+        recommended=_MATCHED,
+        param_groups=muon_param_groups,
+        transient=_TRANSIENT,
+        demo=Demo("NorMuon (aux AdamW, AdamW-matched RMS)", 1.4e-2),
+    )
+)

@@ -291,18 +291,8 @@ class Plan:
         return out
 
 
-#: The option that bounds each optimizer's largest transient buffers.
-TRANSIENT_OPTIONS = {
-    "shampoo": "bucket_bytes (full gradients moved per bucket), communication_dtype",
-    "muon": "bucket_bytes (full C moved per bucket), ns_dtype (Newton-Schulz workspace)",
-    "normuon": "bucket_bytes (full C moved per bucket), ns_dtype (Newton-Schulz workspace)",
-    "galore": "bucket_bytes (full gradients at the SVD owners per refresh bucket, low-rank sums per bucket), the rank",
-    "kron": "bucket_bytes (full momenta moved per bucket), max_size_triangular (dense factors)",
-    "lamb": "bucket_bytes (the local update buffers of one bucket of parameters; default 256 MiB)",
-    "adamw": "foreach=False (torch's per-parameter loop)",
-    "adafactor": "none (row/column statistics are small)",
-    "came": "none (row/column statistics are small)",
-}
+#: What bounds each optimizer's transient memory, for the plan's reader (the catalogue's).
+TRANSIENT_OPTIONS = {name: entry.transient for name, entry in OPTIMIZERS.items()}
 
 
 def rank_total(rank: RankPlan, activations: Activations | None) -> int:

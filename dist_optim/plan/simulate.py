@@ -14,7 +14,6 @@ padding and chunking (LowLevelZero's rule, ``-numel mod zero size``, checked by
 from __future__ import annotations
 
 import contextlib
-import importlib
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 from dist_optim.kernels.replay import replaying
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
-from dist_optim.registry import PlanEntry, plan_entries
+from dist_optim.registry import CatalogueEntry, catalogue
 from dist_optim.sharding.placement import recording_owner_loads
 
 from .models import MODELS, PlanError, load_config, vocab_multiple
@@ -209,37 +208,31 @@ def _piece(
     return Piece(name, working, master, ParamLayout(tuple(full), tp, zero))
 
 
-def _registered() -> dict[str, PlanEntry]:
-    import dist_optim  # noqa: F401  (each optimizer module registers its plan entry on import)
-
-    return {"adamw": PlanEntry("adamw", torch.optim.AdamW), **plan_entries()}
-
-
-#: The planner's optimizers by ``--optimizer`` name: torch's AdamW (the baseline) and every
-#: dist_optim optimizer, as its module registered it (:class:`dist_optim.registry.PlanEntry`).
-OPTIMIZERS: dict[str, PlanEntry] = _registered()
+#: The planner's optimizers by ``--optimizer`` name: torch's AdamW (the baseline) and the
+#: catalogue's (:func:`dist_optim.registry.catalogue`).
+OPTIMIZERS: dict[str, CatalogueEntry] = {
+    "adamw": CatalogueEntry("adamw", torch.optim.AdamW, transient="foreach=False (torch's per-parameter loop)"),
+    **{name: entry for name, entry in catalogue().items() if entry.planned},
+}
 
 
 def build_optimizer(
     name: str, model: torch.nn.Module, masters: dict[str, torch.Tensor], args: dict[str, Any] | None = None
 ) -> torch.optim.Optimizer:
     """Optimizer ``name`` over ``masters`` (by parameter name), with its param groups made from
-    the unsharded ``model`` as a user builds them before boosting. ``args``: constructor options,
-    with ``galore`` / ``muon`` entries passed to the param-group builder. Parameters of ``model``
+    the unsharded ``model`` as a user builds them before boosting. ``args``: constructor options;
+    those the param-group builder names go to it (:meth:`~dist_optim.registry.CatalogueEntry.split`),
+    as does a dict under the optimizer's name (``{"muon": {"per_head": True}}``). Parameters of ``model``
     missing from ``masters`` are left out of their groups, and groups left empty are dropped (the
     ideal's representatives, :func:`single_device_state`)."""
     if name not in OPTIMIZERS:
         raise PlanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
     entry = OPTIMIZERS[name]
-    kwargs = {**entry.defaults, **entry.refresh, **(args or {})}
+    builder_args, kwargs = entry.split({**entry.plan_options, **entry.refresh, **(args or {})})
     cls = entry.target
     params: Any
-    if entry.group_builder is not None:
-        builder, builder_defaults = entry.group_builder
-        builder_args = {**builder_defaults, **kwargs.pop(name, {})}
-        if name == "galore":
-            builder_args.setdefault("update_proj_gap", kwargs.pop("update_proj_gap", 200))
-        groups = getattr(importlib.import_module("dist_optim"), builder)(model, **builder_args)
+    if entry.param_groups is not None:
+        groups = entry.param_groups(model, **{**builder_args, **kwargs.pop(name, {})})
         names = {id(p): n for n, p in model.named_parameters()}
         params = []
         for g in groups:

@@ -163,7 +163,7 @@ parallelism:
 * :mod:`.optimizer`: :class:`DistributedShampoo`, the coordinator.
 """
 
-from ..registry import PlanEntry, register_plan
+from ..registry import CatalogueEntry, Demo, register_entry
 from . import conversions  # noqa: F401  (registers the conversion from Meta's DistributedShampoo)
 from .blocking import Block, apply_each_dim, kept_triangle, merge_small_dims, plan_blocks
 from .optimizer import DistributedShampoo
@@ -189,6 +189,40 @@ __all__ = [
     "apply_each_dim",
 ]
 
-register_plan(
-    PlanEntry("shampoo", DistributedShampoo, refresh={"precondition_frequency": 2, "start_preconditioning_step": 2})
+_REFRESH = {"precondition_frequency": 2, "start_preconditioning_step": 2}
+_TRANSIENT = "bucket_bytes (full gradients moved per bucket), communication_dtype"
+register_entry(
+    CatalogueEntry(
+        "shampoo",
+        DistributedShampoo,
+        # Adam grafting as Meta's README configures it: without grafting at epsilon 1e-12 Shampoo's
+        # first roots of near-singular factors blow the update up (NaN within a few dozen steps).
+        recommended=dict(
+            precondition_frequency=10,
+            start_preconditioning_step=10,
+            grafting_config=AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+        ),
+        refresh=_REFRESH,
+        transient=_TRANSIENT,
+        demo=Demo("Shampoo (Adam grafting, pf=10)", 4.6e-3),
+    )
+)
+register_entry(
+    CatalogueEntry(
+        "soap",
+        DistributedShampoo,
+        # SOAP as Vyas et al. run it: eigenvectors at the first refresh, then one power step.
+        recommended=dict(
+            eigenvalue_correction=True,
+            eigenbasis="qr-eigh-start",
+            betas=(0.95, 0.95),
+            epsilon=1e-8,
+            precondition_frequency=10,
+            start_preconditioning_step=10,
+        ),
+        refresh=_REFRESH,
+        transient=_TRANSIENT,
+        demo=Demo("SOAP (pf=10)", 3e-2),
+        planned=False,
+    )
 )

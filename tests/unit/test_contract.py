@@ -1,4 +1,4 @@
-"""torch.optim's contract, for every registered optimizer (``dist_optim.registry.plan_entries``) with
+"""torch.optim's contract, for every registered optimizer (``dist_optim.registry.catalogue``) with
 its default options and each configuration of the parity grid (grafting configs, schedules,
 8-bit states, packing, low-bit eigenvectors): a new optimizer gets these tests by registering.
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import dist_optim
-from dist_optim.registry import plan_entries
+from dist_optim.registry import catalogue
 from tests.helpers.cases import PARITY_CASES, Case
 from tests.helpers.check import differences
 from tests.helpers.parity import full_grads, full_params, make
@@ -31,9 +31,9 @@ from tests.helpers.parity import full_grads, full_params, make
 #: parity-grid configuration.
 CASES: dict[str, Case] = {
     **{
-        f"{n}-defaults": Case(f"{n}-defaults", e.target, dict(e.defaults))
-        for n, e in plan_entries().items()
-        if e.group_builder is None
+        f"{n}-defaults": Case(f"{n}-defaults", e.target, dict(e.plan_options))
+        for n, e in catalogue().items()
+        if e.param_groups is None and e.planned
     },
     **{c.id: c for c in PARITY_CASES},
 }
@@ -43,7 +43,7 @@ BEFORE, AFTER = 3, 3  # steps before the copy / save, and after it (NONE_GRAD_ST
 
 
 def test_every_registered_optimizer_is_here() -> None:
-    assert {e.target for e in plan_entries().values()} <= {c.cls for c in CASES.values()}
+    assert {e.target for e in catalogue().values()} <= {c.cls for c in CASES.values()}
 
 
 def _feed(params: list[torch.Tensor], step: int) -> None:
@@ -228,7 +228,7 @@ def test_a_tensor_lr_steps_as_the_float(case_id: str) -> None:
     assert differences(b.full_state(), a.full_state()) == []
 
 
-@pytest.mark.parametrize("cls", sorted({e.target for e in plan_entries().values()}, key=lambda c: c.__name__))
+@pytest.mark.parametrize("cls", sorted({e.target for e in catalogue().values()}, key=lambda c: c.__name__))
 @pytest.mark.parametrize(
     "lr,match",
     [

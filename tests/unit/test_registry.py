@@ -1,12 +1,13 @@
-"""Every optimizer of dist_optim appears in every list that names optimizers (CONTRIBUTING.md,
-"Adding an optimizer"): a new optimizer that misses one fails here, naming the list.
+"""The optimizer catalogue (``dist_optim.registry.catalogue``, one entry per optimizer registered by
+its package) is what every list of optimizers derives from; the lists that cannot (the tests' and
+the benches' own) name every optimizer family (CONTRIBUTING.md, "Adding an optimizer"): a new
+optimizer that misses one fails here, naming the list.
 
-The optimizers are those whose modules registered a planner entry (``register_plan``), and they
-must be exactly the :class:`~dist_optim.base.DistOptimizer` classes ``dist_optim`` exports."""
+The catalogue's classes must be exactly the :class:`~dist_optim.base.DistOptimizer` classes
+``dist_optim`` exports."""
 
 from __future__ import annotations
 
-import importlib
 import re
 
 import pytest
@@ -14,55 +15,80 @@ import torch
 
 import dist_optim
 from dist_optim.base import DistOptimizer
-from dist_optim.registry import lookup, plan_entries
+from dist_optim.registry import CatalogueEntry, catalogue
 
-OURS = {name: entry.target for name, entry in plan_entries().items()}
-
-
-def _name_of(cls: type) -> str:
-    return next(n for n, c in OURS.items() if c is cls)
+CATALOGUE = catalogue()
+#: Each class's family name: the first catalogue name registered for it ("shampoo" for SOAP too).
+FAMILY = {e.target: next(n for n, f in CATALOGUE.items() if f.target is e.target) for e in CATALOGUE.values()}
 
 
-def test_every_exported_optimizer_registers_a_plan_entry() -> None:
+def test_every_exported_optimizer_has_a_catalogue_entry() -> None:
     exported = {
         obj
         for obj in (getattr(dist_optim, n) for n in dist_optim.__all__)
         if isinstance(obj, type) and issubclass(obj, DistOptimizer) and obj is not DistOptimizer
     }
-    assert exported == set(OURS.values()), f"exported {exported} != registered {set(OURS.values())}"
+    assert exported == set(FAMILY), f"exported {exported} != catalogued {set(FAMILY)}"
+
+
+def test_the_lists_of_optimizers_derive_from_the_catalogue() -> None:
+    """The recipe's short names, make demo's comparison and the planner's optimizers are the
+    catalogue's, with the options, rates and texts its entries give."""
+    from dist_optim.plan import OPTIMIZERS, TRANSIENT_OPTIONS
+    from recipes import building, compare_optimizers
+
+    assert building.OURS == {n: (e.target, dict(e.recommended)) for n, e in CATALOGUE.items()}
+    demo = {(e.demo.label, e.demo.source or n, e.demo.lr) for n, e in CATALOGUE.items() if e.demo is not None}
+    assert demo == set(compare_optimizers.DEFAULT[1:]) and len(compare_optimizers.DEFAULT) == len(demo) + 1
+    planned = {n for n, e in CATALOGUE.items() if e.planned}
+    assert set(OPTIMIZERS) == planned | {"adamw"} and all(OPTIMIZERS[n] is CATALOGUE[n] for n in planned)
+    assert TRANSIENT_OPTIONS == {n: e.transient for n, e in OPTIMIZERS.items()} and all(TRANSIENT_OPTIONS.values())
+
+
+def test_every_catalogued_class_is_planned_and_demonstrated() -> None:
+    """Each family reaches the planner and the demo under some name, with a demo row for every
+    entry whose class the demo's ordinary optimizers would not reach otherwise."""
+    from dist_optim.plan import OPTIMIZERS
+
+    assert {e.target for e in OPTIMIZERS.values()} >= set(FAMILY)
+    assert all(e.demo is not None for e in CATALOGUE.values())
+
+
+def test_builder_options_go_to_the_builder() -> None:
+    """split routes the options the param-group builder names to it, the rest to the constructor."""
+    galore = CATALOGUE["galore"]
+    routed = galore.split({"rank": 4, "update_proj_gap": 5, "lr": 1e-3})
+    assert routed == ({"rank": 4, "update_proj_gap": 5}, {"lr": 1e-3})
+    muon = CATALOGUE["muon"]
+    assert muon.split({"per_head": True, "momentum": 0.9}) == ({"per_head": True}, {"momentum": 0.9})
+    assert CatalogueEntry("x", dist_optim.DistributedLamb).split({"per_head": True}) == ({}, {"per_head": True})
+
+
+def test_a_name_is_catalogued_once() -> None:
+    from dist_optim.registry import register_entry
+
+    with pytest.raises(ValueError, match="'lamb' is registered twice"):
+        register_entry(CatalogueEntry("lamb", dist_optim.DistributedCAME))
 
 
 def _lists() -> dict[str, set[str]]:
-    """Each list, as the set of our optimizers' names it covers."""
+    """Each list that cannot derive from the catalogue (the tests' and the benches'), as the set of
+    optimizer families it covers."""
     from bench.rows import rows
-    from dist_optim.plan import TRANSIENT_OPTIONS
-    from recipes import building, compare_optimizers
     from tests.distributed.test_devices import CASES as DEVICE_CASES
     from tests.helpers.cases import FAMILIES, PARITY_CASES
 
-    compared = set()
-    for _, name, _ in compare_optimizers.DEFAULT:
-        if name in building.OURS:
-            compared.add(name)
-            continue
-        module, attr = name.rsplit(".", 1)
-        conversion = lookup(getattr(importlib.import_module(module), attr))
-        if conversion is not None:  # an ordinary optimizer the plugins swap for ours
-            compared.add(_name_of(conversion.target))
     return {
-        "recipes/train.py OURS": set(building.OURS),
-        "recipes/compare_optimizers.py DEFAULT": compared,
-        "dist_optim/plan TRANSIENT_OPTIONS": set(TRANSIENT_OPTIONS),
-        "tests/helpers/cases.py FAMILIES": {_name_of(f.cls) for f in FAMILIES},
-        "tests/helpers/cases.py PARITY_CASES": {_name_of(c.cls) for c in PARITY_CASES},
-        "tests/distributed/test_devices.py CASES": {_name_of(c.cls) for c in DEVICE_CASES},
+        "tests/helpers/cases.py FAMILIES": {FAMILY[f.cls] for f in FAMILIES},
+        "tests/helpers/cases.py PARITY_CASES": {FAMILY[c.cls] for c in PARITY_CASES},
+        "tests/distributed/test_devices.py CASES": {FAMILY[c.cls] for c in DEVICE_CASES},
         "bench/rows.py": {r.group for r in rows()},
     }
 
 
 @pytest.mark.parametrize("where", list(_lists()))
 def test_every_optimizer_is_in_every_list(where: str) -> None:
-    missing = sorted(set(OURS) - _lists()[where])
+    missing = sorted(set(FAMILY.values()) - _lists()[where])
     assert not missing, f"{where} lacks {missing} (CONTRIBUTING.md, 'Adding an optimizer')"
 
 
