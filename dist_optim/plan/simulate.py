@@ -50,6 +50,7 @@ __all__ = [
     "RankResult",
     "simulate_rank",
     "single_device_state",
+    "simulate_single_device",
     "PlanError",
     "DEVICES",
     "as_device",
@@ -124,27 +125,42 @@ def sharded_meta_model(
     return cast(torch.nn.Module, sharded)
 
 
-def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[torch.nn.Module, list[Piece]]:
-    """The meta model before sharding (for name-based param groups) and, in its parameter order,
-    what the plugin hands the optimizer on ``world``'s rank. Without a world: single-device."""
-    model = _meta_model(config)
-    sharded = model
-    tp_dims: dict[str, int | None] = {}
-    experts: set[str] = set()
-    if world is not None and (layout.tp > 1 or layout.pp > 1 or layout.sp > 1 or layout.ep > 1):
+#: What ShardFormer leaves on a rank, by model, split and the rank's stage and expert-parallel
+#: index (every TP and data-parallel rank of those holds the same shapes): each parameter's name,
+#: shape, TP dim and whether it is an expert's. Ranks planned in one process (rank 0, the busiest
+#: owner) shard the meta model once.
+_SHARDED: dict[tuple[Any, ...], list[tuple[str, tuple[int, ...], int | None, bool]]] = {}
+
+
+def _sharded_params(
+    config: Any, layout: Layout, world: SimWorld
+) -> list[tuple[str, tuple[int, ...], int | None, bool]]:
+    dp, stage, _, _ = layout.coordinates(world.rank)
+    split = (layout.tp, layout.pp, layout.sp, layout.ep, layout.num_model_chunks, layout.pp_style)
+    key = (config.to_json_string(), *split, stage, dp % layout.ep)
+    if key not in _SHARDED:
         from dist_optim.plugins.colossal import is_expert, tp_dim_of
 
         # ShardFormer replaces modules in place: shard a second meta model, keep the first whole.
         sharded = sharded_meta_model(config, layout, world)
-        if layout.tp > 1:
-            tp_dims = {n: tp_dim_of(p) for n, p in sharded.named_parameters()}
-        if layout.ep > 1:
-            experts = {n for n, p in sharded.named_parameters() if is_expert(p)}
-    if layout.plugin == "fsdp" and world is not None:
-        return model, _fsdp_pieces(sharded, layout, world)
+        _SHARDED[key] = [
+            (n, tuple(p.shape), tp_dim_of(p) if layout.tp > 1 else None, layout.ep > 1 and is_expert(p))
+            for n, p in sharded.named_parameters()
+        ]
+    return _SHARDED[key]
+
+
+def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[torch.nn.Module, list[Piece]]:
+    """The meta model before sharding (for name-based param groups) and, in its parameter order,
+    what the plugin hands the optimizer on ``world``'s rank. Without a world: single-device."""
+    model = _meta_model(config)
+    if world is not None and layout.plugin == "fsdp":
+        return model, _fsdp_pieces(model, layout, world)
+    if world is None or (layout.tp == 1 and layout.pp == 1 and layout.sp == 1 and layout.ep == 1):
+        return model, [_piece(n, p, None, layout, world) for n, p in model.named_parameters()]
     pieces = []
-    for name, working in sharded.named_parameters():
-        pieces.append(_piece(name, working, tp_dims.get(name), layout, world, name in experts))
+    for name, shape, tp_dim, expert in _sharded_params(config, layout, world):
+        pieces.append(_piece(name, torch.empty(shape, device="meta"), tp_dim, layout, world, expert))
     return model, pieces
 
 
@@ -384,7 +400,22 @@ def bind_like_plugin(opt: Any, pieces: Sequence[Piece], layout: Layout, tp_group
         opt.bind(layouts, dp_group=dist.group.WORLD)
 
 
+#: :func:`single_device_state`'s answers in this process, by model, optimizer, options and device:
+#: the ideal does not depend on the layout, and a sweep plans one optimizer under many layouts.
+_IDEALS: dict[tuple[str, str, str, str], tuple[int, str]] = {}
+
+
 def single_device_state(
+    config: Any, optimizer: str, args: dict[str, Any] | None, device: str = "cuda"
+) -> tuple[int, str]:
+    """:func:`simulate_single_device`, once per model, optimizer, options and device in a process."""
+    key = (config.to_json_string(), optimizer, repr(sorted((args or {}).items())), device)
+    if key not in _IDEALS:
+        _IDEALS[key] = simulate_single_device(config, optimizer, args, device)
+    return _IDEALS[key]
+
+
+def simulate_single_device(
     config: Any, optimizer: str, args: dict[str, Any] | None, device: str = "cuda"
 ) -> tuple[int, str]:
     """The unbound (single-device) optimizer's state bytes for the whole model, after the same

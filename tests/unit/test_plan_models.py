@@ -300,3 +300,30 @@ def test_a_tied_plain_head_model_is_not_vocabulary_padded(tmp_path: Path) -> Non
         check_model_layout(odd, tp=2)
     untied_odd = read_config(_write(tmp_path, json.dumps({**fields, "vocab_size": 301})))
     check_model_layout(untied_odd, tp=2)  # padded by the plugin, and no tie to break
+
+
+def test_the_single_device_state_is_simulated_once_per_model_and_optimizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ideal does not depend on the layout: plans of one model and optimizer under several
+    layouts (a sweep) simulate it once, and another optimizer or other options simulate their own."""
+    from dist_optim.plan import simulate
+
+    calls: list[str] = []
+    real = simulate.simulate_single_device
+
+    def counting(config: Any, optimizer: str, args: Any, device: str = "cuda") -> tuple[int, str]:
+        calls.append(optimizer)
+        return real(config, optimizer, args, device)
+
+    monkeypatch.setattr(simulate, "simulate_single_device", counting)
+    monkeypatch.setattr(simulate, "_IDEALS", {})
+    config = load_config(_write(tmp_path, json.dumps({**TINY, "model_type": "llama"})))
+    plans = [
+        make_plan(config, layout, "lamb", steps=2)
+        for layout in (Layout("hybrid", tp=2, dp=2), Layout("zero", zero=2, dp=4))
+    ]
+    assert calls == ["lamb"] and plans[0].single_device_state == plans[1].single_device_state > 0
+    make_plan(config, Layout("hybrid", tp=2, dp=2), "lamb", {"weight_decay": 0.1}, steps=2)
+    make_plan(config, Layout("hybrid", tp=2, dp=2), "came", steps=2)
+    assert calls == ["lamb", "lamb", "came"]
