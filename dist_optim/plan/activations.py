@@ -364,13 +364,14 @@ def activations_of_rank(
     """:func:`simulate_activations` on rank ``rank`` of ``layout`` (a
     :class:`~dist_optim.plan.world.Layout`): its ShardFormer-split meta model in the working
     precision, over ``fake`` process groups of the job's world size."""
-    from .simulate import as_device, sharded_meta_model
+    from .simulate import as_device, remember_sharding, sharded_meta_model
     from .world import SimWorld
 
     check_microbatches(layout, workload)
     ratio = 1.0 if workload.grad_checkpoint else None
     with SimWorld(layout, rank) as world, as_device(device), attention_as(workload.attn, device) as impl:
         model = sharded_meta_model(config, layout, world, attn_implementation=impl, checkpoint_ratio=ratio)
+        remember_sharding(config, layout, world, model)
         model.to(layout.working_dtype)
         stages = world.stage_manager
         if layout.pp_style != "interleaved":

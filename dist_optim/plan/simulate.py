@@ -44,6 +44,7 @@ __all__ = [
     "SimWorld",
     "build_pieces",
     "held_parameters",
+    "remember_sharding",
     "sharded_meta_model",
     "build_optimizer",
     "StepResult",
@@ -132,21 +133,31 @@ def sharded_meta_model(
 _SHARDED: dict[tuple[Any, ...], list[tuple[str, tuple[int, ...], int | None, bool]]] = {}
 
 
+def _sharding_key(config: Any, layout: Layout, world: SimWorld) -> tuple[Any, ...]:
+    dp, stage, _, _ = layout.coordinates(world.rank)
+    split = (layout.tp, layout.pp, layout.sp, layout.ep, layout.num_model_chunks, layout.pp_style)
+    return (config.to_json_string(), *split, stage, dp % layout.ep)
+
+
+def remember_sharding(config: Any, layout: Layout, world: SimWorld, sharded: torch.nn.Module) -> None:
+    """Keep what ShardFormer left on ``world``'s rank (``sharded``, split by
+    :func:`sharded_meta_model` for this ``layout``) for the ranks planned after it: the
+    activations' model has the parameters the optimizer's has, whatever its attention kernel."""
+    from dist_optim.plugins.colossal import is_expert, tp_dim_of
+
+    _SHARDED[_sharding_key(config, layout, world)] = [
+        (n, tuple(p.shape), tp_dim_of(p) if layout.tp > 1 else None, layout.ep > 1 and is_expert(p))
+        for n, p in sharded.named_parameters()
+    ]
+
+
 def _sharded_params(
     config: Any, layout: Layout, world: SimWorld
 ) -> list[tuple[str, tuple[int, ...], int | None, bool]]:
-    dp, stage, _, _ = layout.coordinates(world.rank)
-    split = (layout.tp, layout.pp, layout.sp, layout.ep, layout.num_model_chunks, layout.pp_style)
-    key = (config.to_json_string(), *split, stage, dp % layout.ep)
+    key = _sharding_key(config, layout, world)
     if key not in _SHARDED:
-        from dist_optim.plugins.colossal import is_expert, tp_dim_of
-
         # ShardFormer replaces modules in place: shard a second meta model, keep the first whole.
-        sharded = sharded_meta_model(config, layout, world)
-        _SHARDED[key] = [
-            (n, tuple(p.shape), tp_dim_of(p) if layout.tp > 1 else None, layout.ep > 1 and is_expert(p))
-            for n, p in sharded.named_parameters()
-        ]
+        remember_sharding(config, layout, world, sharded_meta_model(config, layout, world))
     return _SHARDED[key]
 
 
