@@ -22,7 +22,8 @@ What it fills in, and why (docs/design.md, "Running ColossalAI on CPU"):
   FSDP when the parameters already live there: asked without the offload;
 * on a torch without a CUDA device, ``torch.manual_seed`` still queues a CUDA seeding for a CUDA
   that can never initialise, formatting the caller's stack each time: ColossalAI's sharded layers
-  seed 32 times per ``booster.boost``, about 6% of a small boosted run on these ranks (docs/design.md).
+  seed 32 times per ``booster.boost``, a measurable share of a small boosted run on these ranks
+  (docs/design.md).
   There the queueing is skipped (:func:`_skip_queued_cuda_seeding`).
 
 Limits on CPU: ZeRO needs ``overlap_communication=False`` (``record_stream`` has no CPU

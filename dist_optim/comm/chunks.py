@@ -119,8 +119,8 @@ def scratch(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> 
     buffers alive at once). On the CPU, one of at least ``SCRATCH_MIN_BYTES`` is kept and reused by
     the next call (grown to the largest asked for): glibc gives a large freed buffer back to the
     system (unmapped, or trimmed off the heap's top), and in bench_step.py --dist galore the
-    reduce-scatter's two 1.5 MB buffers were faulted in again every step, about 770 page faults per
-    rank and step (its smaller buffers were not). It is
+    reduce-scatter's two 1.5 MB buffers were faulted in again every step, hundreds of page faults
+    per rank and step (its smaller buffers were not). It is
     held between steps: at most the largest bucket's packed bytes (:mod:`dist_optim.sharding.budget`) per
     role and dtype. Elsewhere a new buffer (CUDA's caching allocator already reuses memory; the
     planner's meta tensors hold none)."""

@@ -114,9 +114,10 @@ Deviations from galore_torch (all deliberate):
   state (the moments shrink 4x, the projectors not at all). Projector entries are entries of
   orthonormal vectors, so |x| <= 1 and fp16 cannot overflow; its rounding (relative 5e-4) keeps the
   8-bit runs within bitsandbytes' own test tolerances of the bitsandbytes-based GaLoreAdamW8bit
-  (mean relative parameter error 6e-5 against the 1.2e-3 allowed, tested), where bfloat16's
-  (4e-3) does not (2.1e-3). Q-GaLore (Zhang et al., 2024, arXiv:2407.08296) goes further with
-  INT4 projectors. ``projector_dtype=torch.float32`` restores galore_torch's storage.
+  (mean relative parameter error under 1.2e-3: tests/unit/test_galore.py's
+  ``test_8bit_matches_bitsandbytes_galore``), where bfloat16's (4e-3) does not. Q-GaLore (Zhang
+  et al., 2024, arXiv:2407.08296) goes further with INT4 projectors. ``projector_dtype=torch.float32``
+  restores galore_torch's storage.
 * An SVD owner's working set for one matrix (its full fp32 gradient, U and V^T of
   ``torch.linalg.svd``) is not split by the budget: ``M N + M k + k N`` fp32 values,
   ``k = min(M, N)``: 2 GiB (2.15 GB) for a Llama-2-70B MLP matrix, 28672 x 8192 (0.94 + 0.94 +

@@ -167,7 +167,7 @@ def fused_plain_adamw(
     grads: list[torch.Tensor],
 ) -> bool:
     """fp32-moment AdamW of plain params through torch's fused kernel (one pass over param,
-    grad and moments; on the CPU ~5x faster than the per-op path, which allocates
+    grad and moments; on the CPU several times faster than the per-op path, which allocates
     param-sized temporaries). Returns False, having changed nothing, where the kernel does not
     apply: it always bias-corrects, and wants dense tensors of one dtype per param.
 

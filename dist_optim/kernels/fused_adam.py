@@ -2,9 +2,9 @@
 they exist and whether they apply to a set of tensors, decided in one place for every optimizer
 that takes them (Shampoo's Adam grafting, GaLore's plain-parameter AdamW, Muon's auxiliary AdamW).
 
-The kernels make one pass over parameter, gradient and both moments (on the CPU ~4-5x faster than
-separate operations, which allocate parameter-sized temporaries); where they do not apply, each
-optimizer's per-operation path computes the same update.
+The kernels make one pass over parameter, gradient and both moments (on the CPU several times
+faster than separate operations, which allocate parameter-sized temporaries; measured once, not
+benched); where they do not apply, each optimizer's per-operation path computes the same update.
 """
 
 from __future__ import annotations

@@ -69,11 +69,11 @@ def symmetric_part(a: torch.Tensor) -> torch.Tensor:
 def all_finite(t: torch.Tensor) -> torch.Tensor:
     """Whether every entry of ``t`` is finite, a 0-d bool tensor (no host read): from the
     smallest and largest entry in one reduction (NaN propagates through both, an infinity is one
-    of them), 17x faster than ``torch.isfinite(t).all()``'s three elementwise passes and
-    temporaries on a 1024 x 1024 fp32 root here (0.06 against 1.0 ms)."""
+    of them), far faster than ``torch.isfinite(t).all()``'s three elementwise passes and
+    temporaries (measured once, not benched)."""
     if t.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=t.device)
-    if column_major(t):  # the same entries in memory order: a transposed read took 2.6 ms, not 0.13
+    if column_major(t):  # the same entries in memory order: a transposed read is many times slower
         t = t.mT
     lo, hi = torch.aminmax(t)
     return torch.isfinite(lo) & torch.isfinite(hi)
@@ -91,8 +91,9 @@ def symmetric_eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a mirrored factor, or one of these scaled and damped), bit for bit: ``a`` is handed over as its
     transpose, the same matrix, when that is column-major, LAPACK's layout, so that the copy
     ``eigh`` makes of its input into the eigenvector buffer is a straight one, not a transposed one
-    (per 1024-side fp32 matrix 0.46 ms of copies against 3.65, ``torch.profiler`` on the 2-core
-    CPU). The eigenvectors are column-major either way; their consumers read them in that order
+    (the straight copy is several times cheaper on the CPU; ``torch.profiler``, measured once,
+    not benched).
+    The eigenvectors are column-major either way; their consumers read them in that order
     (:func:`all_finite`, :func:`inverse_root_from_eigen`)."""
     return torch.linalg.eigh(a.mT if a.is_contiguous() else a)
 
@@ -115,7 +116,7 @@ def matrix_inverse_root(
     The matrix is symmetrised first (``(A + A^T) / 2``) unless ``overwrite``: the caller's matrix is
     then exactly symmetric already (Shampoo's factors after ``structured.symmetrize_``; the
     symmetrised copy would equal it bit for bit) and may be overwritten, so no copy is made (two
-    block-sized temporaries less per root: ~15% of a 1024-factor's refresh on the CPU here).
+    block-sized temporaries less per root, a visible part of a refresh on the CPU).
 
     ``eigh``: ``lam, Q = eigh(A + eps I)``; if ``min(lam) < eps`` (round-off made the damped matrix
     less definite than it should be) all eigenvalues are shifted up by ``eps - min(lam)``; the
@@ -206,9 +207,9 @@ def inverse_root_from_eigen(
     ``Q diag(lam'^-alpha)``, made here without them (the result is the first; a caller's reused
     ones save the page faults of fresh block-sized tensors on the CPU). ``Q diag(lam'^-alpha)``
     takes ``q``'s layout, in the work tensor or a fresh one alike: column-major for ``eigh``'s
-    eigenvectors (:func:`column_major`; a transposed pass into a row-major one took 2.6 ms per
-    1024-side fp32 ``q`` on the 2-core CPU, against 0.16), row-major for a kept basis. So the
-    products, and the root's bits, do not depend on who made the work tensors."""
+    eigenvectors (:func:`column_major`; a transposed pass into a row-major one is many times
+    slower on the CPU), row-major for a kept basis. So the products, and the root's bits, do not
+    depend on who made the work tensors."""
     if work is None:
         work = (q.new_empty(q.shape), q.new_empty(q.shape))
     scaled_out = work[1].mT if column_major(q) else work[1]
@@ -276,7 +277,7 @@ def qr_power_step(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tens
     """
     a = symmetric_part(matrix)
     # A Q serves both the quotients and the power step (its columns permuted): one product where
-    # a three-operand einsum and a second product took 1.4x the QR's time on 1376 x 1376 factors.
+    # a three-operand einsum and a second product cost more than the QR itself.
     aq = a @ basis
     estimates = (basis * aq).sum(0)
     perm = torch.argsort(estimates, descending=True, stable=True)

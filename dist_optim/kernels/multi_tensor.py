@@ -3,13 +3,14 @@
 torch 2.5.1's CPU ``torch._foreach_mul_(tensors, scalar)`` rounds the Python scalar to a bf16 or
 fp16 list's own dtype before multiplying, where ``Tensor.mul_`` multiplies in fp32 and rounds once:
 bf16(0.99) is 0.98828125, so a momentum of 0.99 on a bf16 buffer would decay it by 1.17% a step
-instead of 1% (measured: 1774 of 4000 random bf16 entries, 1395 of 4000 fp16 ones, differ from
-``mul_``'s for 0.99). The other multi-tensor operators the optimizers use with a scalar
-(``_foreach_add_`` with ``alpha``, ``_foreach_addcmul_`` with ``value``, ``_foreach_lerp_``, ``add``
-of a scalar) and ``_foreach_mul_`` by a list of tensors round as their per-tensor operators (the
-same measurement). So every list of tensors is scaled through :func:`scale_`: fp32/fp64 tensors in
-one multi-tensor call (a few launches on a GPU instead of one per tensor), the others per tensor,
-on every device, so that a bf16 state steps alike on CPUs and GPUs. tests/unit/test_multi_tensor.py
+instead of 1% (many entries of a random bf16 or fp16 tensor differ from ``mul_``'s for 0.99:
+tests/unit/test_multi_tensor.py's ``test_torch_foreach_is_why``). The other multi-tensor operators
+the optimizers use with a scalar (``_foreach_add_`` with ``alpha``, ``_foreach_addcmul_`` with
+``value``, ``_foreach_lerp_``, ``add`` of a scalar) and ``_foreach_mul_`` by a list of tensors round
+as their per-tensor operators (measured the same way once). So every list of tensors is scaled
+through :func:`scale_`: fp32/fp64 tensors in one multi-tensor call (a few launches on a GPU instead
+of one per tensor), the others per tensor, on every device, so that a bf16 state steps alike on
+CPUs and GPUs. tests/unit/test_multi_tensor.py
 checks it bit for bit; tests/unit/test_layering.py that no other module uses ``torch._foreach_mul_``.
 """
 

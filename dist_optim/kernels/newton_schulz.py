@@ -7,7 +7,7 @@ known to be symmetric is computed one off-diagonal block at a time
 (:func:`~dist_optim.kernels.structured.symmetric_product`); and, opt-in in every dtype
 (``gram_space=True``, ``DistributedMuon(ns_gram_space=True)``), a wide matrix iterates in Gram
 space, restarted every :data:`GRAM_SPACE_RESTART_EVERY` iterations
-(:func:`newton_schulz_gram_space`), which is faster and somewhat less accurate (measured at
+(:func:`newton_schulz_gram_space`), which is faster and somewhat less accurate (its accuracy:
 :data:`GRAM_SPACE_RESTART_EVERY`), and the other matrices take the blocked symmetric products in
 bfloat16/float16 too (:func:`reorders`). Otherwise bfloat16/float16 iterations keep the formula's
 order (torch.optim.Muon's, so that its conversions compute exactly what it does).
@@ -57,16 +57,13 @@ Coefficients = tuple[float, float, float]
 #: or at least 2.7 wide).
 GRAM_SPACE_RATIO = 2.0
 #: Gram space restarts from ``X`` (``X_k = Q_k X_0`` and a fresh ``A``) after this many iterations
-#: (:func:`gram_space_blocks`; 5 iterations: blocks of 3 and 2). Measured by
-#: ``bench/ns_accuracy.py`` as the distance to the formula run in float64, relative to the
-#: formula's own in the same dtype (max-abs; relative Frobenius for bf16/fp16), on momenta of rank
-#: 8, with singular values log-spaced over 1..1e-6, and Gaussian: in fp32 (512 x 1376 to 2048 x
-#: 5504) 1.0-3.1x with restarts against up to 58x without (4.5-58x at rank 8); in bfloat16 and
-#: float16 (256 x 704 to 1376 x 512) 0.83-0.87x on the first two kinds and 1.45-1.71x on Gaussian
-#: ones (under 3e-2, the bound tests/unit/test_muon.py holds the bf16 formula to) against 8-49x
-#: without on the first two (the failure the Gram Newton-Schulz authors restart for); every 2
-#: iterations measured 0.86-1.28x, for 0.85x instead of 0.78x the formula's unblocked flops at a
-#: Llama MLP's aspect 2.7.
+#: (:func:`gram_space_blocks`; 5 iterations: blocks of 3 and 2). Without restarts the rounding
+#: carried through a block grows to many times the formula's error on low-rank and ill-conditioned
+#: momenta (the failure the Gram Newton-Schulz authors restart for); with them it stays within a
+#: small factor of the formula's error in fp32 and near it in bf16/fp16, the bounds
+#: tests/unit/test_muon.py asserts (``GRAM_SPACE_ERROR_FACTOR``, ``HALF_GRAM_STRESS_FACTOR``).
+#: Every 2 iterations is more accurate but counts 0.85x instead of 0.78x the formula's unblocked
+#: flops at a Llama MLP's aspect 2.7. Errors by shape and dtype: ``bench/ns_accuracy.py``.
 GRAM_SPACE_RESTART_EVERY = 3
 #: Only fp32/fp64 iterations are reordered by default (symmetric products): in bfloat16
 #: (torch.optim.Muon's and KellerJordan's iteration dtype) the formula's own order is kept, so
@@ -74,9 +71,9 @@ GRAM_SPACE_RESTART_EVERY = 3
 #: dtype (:func:`reorders`).
 REORDERED_DTYPES = (torch.float32, torch.float64)
 #: Diagonal blocks of a symmetric product halve down to this size (Muon's products are one-off,
-#: unlike Kron's, so its own measured value): NS time at 512 x 512 / 512 x 1376 / 1024 x 1024 on
-#: the 2-core CPU, one thread, vs plain ``mm``: 0.93 / 0.87 / 0.82 at 256, 0.87 / 0.81 / 0.79 at
-#: 128, 0.89 / 0.82 / 0.78 at 64; with two threads within run-to-run noise at every size.
+#: unlike Kron's, so its own value): on one CPU thread 128 was about the fastest at 512 to 1024
+#: sides (larger blocks save fewer flops, smaller ones lose them to call overhead); on two threads
+#: the sizes tie. Measured once, not benched (the default path's time: ``bench/ns_accuracy.py --speed``).
 SYMMETRIC_MIN_SIZE = 128
 #: Matrices of more bytes than this, in a reordered iteration (:func:`reorders`), update
 #: ``X <- a X + P X`` in place, one block of columns at a time (:data:`IN_PLACE_BLOCK_BYTES` per
@@ -95,14 +92,11 @@ IN_PLACE_BLOCK_BYTES = 32 * 2**20
 BATCH_BYTES = 32 * 2**20
 #: Iteration dtypes in which the CPU (and the planner's meta tensors, which follow it) also iterates
 #: a step's matrices in batches (:func:`batches`). bfloat16 keeps the formula's plain products
-#: (:func:`reorders`), so batching loses no blocked product there, and one batched product per
-#: product ran faster than the per-matrix ones: on a 2-core Intel Xeon with AMX, ``torch.bmm`` of
-#: 8 512 x 512 products took 0.95 ms against 2.40 ms as 8 ``mm`` (torch 2.13; 1.08 against 1.63 on
-#: torch 2.5.1), since one such ``mm`` barely uses a second thread (2.63 ms on one); the iteration
-#: of 8 512 x 512 / 6 1376 x 512 / 2 1024 x 1024 matrices 0.58x / 0.81x / 0.60x the per-matrix time
-#: (0.81x / 1.01x / 0.69x on torch 2.5.1), 4 128 x 128 ones 0.36-0.40x. float16 measured 0.90-1.11x
-#: (no gain at these sides), and fp32 would give up its blocked symmetric products (0.75-0.78x the
-#: flops) for 0.92-1.03x: both stay per matrix.
+#: (:func:`reorders`), so batching loses no blocked product there, and one batched ``bmm`` per
+#: product beats per-matrix ``mm`` for small bf16 matrices on a CPU, because a single ``mm`` barely
+#: uses the second thread (the bf16 step in batches and per matrix: ``bench/vs_heavyball.py --only
+#: muon``). float16 gains nothing at these sides, and fp32 would give up its blocked symmetric
+#: products (0.75-0.78x the flops) for no gain: both stay per matrix (measured once, not benched).
 CPU_BATCHED_DTYPES = (torch.bfloat16,)
 
 
@@ -144,12 +138,13 @@ def newton_schulz(
     the formula in exact arithmetic, and as accurate in rounding: tests/unit/test_muon.py asserts
     that one fp32 step lands within 2x the plain formula's own fp32 distance to the formula run in
     float64, on 512-1536 wide gradients of rank 8, with singular values log-spaced over 1..1e-6, and
-    Gaussian (measured 0.94-1.28x by ``bench/ns_accuracy.py``, up to 2048 x 5504). With
+    Gaussian (larger shapes: ``bench/ns_accuracy.py``). With
     ``gram_space=True`` a wide matrix (:func:`takes_gram_space`) iterates in Gram space instead
     (:func:`newton_schulz_gram_space`, its accuracy there), and in bfloat16/float16 the others
     take the same blocked products, ``b A + c A A`` one ``addmm`` per block (rounded once, as the
     formula's ``addmm`` rounds it): tests/unit/test_muon.py asserts at most 1.1x the plain formula's
-    relative Frobenius distance to float64 in that dtype (bit-equal on the 2-core CPU's kernels).
+    relative Frobenius distance to float64 in that dtype (bit-equal where the kernels round each
+    block's dot products as the whole product's).
     Otherwise in bfloat16/float16 the formula is computed in its own order."""
     converted = dtype is not None and dtype != c.dtype  # then x is a new tensor
     x = c.to(dtype) if converted else c
@@ -176,10 +171,11 @@ def newton_schulz(
         for a, b, cc in coefficients:
             gram = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
             if x.dtype in REORDERED_DTYPES:
-                # A separate scale and sum: on 4-row blocks one addmm measured 1.2-2.7x their error.
+                # A separate scale and sum: one addmm per block was less accurate on small blocks.
                 poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE).mul_(cc).add_(gram, alpha=b)
             else:
-                # One rounding per element, as the formula's addmm: two measured 1.6x its bf16 error.
+                # One rounding per element, as the formula's addmm: two roundings fail the bound of
+                # test_half_precision_reordered_formula_rounds_as_the_formula (tests/unit/test_muon.py).
                 poly = symmetric_product(gram, gram, SYMMETRIC_MIN_SIZE, add=(gram, b, cc))
             del gram
             x = _update_by_columns_(x, poly, a) if in_place else torch.addmm(x, poly, x, beta=a)
@@ -230,7 +226,7 @@ def newton_schulz_many(
             alone.append(i)
             continue
         # A tall matrix joins the wide ones of its transposed shape only where a stack is one kernel
-        # (a GPU): a CPU's transposing copy took 20x a plain one (bf16 stack of six 1376 x 512).
+        # (a GPU): on a CPU a transposing copy into the stack costs many times a plain one.
         stored_tall = rows > cols and blocked(c)
         runs = kinds.setdefault((min(rows, cols), max(rows, cols), c.dtype, c.device, stored_tall), [[]])
         if (len(runs[-1]) + 1) * nbytes > BATCH_BYTES:
@@ -324,8 +320,8 @@ def newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficient
     so they commute: ``X_k = Q_k X_0`` with ``Q_k = P_k Q_{k-1}`` and ``A_{k+1} = P_k (P_k A_k)``.
     Each update is one ``addmm`` of ``B_k`` (``Q <- a Q + B Q``, ``A <- a A + B A``), never a
     product with ``P_k`` formed: ``a I + B_k`` rounded to bfloat16 loses the diagonal of ``B_k``
-    below the spacing of ``a`` (3.4: 1/64), which measured 1.8-2.4x the formula's error on Gaussian
-    momenta (1.5-1.6x with these updates; a throwaway comparison). Only ``Q_1 = P_1`` is formed (a
+    below the spacing of ``a`` (3.4: 1/64), which left the result further from the formula than
+    these updates do on Gaussian momenta (measured once, not benched). Only ``Q_1 = P_1`` is formed (a
     block of one iteration is the formula's own ``a X + B X``). Every ``m x m`` product here is of
     commuting symmetric matrices, hence symmetric, and is computed as one
     (:func:`~dist_optim.kernels.structured.symmetric_product`), as is ``A_0``. Flops:

@@ -8,8 +8,9 @@ Gram matrices, and Shampoo's factor update ``L <- b L + a G G^T`` is a symmetric
 products dominate their steps (a 4096-dim factor's update ``triu(D) @ Q`` is
 69 GMAC as an ``mm``). The triangular products and ``gram`` split in halves recursively: the
 diagonal blocks recurse, the off-diagonal block is one general ``mm``, and below ``min_size`` a
-plain ``mm`` takes over (its call overhead and BLAS efficiency win on small blocks). Measured on
-the 2-core CPU: upper x upper at n=4096 in 0.33x the time of ``mm``, general x triangular in 0.6x.
+plain ``mm`` takes over (its call overhead and BLAS efficiency win on small blocks). On the CPU
+they take a fraction of an ``mm``'s time, if more than their multiply-adds alone (upper x upper
+needs about a sixth of an ``mm``'s, general x triangular half); measured once, not benched.
 ``gram_update_`` goes down the lower triangle in column panels instead (see there).
 
 The results equal the plain products in exact arithmetic; in floating point the sums are grouped
@@ -18,9 +19,9 @@ exactly triangular: entries on the other side of the diagonal are never read.
 
 All of this is for processors whose matrix products are bound by their multiply-adds (the CPU).
 On a GPU a launch costs more than the multiply-adds a block saves, so there every product here is
-one plain ``mm`` (:func:`blocked` decides, for this module and its callers): measured on an H200,
-Muon's step with blocked Newton-Schulz products issued 10x the ``mm`` launches of a plain Muon's
-and took 4.9x its time, host-bound (``bench/bench_step.py --device cuda``, docs/benchmarks.md).
+one plain ``mm`` (:func:`blocked` decides, for this module and its callers): blocked Newton-Schulz
+products multiplied the ``mm`` launches of Muon's step and left it host-bound, far slower than a
+plain Muon's (``bench/bench_step.py --device cuda``, docs/gpu_smoke.md).
 """
 
 from __future__ import annotations
@@ -52,18 +53,18 @@ __all__ = [
 
 #: Below this size a block is multiplied with one ``mm`` (read at call time, so tests can lower it).
 MIN_SIZE = 256
-#: Columns per ``addmm_`` in :func:`gram_update_` (128 measured best of 96..256 at n = 704..1024).
+#: Columns per ``addmm_`` in :func:`gram_update_` (the fastest of the widths tried at Shampoo's block
+#: sides; the update's time: ``bench/blas_triangle.py``).
 PANEL = 128
 #: The most bytes of ``rows @ rows.T`` products :func:`gram_updates_` holds at once (four of a
 #: 1024-side factor in fp32): the launches it saves flatten out well below, the memory does not.
 PRODUCT_BYTES = 16 * 2**20
-#: Whether :func:`_times` routes CPU fp16 products around torch 2.5's slow gemm path: from row-major
-#: blocks of larger matrices (a 75 x 300 by 300 x 75 product: 47 ms, 0.12 ms from copies) or into
-#: such a block (128 x 1376 by 1376 x 128: 650 ms, 0.4 ms made whole and copied in). Gram space in
-#: fp16 ran 180-540x faster with it, Kron's products of a 600-side factor 35-110x
-#: (bench/structured_half.py). Not for bf16: Muon's whole iteration
-#: timed 0.94-1.11x with the detour (noise about 1). Measured on torch 2.5.1 (the pinned stack) and
-#: 2.13 (no such path there: off); versions between were not measured, and are left as 2.13.
+#: Whether :func:`_times` routes CPU fp16 products around torch 2.5's slow gemm path, taken for
+#: operands that are row-major blocks of larger matrices or a product into such a block: copying
+#: the blocks whole costs a small fraction of that path, and Gram space in fp16 and Kron's factor
+#: products run orders of magnitude faster with it (``bench/structured_half.py``). Not for bf16,
+#: where the detour gains nothing. torch 2.13 has no such path (off there); versions between 2.5.1
+#: and 2.13 were not checked, and are treated as 2.13.
 FP16_CPU_GEMM_DETOUR = TorchVersion(torch.__version__) < "2.6"
 
 
@@ -222,14 +223,14 @@ def gram_update_(
     The lower triangle is computed in column panels of ``panel`` columns, each one ``addmm_``
     from the diagonal down (``c[i:, i:i+w] <- beta c + alpha rows[i:] rows[i:i+w]^T``, BLAS
     scaling fused, no temporary): only the upper halves of the diagonal tiles are computed
-    needlessly (``panel / 2n`` of the work). Measured on the 2-core CPU at n = 1024: 0.63x the
-    time of ``rows @ rows.T`` (the ideal ``syrk`` is 0.5x; the earlier recursive halving with an
-    exact mirror after every update took 0.78x), which is most of Shampoo's step before its
-    first root.
+    needlessly (``panel / 2n`` of the work). On the CPU it comes close to an ideal ``syrk``'s half
+    of ``rows @ rows.T``, ahead of a recursive halving with an exact mirror after every update
+    (``bench/blas_triangle.py`` times it against torch's full product and BLAS's triangle kernels);
+    this update is most of Shampoo's step before its first root.
 
     At or below ``min_size``, and on a GPU (where a panel's launch costs more than the multiply-adds
-    it saves: Shampoo's step before its first root took 3.0x Meta's on an H100 with panels, see
-    docs/benchmarks.md), the whole matrix is updated, rounded exactly as
+    it saves: with panels Shampoo's step before its first root trailed Meta's on an H100,
+    ``bench/shampoo_vs_meta.py --device cuda``), the whole matrix is updated, rounded exactly as
     ``c * beta + (rows @ rows.T) * alpha``: early Shampoo factors of small blocks are nearly
     singular (rank-one sums plus a tiny epsilon) and SOAP's eigenbasis of their null space is
     decided by the last bits of the factor, so small blocks keep the plain formula's bits."""
@@ -290,11 +291,11 @@ def mirror_lower_(c: torch.Tensor, panel: int | None = None) -> torch.Tensor:
     (:func:`pack_lower`) holds bit for bit. On the CPU copies go panel by panel, so that no
     transposed temporary of ``c``'s size is made (a fresh one costs page faults); on a GPU
     (:func:`blocked`) it is that packing's round trip, :func:`pack_lower` then
-    :func:`unpack_symmetric` (two gathers), since the panels' ~6 launches each made a 1024-side
-    mirror host-bound: Shampoo's kept warm refresh, two mirrors per factor, took 2-3x its time
-    without them on an H100 (docs/benchmarks.md). ``c`` is contiguous or a transposed view of
-    contiguous memory (a factor's kept triangle); the symmetric result is the same written
-    through either."""
+    :func:`unpack_symmetric` (two gathers), since the panels' launches made a 1024-side mirror
+    host-bound and slowed Shampoo's kept warm refresh, two mirrors per factor, several fold on an H100
+    (``bench/shampoo_vs_meta.py --device cuda --drift 0``, docs/benchmarks.md). ``c`` is contiguous
+    or a transposed view of contiguous memory (a factor's kept triangle); the symmetric result is
+    the same written through either."""
     n = c.shape[0]
     if not blocked(c):
         unpack_symmetric(pack_lower(c), n, out=c if c.is_contiguous() else c.T)
@@ -315,9 +316,8 @@ _LOWER_MASKS: dict[tuple[int, torch.device], torch.Tensor] = {}
 def _lower_mask(size: int, device: torch.device) -> torch.Tensor:
     """``size x size`` bools, true on and below the diagonal, cached per size and device (one panel
     width per run): a diagonal tile of :func:`mirror_lower_` is one ``where`` over it, pure copies
-    (as the packing's round trip makes them: a negative zero stays one), in half the time of the
-    sum of its two triangles that it replaced (0.82 against 1.73 ms for the eight tiles of a
-    1024-side fp32 matrix on the 2-core CPU). On meta tensors (the planner's) a fresh one each
+    (as the packing's round trip makes them: a negative zero stays one), faster than the sum of
+    its two triangles that it replaced (measured once, not benched). On meta tensors (the planner's) a fresh one each
     call: a temporary of the mirror, not memory the planner should see kept."""
     key = (size, device)
     mask = _LOWER_MASKS.get(key)

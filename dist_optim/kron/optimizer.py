@@ -101,7 +101,8 @@ class DistributedKron(DistOptimizer):
             :mod:`dist_optim.states.lowbit`, as Wang et al. 2024, arXiv:2405.18144, keep Shampoo's),
             dequantised for each step and quantised anew where an update changed them, rounded
             stochastically (:mod:`dist_optim.kron.state`); diagonal factors stay in ``precond_dtype``.
-            4 bits is refused: measured 3.6% above full precision's loss (:mod:`dist_optim.kron.options`).
+            4 bits is refused: it ends too far above full precision's held-out loss
+            (``bench/compact_quality.py``; :mod:`dist_optim.kron.options`).
         bucket_bytes: the step-memory budget (:mod:`dist_optim.sharding.budget`): when bound, the
             parameters go to their owners and back in buckets of consecutive parameters of at
             most this many bytes of full momenta (a larger parameter is a bucket of its own), each

@@ -46,7 +46,8 @@ def constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Te
     """``torch.tensor(value, dtype, device)``, made once per value, dtype and device (never written
     to): the same rounding as kron_torch's per-step scalars, without their cost on a GPU, where
     each ``torch.tensor`` of a Python number copies from pageable host memory and waits for the
-    device (75 of Kron's 76 host waits a step on an H200, ``torch.cuda.set_sync_debug_mode``)."""
+    device (most of Kron's host waits in a step on a GPU, as ``torch.cuda.set_sync_debug_mode``
+    shows)."""
     return torch.tensor(value, dtype=dtype, device=device)
 
 

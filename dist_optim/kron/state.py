@@ -31,13 +31,13 @@ and the checkpoints serialise), and the one place that spells its keys.
   The rounding is stochastic (:mod:`dist_optim.states.lowbit`: with ``y = x / absmax * 127``, the code
   ``floor(y) + 127 + [u < y - floor(y)]``, up with probability the fraction). Kron's fit
   multiplies ``Q`` by ``I - step`` with ``|step| <= precond_lr`` each update, and part of an
-  update is below half a code (1/254 of its block's absmax; 20% of an update's entries on a
-  96 x 64 least-squares layer over 60 updates): rounded to nearest such a change returns to the
-  old code every time, a bias toward no change that ended 24% above full precision's held-out
-  loss on the tiny Llama (bench/compact_quality.py, docs/benchmarks.md); rounded stochastically
-  the stored factor equals the fitted one in expectation and the small changes accumulate: the
-  same run ended 0.45% below full precision. The uniforms ``u`` are ``torch.rand`` over the
-  stored elements, factor after factor in dim order, from a generator seeded by the BLAKE2b
+  update is below half a code (1/254 of its block's absmax): rounded to nearest such a change
+  returns to the old code every time, a bias toward no change that ends far above full
+  precision's held-out loss on the tiny Llama; rounded stochastically the stored factor equals
+  the fitted one in expectation and the small changes accumulate, and the run ends level with
+  full precision (bench/compact_quality.py, docs/benchmarks.md). The uniforms ``u`` are
+  ``torch.rand`` over the stored elements, factor after factor in dim order, from a generator
+  seeded by the BLAKE2b
   digest of ``"round|<seed>|<parameter key>|<parameter step>"``
   (:meth:`~dist_optim.kron.randomness.KronRandomness.rounding_generator`; the key as the
   per-parameter probes', whatever ``probe_rng``): the same on every layout, and a function of

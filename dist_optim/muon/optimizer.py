@@ -110,8 +110,8 @@ class DistributedMuon(DistOptimizer):
         adjust_lr_fn: None / ``"original"`` or ``"match_rms_adamw"`` (see :func:`adjusted_lr`).
         ns_dtype: dtype of the iteration (None: the parameter's; torch's and KellerJordan's Muon
             iterate in bfloat16, so their conversions set ``torch.bfloat16``). On a CPU without
-            bf16 instructions (AVX2 only) an iteration's bf16 products took 31-36x their fp32 time
-            (docs/benchmarks.md): keep None there.
+            bf16 instructions (AVX2 only) bf16 products are many times slower than fp32 ones
+            (``bench/vs_heavyball.py --only muon``, docs/benchmarks.md): keep None there.
         communication_dtype: dtype in which pieces of ``C`` travel to the owners and the
             orthogonalized pieces back (None: the parameters' dtype; bfloat16 halves the bytes).
         momentum_ema: keep the momentum as an exponential moving average (KellerJordan's and
@@ -120,16 +120,16 @@ class DistributedMuon(DistOptimizer):
             space, in every ``ns_dtype``, restarting from ``X`` every 3 iterations
             (:func:`dist_optim.kernels.newton_schulz.newton_schulz_gram_space`, the Gram Newton-Schulz of
             Dao AI Lab, 2026): 0.78x the formula's unblocked flops at a Llama MLP's aspect 2.7,
-            0.67x at 4; measured 1.0-3.1x the formula's own fp32 error on rank-8, ill-conditioned
-            and Gaussian momenta, and in bfloat16/float16 0.83-1.71x the formula's error in that
-            dtype (:data:`dist_optim.kernels.newton_schulz.GRAM_SPACE_RESTART_EVERY`). The other matrices
-            then compute their symmetric products blockwise in bfloat16/float16 too, as fp32 does
-            by default (on a CPU; 0.798x the formula's time at 512 x 512 in bf16, two threads,
-            ``bench/ns_accuracy.py --dtype bf16 --shapes 512x512 --speed``): as accurate as the
-            formula (:func:`dist_optim.kernels.newton_schulz.reorders`). On a CPU with AMX, whose bf16
-            products are fast, those blocked products cost more than they save: the bench set's
-            bf16 step measured 1.36x and 1.38x heavyball's against 0.70x and 0.71x without this
-            option (docs/benchmarks.md); leave it off there. Default False: the formula (a converted
+            0.67x at 4; less accurate than the formula, within the bounds tests/unit/test_muon.py
+            asserts on the momenta that stress it (fp32: a few times the formula's own error;
+            bf16/fp16: about the formula's in that dtype;
+            :data:`dist_optim.kernels.newton_schulz.GRAM_SPACE_RESTART_EVERY`). The other matrices
+            then compute their symmetric products blockwise in bf16/fp16 too, as fp32 does by default
+            (on a CPU; ``bench/ns_accuracy.py --dtype bf16 --shapes 512x512 --speed`` times them): as
+            accurate as the formula (:func:`dist_optim.kernels.newton_schulz.reorders`). On a CPU with
+            AMX, whose bf16 products are fast, those blocked products cost more than they save: the
+            bench set's bf16 step is slower with this option (``bench/vs_heavyball.py --only muon``,
+            docs/benchmarks.md); leave it off there. Default False: the formula (a converted
             torch or KellerJordan Muon computes exactly what it did).
         stacked: a parameter with 3+ dims is a stack of matrices along its first dim (experts or
             heads stored in one tensor): each ``p[i]``, seen as ``shape[1] x prod(shape[2:])``, is

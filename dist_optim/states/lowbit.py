@@ -16,7 +16,7 @@ The format of a tensor of ``n`` elements, flattened row-major:
   ``2^bits - 1`` of the ``2^bits`` codes; the value of a code is ``(c - h) / h * absmax`` (both
   steps rounded to fp32, the first by the CPU's division), so ``absmax`` itself and zero are
   exact (an identity matrix round-trips exactly); a block with ``absmax = 0`` is zeros. Codes,
-  absmax and values measured identical on the CPU and on an H200 (up to 2^20 elements);
+  absmax and values came out identical on the CPU and on a GPU (checked once, not benched);
 * at 8 bits one code a byte; at 4 bits two codes a byte, element ``2i`` in the low nibble and
   ``2i + 1`` in the high one (an odd ``n`` pads one zero code).
 
@@ -30,19 +30,15 @@ every change below half a code. In distribution it is the textbook ``floor(y + h
 as a comparison because ``y + u`` in fp32 rounds (it could move ``-absmax`` a code up): zero and
 ``absmax`` (``y`` an integer) stay exact under every draw. Wang et al. round to nearest.
 
-The map, chosen by measured reconstruction error (``R = Q diag(s) Q^T`` from a quantised
-eigenvector matrix ``Q`` after one Björck step, relative Frobenius error against float64, ``s =
-lam^-1/4``, sides 64, 256 and 1024, 4 bits): on dense eigenvectors (a Wishart factor, a low-rank
-one, a log-spaced spectrum) this map measured 0.029, 0.058-0.068 and 0.075, Wang et al.'s
-linear-square map (``sign(y) y^2``, ``y = -1 + 2j / 15``, no zero code) 0.028-0.030, 0.058-0.060
-and 0.075, the plain linear map ``y`` 0.025, 0.054-0.069 and 0.068-0.070; on the eigenvectors of a
-diagonally dominant factor (nearly a permutation, as early in training) this map 0.0003-0.0012,
-linear-square 0.006-0.022 and the linear map without a zero code 0.18-0.30. So a zero code matters
-and the square brings nothing measurable on these. At 8 bits every map measured 0.0001-0.0047
-(blocks of 64 instead of 256: at most 20% smaller errors for 4x the absmax bytes; 256 kept).
-Without the Björck step the 4-bit errors were 0.14-0.18 (one step: 2-5x smaller; a second step
-0.014 instead of 0.029 on the Wishart factor, at two more products per use: not taken, one step
-as Wang et al.'s default), the 8-bit ones 0.010-0.012 (one step: 0.001-0.0047).
+The map was chosen by reconstruction error (``R = Q diag(s) Q^T`` from a quantised eigenvector
+matrix ``Q`` after one Björck step, against float64; measured once, not benched): on dense
+eigenvectors this map, Wang et al.'s linear-square map (``sign(y) y^2``, ``y = -1 + 2j / 15``, no
+zero code) and the plain linear map ``y`` came out alike, while on the eigenvectors of a diagonally
+dominant factor (nearly a permutation, as early in training) both maps without a zero code were
+far worse. So a zero code matters and the square brings nothing. At 8 bits the maps differ little,
+and blocks of 64 instead of 256 shrink the errors little for 4x the absmax bytes: 256 kept. One
+Björck step (Wang et al.'s default) makes the errors several times smaller at both widths; a
+second shrinks them further at two more products per use, and is not taken.
 """
 
 from __future__ import annotations
@@ -133,8 +129,8 @@ _VALUES: dict[tuple[int, str], torch.Tensor] = {}
 
 def _code_values(bits: int, device: torch.device) -> torch.Tensor:
     """``(c - h) / h`` for every code, rounded to fp32 once on the CPU: CUDA divides by a scalar as
-    a product with its reciprocal, which rounded 9% of the values an ulp apart from the CPU's
-    division (H200, torch 2.11); a table read is the same on every device."""
+    a product with its reciprocal, which rounds some values an ulp apart from the CPU's division;
+    a table read is the same on every device."""
     key = (bits, str(device))
     if key not in _VALUES:
         h = LEVELS[bits]
@@ -145,8 +141,8 @@ def _code_values(bits: int, device: torch.device) -> torch.Tensor:
 def rectify(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One step of Björck's orthonormalisation, ``Q (3 I - Q^T Q) / 2``, as Wang et al. rectify a
     dequantised eigenvector matrix: for ``Q = U (I + E)`` with ``U`` orthogonal and small symmetric
-    ``E``, the result's departure from orthogonality is ``O(E^2)`` (measured in the module
-    docstring: 2-5x smaller errors at 4 bits). ``Q^T Q`` by :func:`dist_optim.kernels.structured.gram`
+    ``E``, the result's departure from orthogonality is ``O(E^2)`` (why one step: the module
+    docstring). ``Q^T Q`` by :func:`dist_optim.kernels.structured.gram`
     on ``Q^T`` (on the CPU exactly symmetric, about 3/4 of the products of a 1024-side ``mm``)."""
     qtq = structured.gram(q.T)
     if out is None:

@@ -241,7 +241,7 @@ class DistPool:
                 p.kill()
         for p in self._procs:
             p.join(timeout=5)
-        # The rendezvous file grows with every group created (~0.4 MB over a suite run); nothing
+        # The rendezvous file grows with every group created; nothing
         # reads it once the workers are gone, and a restart starts a new one.
         shutil.rmtree(self._dir, ignore_errors=True)
 
