@@ -235,11 +235,14 @@ def canonical_signs(q: torch.Tensor) -> torch.Tensor:
     return q * signs
 
 
-def eigenbasis(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvectors of a symmetric matrix, columns in decreasing eigenvalue order and canonical
-    signs, and whether the result is finite."""
+def eigenbasis(matrix: torch.Tensor, descending: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvectors of a symmetric matrix, columns in decreasing eigenvalue order (Vyas et al.'s
+    SOAP flips ``eigh``'s) or, with ``descending=False``, in ``eigh``'s increasing order (Meta's
+    ``EighEigendecompositionConfig``), canonical signs, and whether the result is finite. SOAP's
+    second moment stays in the basis's coordinates across a refresh, so the order is part of the
+    algorithm."""
     _, q = symmetric_eigh(symmetric_part(matrix))
-    q = canonical_signs(q.flip(-1))
+    q = canonical_signs(q.flip(-1) if descending else q)
     return q, all_finite(q)
 
 

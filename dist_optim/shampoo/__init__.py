@@ -5,7 +5,8 @@ Papers: Gupta, Koren & Singer 2018, "Shampoo: Preconditioned Stochastic Tensor O
 (arXiv:2002.09018: blocking, grafting, amortised roots, failure handling); Shi et al. 2023, "A
 Distributed Data-Parallel PyTorch Implementation of the Distributed Shampoo Optimizer for Training
 Neural Networks At-Scale" (arXiv:2309.06497: the options and the work split this class follows);
-Vyas et al. 2024, "SOAP: Improving and Stabilizing Shampoo using Adam" (arXiv:2409.11321).
+Vyas et al. 2024, "SOAP: Improving and Stabilizing Shampoo using Adam" (arXiv:2409.11321);
+Lin et al. 2025 (arXiv:2509.03378: KL-Shampoo and KL-SOAP).
 
 Per parameter, with ``t`` its 1-based step (steps without a gradient do not count):
 
@@ -44,7 +45,8 @@ Per parameter, with ``t`` its 1-based step (steps without a gradient do not coun
 SOAP (``eigenvalue_correction=True``): Adam in the eigenbasis ``Q_k`` of the factors, ``Q_k = I``
 until the first refresh. At the steps of (4), with ``A = L / (1 - b2^n)``, the basis is refreshed:
 
-* ``eigenbasis="eigh"``: the eigenvectors of ``A``, decreasing eigenvalues.
+* ``eigenbasis="eigh"``: the eigenvectors of ``A``, decreasing eigenvalues; ``"eigh-ascending"``
+  in increasing order, as Meta's ``EighEigendecompositionConfig`` keeps them (below).
 * ``eigenbasis="qr"``: Meta's ``DefaultSOAPConfig`` (``QREigendecompositionConfig(max_iterations=1)``):
   one QR-algorithm step from the current basis (the identity at the first refresh),
   ``B = Q^T (A + epsilon I) Q``, ``Q' R = qr(B)``, ``Q <- Q Q'``, columns sorted by ``diag(R Q')``
@@ -67,6 +69,15 @@ by ``x_k Q_k'^T Q_k`` when a refresh changes the basis), as in Vyas et al.'s lat
 heavyball: the same ``Mhat x_k Q_k^T`` in exact arithmetic with two rotations a step instead of
 three. With grafting it stays in the parameter's basis (``exp_avg``), where ``D`` needs it.
 
+``kl_statistics=True``: KL-Shampoo and, with SOAP, KL-SOAP (Lin et al. 2025, "Understanding and
+Improving Shampoo and SOAP via Kullback-Leibler Minimization", arXiv:2509.03378), whose statistics
+in (2) whiten the gradient along the other dims by their current estimate: Shampoo's roots
+(``G x_{j != k} R_j``), or SOAP's inverse factors in its basis, ``L_k <- b2 L_k + (1 - b2) G_(k)
+(x_{j != k} Q_j diag(lam_j)^-1 Q_j^T) G_(k)^T / prod_{j != k} d_j`` with ``lam_j = max(diag(Q_j^T
+A_j Q_j), epsilon)`` of the factors before the step's statistics (``lam_j = 1`` at the first); see
+:mod:`.preconditioner.factors`. No state of their own; every other option as for Shampoo and SOAP,
+except quantised roots or bases (``preconditioner_bits``), which the statistics cannot read whole.
+
 Deviations, all stated:
 
 * ``start_preconditioning_step`` 0 or 1 both mean "from the first step" (Meta's 0/1 rules); any
@@ -81,11 +92,12 @@ Deviations, all stated:
   of that parameter differ from ours (Shampoo and SOAP alike).
 * A basis refresh that is not finite keeps the previous basis and is counted in
   ``block<i>.failures`` (Meta's raises).
-* ``eigenbasis="eigh"`` orders its columns by decreasing eigenvalue (canonical signs), Meta's
-  ``EighEigendecompositionConfig`` by increasing eigenvalue. ``S`` is kept per column across a
-  refresh, so what it accumulated in the identity basis before the first refresh is attached to
-  other columns than in Meta's (signs do not matter: ``S`` is a square and ``Mhat`` is rotated
-  there and back).
+* ``eigenbasis="eigh"`` orders its columns by decreasing eigenvalue (canonical signs, Vyas et
+  al.'s order), Meta's ``EighEigendecompositionConfig`` by increasing eigenvalue. ``S`` is kept per
+  column across a refresh, so what it accumulated in the identity basis before the first refresh
+  is attached to other columns than in Meta's; ``"eigh-ascending"`` keeps Meta's order, and the
+  conversion maps Meta's config to it (signs do not matter: ``S`` is a square and ``Mhat`` is
+  rotated there and back).
 * The iterative root methods use the same absolute ``epsilon`` as ``eigh`` (Meta's higher-order
   method scales it by an estimate of the largest eigenvalue); they need ``exponent_multiplier=1``.
 * ``skip_preconditioning_dim_size_gt`` (Anil et al.) applies per parameter: a parameter with a

@@ -84,18 +84,21 @@ def _root_method(config: Any) -> str:
 
 def _eigenbasis(config: Any) -> str:
     """Our SOAP ``eigenbasis`` for Meta's eigendecomposition of an eigenvalue-corrected config: its
-    ``DefaultSOAPConfig`` (one QR step from the previous basis at each refresh) only: with Meta's
-    ``eigh`` basis its steps and ours part in float64 on full-rank factors, beyond rounding
-    (``bench/meta_shampoo_conversion.py --soap-eigh``)."""
+    ``DefaultSOAPConfig`` (one QR step from the previous basis at each refresh) is ``"qr"``; its
+    ``EighEigendecompositionConfig`` (recomputed at every refresh, columns in ``eigh``'s increasing
+    order) is ``"eigh-ascending"`` (``bench/meta_shampoo_conversion.py --soap-eigh``)."""
     computation = config.amortized_computation_config
-    if _name(computation) == "QREigendecompositionConfig" and computation.max_iterations == 1:
-        if computation.tolerance == 0:
-            return "qr"
+    kind = _name(computation)
+    if kind == "QREigendecompositionConfig" and computation.max_iterations == 1 and computation.tolerance == 0:
+        return "qr"
+    if kind == "EighEigendecompositionConfig" and computation.tolerance == 0:
+        return "eigh-ascending"
     raise _refuse(
         "preconditioner_config",
         config,
-        "an eigenvalue-corrected config converts with QREigendecompositionConfig(max_iterations=1, tolerance=0), "
-        "Meta's DefaultSOAPConfig; build DistributedShampoo(eigenvalue_correction=True) for the others",
+        "an eigenvalue-corrected config converts with QREigendecompositionConfig(max_iterations=1, tolerance=0) "
+        "(Meta's DefaultSOAPConfig) or EighEigendecompositionConfig(tolerance=0); build "
+        "DistributedShampoo(eigenvalue_correction=True) for the others",
     )
 
 

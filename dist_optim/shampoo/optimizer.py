@@ -68,8 +68,9 @@ class DistributedShampoo(DistOptimizer):
         root_inverse: ``"eigh"``, ``"coupled_newton"``, ``"higher_order"`` or ``"warm"`` (from the
             previous eigenvectors, kept as ``basis<k>``: see the package docstring).
         eigenvalue_correction: SOAP.
-        eigenbasis: SOAP basis refresh: ``"eigh"``, ``"qr"`` (Meta's ``DefaultSOAPConfig``),
-            ``"qr-eigh-start"`` (Vyas et al.'s) or ``"warm"``; see the package docstring.
+        eigenbasis: SOAP basis refresh: ``"eigh"``, ``"eigh-ascending"`` (Meta's ``eigh`` basis),
+            ``"qr"`` (Meta's ``DefaultSOAPConfig``), ``"qr-eigh-start"`` (Vyas et al.'s) or ``"warm"``;
+            see the package docstring.
         refresh_tolerance: ``"warm"`` keeps the eigenvectors ``Q`` while ``||B - diag(B)||_F <=
             refresh_tolerance ||B||_F``, ``B = Q^T A Q`` (in [0, 1]; 0: always recompute).
         refresh_iterations: ``"warm"``'s QR-algorithm steps before ``eigh`` (default 0: keep or
@@ -84,7 +85,10 @@ class DistributedShampoo(DistOptimizer):
             ``RootInvKLShampooPreconditionerConfig``): each factor's statistics from the gradient
             preconditioned along the other dims by their current roots, ``L_k <- b2 L_k + (1 - b2)
             G~_(k) G~_(k)^T`` with ``G~ = G x_{j != k} R_j`` (the identity before the first refresh);
-            Shampoo's direction otherwise. Not with SOAP or quantised roots.
+            Shampoo's direction otherwise. With ``eigenvalue_correction``, KL-SOAP: the other dims
+            whitened by their factors' inverses in SOAP's basis, eigenvalues estimated there
+            (:func:`.preconditioner.factors.kl_soap_whiteners`); SOAP's direction otherwise. Not
+            with quantised roots or bases.
         merge_small_dims: merge small consecutive dims before blocking.
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).

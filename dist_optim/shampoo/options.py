@@ -116,7 +116,7 @@ SQUARED_GRAFTING_TYPES = (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraf
 #: eigenvectors (:func:`dist_optim.kernels.matrix_functions.warm_eigh`, options ``refresh_tolerance`` and
 #: ``refresh_iterations``); the block keeps its eigenvectors (state ``basis<k>``).
 WARM = "warm"
-EIGENBASES = ("eigh", "qr", "qr-eigh-start", WARM)
+EIGENBASES = ("eigh", "eigh-ascending", "qr", "qr-eigh-start", WARM)
 ROOT_INVERSES = (*matrix_functions.ROOT_METHODS, WARM)
 COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -218,17 +218,13 @@ def validate_options(group: dict[str, Any]) -> None:
 
 
 def _check_kl(group: dict[str, Any]) -> None:
-    """KL-Shampoo's statistics read the roots: only where whole roots are kept."""
+    """KL-Shampoo's statistics read the roots, KL-SOAP's the bases: only where they are kept whole."""
     if not group["kl_statistics"]:
         return
-    if group["eigenvalue_correction"]:
-        raise ValueError(
-            "kl_statistics=True preconditions the statistics with Shampoo's roots, which SOAP "
-            "(eigenvalue_correction=True) does not keep: use eigenvalue_correction=False, or kl_statistics=False"
-        )
     if group["preconditioner_bits"] < 32:
+        kept = "bases" if group["eigenvalue_correction"] else "roots"
         raise ValueError(
-            f"kl_statistics=True reads whole roots at every statistics step, which preconditioner_bits="
+            f"kl_statistics=True reads whole {kept} at every statistics step, which preconditioner_bits="
             f"{group['preconditioner_bits']} keeps as quantised eigenvectors: use preconditioner_bits=32"
         )
 

@@ -163,6 +163,41 @@ FAMILIES: list[Family] = [
             ),
         ),
     ),
+    # KL-SOAP (eigenvalue_correction=True with kl_statistics=True): SOAP whose factors' statistics
+    # are whitened by the other factors' inverses in SOAP's basis, on each block's owner; epsilon as
+    # Shampoo's row. The booster with Shampoo's Adam grafting: without it, at lr=1e-2 and 5e-3 its
+    # larger early steps made the fp16 column's gradients overflow at 2 of the 5 steps (skipped by
+    # the loss scaler, so not every step reached the optimizer), and at 3e-3 a norm weight of the
+    # bf16 tp=2 columns moved 1.335x the single process's end to end (MOVED_RANGE). Checkpoints
+    # without grafting: the first moment kept in the eigenbasis (exp_avg_eigen) is saved and resharded.
+    Family(
+        "KL-SOAP",
+        dist_optim.DistributedShampoo,
+        booster=(
+            "dist_optim.DistributedShampoo",
+            dict(
+                lr=1e-2,
+                epsilon=1e-4,
+                max_preconditioner_dim=64,
+                precondition_frequency=2,
+                eigenvalue_correction=True,
+                kl_statistics=True,
+                grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
+            ),
+        ),
+        checkpoint=(
+            "dist_optim.DistributedShampoo",
+            dict(
+                lr=1e-3,
+                epsilon=1e-4,
+                max_preconditioner_dim=64,
+                precondition_frequency=2,
+                momentum=0.5,
+                eigenvalue_correction=True,
+                kl_statistics=True,
+            ),
+        ),
+    ),
     # NorMuon, per head: q, k and v by their 4 heads, each head's rows normalized by the owner of
     # its TP slice; the other matrices' rows by their owners of the TP x DP grid.
     Family(
@@ -291,6 +326,25 @@ PARITY_CASES += [
             grafting_config=dist_optim.AdamGraftingConfig(beta2=0.99, epsilon=1e-8),
         ),
         row="KL-Shampoo",
+    ),
+    # KL-SOAP's statistics, whitened by the other factors' inverses in the block's basis (the
+    # eigenvalues estimated there from its factors), on each block's owner; packed factors and
+    # 8-bit moments (the first in the eigenbasis, the second) of every block beside them.
+    Case(
+        "soap-kl",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-8,
+            max_preconditioner_dim=4,
+            precondition_frequency=2,
+            eigenvalue_correction=True,
+            kl_statistics=True,
+            use_symmetric_packing=True,
+            optim_bits=8,
+            min_8bit_size=0,
+        ),
+        row="KL-SOAP",
     ),
     # 8-bit moments and grafting state of every block (min_8bit_size=0): quantised on the owner,
     # blocks of the Shampoo block's own elements; codes and absmax gathered as state.
@@ -495,6 +549,20 @@ PRODUCTION_CASES: list[Case] = [
             eigenvalue_correction=True,
             eigenbasis="qr",
             weight_decay=1e-2,
+        ),
+    ),
+    # KL-SOAP: its eigenvalues read each large factor's kept triangle, mirrored on the owner.
+    Case(
+        "soap-kl-production-blocks",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            epsilon=1e-8,
+            max_preconditioner_dim=1024,
+            precondition_frequency=2,
+            eigenvalue_correction=True,
+            eigenbasis="qr",
+            kl_statistics=True,
         ),
     ),
     Case("kron-production", dist_optim.DistributedKron, dict(lr=1e-2, weight_decay=1e-2)),

@@ -175,7 +175,7 @@ class ReferenceShampoo:
 
     def _block(self, st: dict[str, Any], key: str, g: torch.Tensor, t: int) -> torch.Tensor:
         mhat, d = self._moments(st, key, g, t)
-        self._factors(st, key, g)
+        self._factors(st, key, g, t)
         st.setdefault(key + "failures", 0.0)
         refresh = t == self.start or (t > self.start and t % self.pf == 0)
         corr = (1 - self.b2**t) if (self.bc and self.b2 < 1) else 1.0
@@ -201,17 +201,43 @@ class ReferenceShampoo:
         vhat = v / (1 - gb2**t) if kind == "adam" else v
         return mhat, mhat / (vhat.sqrt() + geps)
 
-    def _factors(self, st: dict[str, Any], key: str, g: torch.Tensor) -> None:
+    def _factors(self, st: dict[str, Any], key: str, g: torch.Tensor, t: int) -> None:
         b2 = self.b2
+        inverses = self._kl_soap_inverses(st, key, g, t) if self.kl and self.soap else None
         for k in range(g.dim()):
             x = g
-            if self.kl:  # KL-Shampoo (Lin et al. 2025): G along the other dims by their current roots
+            if inverses is not None:  # KL-SOAP: G_(k) (x_{j != k} S_j^-1) G_(k)^T / prod_{j != k} d_j
+                y = g
                 for j in range(g.dim()):
                     if j != k:
-                        x = mode_product(x, st.get(f"{key}root{j}", torch.eye(g.shape[j], dtype=torch.float64)), j)
+                        y = mode_product(y, inverses[j], j) / g.shape[j]
+                stat = g.movedim(k, 0).reshape(g.shape[k], -1) @ y.movedim(k, 0).reshape(g.shape[k], -1).T
+            else:
+                if self.kl:  # KL-Shampoo (Lin et al. 2025): G along the other dims by their current roots
+                    for j in range(g.dim()):
+                        if j != k:
+                            x = mode_product(x, st.get(f"{key}root{j}", torch.eye(g.shape[j], dtype=torch.float64)), j)
+                stat = unfold_outer(x, k)
             f = self._get(st, f"{key}factor{k}", torch.empty(g.shape[k], g.shape[k], dtype=torch.float64))
-            f = f + unfold_outer(x, k) if b2 == 1 else b2 * f + (1 - b2) * unfold_outer(x, k)
+            f = f + stat if b2 == 1 else b2 * f + (1 - b2) * stat
             st[f"{key}factor{k}"] = f
+
+    def _kl_soap_inverses(self, st: dict[str, Any], key: str, g: torch.Tensor, t: int) -> list[torch.Tensor]:
+        """KL-SOAP (Lin et al. 2025): each factor's inverse as SOAP knows it before this step's
+        statistics, ``S_j^-1 = Q_j diag(lam_j)^-1 Q_j^T`` in the basis of the last refresh (the
+        identity before the first), ``lam_j = max(diag(Q_j^T A_j Q_j), eps)`` of the bias-corrected
+        factor ``A_j``; the identity at the first step, before any statistics."""
+        out = []
+        for j in range(g.dim()):
+            n = g.shape[j]
+            if t == 1:
+                out.append(torch.eye(n, dtype=torch.float64))
+                continue
+            q = st.get(f"{key}basis{j}", torch.eye(n, dtype=torch.float64))
+            corr = (1 - self.b2 ** (t - 1)) if (self.bc and self.b2 < 1) else 1.0
+            lam = torch.diagonal(q.T @ (st[f"{key}factor{j}"] / corr) @ q).clamp(min=self.eps)
+            out.append(q @ torch.diag(1 / lam) @ q.T)
+        return out
 
     def _graft(self, p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         return p * d.norm() / (p.norm() + 1e-16) if self.graft is not None else p
@@ -259,8 +285,10 @@ class ReferenceShampoo:
                 a = st[f"{key}factor{k}"] / corr
                 if self.basis_mode == "qr":  # S is not permuted: Meta's keeps it per column
                     st[f"{key}basis{k}"] = qr_algorithm_refresh(a, st[f"{key}basis{k}"], eps)
-                elif self.basis_mode == "eigh" or t == self.start:
+                elif self.basis_mode in ("eigh", "eigh-ascending") or t == self.start:
                     lam, st[f"{key}basis{k}"] = eig_desc(a)
+                    if self.basis_mode == "eigh-ascending":  # Meta's order; the gap below is alike
+                        st[f"{key}basis{k}"] = st[f"{key}basis{k}"].flip(1)
                     if lam.numel() > 1:
                         gap = float((lam[:-1] - lam[1:]).min() / lam.abs().max().clamp(min=1e-300))
                         self.min_eigen_gap = min(self.min_eigen_gap, gap)

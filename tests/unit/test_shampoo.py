@@ -18,6 +18,10 @@ from torch import nn
 
 import dist_optim
 from dist_optim import comm
+from dist_optim.kernels import structured
+from dist_optim.shampoo.blocking import Block
+from dist_optim.shampoo.preconditioner.factors import kl_soap_whiteners
+from dist_optim.shampoo.state import BlockState
 from dist_optim.sharding.runtime import OwnerRuntime
 from tests.helpers import parity
 from tests.helpers.check import excess
@@ -126,6 +130,15 @@ SEMANTICS = {
         precondition_frequency=2,
         start_preconditioning_step=4,  # full-rank factors at the first basis: WELL_POSED_GAP
     ),
+    # Meta's eigh basis: eigh's increasing column order, which S's coordinates follow
+    "soap-eigh-ascending": dict(
+        eigenvalue_correction=True,
+        eigenbasis="eigh-ascending",
+        epsilon=1e-8,
+        max_preconditioner_dim=4,
+        precondition_frequency=2,
+        start_preconditioning_step=4,
+    ),
     "soap-qr-adam-wd": dict(
         eigenvalue_correction=True,
         eigenbasis="qr",
@@ -157,6 +170,37 @@ SEMANTICS["kl-adam-pf2-start4-blocks"] = dict(
 )
 # Vyas et al.'s variant on the same problem as Meta's qr.
 SEMANTICS["soap-qr-eigh-start"] = dict(SEMANTICS["soap-qr-pf1"], eigenbasis="qr-eigh-start")
+# KL-SOAP: each factor's statistics from the gradient whitened along the other dims by their
+# inverse factors in SOAP's basis (the identity before the first refresh at step 4, so from step 2
+# on the statistics differ from SOAP's already), a 3-D conv weight in blocks of 3-D and vectors.
+_KL_SOAP = dict(
+    eigenvalue_correction=True,
+    kl_statistics=True,
+    epsilon=1e-8,
+    max_preconditioner_dim=4,
+    precondition_frequency=2,
+    start_preconditioning_step=4,
+)
+SEMANTICS["kl-soap-eigh-blocks"] = _KL_SOAP
+# Without bias correction (of the factors, so of the eigenvalues the statistics read, too).
+SEMANTICS["kl-soap-qr-adam-coupled-wd-nobc"] = dict(
+    _KL_SOAP,
+    eigenbasis="qr",
+    grafting_config=ADAM,
+    weight_decay=0.1,
+    use_decoupled_weight_decay=False,
+    use_bias_correction=False,
+)
+# Merged dims ("conv" as 5 x 12), whole blocks; the first basis at step 6, when the vectors'
+# factors have full rank (WELL_POSED_GAP).
+SEMANTICS["kl-soap-qr-eigh-start-merged"] = dict(
+    _KL_SOAP,
+    eigenbasis="qr-eigh-start",
+    merge_small_dims=True,
+    max_preconditioner_dim=12,
+    start_preconditioning_step=6,
+    betas=(0.9, 0.95),
+)
 # The iterative roots stop at an error of 1e-10 in float64; everything else is the same formula.
 TOLERANCE = {"coupled-newton": 1e-6, "higher-order": 1e-6}
 # The rest: the same formulas in float64, but the tiny model's factors are nearly singular in the
@@ -210,14 +254,90 @@ def test_kl_statistics_change_the_factors_and_pack_bit_for_bit() -> None:
 @pytest.mark.parametrize(
     "options,match",
     [
-        (dict(eigenvalue_correction=True), "kl_statistics=True preconditions the statistics with Shampoo's roots"),
-        (dict(preconditioner_bits=8, root_inverse="eigh"), "use preconditioner_bits=32"),
+        (dict(preconditioner_bits=8, root_inverse="eigh"), "reads whole roots .* use preconditioner_bits=32"),
+        (dict(preconditioner_bits=4, eigenvalue_correction=True), "reads whole bases .* use preconditioner_bits=32"),
+        (dict(preconditioner_bits=8, eigenvalue_correction=True), "reads whole bases .* use preconditioner_bits=32"),
     ],
 )
-def test_kl_statistics_refuse_what_keeps_no_roots(options: dict, match: str) -> None:
+def test_kl_statistics_refuse_what_keeps_no_whole_matrices(options: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match) as info:
         dist_optim.DistributedShampoo([nn.Parameter(torch.zeros(4, 3))], kl_statistics=True, **options)
     assert "\n" not in str(info.value)
+
+
+def test_kl_soap_runs_where_soap_does() -> None:
+    """KL-SOAP (``eigenvalue_correction`` with ``kl_statistics``) is built, not refused: the
+    combination Lin et al. 2025 call KL-SOAP."""
+    opt = dist_optim.DistributedShampoo(
+        [nn.Parameter(torch.zeros(4, 3))], eigenvalue_correction=True, kl_statistics=True
+    )
+    assert opt.param_groups[0]["kl_statistics"] and opt.param_groups[0]["eigenvalue_correction"]
+
+
+def test_kl_soap_changes_the_factors_packs_and_runs_in_8bit() -> None:
+    """KL-SOAP's factors differ from SOAP's (the reference cases above compare both to a reference
+    that could be wrong alike), packed factors give the same steps bit for bit, and 8-bit moments
+    (SOAP's first moment in the eigenbasis and second moment as codes) run beside its statistics."""
+    runs = {}
+    for name, options in {
+        "soap": dict(),
+        "kl": dict(kl_statistics=True),
+        "kl-packed": dict(kl_statistics=True, use_symmetric_packing=True),
+        "kl-8bit": dict(kl_statistics=True, optim_bits=8, min_8bit_size=0),
+    }.items():
+        model = _model()
+        opt = dist_optim.DistributedShampoo(
+            model.parameters(), lr=0.05, preconditioner_dtype=torch.float64, precondition_frequency=2,
+            start_preconditioning_step=2, eigenvalue_correction=True, epsilon=1e-8, **options,
+        )  # fmt: skip
+        for step in range(5):
+            idx, target = _batch(step)
+            opt.zero_grad(set_to_none=True)
+            ((model(idx) - target) ** 2).sum().backward()
+            opt.step()
+        runs[name] = ([p.detach().clone() for p in model.parameters()], opt.full_state())
+    weight = 3  # fc1.weight: a 6 x 5 matrix, one block
+    assert _rel(runs["kl"][1][weight]["block0.factor0"], runs["soap"][1][weight]["block0.factor0"]) > 1e-3
+    for a, b in zip(runs["kl"][0], runs["kl-packed"][0]):
+        assert torch.equal(a, b)
+    eight = runs["kl-8bit"][1][weight]
+    assert eight["block0.exp_avg_sq"].dtype == torch.uint8 and eight["block0.exp_avg_eigen"].dtype == torch.uint8
+    # The 8-bit moments move the parameters, so the later gradients, by a few percent (4.4e-2 of
+    # fc1.weight's scale here): its factors stay near the 32-bit run's (1.7e-2).
+    assert _rel(eight["block0.factor1"], runs["kl"][1][weight]["block0.factor1"]) < 0.05
+
+
+@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize("basis", ["random", "singular-eigenbasis"])
+def test_kl_soap_eigenvalues_of_the_kept_triangle(k: int, basis: str) -> None:
+    """KL-SOAP's whitener of a factor against the formula on the symmetric matrix, ``W W^T = Q
+    diag(d lam)^-1 Q^T``, ``lam = max(diag(Q^T A Q), epsilon)``, ``A`` bias-corrected. The factor
+    is above MIN_SIZE, so that it keeps one triangle current between refreshes (the lower one of
+    dim 0, the upper one of a matrix's dim 1): the eigenvalues read the matrix that triangle
+    stands for, not the stale other one. In its own eigenbasis a singular factor's null space has
+    eigenvalues of rounding size, which epsilon bounds."""
+    d = structured.MIN_SIZE + 44
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(d, d // 2 if basis == "singular-eigenbasis" else 2 * d, generator=gen, dtype=torch.float64)
+    a = rows @ rows.T / rows.shape[1]
+    if basis == "random":
+        q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    else:
+        q = torch.linalg.eigh(a).eigenvectors
+    kept = torch.tril(a) + torch.triu(torch.randn(d, d, generator=gen, dtype=torch.float64), 1)  # dim 0's form
+    factor = kept if k == 0 else kept.T.contiguous()
+    other = torch.eye(5, dtype=torch.float64)
+    factors, bases = ([factor, other], [q, other]) if k == 0 else ([other, factor], [other, q])
+    epsilon = 1e-6
+    group = dict(betas=(0.9, 0.99), statistics_compute_steps=1, use_bias_correction=True, epsilon=epsilon)
+    block = Block((), (d, 5) if k == 0 else (5, d), True)
+    t = 4  # three factor updates before: A = L / (1 - 0.99^3)
+    ws = kl_soap_whiteners(BlockState(factors=factors, bases=bases), block, group, t)
+    lam = (torch.diagonal(q.T @ a @ q) / (1 - 0.99**3)).clamp(min=epsilon)
+    if basis == "singular-eigenbasis":
+        assert int((lam == epsilon).sum()) == d - d // 2
+    expected = q @ torch.diag(1 / (d * lam)) @ q.T
+    assert _rel(ws[k] @ ws[k].T, expected) < 1e-12
 
 
 def _parameter_basis(state: dict) -> dict:

@@ -1,5 +1,12 @@
 """The Kronecker factors of a step's blocks: their statistics and the steps that refresh what is
-computed from them (step 2 and the schedule of step 4 of the package docstring)."""
+computed from them (step 2 and the schedule of step 4 of the package docstring).
+
+With ``kl_statistics`` (Lin et al. 2025, "Understanding and Improving Shampoo and SOAP via
+Kullback-Leibler Minimization", arXiv:2509.03378) a factor's statistic is the gradient's second
+moment along its dim with the other dims whitened by the current estimate of their factors:
+KL-Shampoo's by the roots (:func:`kl_gradient`), KL-SOAP's by the inverse factors in SOAP's basis,
+``Q_j diag(lam_j)^-1 Q_j^T`` (:func:`kl_soap_whiteners`), the eigenvalues estimated in that basis.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ from ...kernels import structured
 from ..blocking import Block, kept_triangle
 from ..state import BlockState
 
-__all__ = ["update_statistics", "refresh_scale", "kl_gradient"]
+__all__ = ["update_statistics", "refresh_scale", "kl_gradient", "kl_soap_whiteners"]
 
 
 def update_statistics(blocks: list[tuple[BlockState, Block, torch.Tensor]], group: dict[str, Any], t: int) -> None:
@@ -19,31 +26,81 @@ def update_statistics(blocks: list[tuple[BlockState, Block, torch.Tensor]], grou
     gradient)`` triples, every ``statistics_compute_steps`` steps (one triangle of large factors,
     :func:`~dist_optim.shampoo.blocking.kept_triangle`), all of them in one
     :func:`~dist_optim.kernels.structured.gram_updates_` call; with ``kl_statistics``, ``G`` preconditioned
-    along the other dims by the block's current roots (:func:`kl_gradient`)."""
+    along the other dims: KL-Shampoo by the block's current roots (:func:`kl_gradient`), KL-SOAP
+    (with ``eigenvalue_correction``) by :func:`kl_soap_whiteners`, all read before any factor of the
+    step is updated."""
     if t % group["statistics_compute_steps"] != 0:
         return
     b2 = group["betas"][1]
     pdt = group["preconditioner_dtype"]
     kl = group["kl_statistics"]
+    soap = group["eigenvalue_correction"]
     cs, rows = [], []
     for bs, block, g in blocks:
         gp = g.to(pdt)
+        whiteners = kl_soap_whiteners(bs, block, group, t) if kl and soap else None
         for k, factor in enumerate(bs.factors):
             cs.append(kept_triangle(factor, block.order, k))
-            rows.append(_unfolding(kl_gradient(gp, bs.roots, k) if kl else gp, k))
+            if whiteners is not None:
+                x = kl_gradient(gp, whiteners, k, symmetric=False)
+            else:
+                x = kl_gradient(gp, bs.roots, k) if kl else gp
+            rows.append(_unfolding(x, k))
     structured.gram_updates_(cs, rows, b2, 1.0 if b2 == 1 else 1 - b2)
 
 
-def kl_gradient(g: torch.Tensor, roots: list[torch.Tensor], k: int) -> torch.Tensor:
-    """``G x_{j != k} R_j``: the gradient preconditioned along every dim but ``k`` by its (symmetric)
-    root, whose Gram matrix along ``k`` is KL-Shampoo's statistic of factor ``k``. A matrix's is
-    one product (``G R_1`` or ``R_0 G``); a vector's is ``G`` itself."""
+def kl_gradient(g: torch.Tensor, mats: list[torch.Tensor], k: int, symmetric: bool = True) -> torch.Tensor:
+    """``G x_{j != k} M_j^T`` (dim ``j`` of ``G`` contracted with dim 0 of ``M_j``): the gradient
+    preconditioned along every dim but ``k``, whose Gram matrix along ``k`` is the KL statistic of
+    factor ``k``: ``M_j`` KL-Shampoo's (symmetric) roots, or KL-SOAP's whiteners
+    (``symmetric=False``, :func:`kl_soap_whiteners`). A matrix's is one product (``G M_1`` or
+    ``M_0^T G``); a vector's is ``G`` itself."""
     if g.dim() == 2:
-        return torch.mm(g, roots[1]) if k == 0 else torch.mm(roots[0], g)
+        if k == 0:
+            return torch.mm(g, mats[1])
+        return torch.mm(mats[0] if symmetric else mats[0].T, g)
     x = g
     for j in range(g.dim()):  # contract the leading dim and append it at the end: dims cycle back
-        x = x.movedim(0, -1) if j == k else torch.tensordot(x, roots[j], dims=([0], [0]))
+        x = x.movedim(0, -1) if j == k else torch.tensordot(x, mats[j], dims=([0], [0]))
     return x
+
+
+def kl_soap_whiteners(bs: BlockState, block: Block, group: dict[str, Any], t: int) -> list[torch.Tensor]:
+    """KL-SOAP's ``W_j = Q_j diag(d_j lam_j)^(-1/2)`` of every factor of a block (none for a
+    vector, whose statistic has no other dim), so that :func:`kl_gradient` along ``k`` gives
+    ``L_k``'s statistic ``G_(k) (x_{j != k} Q_j diag(lam_j)^-1 Q_j^T) G_(k)^T / prod_{j != k} d_j``:
+    Lin et al.'s ``G S_b^-1 G^T / d_b`` with ``S_b`` the other factor as SOAP knows it, its basis
+    ``Q_j`` of the last refresh (the identity before the first) and its eigenvalues in that basis.
+
+    ``lam_j = max(diag(Q_j^T A_j Q_j), epsilon)`` with ``A_j`` the factor as it is before this
+    step's statistics, bias-corrected as at a refresh (``1 / (1 - b2^n)``, ``n`` factor updates so
+    far). That is the estimate with an outdated eigenbasis of the paper's code, which keeps an EMA
+    of ``diag(Q_j^T Delta_j Q_j)`` beside the factor (the same while ``Q_j`` is kept), here read
+    off the factor itself at every statistics step, as NVIDIA's emerging-optimizers and heavyball
+    do: no state of its own, nothing to carry across a refresh (docs/optimizers.md, "KL-SOAP").
+    At the first statistics update there is no factor to estimate from: ``lam_j = 1`` (``S_j =
+    I``), so that the first statistics are SOAP's own, as the authors' code and heavyball seed their
+    factors (a zero factor clamped to ``epsilon``, NVIDIA's start, would scale them by ``1 /
+    epsilon`` and leave the later ones, about ``epsilon^2`` of them, no weight for many steps).
+
+    A factor larger than :data:`~dist_optim.kernels.structured.MIN_SIZE` keeps one triangle
+    current between refreshes: it is mirrored here first (what a refresh does; packed factors come
+    unpacked whole)."""
+    if block.order == 1:
+        return []
+    b2 = group["betas"][1]
+    n = t // group["statistics_compute_steps"] - 1  # factor updates before this one
+    scale = 1.0 / (1 - b2**n) if (n > 0 and group["use_bias_correction"] and b2 < 1) else 1.0
+    out = []
+    for k, (factor, q) in enumerate(zip(bs.factors, bs.bases)):
+        d = factor.shape[0]
+        if n == 0:
+            out.append(q * d**-0.5)
+            continue
+        a = structured.mirror_lower_(kept_triangle(factor, block.order, k))
+        lam = (q * torch.mm(a, q)).sum(0).mul_(scale).clamp_min_(group["epsilon"])
+        out.append(q * lam.mul_(d).rsqrt_())
+    return out
 
 
 def refresh_scale(bs: BlockState, block: Block, group: dict[str, Any], t: int, start: int) -> float | None:

@@ -54,8 +54,8 @@ def refresh_bases(
                 q_new, perm, ok = _warm_basis(warm.eigen(factor, scale, group, (q, criteria[k])))
             elif mode == "qr":
                 q_new, ok = matrix_functions.qr_algorithm_step(factor * scale, q, group["epsilon"])
-            elif mode == "eigh" or first:
-                q_new, ok = matrix_functions.eigenbasis(factor * scale)
+            elif mode in ("eigh", "eigh-ascending") or first:
+                q_new, ok = matrix_functions.eigenbasis(factor * scale, descending=mode != "eigh-ascending")
             else:  # "qr-eigh-start" after its first refresh
                 q_new, perm, ok = matrix_functions.qr_power_step(factor * scale, q)
         except torch.linalg.LinAlgError:
