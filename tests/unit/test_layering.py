@@ -212,3 +212,10 @@ def test_an_installed_integration_is_loaded_when_a_split_is_first_read() -> None
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "True", done.stdout
+
+
+def test_the_readme_stays_a_newcomer_page() -> None:
+    """The README is what it is, the two commands, use, the support table and a few headline claims
+    in at most 200 lines; depth goes to docs/."""
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 200, f"README.md has {lines} lines; move depth into docs/"
