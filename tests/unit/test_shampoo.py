@@ -10,6 +10,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -224,20 +225,15 @@ def test_semantics_against_reference(name: str) -> None:
     _check_against_reference(name)
 
 
-def test_kl_statistics_change_the_factors_and_pack_bit_for_bit() -> None:
-    """KL-Shampoo's factors differ from Shampoo's once a refresh made roots (the reference test
-    above could not tell a KL run that never preconditions its statistics), and packed factors
-    and roots give the same steps bit for bit."""
+def _five_steps(configs: dict[str, dict[str, Any]], **common: Any) -> dict[str, tuple[list[torch.Tensor], Any]]:
+    """Each configuration (``common`` options beside it) stepped 5 times on the same small model and
+    batches, first roots or bases at step 2: its parameters and ``full_state()`` by name."""
     runs = {}
-    for name, options in {
-        "shampoo": dict(),
-        "kl": dict(kl_statistics=True),
-        "kl-packed": dict(kl_statistics=True, use_symmetric_packing=True),
-    }.items():
+    for name, options in configs.items():
         model = _model()
         opt = dist_optim.DistributedShampoo(
             model.parameters(), lr=0.05, preconditioner_dtype=torch.float64, precondition_frequency=2,
-            start_preconditioning_step=2, grafting_config=ADAM, **options,
+            start_preconditioning_step=2, **common, **options,
         )  # fmt: skip
         for step in range(5):
             idx, target = _batch(step)
@@ -245,6 +241,21 @@ def test_kl_statistics_change_the_factors_and_pack_bit_for_bit() -> None:
             ((model(idx) - target) ** 2).sum().backward()
             opt.step()
         runs[name] = ([p.detach().clone() for p in model.parameters()], opt.full_state())
+    return runs
+
+
+def test_kl_statistics_change_the_factors_and_pack_bit_for_bit() -> None:
+    """KL-Shampoo's factors differ from Shampoo's once a refresh made roots (the reference test
+    above could not tell a KL run that never preconditions its statistics), and packed factors
+    and roots give the same steps bit for bit."""
+    runs = _five_steps(
+        {
+            "shampoo": dict(),
+            "kl": dict(kl_statistics=True),
+            "kl-packed": dict(kl_statistics=True, use_symmetric_packing=True),
+        },
+        grafting_config=ADAM,
+    )
     weight = 3  # fc1.weight: a 6 x 5 matrix, one block
     assert _rel(runs["kl"][1][weight]["block0.factor0"], runs["shampoo"][1][weight]["block0.factor0"]) > 1e-3
     for a, b in zip(runs["kl"][0], runs["kl-packed"][0]):
@@ -278,24 +289,16 @@ def test_kl_soap_changes_the_factors_packs_and_runs_in_8bit() -> None:
     """KL-SOAP's factors differ from SOAP's (the reference cases above compare both to a reference
     that could be wrong alike), packed factors give the same steps bit for bit, and 8-bit moments
     (SOAP's first moment in the eigenbasis and second moment as codes) run beside its statistics."""
-    runs = {}
-    for name, options in {
-        "soap": dict(),
-        "kl": dict(kl_statistics=True),
-        "kl-packed": dict(kl_statistics=True, use_symmetric_packing=True),
-        "kl-8bit": dict(kl_statistics=True, optim_bits=8, min_8bit_size=0),
-    }.items():
-        model = _model()
-        opt = dist_optim.DistributedShampoo(
-            model.parameters(), lr=0.05, preconditioner_dtype=torch.float64, precondition_frequency=2,
-            start_preconditioning_step=2, eigenvalue_correction=True, epsilon=1e-8, **options,
-        )  # fmt: skip
-        for step in range(5):
-            idx, target = _batch(step)
-            opt.zero_grad(set_to_none=True)
-            ((model(idx) - target) ** 2).sum().backward()
-            opt.step()
-        runs[name] = ([p.detach().clone() for p in model.parameters()], opt.full_state())
+    runs = _five_steps(
+        {
+            "soap": dict(),
+            "kl": dict(kl_statistics=True),
+            "kl-packed": dict(kl_statistics=True, use_symmetric_packing=True),
+            "kl-8bit": dict(kl_statistics=True, optim_bits=8, min_8bit_size=0),
+        },
+        eigenvalue_correction=True,
+        epsilon=1e-8,
+    )
     weight = 3  # fc1.weight: a 6 x 5 matrix, one block
     assert _rel(runs["kl"][1][weight]["block0.factor0"], runs["soap"][1][weight]["block0.factor0"]) > 1e-3
     for a, b in zip(runs["kl"][0], runs["kl-packed"][0]):
