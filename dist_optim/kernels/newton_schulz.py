@@ -62,8 +62,9 @@ GRAM_SPACE_RATIO = 2.0
 #: momenta (the failure the Gram Newton-Schulz authors restart for); with them it stays within a
 #: small factor of the formula's error in fp32 and near it in bf16/fp16, the bounds
 #: tests/unit/test_muon.py asserts (``GRAM_SPACE_ERROR_FACTOR``, ``HALF_GRAM_STRESS_FACTOR``).
-#: Every 2 iterations is more accurate but counts 0.85x instead of 0.78x the formula's unblocked
-#: flops at a Llama MLP's aspect 2.7. Errors by shape and dtype: ``bench/ns_accuracy.py``.
+#: Every 2 iterations is more accurate but multiplies more (``12 m^2 n + 22 m^3`` multiply-adds over
+#: 5 iterations instead of ``8 m^2 n + 28 m^3``, m <= n, more at a Llama MLP's aspect). Errors by
+#: shape and dtype: ``bench/ns_accuracy.py``.
 GRAM_SPACE_RESTART_EVERY = 3
 #: Only fp32/fp64 iterations are reordered by default (symmetric products): in bfloat16
 #: (torch.optim.Muon's and KellerJordan's iteration dtype) the formula's own order is kept, so
@@ -96,7 +97,8 @@ BATCH_BYTES = 32 * 2**20
 #: product beats per-matrix ``mm`` for small bf16 matrices on a CPU, because a single ``mm`` barely
 #: uses the second thread (the bf16 step in batches and per matrix: ``bench/vs_heavyball.py --only
 #: muon``). float16 gains nothing at these sides, and fp32 would give up its blocked symmetric
-#: products (0.75-0.78x the flops) for no gain: both stay per matrix (measured once, not benched).
+#: products (fewer flops: :func:`newton_schulz_flops`, ``blocked``) for no gain: both stay per
+#: matrix (measured once, not benched).
 CPU_BATCHED_DTYPES = (torch.bfloat16,)
 
 

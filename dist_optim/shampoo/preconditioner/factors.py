@@ -18,7 +18,7 @@ from ...kernels import structured
 from ..blocking import Block, kept_triangle
 from ..state import BlockState
 
-__all__ = ["update_statistics", "refresh_scale", "kl_gradient", "kl_soap_whiteners"]
+__all__ = ["update_statistics", "refresh_scale", "factor_bias_correction", "kl_gradient", "kl_soap_whiteners"]
 
 
 def update_statistics(blocks: list[tuple[BlockState, Block, torch.Tensor]], group: dict[str, Any], t: int) -> None:
@@ -88,9 +88,8 @@ def kl_soap_whiteners(bs: BlockState, block: Block, group: dict[str, Any], t: in
     unpacked whole)."""
     if block.order == 1:
         return []
-    b2 = group["betas"][1]
     n = t // group["statistics_compute_steps"] - 1  # factor updates before this one
-    scale = 1.0 / (1 - b2**n) if (n > 0 and group["use_bias_correction"] and b2 < 1) else 1.0
+    scale = factor_bias_correction(group, n)
     out = []
     for k, (factor, q) in enumerate(zip(bs.factors, bs.bases)):
         d = factor.shape[0]
@@ -109,13 +108,19 @@ def refresh_scale(bs: BlockState, block: Block, group: dict[str, Any], t: int, s
     a factor updated whole, small or on a GPU, may round its two triangles apart; the mirror is
     the form a packed factor holds, :mod:`dist_optim.shampoo.state`), and the scale of their bias
     correction ``1 / (1 - b2^n)`` returned (``n`` factor updates so far); None on other steps."""
-    b2 = group["betas"][1]
     n = t // group["statistics_compute_steps"]  # factor updates so far
     if not (n > 0 and (t == start or (t > start and t % group["precondition_frequency"] == 0))):
         return None
     for k, factor in enumerate(bs.factors):
         structured.mirror_lower_(kept_triangle(factor, block.order, k))
-    return 1.0 / (1 - b2**n) if (group["use_bias_correction"] and b2 < 1) else 1.0
+    return factor_bias_correction(group, n)
+
+
+def factor_bias_correction(group: dict[str, Any], n: int) -> float:
+    """``1 / (1 - b2^n)``, the bias correction of factors after ``n`` updates (1 before any, or
+    without ``use_bias_correction``): what a refresh and KL-SOAP's eigenvalue estimates scale by."""
+    b2 = group["betas"][1]
+    return 1.0 / (1 - b2**n) if (n > 0 and group["use_bias_correction"] and b2 < 1) else 1.0
 
 
 def _unfolding(g: torch.Tensor, k: int) -> torch.Tensor:
