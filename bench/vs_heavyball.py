@@ -224,12 +224,12 @@ def _batches(on: bool) -> Iterator[None]:
     """Muon's iteration in batches (``on``) or per matrix, whatever the device (the bench's switch)."""
     from dist_optim.kernels import newton_schulz
 
-    old = newton_schulz.batches
-    newton_schulz.batches = lambda t, dtype=None, gram_space=False: on  # type: ignore[assignment]
+    old = newton_schulz.iterates_batched
+    newton_schulz.iterates_batched = lambda t, dtype=None, gram_space=False: on  # type: ignore[assignment]
     try:
         yield
     finally:
-        newton_schulz.batches = old  # type: ignore[assignment]
+        newton_schulz.iterates_batched = old  # type: ignore[assignment]
 
 
 #: ``--muon-host``'s iteration dtype: bf16 on a GPU (the comparison's); fp32 on a CPU, whose bf16

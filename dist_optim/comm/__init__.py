@@ -57,7 +57,7 @@ from .collectives import (
     share_owned,
     start_all_gather_chunks,
 )
-from .grids import grid_groups, grid_of, topology_token
+from .grids import grid_of, spanning_groups, topology_token
 from .groups import freeing_groups, group_key, group_rank, group_size, ordered_groups, release_groups
 
 __all__ = [
@@ -77,7 +77,7 @@ __all__ = [
     "start_all_gather_chunks",
     "Gathering",
     "all_gather_objects",
-    "grid_groups",
+    "spanning_groups",
     "grid_of",
     "group_key",
     "ordered_groups",

@@ -1,5 +1,5 @@
 """The TP x DP grid groups over which owner work is split: made once per job, collectively
-(:func:`grid_groups`), found again by their two groups (:func:`grid_of`); :func:`topology_token`
+(:func:`spanning_groups`), found again by their two groups (:func:`grid_of`); :func:`topology_token`
 changes wherever a group's answers may.
 """
 
@@ -15,7 +15,7 @@ from .groups import group_key, releases
 
 _TORCH_DIST = dist  # ``dist`` itself is rebound inside collectives_through
 
-#: Grid groups made by :func:`grid_groups`, by their sorted member ranks (made once per job), with
+#: Grid groups made by :func:`spanning_groups`, by their sorted member ranks (made once per job), with
 #: the default group they were made under: a re-initialised job makes them again.
 _GRIDS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
@@ -34,7 +34,7 @@ def topology_token() -> Any:
 
 
 def grid_of(base: Any, tp: Any) -> Any:
-    """The grid group :func:`grid_groups` made of data-parallel group ``base`` and TP group ``tp``
+    """The grid group :func:`spanning_groups` made of data-parallel group ``base`` and TP group ``tp``
     when every member's rank in it is ``rank(base) * size(tp) + rank(tp)``: the index of the part
     a member keeps of a tensor partitioned over ``(base, tp)`` (:mod:`dist_optim.sharding.partition`), which
     then takes one collective over the grid instead of one per group. None otherwise (no grid made,
@@ -45,7 +45,7 @@ def grid_of(base: Any, tp: Any) -> Any:
     return found[1] if found is not None and found[0] is dist.group.WORLD else None
 
 
-def grid_groups(tp_group: Any, bases: Sequence[Any]) -> list[Any]:
+def spanning_groups(tp_group: Any, bases: Sequence[Any]) -> list[Any]:
     """For each group in ``bases`` (data-parallel groups of this process), the group of all ranks
     of the grid it spans with ``tp_group``: the union of the TP groups of its members (the TP x DP
     ranks of a pipeline stage), or None where the two are not orthogonal axes of one grid.

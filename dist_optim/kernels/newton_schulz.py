@@ -16,7 +16,7 @@ On a GPU, where a Muon step of small matrices is bound by the host's kernel laun
 by the products, :func:`newton_schulz_many` iterates the matrices of one shape together, one
 batched product per product of the formula: the same formula, in the batched kernels' rounding.
 The CPU does the same in :data:`CPU_BATCHED_DTYPES` (bfloat16), whose batched products are
-faster there (:func:`batches`).
+faster there (:func:`iterates_batched`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = [
     "SYMMETRIC_MIN_SIZE",
     "BATCH_BYTES",
     "CPU_BATCHED_DTYPES",
-    "batches",
+    "iterates_batched",
     "newton_schulz",
     "newton_schulz_batched",
     "newton_schulz_gram_space",
@@ -92,7 +92,7 @@ IN_PLACE_BLOCK_BYTES = 32 * 2**20
 #: are large enough to keep a GPU busy without company.
 BATCH_BYTES = 32 * 2**20
 #: Iteration dtypes in which the CPU (and the planner's meta tensors, which follow it) also iterates
-#: a step's matrices in batches (:func:`batches`). bfloat16 keeps the formula's plain products
+#: a step's matrices in batches (:func:`iterates_batched`). bfloat16 keeps the formula's plain products
 #: (:func:`reorders`), so batching loses no blocked product there, and one batched ``bmm`` per
 #: product beats per-matrix ``mm`` for small bf16 matrices on a CPU, because a single ``mm`` barely
 #: uses the second thread (the bf16 step in batches and per matrix: ``bench/vs_heavyball.py --only
@@ -184,7 +184,7 @@ def newton_schulz(
     return x.T if tall else x
 
 
-def batches(t: torch.Tensor, dtype: torch.dtype | None = None, gram_space: bool = False) -> bool:
+def iterates_batched(t: torch.Tensor, dtype: torch.dtype | None = None, gram_space: bool = False) -> bool:
     """Whether :func:`newton_schulz_many` iterates matrices like ``t`` in batches, in ``dtype``
     (default ``t``'s) with ``gram_space``: where products are one kernel each
     (:func:`~dist_optim.kernels.structured.blocked` is False: a GPU), so that a step's launches, not its
@@ -209,7 +209,7 @@ def newton_schulz_many(
     batch: bool | None = None,
 ) -> list[torch.Tensor]:
     """:func:`newton_schulz` of each 2-D matrix of ``cs`` (the same options for all), in order.
-    With ``batch`` (default: :func:`batches` of each matrix with the options, so a GPU's matrices
+    With ``batch`` (default: :func:`iterates_batched` of each matrix with the options, so a GPU's matrices
     and the CPU's bfloat16 iterations) the matrices of one shape in the wide orientation, dtype and
     device (on the CPU also of one orientation: tall ones stack as they are and iterate the
     stack's transposed view) are iterated together by
@@ -223,7 +223,7 @@ def newton_schulz_many(
     for i, c in enumerate(cs):
         rows, cols = c.shape
         nbytes = c.numel() * c.element_size()
-        batched = batches(c, dtype, gram_space) if batch is None else batch
+        batched = iterates_batched(c, dtype, gram_space) if batch is None else batch
         if not batched or takes_gram_space(rows, cols, len(coefficients), gram_space) or 2 * nbytes > BATCH_BYTES:
             alone.append(i)
             continue
@@ -271,7 +271,7 @@ def newton_schulz_batched(
     product of the formula: ``b A + c A A`` one ``baddbmm`` in bfloat16/float16 (rounded once, as
     the formula's ``addmm``), a product, scale and sum in fp32/fp64 (as :func:`newton_schulz`
     computes it there), each matrix normalised by its own Frobenius norm. Products are never
-    blocked (the path of :func:`batches`: a GPU, and bfloat16 on the CPU, whose per-matrix
+    blocked (the path of :func:`iterates_batched`: a GPU, and bfloat16 on the CPU, whose per-matrix
     iteration takes no blocked product either). The result's ``[k]`` is
     :func:`newton_schulz` of ``x[k]`` in exact arithmetic, in the batched kernels' rounding
     (tests/unit/test_muon_batches.py holds each matrix to the per-matrix iteration's own distance to

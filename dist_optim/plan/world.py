@@ -326,7 +326,7 @@ class SimWorld:
     def peers(self, obj: Any, group: Any) -> list[Any]:
         """What every member of ``group`` sends in an ``all_gather_object`` of ``obj``: this rank's
         object with its TP and ZeRO ranks and its groups replaced by the member's. The objects
-        dist_optim exchanges are holdings (``owners.holding``) and group keys (``comm.grid_groups``);
+        dist_optim exchanges are holdings (``owners.holding``) and group keys (``comm.spanning_groups``);
         anything else is a gap of the simulation and raises."""
         members = list(dist.get_process_group_ranks(group) if group is not None else range(self.layout.world))
         # Holdings exchanged among ranks that hold the same experts (their ZeRO group or its TP grid)

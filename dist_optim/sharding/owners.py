@@ -58,12 +58,12 @@ from ..comm import (
     all_gather_objects,
     exchange,
     exchange_counts,
-    grid_groups,
     group_key,
     group_rank,
     group_size,
     ordered_groups,
     share_owned,
+    spanning_groups,
 )
 from ..comm.chunks import chunk_span
 from ..comm.dtypes import widest_dtype
@@ -134,7 +134,8 @@ def work_grids(tp_group: Any, bases: Sequence[Any]) -> dict[tuple[int, ...], Any
     if tp_group is None or group_size(tp_group) <= 1:
         return {}
     ordered = ordered_groups(g for g in bases if g is not None)
-    return {group_key(base): grid for base, grid in zip(ordered, grid_groups(tp_group, ordered)) if grid is not None}
+    grids = spanning_groups(tp_group, ordered)
+    return {group_key(base): grid for base, grid in zip(ordered, grids) if grid is not None}
 
 
 # ---- whole results that every rank of the work group needs ------------------------------------

@@ -106,11 +106,11 @@ def exchange_pieces() -> dict[str, Any]:
 
 
 def grids() -> dict[str, Any]:
-    """comm.grid_groups on a 2 x 2 mesh: the TP x DP grid is the world; a group paired with itself
+    """comm.spanning_groups on a 2 x 2 mesh: the TP x DP grid is the world; a group paired with itself
     (not orthogonal) or with a world-sized base (larger than the grid) gets None."""
     tg, dg = grid_groups(2, 2)
-    made = comm.grid_groups(tg, [dg, tg, dist.group.WORLD])
-    again = comm.grid_groups(tg, [dg])  # cached: no second group for the same ranks
+    made = comm.spanning_groups(tg, [dg, tg, dist.group.WORLD])
+    again = comm.spanning_groups(tg, [dg])  # cached: no second group for the same ranks
     return dict(
         grid=None if made[0] is None else dist.get_process_group_ranks(made[0]),
         self_pair=made[1],
@@ -153,7 +153,7 @@ def test_lamb_collectives_per_step_are_constant(pool4) -> None:
     assert set(few) == set(many) == {3}
 
 
-def test_grid_groups(pool4) -> None:
+def test_spanning_groups(pool4) -> None:
     for res in pool4.run(grids):
         assert res["grid"] == [0, 1, 2, 3], res
         assert res["self_pair"] is None and res["world_base"] is None, res

@@ -63,13 +63,14 @@ def test_which_iterations_go_in_batches() -> None:
     for device in ("cpu", "meta"):
         f32 = torch.empty(4, 6, device=device)
         bf16 = torch.empty(4, 6, device=device, dtype=torch.bfloat16)
-        assert newton_schulz.batches(bf16) and newton_schulz.batches(f32, torch.bfloat16)
-        assert not newton_schulz.batches(f32) and not newton_schulz.batches(bf16, torch.float32)
-        assert not newton_schulz.batches(f32, torch.float16) and not newton_schulz.batches(f32, torch.float64)
-        assert not newton_schulz.batches(bf16, gram_space=True)
+        assert newton_schulz.iterates_batched(bf16) and newton_schulz.iterates_batched(f32, torch.bfloat16)
+        assert not newton_schulz.iterates_batched(f32) and not newton_schulz.iterates_batched(bf16, torch.float32)
+        assert not newton_schulz.iterates_batched(f32, torch.float16)
+        assert not newton_schulz.iterates_batched(f32, torch.float64)
+        assert not newton_schulz.iterates_batched(bf16, gram_space=True)
     if torch.cuda.is_available():
         on_gpu = torch.empty(4, 6, device="cuda")
-        assert newton_schulz.batches(on_gpu) and newton_schulz.batches(on_gpu, torch.bfloat16, True)
+        assert newton_schulz.iterates_batched(on_gpu) and newton_schulz.iterates_batched(on_gpu, torch.bfloat16, True)
 
 
 def test_the_cpus_path_is_each_matrix_on_its_own_bit_for_bit_but_in_bfloat16() -> None:
@@ -198,7 +199,7 @@ def test_batched_steps_match_the_float64_reference(monkeypatch: pytest.MonkeyPat
     """DistributedMuon with batches forced (``batches`` True, as on a GPU) over 8 float64 steps,
     one with a ``None`` gradient: parameters and momenta element-wise at FLOAT64_RTOL against the
     reference (tests/helpers/muon_reference.py); the step ran batched products (counted at torch)."""
-    monkeypatch.setattr(newton_schulz, "batches", lambda t, dtype=None, gram_space=False: True)
+    monkeypatch.setattr(newton_schulz, "iterates_batched", lambda t, dtype=None, gram_space=False: True)
     shapes = [(6, 10), (10, 6), (6, 10), (4, 3, 2, 2), (4, 3, 2, 2), (7, 7), (5,)]
     gen = torch.Generator().manual_seed(1)
     init = [torch.randn(s, generator=gen, dtype=torch.float64) * 0.3 for s in shapes]
@@ -247,7 +248,7 @@ def test_momenta_and_updates_together_are_the_per_matrix_step_bit_for_bit(
     from dist_optim.muon.momentum import momentum_direction
 
     # The batches' rounding (bfloat16 on the CPU) is test_batched_matrices_are_as_accurate_as_one_at_a_time's.
-    monkeypatch.setattr(newton_schulz, "batches", lambda t, dtype=None, gram_space=False: False)
+    monkeypatch.setattr(newton_schulz, "iterates_batched", lambda t, dtype=None, gram_space=False: False)
     gen = torch.Generator().manual_seed(2)
     shapes = [(6, 10), (10, 6), (7, 7)]
     init = [torch.randn(s, generator=gen).to(param_dtype) for s in shapes]

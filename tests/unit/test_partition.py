@@ -36,7 +36,7 @@ def _worker(fused: bool) -> list[str]:
     from dist_optim.testing import grid_groups
 
     tp_group, dp_group = grid_groups(2, 2)
-    comm.grid_groups(tp_group, [dp_group])  # what a bound optimizer does; idempotent
+    comm.spanning_groups(tp_group, [dp_group])  # what a bound optimizer does; idempotent
     saved = partition.grid_of
     if not fused:
         partition.grid_of = lambda base, tp: None  # type: ignore[assignment]
@@ -158,8 +158,8 @@ def _order_worker() -> list[str]:
     from dist_optim.testing import grid_groups
 
     tp_group, dp_group = grid_groups(2, 2)
-    (grid,) = comm.grid_groups(tp_group, [dp_group])
-    comm.grid_groups(dp_group, [tp_group])  # the same ranks with the roles swapped: not in part order
+    (grid,) = comm.spanning_groups(tp_group, [dp_group])
+    comm.spanning_groups(dp_group, [tp_group])  # the same ranks with the roles swapped: not in part order
     failures = []
     if comm.grid_of(dp_group, tp_group) is not grid:
         failures.append("no grid for (ZeRO, TP)")
