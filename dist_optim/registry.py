@@ -29,6 +29,7 @@ __all__ = [
     "Conversion",
     "ANY",
     "register",
+    "register_refusals",
     "lookup",
     "convert",
     "entries",
@@ -66,6 +67,9 @@ class Conversion:
         neutral: source group keys that are accepted only at the given value (or at any value
             with :data:`ANY`); any other source hyperparameter is refused.
         state: ``source state of one param -> our state`` for an optimizer that already stepped.
+        refusal: why a class that needs layout-aware math has no exact dist_optim equivalent; set,
+            :func:`convert` raises it (naming the fix) instead of letting the plugins pass the
+            optimizer through to see its parameters' pieces as whole tensors.
     """
 
     source: str
@@ -74,6 +78,7 @@ class Conversion:
     reads: frozenset[str]
     neutral: Mapping[str, Any] = field(default_factory=dict)
     state: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    refusal: str | None = None
 
 
 _REGISTRY: dict[str, Conversion] = {}
@@ -82,6 +87,14 @@ _REGISTRY: dict[str, Conversion] = {}
 def register(conversion: Conversion) -> Conversion:
     _REGISTRY[conversion.source] = conversion
     return conversion
+
+
+def register_refusals(sources: Mapping[str, str], target: type[DistOptimizer], fix: str) -> None:
+    """Register each ``{source path: what its math does}`` as a refused conversion: :func:`convert`
+    then names why and ``fix``, where the plugins would otherwise pass the optimizer through to
+    see TP slices and ZeRO chunks as whole tensors."""
+    for source, what in sources.items():
+        register(Conversion(source, target, lambda opt, g: {}, frozenset(), refusal=f"{what}; {fix}"))
 
 
 def entries() -> list[Conversion]:
@@ -137,6 +150,8 @@ def convert(optimizer: torch.optim.Optimizer, *, strict: bool = True) -> torch.o
             return optimizer
         known = ", ".join(sorted(_REGISTRY)) or "none"
         raise TypeError(f"convert: no dist_optim equivalent for {class_path(type(optimizer))} (registered: {known})")
+    if conv.refusal is not None:
+        raise ValueError(f"convert: {conv.source} {conv.refusal}")
     groups = [{"params": list(g["params"]), **_convert_group(conv, optimizer, g)} for g in optimizer.param_groups]
     # The new optimizer's defaults (used by add_param_group later) come from the source's
     # defaults; converting them must not warn twice or refuse a default no group uses.

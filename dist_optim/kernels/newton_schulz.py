@@ -331,7 +331,12 @@ def newton_schulz_gram_space(x: torch.Tensor, coefficients: Sequence[Coefficient
 
     Equal in exact arithmetic, not in rounding: the formula recomputes ``A`` from ``X`` every
     iteration, while here the rounding of ``A_0`` and of each update is carried through the block;
-    the restarts (:func:`gram_space_blocks`) bound it. Accuracy: :data:`GRAM_SPACE_RESTART_EVERY`."""
+    the restarts (:func:`gram_space_blocks`) bound it. Accuracy: :data:`GRAM_SPACE_RESTART_EVERY`.
+
+    With the option on, the other matrices take blockwise symmetric products in bf16/fp16 too
+    (:func:`reorders`; ``bench/ns_accuracy.py --dtype bf16 --shapes 512x512 --speed`` times them). On a
+    CPU with AMX, whose bf16 products are fast, those cost more than they save
+    (``bench/vs_heavyball.py --only muon``, docs/benchmarks.md): leave the option off there."""
     gram = symmetric_product(x, x.T, SYMMETRIC_MIN_SIZE)
     q: torch.Tensor | None = None
     last = len(coefficients) - 1

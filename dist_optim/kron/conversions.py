@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..registry import CatalogueEntry, Conversion, Demo, register, register_entry
+from ..registry import CatalogueEntry, Conversion, Demo, register, register_entry, register_refusals
 from .optimizer import DistributedKron
 from .schedule import precond_update_prob_schedule
 
@@ -63,6 +63,16 @@ def _kron_torch_kron(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
 
 
 register(Conversion("kron_torch.kron.Kron", DistributedKron, _kron_torch_kron, KRON_TORCH_OPTIONS))
+# heavyball's (PyPI) PSGD family: preconditioner updates of its own, not kron_torch's.
+register_refusals(
+    {
+        f"heavyball.{name}": "updates its preconditioner with heavyball's own PSGD kernels"
+        for name in ("PSGDKron", "LATHER", "PSGDPRO", "QSGD", "PSGDLRA")
+    },
+    DistributedKron,
+    "DistributedKron computes kron_torch's Kron and has not been checked against them: build "
+    "dist_optim.DistributedKron instead, or keep heavyball on whole parameters (ColossalAI's stock TorchDDPPlugin)",
+)
 
 register_entry(
     CatalogueEntry(

@@ -9,7 +9,8 @@ matrices ``shape[1] x prod(shape[2:])``: experts or heads stored in one tensor) 
 ``G`` (``t`` = 1-based step)::
 
     B <- momentum * B + G                       (momentum_ema: B <- lerp(B, G, 1 - momentum))
-    C  = G + momentum * B if nesterov else B    (momentum_ema: C = lerp(G, B, momentum))
+    C  = G + momentum * B if nesterov else B    (momentum_ema: C = lerp(G, B, momentum);
+                                                 nesterov_sum: C = G + B)
     X  = C / max(||C||_F, eps)                  (eps_form="add": C / (||C||_F + eps)), transposed if m > n
     ns_steps times (or once per triple of a coefficient schedule):
         A = X X^T;  X <- a X + (b A + c A A) X
@@ -30,6 +31,9 @@ conversions (:func:`dist_optim.convert`):
   sum). ``C`` is then ``(1 - momentum)`` times the sum form's, so the update is the same up to
   ``eps`` (the normalisation removes the scale); the state differs by that factor.
 * ``eps_form="add"``: KellerJordan's normalisation ``C / (||C|| + eps)``.
+* ``nesterov_sum=True``: ``C = G + B``, heavyball's ``nesterov_ema`` (with ``momentum_ema``): the
+  gradient weighs ``1 / momentum`` times more against the average than in the interpolation, so
+  the direction differs, not only its scale.
 
 Parameter groups with ``use_muon=False`` get AdamW (decoupled weight decay, bias-corrected,
 ``adamw_betas``, ``adamw_eps``, the group's own ``lr`` and ``weight_decay``; torch's fused kernel
@@ -79,7 +83,10 @@ in the step are scaled back after it, each TP rank on its own heads (:mod:`.qk_c
 from __future__ import annotations
 
 from ..kernels.newton_schulz import newton_schulz, newton_schulz_flops
-from . import conversions  # noqa: F401  (registers the conversions and the planner entry)
+from . import (
+    conversions,  # noqa: F401  (registers the conversions and the planner entry)
+    heavyball,  # noqa: F401  (registers heavyball's conversions)
+)
 from .coefficients import DEFAULT_NS_COEFFICIENTS
 from .groups import DEFAULT_HEAD_NAMES, muon_param_groups
 from .normuon import DistributedNorMuon

@@ -64,10 +64,14 @@ def momentum_foreach(bufs: list[torch.Tensor], gs: list[torch.Tensor], group: di
     mu = group["momentum"]
     if group["momentum_ema"]:
         torch._foreach_lerp_(bufs, gs, 1.0 - mu)
-        return list(torch._foreach_lerp(gs, bufs, mu)) if group["nesterov"] else bufs
-    scale_(bufs, mu)
-    torch._foreach_add_(bufs, gs)
-    return list(torch._foreach_add(gs, bufs, alpha=mu)) if group["nesterov"] else bufs
+    else:
+        scale_(bufs, mu)
+        torch._foreach_add_(bufs, gs)
+    if not group["nesterov"]:
+        return bufs
+    if group["nesterov_sum"]:
+        return list(torch._foreach_add(gs, bufs))
+    return list(torch._foreach_lerp(gs, bufs, mu) if group["momentum_ema"] else torch._foreach_add(gs, bufs, alpha=mu))
 
 
 def momentum_direction(buf: torch.Tensor, g: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
@@ -76,6 +80,10 @@ def momentum_direction(buf: torch.Tensor, g: torch.Tensor, group: dict[str, Any]
     mu = group["momentum"]
     if group["momentum_ema"]:
         buf.lerp_(g, 1.0 - mu)
-        return g.lerp(buf, mu) if group["nesterov"] else buf
-    buf.mul_(mu).add_(g)
-    return g.add(buf, alpha=mu) if group["nesterov"] else buf
+    else:
+        buf.mul_(mu).add_(g)
+    if not group["nesterov"]:
+        return buf
+    if group["nesterov_sum"]:
+        return g.add(buf)
+    return g.lerp(buf, mu) if group["momentum_ema"] else g.add(buf, alpha=mu)

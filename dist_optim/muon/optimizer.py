@@ -100,7 +100,7 @@ class DistributedMuon(DistOptimizer):
         lr: learning rate (>= 0), of Muon and AdamW groups alike.
         weight_decay: decoupled weight decay (>= 0): ``W <- W (1 - lr * weight_decay)``.
         momentum: in [0, 1).
-        nesterov: use ``G + momentum * B`` instead of ``B``.
+        nesterov: use ``G + momentum * B`` instead of ``B`` (with ``momentum_ema``, ``G.lerp(B, momentum)``).
         ns_coefficients: ``(a, b, c)`` of the quintic iteration, a list of such triples, one per
             iteration (its length then sets the iterations, ``ns_steps`` is not used), or a named
             schedule of ``ns_steps`` iterations: ``"jordan"`` (the default's), ``"newton_schulz"``,
@@ -116,21 +116,16 @@ class DistributedMuon(DistOptimizer):
             orthogonalized pieces back (None: the parameters' dtype; bfloat16 halves the bytes).
         momentum_ema: keep the momentum as an exponential moving average (KellerJordan's and
             torch's implementations) instead of the sum ``momentum * B + G``.
+        nesterov_sum: with ``nesterov``, orthogonalize ``G + B``: heavyball's ``nesterov_ema``
+            (with ``momentum_ema``; Grokfast's gradient plus its slow average, Lee et al. 2024,
+            arXiv:2405.20233), which weighs the average against the gradient differently from
+            the interpolation above.
         ns_gram_space: iterate a wide matrix (long side at least twice the short one) in Gram
-            space, in every ``ns_dtype``, restarting from ``X`` every 3 iterations
-            (:func:`dist_optim.kernels.newton_schulz.newton_schulz_gram_space`, the Gram Newton-Schulz of
-            Dao AI Lab, 2026): 0.78x the formula's unblocked flops at a Llama MLP's aspect 2.7,
-            0.67x at 4; less accurate than the formula, within the bounds tests/unit/test_muon.py
-            asserts on the momenta that stress it (fp32: a few times the formula's own error;
-            bf16/fp16: about the formula's in that dtype;
-            :data:`dist_optim.kernels.newton_schulz.GRAM_SPACE_RESTART_EVERY`). The other matrices
-            then compute their symmetric products blockwise in bf16/fp16 too, as fp32 does by default
-            (on a CPU; ``bench/ns_accuracy.py --dtype bf16 --shapes 512x512 --speed`` times them): as
-            accurate as the formula (:func:`dist_optim.kernels.newton_schulz.reorders`). On a CPU with
-            AMX, whose bf16 products are fast, those blocked products cost more than they save: the
-            bench set's bf16 step is slower with this option (``bench/vs_heavyball.py --only muon``,
-            docs/benchmarks.md); leave it off there. Default False: the formula (a converted
-            torch or KellerJordan Muon computes exactly what it did).
+            space, in every ``ns_dtype`` (Dao AI Lab's Gram Newton-Schulz: fewer flops, somewhat
+            less accurate, within the bounds tests/unit/test_muon.py asserts; the other matrices
+            then take blockwise symmetric products in bf16/fp16 too; costs and the AMX caveat:
+            :func:`dist_optim.kernels.newton_schulz.newton_schulz_gram_space`). Default False: the
+            formula (a converted torch or KellerJordan Muon computes exactly what it did).
         stacked: a parameter with 3+ dims is a stack of matrices along its first dim (experts or
             heads stored in one tensor): each ``p[i]``, seen as ``shape[1] x prod(shape[2:])``, is
             orthogonalized on its own (on its own owner rank) with that shape's lr adjustment.
@@ -190,6 +185,7 @@ class DistributedMuon(DistOptimizer):
         communication_dtype: torch.dtype | None = None,
         *,
         momentum_ema: bool = False,
+        nesterov_sum: bool = False,
         ns_gram_space: bool = False,
         stacked: bool = False,
         heads: int | None = None,
@@ -228,6 +224,7 @@ class DistributedMuon(DistOptimizer):
             adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
             momentum_ema=momentum_ema,
+            nesterov_sum=nesterov_sum,
             ns_gram_space=ns_gram_space,
             stacked=stacked,
             heads=heads,
@@ -261,7 +258,7 @@ class DistributedMuon(DistOptimizer):
         check_range("weight_decay", group["weight_decay"], 0.0)
         check_range("momentum", group["momentum"], 0.0, 1.0)
         check_range("eps", group["eps"], 0.0, open_low=True)
-        for flag in ("nesterov", "momentum_ema", "ns_gram_space", "stacked"):
+        for flag in ("nesterov", "momentum_ema", "nesterov_sum", "ns_gram_space", "stacked"):
             if not isinstance(group[flag], bool):
                 raise TypeError(f"{flag} must be True or False, got {group[flag]!r}")
         heads = group.get("heads")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..registry import ANY, Conversion, register
+from ..registry import ANY, Conversion, register, register_refusals
 from .optimizer import DistributedShampoo
 from .options import AdaGradGraftingConfig, AdamGraftingConfig, RMSpropGraftingConfig, SGDGraftingConfig
 
@@ -204,3 +204,28 @@ _READS = frozenset(
     }
 )
 register(Conversion(META_SHAMPOO, DistributedShampoo, _options, _READS, neutral={"use_pin_memory": ANY}, state=_state))
+
+# heavyball's (PyPI) SOAP and Shampoo family refresh their bases by a QR step with a noise lift on
+# a precondition schedule of their own (heavyball.utils.get_orthogonal_matrix_QR): not our refresh.
+register_refusals(
+    {
+        f"heavyball.{name}": "preconditions with heavyball's own SOAP kernels (a QR basis refresh with a noise lift)"
+        for name in (
+            "SOAP",
+            "KLSOAP",
+            "KLShampoo",
+            "SOAPNAdam",
+            "SOAPAdEMAMix",
+            "SOLP",
+            "HeavySOAP",
+            "HeavyKLSOAP",
+            "HeavyKLShampoo",
+            "HeavySOAPNAdam",
+            "HeavySOAPAdEMAMix",
+        )
+    },
+    DistributedShampoo,
+    "dist_optim does not reproduce them: build dist_optim.DistributedShampoo(eigenvalue_correction=True, "
+    "kl_statistics=...) with the same betas instead, or keep heavyball on whole parameters (ColossalAI's stock "
+    "TorchDDPPlugin)",
+)

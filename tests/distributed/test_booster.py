@@ -212,6 +212,20 @@ def test_swap_log_lists_the_converted_options() -> None:
     assert text.startswith("nonfinite='raise'; ")  # a conversion gets the default NaN/Inf policy
 
 
+def test_heavyball_muon_is_swapped_bound_and_exact_under_tp(pool4, tmp_path) -> None:
+    """``heavyball.Muon`` handed to booster.boost at tp=2 x ZeRO-1 (bf16) becomes DistributedMuon
+    bound to the TP and ZeRO layouts, and steps as the single-device algorithm does on what it was
+    handed (its float64 equality with heavyball itself: tests/unit/test_heavyball.py)."""
+    pytest.importorskip("heavyball")
+    kwargs = dict(tp_size=2, pp_size=1, zero_stage=1, precision="bf16", overlap_communication=False)
+    source = ("tests.helpers.booster.heavyball_muon", dict(lr=2e-3, betas=(0.9, 0.99), weight_decay=1e-2))
+    results = pool4.run(booster.booster_parity, "HybridParallelPlugin", kwargs, *source, STEPS, str(tmp_path))
+    for rank, res in enumerate(results):
+        assert "DistributedMuon" in res["swapped_to"], res["swapped_to"]
+        assert res["tp_bound"] > 0 and res["zero_bound"] > 0, (rank, res["tp_bound"], res["zero_bound"])
+        assert res["replayed_steps"] == STEPS and not res["replay"], f"rank {rank}: {res['replay'][:4]}"
+
+
 def test_qk_clip_under_colossal_flash_attention(pool4, tmp_path) -> None:
     """QK-clip reads ShardFormer's own attention (``enable_flash_attention=True``: ColoAttention
     and its mask dict) at tp=2 x ZeRO-1 bf16: the single-device algorithm on what it was handed,

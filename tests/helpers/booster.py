@@ -571,3 +571,11 @@ def booster_parity_with_cpu_attention(*args: Any, **kwargs: Any) -> dict[str, An
         return booster_parity(*args, **kwargs)
     finally:  # the pool's workers run later tests
         ColoAttention.attention = kernel  # type: ignore[method-assign]
+
+
+def heavyball_muon(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """heavyball's Muon over a model's matrices, as a user builds it (heavyball steps vectors by
+    momentum alone, which dist_optim refuses): an ``opt_path`` for :func:`make_optimizer`."""
+    import heavyball
+
+    return heavyball.Muon([p for p in params if p.dim() >= 2], **kwargs)

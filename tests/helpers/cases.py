@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dist_optim
+from dist_optim.muon.heavyball import HEAVYBALL_NS_COEFFICIENTS
 
 
 @dataclass(frozen=True)
@@ -598,6 +599,22 @@ PARITY_CASES += [
             adamw_betas=(0.8, 0.99),
             _matrix_group=dict(adjust_lr_fn="match_rms_adamw"),
             _vector_group=dict(_AUX, weight_decay=1e-2),
+        ),
+    ),
+    # heavyball's Muon as dist_optim.convert makes it (tests/unit/test_heavyball.py): the gradient
+    # plus its average (nesterov_sum) and heavyball's five-triple schedule.
+    Case(
+        "muon-heavyball",
+        dist_optim.DistributedMuon,
+        dict(
+            lr=2e-2,
+            weight_decay=1e-2,
+            momentum=0.9,
+            momentum_ema=True,
+            nesterov_sum=True,
+            ns_coefficients=list(HEAVYBALL_NS_COEFFICIENTS),
+            adjust_lr_fn="original",
+            _vector_group=_AUX,
         ),
     ),
     # Per-head Muon: "col" (8 rows, 4 heads of 2) keeps whole heads in its TP slices at tp=2 and 4

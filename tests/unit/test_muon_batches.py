@@ -236,9 +236,13 @@ DTYPE_PAIRS = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
 
 
 @pytest.mark.parametrize(("param_dtype", "ns_dtype"), DTYPE_PAIRS)
-@pytest.mark.parametrize("ema", [False, True])
+@pytest.mark.parametrize(("ema", "nesterov_sum"), [(False, False), (True, False), (True, True), (False, True)])
 def test_momenta_and_updates_together_are_the_per_matrix_step_bit_for_bit(
-    monkeypatch: pytest.MonkeyPatch, param_dtype: torch.dtype, ns_dtype: torch.dtype | None, ema: bool
+    monkeypatch: pytest.MonkeyPatch,
+    param_dtype: torch.dtype,
+    ns_dtype: torch.dtype | None,
+    ema: bool,
+    nesterov_sum: bool,
 ) -> None:
     """On the CPU the momenta (``torch._foreach_*`` per param group) and the updates (per factor
     and step size) give each matrix's own step bit for bit: momentum, Newton-Schulz, weight decay
@@ -254,7 +258,15 @@ def test_momenta_and_updates_together_are_the_per_matrix_step_bit_for_bit(
     init = [torch.randn(s, generator=gen).to(param_dtype) for s in shapes]
     grads = [[torch.randn(s, generator=gen).to(param_dtype) for s in shapes] for _ in range(3)]
     params = [torch.nn.Parameter(t.clone()) for t in init]
-    options = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, momentum_ema=ema, ns_dtype=ns_dtype)
+    options = dict(
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.9,
+        nesterov=True,
+        momentum_ema=ema,
+        nesterov_sum=nesterov_sum,
+        ns_dtype=ns_dtype,
+    )
     opt = DistributedMuon(params, **options)  # type: ignore[arg-type]
     want = [t.clone() for t in init]
     bufs = [torch.zeros_like(t) for t in init]
