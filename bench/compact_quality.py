@@ -32,6 +32,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench import convergence  # noqa: E402
+from bench.record import Column, col, write_table  # noqa: E402
 
 #: row -> (its best rate in docs/convergence.md, the options of its compact form); the row's
 #: optimizer is the convergence label before its first space.
@@ -52,7 +53,19 @@ COMPACT: dict[str, tuple[float, dict[str, Any]]] = {
 ALIASES = {label.lower(): label for label in COMPACT}
 
 
-def main() -> None:
+#: The columns of the table ``--write NAME`` writes (``compact_quality``): final held-out losses.
+COLUMNS: list[Column] = [
+    col("optimizer", "optimizer"),
+    col("options", "compact options"),
+    col("full", "full precision, per seed", 4),
+    col("full_mean", "mean", 4),
+    col("compact", "compact, per seed", 4),
+    col("compact_mean", "mean", 4),
+    col("ratio", "compact / full", 4),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=None, help="optimizers (default: all): " + ", ".join(ALIASES))
     ap.add_argument("--seeds", type=int, default=2)
@@ -60,7 +73,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--workers", type=int, default=2, help="processes of one thread each")
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "compact_quality.png"), help="'' for none")
-    args = ap.parse_args()
+    ap.add_argument("--write", metavar="NAME", help="also write the rows as bench/results/NAME.json (off by default)")
+    args = ap.parse_args(argv)
     from recipes import corpus
 
     if not corpus.installed():
@@ -93,13 +107,16 @@ def main() -> None:
     )
     print("|---|---|---|---|---:|")
     curves: dict[str, dict[str, list[tuple[int, float, float]]]] = {}
+    rows = []
     for label in labels:
         means = []
         cells = []
+        per_seed = []
         for form in (label.split(" ")[0], f"{label} (compact)"):
             runs = [r for r in results if r["label"] == form]
             finals = [r["curve"][-1][2] for r in runs]
             means.append(statistics.mean(finals))
+            per_seed.append(finals)
             cells.append(f"{', '.join(f'{x:.4f}' for x in finals)} ({means[-1]:.4f})")
             n = min(len(r["curve"]) for r in runs)
             mean_curve = [
@@ -108,6 +125,21 @@ def main() -> None:
             curves.setdefault(label, {})[form] = mean_curve
         options = ", ".join(f"{k}={v}" for k, v in COMPACT[label][1].items())
         print(f"| {label} | {options} | {cells[0]} | {cells[1]} | {means[1] / means[0]:.4f} |", flush=True)
+        rows.append(
+            dict(
+                optimizer=label,
+                options=options,
+                full=per_seed[0],
+                full_mean=means[0],
+                compact=per_seed[1],
+                compact_mean=means[1],
+                ratio=means[1] / means[0],
+            )
+        )
+    if args.write:
+        seeds = "seed 0" if args.seeds == 1 else f"seeds 0-{args.seeds - 1}"
+        notes = [f"{args.steps} steps of the tiny Llama on the books, {seeds}, final held-out loss."]
+        write_table(args.write, COLUMNS, rows, notes, script=__file__, argv=argv)
     if args.plot:
         print(f"plot: {_plot(curves, args.plot, args.seeds, args.steps)}")
 

@@ -16,7 +16,8 @@ tensor and a vector; no merging of dims (Meta's default merges a 12 x 7 matrix i
 written to ``bench/results/kl_shampoo_vs_meta.json``: for KL-Shampoo and, as the control, plain
 Shampoo (Meta's ``RootInvShampooPreconditionerConfig`` against ``kl_statistics=False``), the largest
 difference of a parameter from Meta's on its scale (``max |a - b| / max |b|``), and how far
-KL-Shampoo's parameters are from Shampoo's (the comparison must separate the two). Meta keeps its
+KL-Shampoo's parameters are from Shampoo's (the comparison must separate the two): the loop of
+:func:`bench.kl_compare.kl_on_and_off`, written in the table format (``--write``). Meta keeps its
 learning rate and its bias correction as float32 scalars (the lr is 2^-7 here, exact in float32; the
 bias correction is not), which leaves a residue above float64 rounding in both rows alike.
 """
@@ -24,12 +25,9 @@ bias correction is not), which leaves a residue above float64 rounding in both r
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -38,7 +36,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import dist_optim  # noqa: E402
+from bench.kl_compare import COLUMNS, kl_on_and_off  # noqa: E402
 from bench.meta_shampoo_conversion import make_params, run  # noqa: E402
+from bench.record import present, write_table  # noqa: E402
 
 SHAPES = [(12, 7), (5, 9), (3, 4, 5), (6,)]
 #: The first refresh after the factors have full rank (12 statistics steps), then every 2nd step.
@@ -81,42 +81,23 @@ def _ours(params: list[torch.nn.Parameter], kl: bool) -> torch.optim.Optimizer:
     )
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b| / max |b|``: on the tensor's scale (an element near zero after a cancellation
-    carries the rounding of what cancelled)."""
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--meta-commit", default="", help="the checkout's commit, recorded with the results")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kl_shampoo_vs_meta.json"))
-    a = ap.parse_args()
+    ap.add_argument(
+        "--write", metavar="NAME", default="kl_shampoo_vs_meta", help="bench/results/NAME.json ('': write nothing)"
+    )
+    a = ap.parse_args(argv)
     try:
         import distributed_shampoo  # noqa: F401
     except ImportError as exc:
         raise SystemExit(f"needs Meta's distributed_shampoo on the path ({exc}); see the docstring") from exc
-    start = [p.detach().clone() for p in make_params(SHAPES)]
-    results: dict[str, Any] = {}
-    rows: dict[str, Any] = {"steps": a.steps, "shapes": SHAPES, "meta_commit": a.meta_commit}
-    for kl in (True, False):
-        theirs = run(_meta(ps := make_params(SHAPES), kl), ps, a.steps)
-        ours = run(_ours(qs := make_params(SHAPES), kl), qs, a.steps)
-        name = "KL-Shampoo" if kl else "Shampoo (control)"
-        results[name] = ours
-        worst = max(_rel(x, y) for x, y in zip(ours, theirs))
-        moved = max(float((y - s).abs().max()) for y, s in zip(theirs, start))
-        rows[name] = {"difference_from_meta": worst, "largest_move": moved}
-        print(f"{name}: {a.steps} steps, largest difference from Meta's on a parameter's scale {worst:.2e} "
-              f"(parameters moved up to {moved:.3g})")  # fmt: skip
-    apart = max(_rel(x, y) for x, y in zip(results["KL-Shampoo"][:3], results["Shampoo (control)"][:3]))
-    rows["kl_against_shampoo"] = apart
-    print(f"KL-Shampoo against Shampoo (ours; the matrices and the 3-D tensor): {apart:.2e}")
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"written: {a.out}")
+    names = ("KL-Shampoo", "Shampoo (control)", "KL-Shampoo against Shampoo (ours; the matrices and the 3-D tensor)")
+    rows = kl_on_and_off(_meta, _ours, lambda: make_params(SHAPES), run, a.steps, names, "Meta's", apart_on=slice(0, 3))
+    if a.write:
+        extra = {"steps": a.steps, "shapes": SHAPES, "meta_commit": a.meta_commit}
+        write_table(a.write, *present(COLUMNS, rows), script=__file__, argv=argv, extra=extra)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,10 @@ implementations can agree there (docs/optimizers.md gives how far they part).
 Printed and written to ``bench/results/kl_soap_vs_emerging.json``: for KL-SOAP and, as the control,
 plain SOAP (theirs with ``use_kl_shampoo=False`` against ``kl_statistics=False``), the largest
 difference of a parameter from theirs on its scale (``max |a - b| / max |b|``), and how far KL-SOAP's
-parameters are from SOAP's (the comparison must separate the two). A refresh at every step makes
-large steps where the basis turns (the second moment is kept per column), which amplify rounding:
+parameters are from SOAP's (the comparison must separate the two): the loop of
+:func:`bench.kl_compare.kl_on_and_off`, written in the table format (``--write``). A refresh at
+every step makes large steps where the basis turns (the second moment is kept per column), which
+amplify rounding:
 ``--noise`` gives the largest difference of ours from itself when its gradients get relative noise
 of 1e-15, the floor of the comparison. ``--first-statistics`` shows how long their factors
 remember the first gradient when their first statistics clamp a zero factor's eigenvalues to epsilon
@@ -44,7 +46,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import os
 import sys
 import types
@@ -62,9 +63,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import dist_optim  # noqa: E402
+from bench.kl_compare import COLUMNS, kl_on_and_off  # noqa: E402
 from bench.meta_shampoo_conversion import make_params  # noqa: E402
+from bench.record import present, write_table  # noqa: E402
 
-SHAPES = [(6, 6), (9, 9), (4, 4)]
+SHAPES: list[tuple[int, ...]] = [(6, 6), (9, 9), (4, 4)]
 LR, BETAS, EPSILON = 2**-7, (0.9, 0.95), 1e-8
 
 
@@ -180,53 +183,32 @@ def first_statistics_memory(steps: int = 400) -> dict[str, list[tuple[int, float
     return rows
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b| / max |b|``: on the tensor's scale."""
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--noise", action="store_true", help="also ours against ours on noisy gradients")
     ap.add_argument(
         "--first-statistics", action="store_true", help="also how long their factor remembers the first gradient"
     )
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kl_soap_vs_emerging.json"))
-    a = ap.parse_args()
+    ap.add_argument(
+        "--write", metavar="NAME", default="kl_soap_vs_emerging", help="bench/results/NAME.json ('': write nothing)"
+    )
+    a = ap.parse_args(argv)
     import emerging_optimizers
 
-    start = [p.detach().clone() for p in make_params(SHAPES)]
-    results: dict[str, Any] = {}
-    rows: dict[str, Any] = {"steps": a.steps, "shapes": SHAPES, "emerging_optimizers": emerging_optimizers.__version__}
-    for kl in (True, False):
-        theirs = run(_theirs(ps := make_params(SHAPES), kl), ps, a.steps)
-        ours = run(_ours(qs := make_params(SHAPES), kl), qs, a.steps)
-        name = "KL-SOAP" if kl else "SOAP (control)"
-        results[name] = ours
-        worst = max(_rel(x, y) for x, y in zip(ours, theirs))
-        moved = max(float((y - s).abs().max()) for y, s in zip(theirs, start))
-        rows[name] = {"difference_from_theirs": worst, "largest_move": moved}
-        print(f"{name}: {a.steps} steps, largest difference from emerging-optimizers' on a parameter's scale "
-              f"{worst:.2e} (parameters moved up to {moved:.3g})")  # fmt: skip
-        if a.noise:
-            noisy = run(_ours(rs := make_params(SHAPES), kl), rs, a.steps, noise=1e-15)
-            floor = max(_rel(x, y) for x, y in zip(ours, noisy))
-            rows[name]["difference_from_noisy_ours"] = floor
-            print(f"  ours against ours with gradients times 1 + 1e-15 N(0, 1): {floor:.2e}")
-    apart = max(_rel(x, y) for x, y in zip(results["KL-SOAP"], results["SOAP (control)"]))
-    rows["kl_against_soap"] = apart
-    print(f"KL-SOAP against SOAP (ours): {apart:.2e}")
+    names = ("KL-SOAP", "SOAP (control)", "KL-SOAP against SOAP (ours)")
+    rows = kl_on_and_off(
+        _theirs, _ours, lambda: make_params(SHAPES), run, a.steps, names, "emerging-optimizers'", noise=a.noise
+    )
+    extra: dict[str, Any] = {"steps": a.steps, "shapes": SHAPES, "emerging_optimizers": emerging_optimizers.__version__}
     if a.first_statistics:
         memory = first_statistics_memory()
-        rows["first_statistics_memory"] = memory
+        extra["first_statistics_memory"] = memory
         for name, marks in memory.items():
             print(f"first gradient's mark on their normalised L, started as {name}: "
                   + ", ".join(f"step {t}: {v:.2g}" for t, v in marks))  # fmt: skip
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"written: {a.out}")
+    if a.write:
+        write_table(a.write, *present(COLUMNS, rows), script=__file__, argv=argv, extra=extra)
 
 
 if __name__ == "__main__":

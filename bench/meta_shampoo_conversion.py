@@ -22,9 +22,7 @@ second moment (kept in the basis's coordinates across refreshes) depends on, so 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import dist_optim  # noqa: E402
+from bench.record import col, write_table  # noqa: E402
 
 SHAPES = [(12, 7), (5, 9), (3, 4, 5), (6,), (40, 3)]
 
@@ -100,30 +99,33 @@ def configurations(m: Any) -> dict[str, dict[str, Any]]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--meta-commit", default="", help="the checkout's commit, recorded with the results")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "meta_shampoo_conversion.json"))
-    a = ap.parse_args()
+    ap.add_argument(
+        "--write", metavar="NAME", default="meta_shampoo_conversion", help="bench/results/NAME.json ('': write nothing)"
+    )
+    a = ap.parse_args(argv)
     try:
         import distributed_shampoo as m
     except ImportError as exc:
         raise SystemExit(f"needs Meta's distributed_shampoo on the path ({exc}); see the docstring") from exc
     common = dict(lr=2**-7, betas=(0.9, 0.999), epsilon=1e-6, precondition_frequency=2, start_preconditioning_step=14)
-    rows: dict[str, Any] = {"steps": a.steps, "shapes": SHAPES, "meta_commit": a.meta_commit, "runs": {}}
-    runs = dict(configurations(m))
-    for name, options in runs.items():
+    rows = []
+    for name, options in configurations(m).items():
         kwargs = {**common, "weight_decay": 0.01, **options}
         theirs = run(m.DistributedShampoo(ps := make_params(), **kwargs), ps, a.steps)
         ours = run(dist_optim.convert(m.DistributedShampoo(qs := make_params(), **kwargs)), qs, a.steps)
         diffs = [float((x - y).abs().max() / y.abs().max()) for x, y in zip(ours, theirs)]
-        rows["runs"][name] = diffs
+        rows.append({"configuration": name, **{f"p{i}": d for i, d in enumerate(diffs)}})
         print(f"{name}: " + ", ".join(f"{s}: {d:.1e}" for s, d in zip(SHAPES, diffs)))
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"written: {a.out}")
+    if a.write:
+        columns = [col("configuration", "configuration")]
+        columns += [col(f"p{i}", " x ".join(map(str, s)), 1, format="e") for i, s in enumerate(SHAPES)]
+        extra = {"steps": a.steps, "shapes": SHAPES, "meta_commit": a.meta_commit}
+        notes = ["Each parameter's largest difference from Meta's on its scale, max |a - b| / max |b|."]
+        write_table(a.write, columns, rows, notes, script=__file__, argv=argv, extra=extra)
 
 
 if __name__ == "__main__":

@@ -11,17 +11,14 @@ Polar Express is built for; smaller singular values stay near 0 under every 5-st
 ``X`` there, ``U_d^T X V_d``, is the identity for the polar factor; the table gives its relative
 Frobenius distance to the identity and its largest ``|s - 1|`` (diagonal). Inputs:
 dist_optim.testing's stress momenta (rank 8; singular values log-spaced 1..1e-6; Gaussian), the
-worst over the shapes. The JSON holds the command, the commit, the machine and every figure;
+worst over the shapes. The JSON (``--write``, :func:`bench.record.write_table`) holds the command,
+the commit, the machine and every figure;
 docs/optimizers.md's table is this script's printed table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
 import sys
 
 import torch
@@ -30,12 +27,12 @@ ROOT = __file__.rsplit("/bench/", 1)[0]
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench.record import col, write_table  # noqa: E402
 from dist_optim.kernels.newton_schulz import newton_schulz  # noqa: E402
 from dist_optim.muon.coefficients import PRESETS  # noqa: E402
 from dist_optim.testing import STRESS_KINDS, stress_momentum  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-OUT = os.path.join(ROOT, "bench", "results", "ns_presets.json")
 
 
 def distances(c: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
@@ -56,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--shapes", nargs="+", default=["256x704", "512x512"])
-    ap.add_argument("--out", default=OUT)
+    ap.add_argument("--write", metavar="NAME", default="ns_presets", help="bench/results/NAME.json ('': write nothing)")
     args = ap.parse_args(argv)
     rows = []
     for shape_text in args.shapes:
@@ -69,27 +66,15 @@ def main(argv: list[str] | None = None) -> None:
                     frob, gain = distances(c, x)
                     rows.append(dict(shape=shape_text, kind=kind, dtype=dtype_name, schedule=name, frobenius=frob,
                                      max_gain_error=gain))  # fmt: skip
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    result = {
-        "command": " ".join(["python bench/ns_presets.py", *(argv if argv is not None else sys.argv[1:])]),
-        "commit": commit.strip(),
-        "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "steps": args.steps,
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    result = {"rows": rows}
+    if args.write:
+        columns = [col("shape", "shape"), col("kind", "input"), col("dtype", "dtype"), col("schedule", "schedule")]
+        columns += [
+            col("frobenius", "relative distance to the polar factor", 2, format="e"),
+            col("max_gain_error", "max abs(s - 1)", 2, format="e"),
+        ]
+        write_table(args.write, columns, rows, script=__file__, argv=argv, extra={"steps": args.steps})
     print(table(result))
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what platform knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def table(result: dict) -> str:

@@ -7,16 +7,14 @@ of QK-clip is one small all-reduce and the scaling of the clipped heads' rows).
     python bench/qk_clip_cost.py                 # prints the table, writes bench/results/qk_clip_cost.json
     python bench/qk_clip_cost.py --seq 256 1024 --repeats 6
 
-The JSON holds the command, the commit, the machine and every figure.
+The JSON (``--write``, :func:`bench.record.write_table`) holds the command, the commit, the machine
+and every figure.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,9 +24,7 @@ ROOT = __file__.rsplit("/bench/", 1)[0]
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.ns_presets import cpu_name  # noqa: E402
-
-OUT = os.path.join(ROOT, "bench", "results", "qk_clip_cost.json")
+from bench.record import col, write_table  # noqa: E402
 
 
 def _model() -> torch.nn.Module:
@@ -80,24 +76,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--out", default=OUT)
+    ap.add_argument(
+        "--write", metavar="NAME", default="qk_clip_cost", help="bench/results/NAME.json ('': write nothing)"
+    )
     args = ap.parse_args(argv)
     rows = [measure(seq, args.batch, args.repeats) for seq in args.seq]
     print("| sequence | forward + backward (ms) | with the measurement (ms) | ratio |")
     print("|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['seq']} | {1e3 * r['plain_s']:.1f} | {1e3 * r['watched_s']:.1f} | {r['ratio']:.3f} |")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    result = {
-        "command": "python bench/qk_clip_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": commit.strip(),
-        "machine": f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}",
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    if args.write:
+        columns = [
+            col("seq", "sequence", 0),
+            col("batch", "batch", 0),
+            col("plain_s", "forward + backward (s)", 4),
+            col("watched_s", "with the measurement (s)", 4),
+            col("ratio", "ratio", 3, suffix="x"),
+        ]
+        write_table(args.write, columns, rows, script=__file__, argv=argv)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ round-robin (one step of each optimizer in turn), the first round dropped, media
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import statistics
@@ -65,6 +66,7 @@ if ROOT not in sys.path:
 
 import dist_optim  # noqa: E402  (ours)
 from bench.bench_step import fixed_params, llama_like  # noqa: E402
+from bench.record import Column, col, present, write_table  # noqa: E402
 from bench.warm_refresh import WarmTally  # noqa: E402
 from dist_optim.kernels import structured  # noqa: E402
 from dist_optim.shampoo import apply_each_dim, kept_triangle, plan_blocks  # noqa: E402
@@ -78,6 +80,9 @@ except ImportError as exc:  # not on PyPI
         "https://github.com/facebookresearch/optimizers.git /tmp/optimizers && git -C /tmp/optimizers "
         "checkout b91f46b, then run with PYTHONPATH=/tmp/optimizers"
     ) from exc
+
+#: Meta's side of the comparison, recorded with every table this bench writes.
+META = {"meta_commit": "b91f46b"}
 
 logging.getLogger("distributed_shampoo").setLevel(logging.ERROR)  # Meta's start=-1 warning
 
@@ -167,12 +172,14 @@ def host_per_block(blocks: int, repeats: int, device: str = "cpu") -> dict[str, 
     return {k: statistics.median(t) / blocks for k, t in times.items()}
 
 
-def _print_host(blocks: int, device: str) -> None:
+def _print_host(blocks: int, device: str) -> dict[str, Any]:
     per = host_per_block(blocks, 30, device)
     print(f"{blocks} blocks of 16 x 16 on {device}, {torch.get_num_threads()} threads, preconditioned steps:")
     for name, sec in per.items():
         print(f"  {name:5s} {1e6 * sec:6.0f} us per block")
     print(f"  ours / Meta's: {per['ours'] / per['Meta']:.2f}x")
+    ratio = per["ours"] / per["Meta"]
+    return dict(device=device, blocks=blocks, ours_us=1e6 * per["ours"], meta_us=1e6 * per["Meta"], ratio=ratio)
 
 
 def _pf10_run(
@@ -227,6 +234,48 @@ def root_errors(opt: dist_optim.DistributedShampoo, steps: int) -> list[float]:
     return out
 
 
+#: The columns of the table ``--write NAME`` writes (``shampoo_vs_meta_gpu``): one row per timed
+#: step kind, ratios to AdamW and to Meta's step of the same kind in the same run.
+COLUMNS: list[Column] = [
+    col("step", "step"),
+    col("median_ms", "median (ms)", 1),
+    col("mean_ms", "mean (ms)", 1),
+    col("median_vs_adamw", "median / AdamW", 2),
+    col("vs_meta_median", "/ Meta (median)", 2),
+    col("vs_meta_mean", "/ Meta (mean)", 2),
+    col("vs_products", "ours / products only", 2),
+]
+#: ``--host-blocks N --write NAME`` (``shampoo_host_blocks``): microseconds per block.
+HOST_COLUMNS: list[Column] = [
+    col("device", "device"),
+    col("blocks", "blocks", 0),
+    col("ours_us", "ours (us per block)", 0),
+    col("meta_us", "Meta's (us per block)", 0),
+    col("ratio", "ours / Meta's", 2),
+]
+
+
+def step_rows(times: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Per timed step kind, the rows of :data:`COLUMNS` (milliseconds and ratios)."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mean = {k: statistics.mean(v) for k, v in times.items()}
+    adamw = med["torch AdamW (foreach)"]
+    rows = []
+    for name in times:
+        row: dict[str, Any] = dict(
+            step=name, median_ms=1e3 * med[name], mean_ms=1e3 * mean[name], median_vs_adamw=med[name] / adamw
+        )
+        kind, _, mode = name.partition(", ")
+        if kind in ("ours", "ours warm", "products only"):
+            other = f"Meta, {mode}"
+            row.update(vs_meta_median=med[name] / med[other], vs_meta_mean=mean[name] / mean[other])
+            floor = f"products only, {mode}"
+            if kind == "ours" and floor in med:
+                row["vs_products"] = med[name] / med[floor]
+        rows.append(row)
+    return rows
+
+
 def _print_table(
     times: dict[str, list[float]],
     finite: dict[str, bool | str],
@@ -235,10 +284,7 @@ def _print_table(
     pf10_steps: int,
     warm_meta: float,
     warm_ours: float,
-) -> None:
-    med = {k: statistics.median(v) for k, v in times.items()}
-    mean = {k: statistics.mean(v) for k, v in times.items()}
-    adamw = med["torch AdamW (foreach)"]
+) -> list[dict[str, Any]]:
     n = sum(torch.Size(s).numel() for s in shapes)
     print(
         f"\n{n / 1e6:.1f}M params, {torch.get_num_threads()} threads, {repeats} repeats, "
@@ -250,23 +296,17 @@ def _print_table(
         "| ours / products only | finite |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---|")
-    for name in times:
-        r_med = r_mean = r_floor = ""
-        kind, _, mode = name.partition(", ")
-        if kind in ("ours", "ours warm", "products only"):
-            other = f"Meta, {mode}"
-            r_med = f"{med[name] / med[other]:.2f}x"
-            r_mean = f"{mean[name] / mean[other]:.2f}x"
-            floor = f"products only, {mode}"
-            if kind == "ours" and floor in med:
-                r_floor = f"{med[name] / med[floor]:.2f}x"
+    rows = step_rows(times)
+    for r in rows:
+        ratios = [f"{r[k]:.2f}x" if k in r else "" for k in ("vs_meta_median", "vs_meta_mean", "vs_products")]
         print(
-            f"| {name} | {1e3 * med[name]:.1f} | {1e3 * mean[name]:.1f} | {med[name] / adamw:.2f}x "
-            f"| {r_med} | {r_mean} | {r_floor} | {finite.get(name, '')} |"
+            f"| {r['step']} | {r['median_ms']:.1f} | {r['mean_ms']:.1f} | {r['median_vs_adamw']:.2f}x "
+            f"| {' | '.join(ratios)} | {finite.get(r['step'], '')} |"
         )
+    return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--pf10-steps", type=int, default=30)
@@ -290,9 +330,17 @@ def main() -> None:
         default=0,
         help="only the host time per block: this many 16 x 16 parameters, preconditioned steps (30 rounds)",
     )
-    args = ap.parse_args()
+    ap.add_argument(
+        "--write",
+        metavar="NAME",
+        help="also write the rows as bench/results/NAME.json (the data of the docs' table NAME); off by default",
+    )
+    args = ap.parse_args(argv)
+    write = functools.partial(write_table, script=__file__, argv=argv, device=args.device, extra=META)
     if args.host_blocks:
-        _print_host(args.host_blocks, args.device)
+        row = _print_host(args.host_blocks, args.device)
+        if args.write:
+            write(args.write, HOST_COLUMNS, [row], ["Preconditioned steps, 30 rounds, the median step per block."])
         return
 
     shapes = llama_like()
@@ -366,19 +414,23 @@ def main() -> None:
         _pf10_run(pf10, args.pf10_steps, args.drift, times, finite)
     gc.collect()
 
-    _print_table(times, finite, shapes, args.repeats, args.pf10_steps, warm_meta, warm_ours)
-    print(
-        f"\nwarm refreshes (tolerance {args.refresh_tolerance}, gradient drift {args.drift}): "
+    rows = _print_table(times, finite, shapes, args.repeats, args.pf10_steps, warm_meta, warm_ours)
+    notes = [
+        f"Warm refreshes (tolerance {args.refresh_tolerance}, gradient drift {args.drift}): "
         f"{tally.kept} factors kept their eigenvectors, {tally.refined} took QR steps, "
-        f"{tally.recomputed} were recomputed by eigh"
-    )
+        f"{tally.recomputed} were recomputed by eigh."
+    ]
+    print("\n" + notes[0])
     if args.pf10_steps % 10 == 0:  # the last step refreshed every root
         for name in ("ours, pf=10 run", "ours warm, pf=10 run"):
             errs = sorted(root_errors(pf10[name], args.pf10_steps))
-            print(
+            notes.append(
                 f"{name}: roots against float64 eigh of the same factors, relative Frobenius error: "
-                f"median {statistics.median(errs):.2e}, max {errs[-1]:.2e} ({len(errs)} factors)"
+                f"median {statistics.median(errs):.2e}, max {errs[-1]:.2e} ({len(errs)} factors)."
             )
+            print(notes[-1])
+    if args.write:
+        write(args.write, *present(COLUMNS, rows), notes)
 
 
 if __name__ == "__main__":

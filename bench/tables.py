@@ -9,6 +9,13 @@ data, and the doc is regenerated from it, never edited by hand.
     .venv/bin/python -m bench.tables            # rewrite every marked table of the docs
     .venv/bin/python -m bench.tables --check    # exit 1, with a diff, where a doc's table differs
 
+A figure gets into the docs in two commands: run the bench behind the table with ``--write NAME``
+(``python bench/bench_step.py --only galore --repeats 8 --write step_galore``), which writes ``bench/results/NAME.json``
+through :func:`bench.record.write_table` (the command, commit, machine and date of that run, the rows
+checked against this module's rendering first), then ``python -m bench.tables``. Nobody types a
+figure or its provenance into the data: a table whose rows come from several runs is the exception,
+merged from the benches' own files.
+
 A doc marks a table with ``<!-- table: NAME -->`` and ``<!-- /table -->`` on lines of their own;
 everything between them is generated from ``bench/results/NAME.json``::
 
@@ -26,8 +33,9 @@ A column with ``decimals`` holds numbers, printed with that many decimals and ri
 number). A cell is a number, a string (printed as it is), null (empty), a list (one figure per run,
 joined by commas), ``{"min": a, "max": b}`` (a range, ``a-b``) or ``{"value": v, ...}`` (``v`` with
 the column's format overridden for this cell, e.g. ``"decimals": 0``). A row may also carry
-``commit``, ``command``, ``date`` and ``note``, which stay in the data. Files a bench writes in a
-format of its own (without ``columns``) are not tables until it writes this one.
+``commit``, ``command``, ``date`` and ``note``, which stay in the data. Every bench writes this
+format (:mod:`bench.record`), also the ones whose files no doc renders; a file without ``columns``
+is one written before that, not a table.
 """
 
 from __future__ import annotations

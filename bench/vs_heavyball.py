@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import statistics
 import sys
@@ -72,6 +73,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.bench_step import device_sync, fixed_params, llama_like  # noqa: E402
+from bench.record import Column, col, present, write_table  # noqa: E402
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -237,7 +239,7 @@ def _batches(on: bool) -> Iterator[None]:
 HOST_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
-def muon_host(warmup: int, repeats: int, clock: Callable[[], float], device: str) -> None:
+def muon_host(warmup: int, repeats: int, clock: Callable[[], float], device: str) -> list[dict[str, Any]]:
     """``--muon-host``: our Muon step (``HOST_DTYPE``) on the set's matrices at 1/16 of their sides, per matrix
     and in batches, median of round-robin steps and the aten operators of one step."""
     import dist_optim
@@ -272,12 +274,69 @@ def muon_host(warmup: int, repeats: int, clock: Callable[[], float], device: str
                 if i >= warmup:
                     times.append(clock() - t0)
     base = statistics.median(runs[0][4])
+    rows = []
     for label, _on, _opt, _params, times, ops in runs:
         median = statistics.median(times)
         print(f"  {label:11s} {1e3 * median:7.2f} ms a step ({median / base:.2f}x), {ops.count} aten operators")
+        rows.append(dict(iteration=label, ops=ops.count, median_ms=1e3 * median, ratio=median / base))
+    return rows
 
 
-def main() -> None:
+#: The columns of ``--write NAME`` (``vs_heavyball_muon_gpu``, ...): per optimizer of a pair, its
+#: steps and ours / heavyball's of the same run (the per-round quartiles with 5 rounds or more).
+COLUMNS: list[Column] = [
+    col("step", "step"),
+    col("median_ms", "median (ms)", 1),
+    col("mean_ms", "mean (ms)", 1),
+    col("median_ratio", "/ heavyball (median)", 2, suffix="x"),
+    col("mean_ratio", "/ heavyball (mean)", 2, suffix="x"),
+    col("quartiles", "per-round ratio, quartiles", 2, suffix="x"),
+]
+#: ``--muon-host --write NAME`` (``vs_heavyball_muon_host``).
+HOST_COLUMNS: list[Column] = [
+    col("iteration", "iteration"),
+    col("ops", "aten operators per step", 0),
+    col("median_ms", "median step (ms)", 2),
+    col("ratio", "/ per matrix", 2, suffix="x"),
+]
+
+
+def pair_rows(name: str, timed: list[tuple[str, list[float]]]) -> list[dict[str, Any]]:
+    """Rows of :data:`COLUMNS` for one pair's :func:`run` (heavyball's the last), printed as well."""
+    theirs = timed[-1][1]
+    print(f"\n{name}: median ms (between refreshes), mean ms (with refreshes), ours / heavyball")
+    rows = []
+    for label, t in timed:
+        row: dict[str, Any] = dict(step=label, median_ms=1e3 * statistics.median(t), mean_ms=1e3 * statistics.mean(t))
+        ratio = ""
+        if t is not theirs:
+            row.update(
+                median_ratio=statistics.median(t) / statistics.median(theirs),
+                mean_ratio=statistics.mean(t) / statistics.mean(theirs),
+            )
+            ratio = f"   {row['median_ratio']:.2f}x median, {row['mean_ratio']:.2f}x mean"
+            if len(t) >= 5:
+                q = statistics.quantiles([a / b for a, b in zip(t, theirs)], n=4)
+                row["quartiles"] = {"min": q[0], "max": q[2]}
+                ratio += f" (per round: quartiles {q[0]:.2f}-{q[2]:.2f}x)"
+        print(f"  {label:26s} {row['median_ms']:8.1f} {row['mean_ms']:8.1f}{ratio}")
+        rows.append(row)
+    return rows
+
+
+def heavyball_version() -> str:
+    """heavyball's version, from the module (a stand-in has no distribution metadata)."""
+    import heavyball
+
+    found = getattr(heavyball, "__version__", None)
+    if found is None:
+        from importlib.metadata import version
+
+        found = version("heavyball")
+    return str(found)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", choices=sorted(PAIRS), default=["soap", "muon", "kron"])
     ap.add_argument("--warmup", type=int, default=12, help="untimed rounds (compilation, first refresh)")
@@ -292,36 +351,31 @@ def main() -> None:
         action="store_true",
         help="no heavyball: our Muon's host time and operators per step, per matrix and in batches",
     )
-    args = ap.parse_args()
+    ap.add_argument("--write", metavar="NAME", help="also write the rows as bench/results/NAME.json (off by default)")
+    args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    write = functools.partial(write_table, script=__file__, argv=argv, device=args.device)
+    setting = f"{args.repeats} timed rounds after {args.warmup}, {args.clock} clock"
     if args.muon_host:
-        muon_host(args.warmup, args.repeats, clock, args.device)
+        host_rows = muon_host(args.warmup, args.repeats, clock, args.device)
+        if args.write:
+            write(args.write, HOST_COLUMNS, host_rows, [f"Medians of {setting}."])
         return
     skip = () if args.muon_fp32 else ("ours Muon fp32 (default)",)
-    from importlib.metadata import version
-
     shapes = llama_like(512, 1376, 2, args.vocab)
     n = sum(torch.Size(s).numel() for s in shapes)
-    print(f"torch {torch.__version__}, heavyball {version('heavyball')}, {n / 1e6:.1f}M parameters")
+    print(f"torch {torch.__version__}, heavyball {heavyball_version()}, {n / 1e6:.1f}M parameters")
     if args.device.startswith("cuda"):
         print(f"device {torch.cuda.get_device_name(args.device)}")
     print(f"threads {torch.get_num_threads()}, warmup {args.warmup}, timed rounds {args.repeats}, {args.clock} clock")
+    rows = []
     for name in args.only:
-        rows = run(name, shapes, args.warmup, args.repeats, clock, skip, args.device)
-        theirs = rows[-1][1]
-        print(f"\n{name}: median ms (between refreshes), mean ms (with refreshes), ours / heavyball")
-        for label, t in rows:
-            median, mean = 1e3 * statistics.median(t), 1e3 * statistics.mean(t)
-            ratio = ""
-            if t is not theirs:
-                ratio = f"   {statistics.median(t) / statistics.median(theirs):.2f}x median, "
-                ratio += f"{statistics.mean(t) / statistics.mean(theirs):.2f}x mean"
-                if len(t) >= 5:
-                    q = statistics.quantiles([a / b for a, b in zip(t, theirs)], n=4)
-                    ratio += f" (per round: quartiles {q[0]:.2f}-{q[2]:.2f}x)"
-            print(f"  {label:26s} {median:8.1f} {mean:8.1f}{ratio}")
+        rows += pair_rows(name, run(name, shapes, args.warmup, args.repeats, clock, skip, args.device))
+    if args.write:
+        notes = [f"{n / 1e6:.1f}M parameters, {setting}."]
+        write(args.write, *present(COLUMNS, rows), notes, extra={"heavyball": heavyball_version()})
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench import convergence  # noqa: E402
+from bench.record import Column, col, write_table  # noqa: E402
 from dist_optim.kernels import matrix_functions  # noqa: E402
 
 #: label -> (convergence label of the base optimizer, its best rate in docs/convergence.md, the
@@ -71,14 +72,28 @@ class WarmTally:
         return f"{self.kept} kept, {self.refined} refined by QR steps, {self.recomputed} recomputed"
 
 
-def main() -> None:
+#: The columns of the table ``--write NAME`` writes (``warm_refresh_training``).
+COLUMNS: list[Column] = [
+    col("optimizer", "optimizer"),
+    col("refresh", "refresh"),
+    col("loss", "held-out loss per seed", 4),
+    col("kept", "factor refreshes kept", 0),
+    col("refined", "refined by QR steps", 0),
+    col("recomputed", "recomputed", 0),
+    col("seconds", "seconds per run", 1),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=list(BASES), choices=list(BASES))
     ap.add_argument("--tolerances", type=float, nargs="*", default=[0.01])
     ap.add_argument("--iterations", type=int, default=0, help="refresh_iterations of the warm runs")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300)
-    args = ap.parse_args()
+    ap.add_argument("--write", metavar="NAME", help="also write the rows as bench/results/NAME.json (off by default)")
+    args = ap.parse_args(argv)
+    rows: list[dict[str, Any]] = []
     print("| optimizer | refresh | held-out loss per seed | seconds per seed | warm refreshes |")
     print("|---|---|---|---|---|")
     for base in args.only:
@@ -109,11 +124,19 @@ def main() -> None:
                     losses.append(curve[-1][2])
                     seconds.append(curve[-1][1])
             counts = str(tally) if refresh != "default" else ""
+            row: dict[str, Any] = dict(optimizer=base, refresh=refresh, loss=losses, seconds=seconds)
+            if refresh != "default":
+                row.update(kept=tally.kept, refined=tally.refined, recomputed=tally.recomputed)
+            rows.append(row)
             print(
                 f"| {base} | {refresh} | {', '.join(f'{x:.4f}' for x in losses)} "
                 f"| {', '.join(f'{s:.1f}' for s in seconds)} (mean {statistics.mean(seconds):.1f}) | {counts} |",
                 flush=True,
             )
+    if args.write:
+        seeds = "seed 0" if args.seeds == 1 else f"seeds 0-{args.seeds - 1}"
+        notes = [f"{args.steps} steps of the tiny Llama on the books, {seeds}, one process after another."]
+        write_table(args.write, COLUMNS, rows, notes, script=__file__, argv=argv)
 
 
 if __name__ == "__main__":
