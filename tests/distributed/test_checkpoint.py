@@ -39,6 +39,8 @@ MOE_EP2 = (
 MOE_EP1 = ("MoeHybridParallelPlugin", dict(MOE_EP2[1], ep_size=1))
 # FSDP's full shard over 4 ranks: each rank holds unpadded ranges of the parameters, most empty.
 FSDP = ("TorchFSDPPlugin", dict())
+# Gemini's static placement over 4 ranks: flat ranges of several chunks' shards, bf16 with fp32 masters.
+GEMINI = ("GeminiPlugin", dict(booster.GEMINI_CHUNKS, placement_policy="static", precision="bf16"))
 
 
 SAME_LAYOUT = [
@@ -57,15 +59,22 @@ RESAVED = [
 ]
 
 
+#: Steps before a save and after the load. Shampoo's rows refresh their roots and bases at every
+#: second step (precondition_frequency=2): those of step 2 are saved and used as saved at step 3,
+#: then refreshed from the loaded factors at step 4; Kron updates its factors at both. After an odd
+#: number of steps the next step refreshes, so the saved roots would never be used (a perturbed root
+#: then passes). The state compared after them is bit for bit or not: more steps only lengthen the suite.
+BEFORE, AFTER = 2, 2
+
 #: The uninterrupted runs by (layout, optimizer): a layout's file and sharded checkpoints resume
-#: into the same 6-step run, run once.
+#: into the same run, run once.
 _STRAIGHT: dict[tuple[str, str], list[Any]] = {}
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("layout,shard", SAME_LAYOUT)
 def test_exact_resume_same_layout(name, layout, shard, pool4, tmp_path) -> None:
-    """3 steps + save + load + 3 steps == 6 uninterrupted steps, bit for bit, on every rank: the
+    """BEFORE steps + save + load + AFTER steps == the uninterrupted run, bit for bit, on every rank: the
     full fp32 master weights and working weights of the rank's parameters (under expert
     parallelism each rank's own experts), the full optimizer state (owner-held factors, roots,
     projectors included) and the optimizer-level state (generators, counters). Under bf16 ZeRO the
@@ -73,13 +82,11 @@ def test_exact_resume_same_layout(name, layout, shard, pool4, tmp_path) -> None:
     carries them, else the resumed run would continue from bf16-rounded masters."""
     opt = OPTIMIZERS[name]
     path = str(tmp_path)
-    # 3 + 3 steps: Shampoo's roots are refreshed after the resume (precondition_frequency=2), Kron's
-    # factors updated, GaLore's projectors reused; more steps only lengthen the suite.
-    pool4.run(ckpt.train_and_save, *layout, *opt, 3, path, shard)
-    resumed = pool4.run(ckpt.load_and_train, *layout, *opt, 3, 3, path, shard, with_state=True)
+    pool4.run(ckpt.train_and_save, *layout, *opt, BEFORE, path, shard)
+    resumed = pool4.run(ckpt.load_and_train, *layout, *opt, BEFORE, AFTER, path, shard, with_state=True)
     key = (repr(layout), name)
     if key not in _STRAIGHT:
-        _STRAIGHT[key] = pool4.run(ckpt.uninterrupted, *layout, *opt, 6, with_state=True)
+        _STRAIGHT[key] = pool4.run(ckpt.uninterrupted, *layout, *opt, BEFORE + AFTER, with_state=True)
     straight = _STRAIGHT[key]
     for rank, (got, expected) in enumerate(zip(resumed, straight)):
         assert got["weights"] and got["state"], f"rank {rank} compared nothing"
@@ -90,19 +97,19 @@ def test_exact_resume_same_layout(name, layout, shard, pool4, tmp_path) -> None:
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_resume_after_resharding(name, pool4, pool2, tmp_path) -> None:
     """Saved at tp=2 x dp=2, resumed with ZeRO-2 on 4 ranks, with FSDP on 4 ranks and with DDP on 2
-    ranks for 3 steps.
+    ranks for AFTER steps.
     On every rank: the loaded state is the saved one (bit for bit what tp=2 x dp=2 held),
-    and the 3 steps after it are the single-device algorithm's from that state on what the new
+    and the steps after it are the single-device algorithm's from that state on what the new
     layout handed the optimizer (tests/helpers/booster.py ``replay``): weights and full optimizer state
     element-wise within 1e-5 (tests/helpers/check.py). That the file itself does not depend on the layout
     is test_files_do_not_depend_on_layout's."""
     opt_path, opt_kwargs = OPTIMIZERS[name]
     path = str(tmp_path)
-    saved = pool4.run(ckpt.train_and_save, *HP_TP2, opt_path, opt_kwargs, 3, path, True, with_state=True)[0]
+    saved = pool4.run(ckpt.train_and_save, *HP_TP2, opt_path, opt_kwargs, BEFORE, path, True, with_state=True)[0]
     for pool, target in ((pool4, LLZ_FP32), (pool4, FSDP), (pool2, DDP)):
-        results = pool.run(ckpt.load_and_train, *target, opt_path, opt_kwargs, 3, 3, path, True, record=True)
+        results = pool.run(ckpt.load_and_train, *target, opt_path, opt_kwargs, BEFORE, AFTER, path, True, record=True)
         for rank, res in enumerate(results):
-            assert len(res["records"]) == 3, (target[0], rank, len(res["records"]))
+            assert len(res["records"]) == AFTER, (target[0], rank, len(res["records"]))
             # the state the new layout loaded is the state the old layout saved
             bad = differences(res["loaded"]["state"], saved["state"])
             assert not bad, (target[0], rank, "loaded state differs from the saved one", bad[:8])
@@ -119,9 +126,9 @@ def test_files_do_not_depend_on_layout(name, saved, loaded, pool4, tmp_path) -> 
     parallelism (experts split over 2 rank pairs, each writing its experts) to none."""
     opt = OPTIMIZERS[name]
     path = str(tmp_path)
-    pool4.run(ckpt.train_and_save, *saved, *opt, 3, path, True)
+    pool4.run(ckpt.train_and_save, *saved, *opt, BEFORE, path, True)
     resave = os.path.join(path, "resaved.pt")
-    pool4.run(ckpt.load_and_train, *loaded, *opt, 3, 0, path, True, resave)
+    pool4.run(ckpt.load_and_train, *loaded, *opt, BEFORE, 0, path, True, resave)
     a, b = read_checkpoint(os.path.join(path, "optim")), read_checkpoint(resave)
     assert set(a["state"]) == set(b["state"]) and a["state"]
     for pname, state in a["state"].items():
@@ -131,6 +138,38 @@ def test_files_do_not_depend_on_layout(name, saved, loaded, pool4, tmp_path) -> 
                 assert torch.equal(value, b["state"][pname][key]), (pname, key)
             else:
                 assert value == b["state"][pname][key], (pname, key)
+
+
+@pytest.mark.parametrize("name", ["lamb", "shampoo"])
+def test_gemini_exact_resume_and_reshard(name, pool4, tmp_path) -> None:
+    """Under Gemini, as test_exact_resume_same_layout (sharded files): BEFORE steps + save + load +
+    AFTER steps == the uninterrupted run, bit for bit, masters (which only the optimizer holds),
+    working weights, full state and optimizer-level state; and the state Gemini saved, loaded with
+    ZeRO-1 on 4 ranks and saved again, is the same file content. Not a column of the README's table
+    (two rows, not all): Gemini's column there is its booster parity."""
+    opt = OPTIMIZERS[name]
+    path = str(tmp_path)
+    pool4.run(ckpt.train_and_save, *GEMINI, *opt, BEFORE, path, True)
+    resumed = pool4.run(ckpt.load_and_train, *GEMINI, *opt, BEFORE, AFTER, path, True, with_state=True)
+    straight = pool4.run(ckpt.uninterrupted, *GEMINI, *opt, BEFORE + AFTER, with_state=True)
+    for rank, (got, expected) in enumerate(zip(resumed, straight)):
+        assert got["weights"] and got["state"] and got["working"], f"rank {rank} compared nothing"
+        bad = differences(got, expected)
+        assert not bad, f"rank {rank}: not identical after resume: {bad[:10]}"
+    resave = os.path.join(path, "resaved.pt")
+    pool4.run(ckpt.load_and_train, *LLZ_BF16, *opt, BEFORE, 0, path, True, resave)
+    a, b = read_checkpoint(os.path.join(path, "optim")), read_checkpoint(resave)
+    assert set(a["state"]) == set(b["state"]) and a["state"] and a["masters"]
+    for pname, state in a["state"].items():
+        for key, value in state.items():
+            same = (
+                torch.equal(value, b["state"][pname][key])
+                if isinstance(value, torch.Tensor)
+                else value == b["state"][pname][key]
+            )
+            assert same, (pname, key)
+    for pname, master in a["masters"].items():
+        assert torch.equal(master, b["masters"][pname]), pname
 
 
 # The tests behind the README's "checkpoint" column (tests/helpers/support.py): each runs once per entry of
@@ -173,21 +212,21 @@ COMPACT = {
 
 @pytest.mark.parametrize("name", sorted(COMPACT))
 def test_compact_states_resume_exactly_and_files_do_not_depend_on_layout(name, pool4, tmp_path) -> None:
-    """The compact states through the booster's checkpoints: 3 steps + save + load + 3 steps == 6
+    """The compact states through the booster's checkpoints: BEFORE steps + save + load + AFTER steps == the
     uninterrupted steps bit for bit at tp=2 x ZeRO-2 (bf16, sharded files: packed triangles and
     8-bit codes gathered from their owners and holders, absmax included); and the state saved
     there, loaded with ZeRO-1 on 4 ranks and saved again, is the same file content."""
     opt = COMPACT[name]
     path = str(tmp_path)
-    pool4.run(ckpt.train_and_save, *HP_TP2_ZERO2, *opt, 3, path, True)
-    resumed = pool4.run(ckpt.load_and_train, *HP_TP2_ZERO2, *opt, 3, 3, path, True, with_state=True)
-    straight = pool4.run(ckpt.uninterrupted, *HP_TP2_ZERO2, *opt, 6, with_state=True)
+    pool4.run(ckpt.train_and_save, *HP_TP2_ZERO2, *opt, BEFORE, path, True)
+    resumed = pool4.run(ckpt.load_and_train, *HP_TP2_ZERO2, *opt, BEFORE, AFTER, path, True, with_state=True)
+    straight = pool4.run(ckpt.uninterrupted, *HP_TP2_ZERO2, *opt, BEFORE + AFTER, with_state=True)
     for rank, (got, expected) in enumerate(zip(resumed, straight)):
         assert got["weights"] and got["state"], f"rank {rank} compared nothing"
         bad = differences(got, expected)
         assert not bad, f"rank {rank}: not identical after resume: {bad[:10]}"
     resave = os.path.join(path, "resaved.pt")
-    pool4.run(ckpt.load_and_train, *LLZ_BF16, *opt, 3, 0, path, True, resave)
+    pool4.run(ckpt.load_and_train, *LLZ_BF16, *opt, BEFORE, 0, path, True, resave)
     a, b = read_checkpoint(os.path.join(path, "optim")), read_checkpoint(resave)
     kinds = {
         value.dtype for state in a["state"].values() for value in state.values() if isinstance(value, torch.Tensor)
