@@ -61,7 +61,7 @@ from ..checks import group_lr
 from ..comm import SumBucket
 from ..layout import ParamLayout
 from ..registry import CatalogueEntry, Conversion, Demo, register, register_entry
-from ..states import bnb
+from ..states import bnb, codecs
 from .statistics import (
     EPS_ADD,
     FactoredOptimizer,
@@ -81,6 +81,11 @@ from .statistics import (
 )
 
 __all__ = ["DistributedCAME"]
+
+
+#: CAME's first moment, bitsandbytes' signed 8-bit codes with ``optim_bits=8`` (the factored
+#: statistics stay in :func:`math_dtype`).
+EXP_AVG = codecs.Entry("exp_avg", codecs.BNB_SIGNED)
 
 
 class DistributedCAME(FactoredOptimizer):
@@ -116,9 +121,9 @@ class DistributedCAME(FactoredOptimizer):
         min_8bit_size: int = 4096,
         nonfinite: str = "raise",
     ) -> None:
-        bnb.check_8bit_options(optim_bits, min_8bit_size, "8-bit block-wise exp_avg")
-        self.optim_bits = optim_bits
-        self.min_8bit_size = min_8bit_size
+        self.optim_bits, self.min_8bit_size = codecs.check_8bit_options(
+            optim_bits, min_8bit_size, "8-bit block-wise exp_avg"
+        )
         defaults = dict(
             lr=lr,
             eps=tuple(eps) if isinstance(eps, (tuple, list)) else eps,
@@ -130,6 +135,7 @@ class DistributedCAME(FactoredOptimizer):
 
     def validate_group(self, group: dict[str, Any]) -> None:
         super().validate_group(group)
+        codecs.refuse_group_8bit_options(group, type(self).__name__)
         if group["lr"] is None:
             raise ValueError("lr: DistributedCAME needs an explicit lr > 0 (came_pytorch has no default)")
         check_lr(group["lr"], open_low=True)
@@ -160,7 +166,7 @@ class DistributedCAME(FactoredOptimizer):
     def eight_bit(self, layout: ParamLayout) -> bool:
         """Whether a parameter of this layout keeps its first moment in 8 bits (``optim_bits``,
         ``min_8bit_size`` of its full tensor)."""
-        return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
+        return codecs.EightBit.of(self).keeps(layout.full_numel)
 
     def _first_moment(self, item: FactoredParam, dtype: torch.dtype, batch: bnb.Batch8bit) -> torch.Tensor:
         """``exp_avg`` to update in place: the state's 32-bit tensor, or an 8-bit one's values in
@@ -168,9 +174,9 @@ class DistributedCAME(FactoredOptimizer):
         other ``optim_bits`` is carried over (quantised, or dequantised into the state)."""
         state, p = item.state, item.param
         if self.eight_bit(item.layout):
-            return batch.read(state, "exp_avg", True, item.layout, p, dtype)
-        batch.to_32bit(state, "exp_avg", True, item.layout, p.device, math_dtype(p))
-        return state["exp_avg"]
+            return EXP_AVG.codec.read(batch, state, EXP_AVG.name, item.layout, p, dtype)
+        EXP_AVG.codec.to_plain(batch, state, EXP_AVG.name, item.layout, p.device, math_dtype(p))
+        return state[EXP_AVG.name]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

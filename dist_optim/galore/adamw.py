@@ -20,7 +20,7 @@ from ..kernels.fused_adam import fused_applies
 from ..kernels.multi_tensor import scale_
 from ..layout import ParamLayout
 from ..states import bnb
-from .state import init_low_rank_state
+from .state import LOW_RANK, init_low_rank_state, read_moments, write_moments
 
 __all__ = [
     "step_size",
@@ -100,7 +100,7 @@ def low_rank_adamw(
             # Whole moments or a partition of whole blocks: bitsandbytes' own blocks of them.
             blocks = bnb.FullBlocks(ParamLayout(tuple(low.shape)), low.device) if eight_bit and low.numel() else None
             if blocks is not None:
-                m, v = (x.to(low.dtype) for x in bnb.read_moments_8bit(state, "low_rank_", blocks))
+                m, v = (x.to(low.dtype) for x in read_moments(state, LOW_RANK, blocks))
                 quantised.append((state, blocks, m, v))
             elif eight_bit:  # an empty partition
                 m, v = torch.zeros_like(low), torch.zeros_like(low)
@@ -116,7 +116,7 @@ def low_rank_adamw(
         torch._foreach_addcmul_(exp_avg_sq, lows, lows, value=1.0 - beta2)
         norms = torch._foreach_div(exp_avg, denominators(group, adam_style, exp_avg_sq, ts))
         for state, blocks, m, v in quantised:
-            bnb.write_moments_8bit(state, "low_rank_", blocks, [m, v])
+            write_moments(state, LOW_RANK, blocks, [m, v])
         for i, t, norm in zip(idx, ts, norms):
             out[i] = (step_size(group, adam_style, t), norm)
     return [step for step in out if step is not None]
@@ -127,7 +127,7 @@ def plain_moments_8bit(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This step's fp32 moments of a plain parameter from its 8-bit state (not stored)."""
     g = grad.float()
-    m, v = bnb.read_moments_8bit(state, "", blocks)
+    m, v = read_moments(state, "", blocks)
     m.mul_(beta1).add_(g, alpha=1.0 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     return m, v
@@ -156,7 +156,7 @@ def plain_adamw_update(
     step_size, denom = step_size_and_denom(group, adam_style, v, float(state["step"]))
     p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-step_size)
     if eight_bit is not None:
-        bnb.write_moments_8bit(state, "", blocks, [m, v], absmax)
+        write_moments(state, "", blocks, [m, v], absmax)
 
 
 def fused_plain_adamw(

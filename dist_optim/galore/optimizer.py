@@ -29,7 +29,7 @@ from ..layout import ParamLayout
 from ..sharding.budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
 from ..sharding.partition import all_gather_parts, live_groups, partition_span
 from ..sharding.runtime import OwnerRuntime
-from ..states import bnb
+from ..states import bnb, codecs
 from .adamw import fused_plain_adamw, low_rank_adamw, plain_adamw_update
 from .coordination import (
     ProjectorGathering,
@@ -320,7 +320,7 @@ class DistributedGaLore(DistOptimizer):
     def _eight_bit_numel(self, numel: int) -> bool:
         """Whether low-rank moments of ``numel`` elements are 8-bit (bitsandbytes' ``min_8bit_size``
         rule)."""
-        return self.optim_bits == 8 and numel >= self.min_8bit_size
+        return codecs.EightBit.of(self).keeps(numel)
 
     def state_partitions(self, p: torch.Tensor) -> dict[str, Partitioned]:
         """How this rank keeps each entry of GaLore parameter ``p``'s state: its full shape, the
@@ -408,7 +408,7 @@ class DistributedGaLore(DistOptimizer):
         """AdamW of a group without ``rank``: torch's fused kernel where it applies, else per
         parameter; decay before the update in the "bnb" style (bitsandbytes), after it in "hf"."""
         layouts = [self.layout(p) for p in params]
-        eight = [self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size for layout in layouts]
+        eight = [self._eight_bit_numel(layout.full_numel) for layout in layouts]
         states = [self.state[p] for p in params]
         for p, layout, state, e in zip(params, layouts, states, eight):
             if not state:

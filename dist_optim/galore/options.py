@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..base import check_adam_options, check_range
+from ..states.codecs import check_8bit_options
 
 __all__ = [
     "PROJ_TYPES",
@@ -52,9 +53,9 @@ def check_optimizer_options(
     optim_bits: Any, min_8bit_size: Any, adam_style: Any, projector_dtype: torch.dtype | None
 ) -> None:
     """The optimizer-wide options (see the module docstring for why they are not checked per group)."""
-    if optim_bits not in (8, 32):
-        raise ValueError(f"optim_bits must be 8 or 32, got {optim_bits!r}")
+    # GaLore has always taken any number >= 0 here (truncated), bitsandbytes' MockArgs too.
     check_range("min_8bit_size", min_8bit_size, 0)
+    check_8bit_options(optim_bits, int(min_8bit_size), "8-bit block-wise AdamW moments")
     if adam_style not in ADAM_STYLES:
         raise ValueError(f"adam_style must be one of {ADAM_STYLES}, got {adam_style!r}")
     if projector_dtype is not None and projector_dtype not in PROJECTOR_DTYPES:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..layout import ParamLayout
-from ..states import bnb
+from ..states import bnb, codecs
 from .geometry import low_rank_shape, projection_side, projector_shapes
 
 __all__ = [
@@ -32,6 +32,11 @@ __all__ = [
     "low_rank_numel",
     "stored_projectors",
     "keeps_saved_dtype",
+    "MOMENTS",
+    "LOW_RANK",
+    "STATE",
+    "read_moments",
+    "write_moments",
     "init_low_rank_state",
     "init_plain_state",
     "projector_numel",
@@ -135,10 +140,14 @@ def state_partitions(
     out: dict[str, Partitioned] = {
         key: (shape, proj_groups, 1) for key, shape in projector_shapes(layout.full_shape, side, rank).items()
     }
-    for key, _ in bnb.MOMENTS:
-        out["low_rank_" + key] = (low, layout.sum_groups + replicas, bnb.BLOCKSIZE if eight_bit else 1)
-        if eight_bit:
-            out[f"low_rank_{key}_absmax"] = ((-(-low[0] * low[1] // bnb.BLOCKSIZE),), layout.sum_groups + replicas, 1)
+    groups = layout.sum_groups + replicas
+    for e in MOMENTS:
+        if not eight_bit:
+            out[LOW_RANK + e.name] = (low, groups, 1)
+            continue
+        (codes, _, _), (absmax, blocks, _) = e.codec.stored(LOW_RANK + e.name, low, torch.float32)
+        out[codes] = (low, groups, bnb.BLOCKSIZE)
+        out[absmax] = (blocks, groups, 1)
     return out
 
 
@@ -151,10 +160,35 @@ def stored_projectors(state: dict[str, Any], dtype: torch.dtype) -> tuple[torch.
     return (absent if left is None else left.to(dtype), absent if right is None else right.to(dtype))
 
 
+#: The AdamW moments, bitsandbytes' 8-bit codes with ``optim_bits=8``: a plain parameter's under
+#: these names, a GaLore parameter's low-rank ones after :data:`LOW_RANK`.
+MOMENTS = (codecs.Entry("exp_avg", codecs.BNB_SIGNED), codecs.Entry("exp_avg_sq", codecs.BNB_UNSIGNED))
+LOW_RANK = "low_rank_"
+STATE = codecs.StateSpec(MOMENTS + tuple(codecs.Entry(LOW_RANK + e.name, e.codec) for e in MOMENTS))
+
+
+def read_moments(state: dict[str, Any], prefix: str, blocks: bnb.FullBlocks) -> list[torch.Tensor]:
+    """The fp32 values of the 8-bit moments under ``prefix`` (:data:`MOMENTS` order)."""
+    return [e.codec.decode(state, prefix + e.name, blocks=blocks) for e in MOMENTS]
+
+
+def write_moments(
+    state: dict[str, Any],
+    prefix: str,
+    blocks: bnb.FullBlocks,
+    values: list[torch.Tensor],
+    absmax: list[torch.Tensor] | None = None,
+) -> None:
+    """Encode the moments ``values`` (:func:`read_moments` order) into their 8-bit entries;
+    ``absmax`` their reduced block absmax when the tensor is held in pieces."""
+    for i, (e, value) in enumerate(zip(MOMENTS, values)):
+        e.codec.encode(value, state, prefix + e.name, blocks=blocks, absmax=None if absmax is None else absmax[i])
+
+
 def keeps_saved_dtype(key: str, value: torch.Tensor) -> bool:
     """8-bit codes, their fp32 absmax and projectors stored in ``proj_dtype`` keep their saved
     dtype on load (torch's loader would cast them to the parameter's dtype)."""
-    return value.dtype == torch.uint8 or key.endswith("_absmax") or key.startswith("proj_")
+    return STATE.keeps_saved_dtype(key, value) or key.startswith("proj_")
 
 
 def init_low_rank_state(state: dict[str, Any], low: torch.Tensor, eight_bit: bool, buffers: bnb.Buffers) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ..layout import ParamLayout
-from ..states import bnb
-from .state import MOMENTUM
+from ..states import bnb, codecs
+from .state import MOMENTUM, MOMENTUM_ENTRY
 
 __all__ = ["update_momenta", "momentum_bytes"]
 
@@ -44,9 +44,10 @@ def update_momenta(
         b1 = group["b1"]
         if eight_bit(layout):
             # fp32 as bitsandbytes' kernels (float64 for a float64 parameter, a reference run).
-            m = batch.read(state, MOMENTUM, True, layout, g, torch.promote_types(g.dtype, torch.float32))
+            acc = torch.promote_types(g.dtype, torch.float32)
+            m = MOMENTUM_ENTRY.codec.read(batch, state, MOMENTUM, layout, g, acc)
         else:
-            batch.to_32bit(state, MOMENTUM, True, layout, g.device, group["mu_dtype"] or p.dtype)
+            MOMENTUM_ENTRY.codec.to_plain(batch, state, MOMENTUM, layout, g.device, group["mu_dtype"] or p.dtype)
             m = state[MOMENTUM]
         m.mul_(b1).add_(g, alpha=1 - b1)
         out.append(m)
@@ -59,6 +60,6 @@ def momentum_bytes(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]
     if eight_bit:
         return torch.promote_types(p.dtype, torch.float32).itemsize
     m = state.get(MOMENTUM)
-    if isinstance(m, torch.Tensor) and m.dtype != torch.uint8:
+    if isinstance(m, torch.Tensor) and not codecs.quantized(m):
         return m.element_size()
     return (group["mu_dtype"] or p.dtype).itemsize

@@ -20,7 +20,7 @@ from ..layout import ParamLayout
 from ..sharding.budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..sharding.owners import Owner, share_results
 from ..sharding.runtime import OwnedWork, OwnerRuntime
-from ..states import bnb
+from ..states import codecs
 from .blocks import discard_probe, draw_probe
 from .momentum import momentum_bytes, update_momenta
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
@@ -147,9 +147,9 @@ class DistributedKron(DistOptimizer):
         nonfinite: str = "raise",
     ) -> None:
         check_optimizer_options(seed, communication_dtype, probe_rng)
-        bnb.check_8bit_options(optim_bits, min_8bit_size, "8-bit block-wise momentum")
-        self.optim_bits = optim_bits
-        self.min_8bit_size = min_8bit_size
+        self.optim_bits, self.min_8bit_size = codecs.check_8bit_options(
+            optim_bits, min_8bit_size, "8-bit block-wise momentum"
+        )
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         if preconditioner_update_probability is None:
             preconditioner_update_probability = precond_update_prob_schedule()
@@ -183,6 +183,7 @@ class DistributedKron(DistOptimizer):
     def validate_group(self, group: dict[str, Any]) -> None:
         """The options of one param group (see the class docstring for their ranges)."""
         super().validate_group(group)
+        codecs.refuse_group_8bit_options(group, type(self).__name__)
         validate_options(group)
 
     @property
@@ -379,7 +380,7 @@ class DistributedKron(DistOptimizer):
     def eight_bit(self, layout: ParamLayout) -> bool:
         """Whether a parameter of this layout keeps its momentum in 8 bits (``optim_bits``,
         ``min_8bit_size`` of its full tensor)."""
-        return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
+        return codecs.EightBit.of(self).keeps(layout.full_numel)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The base's loader, after :func:`.state.check_loaded_forms`."""

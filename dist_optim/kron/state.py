@@ -52,20 +52,21 @@ and the checkpoints serialise), and the one place that spells its keys.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..kernels import structured
-from ..states import lowbit
+from ..states import codecs
 from .options import precond_dtype
 from .structure import FactorPlan
 
 __all__ = [
     "check_loaded_forms",
     "MOMENTUM",
+    "MOMENTUM_ENTRY",
     "init_param_state",
     "factor_key",
     "is_factor_key",
@@ -87,6 +88,10 @@ __all__ = [
 
 #: The momentum's key (its 8-bit absmax: ``MOMENTUM + "_absmax"``).
 MOMENTUM = "momentum_buffer"
+#: The momentum, bitsandbytes' signed 8-bit codes with ``optim_bits=8``.
+MOMENTUM_ENTRY = codecs.Entry(MOMENTUM, codecs.BNB_SIGNED)
+#: The one rule for a factor's keys: ``Q_<k>``, and ``Q_<k>_absmax`` beside quantised codes.
+_FACTOR_KEY = re.compile(rf"Q_(?P<index>\d+)(?P<absmax>{codecs.ABSMAX})?")
 
 
 def init_param_state(
@@ -105,7 +110,7 @@ def factor_key(k: int) -> str:
 
 
 def is_factor_key(key: str) -> bool:
-    return key.startswith("Q_")
+    return _FACTOR_KEY.fullmatch(key) is not None
 
 
 def has_factors(state: dict[str, Any]) -> bool:
@@ -116,7 +121,7 @@ def has_factors(state: dict[str, Any]) -> bool:
 def absmax_key(k: int) -> str:
     """The state key of quantised factor ``k``'s block absmax (a factor key too: it travels, and
     stays on the owner, with the codes)."""
-    return f"{factor_key(k)}_absmax"
+    return codecs.absmax_key(factor_key(k))
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,14 @@ class FactorForm:
         """Whether the stored form differs from the whole matrix (the math works in scratch)."""
         return self.packed or self.quantized
 
+    @property
+    def codec(self) -> codecs.Codec:
+        """How a triangular factor is stored: codes (of its packed upper triangle with packing),
+        a packed upper triangle, or whole."""
+        if self.quantized:
+            return codecs.LowBit(self.bits, codecs.PACKED_UPPER if self.packed else None)
+        return codecs.PACKED_UPPER if self.packed else codecs.PLAIN
+
 
 def factor_form(group: dict[str, Any]) -> FactorForm:
     """A param group's :class:`FactorForm`."""
@@ -149,24 +162,16 @@ def factors(state: dict[str, Any], plan: FactorPlan) -> list[torch.Tensor]:
     return [state[factor_key(k)] for k in range(len(plan.factor_shapes()))]
 
 
-def _flat_triangle(q: torch.Tensor, packed: bool) -> torch.Tensor:
-    """What is stored of a whole triangular factor: its packed upper triangle, or all of it."""
-    return structured.pack_upper(q) if packed else q.reshape(-1)
-
-
 def store_factors(state: dict[str, Any], tensors: Sequence[torch.Tensor], plan: FactorPlan, form: FactorForm) -> None:
     """Store new whole factors in ``form`` (packed triangles; codes and absmax where quantised)."""
     for k, (t, d) in enumerate(zip(tensors, plan.diag or (True,))):
+        codec = form.codec
         if d or not form.compact:
             state[factor_key(k)] = t
-        elif form.quantized:
-            state[factor_key(k)], state[absmax_key(k)] = lowbit.quantize(_flat_triangle(t, form.packed), form.bits)
+        elif isinstance(codec, codecs.LowBit):
+            state[factor_key(k)], state[absmax_key(k)] = codec.quantize(t)
         else:
-            state[factor_key(k)] = structured.pack_upper(t)
-
-
-def _stored_numel(n: int, packed: bool) -> int:
-    return structured.packed_size(n) if packed else n * n
+            state[factor_key(k)] = codecs.PACKED_UPPER.pack(t)
 
 
 def stored_specs(plan: FactorPlan, form: FactorForm) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -175,14 +180,8 @@ def stored_specs(plan: FactorPlan, form: FactorForm) -> list[tuple[str, tuple[in
     a quantised one its 1-D uint8 codes (of the packed or whole ``n x n`` elements) and fp32 absmax."""
     out: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     for k, shape in enumerate(plan.factor_shapes()):
-        if len(shape) < 2 or not form.compact:
-            out.append((factor_key(k), tuple(shape), form.dtype))
-        elif form.quantized:
-            numel = _stored_numel(shape[0], form.packed)
-            out.append((factor_key(k), (lowbit.codes_numel(numel, form.bits),), torch.uint8))
-            out.append((absmax_key(k), (lowbit.absmax_numel(numel, form.bits),), torch.float32))
-        else:
-            out.append((factor_key(k), (structured.packed_size(shape[0]),), form.dtype))
+        codec = form.codec if len(shape) == 2 else codecs.PLAIN
+        out += codec.stored(factor_key(k), tuple(shape), form.dtype)
     return out
 
 
@@ -214,6 +213,7 @@ def whole_factors(
     stored = factors(state, plan)
     if not form.compact:
         return stored
+    codec = form.codec
     out = []
     for k, (q, d) in enumerate(zip(stored, plan.diag or (True,))):
         if d:
@@ -221,15 +221,14 @@ def whole_factors(
             continue
         n = plan.shape[k]
         buf = scratch.get(k, n, form.dtype, q.device) if scratch is not None else None
-        if form.quantized:
-            numel = _stored_numel(n, form.packed)
+        if isinstance(codec, codecs.LowBit):
             # fp32 values (exact in fp32: a code's value times its absmax), then the math's dtype.
-            q = lowbit.dequantize(q, state[absmax_key(k)], form.bits, numel).to(form.dtype)
+            q = codec.decode(state, factor_key(k), side=n, flat=True).to(form.dtype)
             if not form.packed:
                 whole = buf if buf is not None else torch.empty(n, n, dtype=form.dtype, device=q.device)
                 out.append(whole.copy_(q.view(n, n)))
                 continue
-        out.append(structured.unpack_upper_triangular(q, n, out=buf))
+        out.append(codecs.PACKED_UPPER.unpack(q, n, out=buf))
     return out
 
 
@@ -244,15 +243,10 @@ def store_whole(
     in place: packed, or quantised anew (codes and absmax; the triangle's zeros stay the zero
     code), rounded stochastically with ``generator``'s uniforms, drawn factor after factor in dim
     order (to nearest without one); the diagonal ones are the stored tensors themselves."""
+    codec = form.codec
     for k, (q, d) in enumerate(zip(whole, plan.diag or (True,))):
-        if d:
-            continue
-        if form.quantized:
-            codes, absmax = lowbit.quantize(_flat_triangle(q, form.packed), form.bits, generator)
-            state[factor_key(k)].copy_(codes)
-            state[absmax_key(k)].copy_(absmax)
-        else:
-            structured.pack_upper(q, out=state[factor_key(k)])
+        if not d:
+            codec.encode(q, state, factor_key(k), generator=generator)
 
 
 def check_factor_shapes(state: dict[str, Any], plan: FactorPlan, form: FactorForm, full_shape: tuple[int, ...]) -> None:
@@ -265,7 +259,7 @@ def check_factor_shapes(state: dict[str, Any], plan: FactorPlan, form: FactorFor
         value = state.get(key)
         got: Any = value
         if isinstance(value, torch.Tensor):
-            got = (tuple(value.shape), "uint8 codes" if value.dtype == torch.uint8 else "floating point")
+            got = (tuple(value.shape), "uint8 codes" if codecs.quantized(value) else "floating point")
         want = (tuple(shape), "uint8 codes" if dtype == torch.uint8 else "floating point")
         if got != want:
             raise ValueError(
@@ -305,15 +299,16 @@ def check_loaded_forms(
         packed, bits = options.get("use_symmetric_packing"), options.get("preconditioner_bits", 32)
         for param, pid in zip(built["params"], group.get("params", [])):
             for key, value in saved.get("state", {}).get(pid, {}).items():
-                if not is_factor_key(key) or not isinstance(value, torch.Tensor) or key.endswith("_absmax"):
+                m = _FACTOR_KEY.fullmatch(key)
+                if m is None or m.group("absmax") or not isinstance(value, torch.Tensor):
                     continue
                 if packed and value.dim() == 2:
                     raise ValueError(
                         f"load_state_dict: factor {key!r} is a whole matrix where the param group has "
                         "use_symmetric_packing=True; build the optimizer with use_symmetric_packing=False to load it"
                     )
-                codes = value.dtype == torch.uint8
-                if not codes and bits < 32 and _diagonal_factor(key, param, options, diagonal):
+                codes = codecs.quantized(value)
+                if not codes and bits < 32 and _diagonal_factor(int(m.group("index")), param, options, diagonal):
                     continue
                 if codes != (bits < 32):
                     form, fix = ("quantised codes", 8) if codes else (f"in {value.dtype}", 32)
@@ -326,9 +321,8 @@ def check_loaded_forms(
 _Diagonal = Callable[[torch.Tensor, dict[str, Any]], Sequence[bool]]
 
 
-def _diagonal_factor(key: str, param: torch.Tensor, options: dict[str, Any], diagonal: _Diagonal) -> bool:
-    """Whether factor ``key`` of ``param`` is diagonal under ``options`` (an index beyond the plan's
+def _diagonal_factor(k: int, param: torch.Tensor, options: dict[str, Any], diagonal: _Diagonal) -> bool:
+    """Whether factor ``k`` of ``param`` is diagonal under ``options`` (an index beyond the plan's
     factors: left to the loader's other checks)."""
-    k = int(key[len(factor_key(0)) - 1 :])
     diag = diagonal(param, options)
     return k >= len(diag) or bool(diag[k])

@@ -64,7 +64,7 @@ from ..kernels.multi_tensor import scale_
 from ..layout import ParamLayout
 from ..registry import CatalogueEntry, Conversion, Demo, register, register_entry
 from ..sharding.budget import DEFAULT_BUCKET_BYTES, buckets, check_bucket_bytes
-from ..states import bnb
+from ..states import bnb, codecs
 
 __all__ = ["DistributedLamb"]
 
@@ -113,9 +113,9 @@ class DistributedLamb(DistOptimizer):
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
-        bnb.check_8bit_options(optim_bits, min_8bit_size, "8-bit block-wise exp_avg and exp_avg_sq")
-        self.optim_bits = optim_bits
-        self.min_8bit_size = min_8bit_size
+        self.optim_bits, self.min_8bit_size = codecs.check_8bit_options(
+            optim_bits, min_8bit_size, "8-bit block-wise exp_avg and exp_avg_sq"
+        )
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         defaults = dict(
             lr=lr,
@@ -131,6 +131,7 @@ class DistributedLamb(DistOptimizer):
 
     def validate_group(self, group: dict[str, Any]) -> None:
         super().validate_group(group)
+        codecs.refuse_group_8bit_options(group, type(self).__name__)
         check_adam_options(**{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
         if group["clamp_value"] is not None:
             check_range("clamp_value", group["clamp_value"], 0.0)
@@ -236,23 +237,26 @@ class DistributedLamb(DistOptimizer):
         layout = self.layout(p)
         if self.eight_bit(layout):
             return True
-        for key, signed in bnb.MOMENTS:
-            value = state.get(key)
-            if value is None:
-                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif value.dtype == torch.uint8:
-                batch.to_32bit(state, key, signed, layout, p.device, p.dtype)
+        for entry in STATE.entries:
+            if entry.name not in state:
+                state[entry.name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            else:
+                entry.codec.to_plain(batch, state, entry.name, layout, p.device, p.dtype)
         return False
 
     def eight_bit(self, layout: ParamLayout) -> bool:
         """Whether a parameter of this layout keeps its moments in 8 bits (``optim_bits``,
         ``min_8bit_size`` of its full tensor)."""
-        return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
+        return codecs.EightBit.of(self).keeps(layout.full_numel)
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
         """8-bit moment codes and their fp32 absmax keep their saved dtype on load (32-bit moments
         take the parameter's, as torch's loader casts them)."""
-        return key.startswith("exp_avg") and (value.dtype == torch.uint8 or key.endswith("_absmax"))
+        return STATE.keeps_saved_dtype(key, value)
+
+
+#: LAMB's moments, bitsandbytes' 8-bit codes with ``optim_bits=8`` (exp_avg: its signed map).
+STATE = codecs.StateSpec((codecs.Entry("exp_avg", codecs.BNB_SIGNED), codecs.Entry("exp_avg_sq", codecs.BNB_UNSIGNED)))
 
 
 def _update_8bit(
@@ -269,7 +273,7 @@ def _update_8bit(
     kernels do, the update uses the fp32 moments, not their re-quantised values)."""
     beta1, beta2 = group["betas"]
     acc = torch.promote_types(p.dtype, torch.float32)
-    m, v = (batch.read(state, key, signed, layout, p, acc) for key, signed in bnb.MOMENTS)
+    m, v = (e.codec.read(batch, state, e.name, layout, p, acc) for e in STATE.entries)
     g = g.to(acc)
     m.mul_(beta1).add_(g, alpha=1.0 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)

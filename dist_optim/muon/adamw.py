@@ -28,9 +28,12 @@ from ..checks import group_lr
 from ..kernels.fused_adam import fused_applies
 from ..layout import ParamLayout
 from ..sharding.budget import buckets
-from ..states import bnb
+from ..states import bnb, codecs
 
-__all__ = ["adamw_step"]
+__all__ = ["MOMENTS", "adamw_step"]
+
+#: The auxiliary AdamW's moments, bitsandbytes' 8-bit codes with ``optim_bits=8``.
+MOMENTS = (codecs.Entry("exp_avg", codecs.BNB_SIGNED), codecs.Entry("exp_avg_sq", codecs.BNB_UNSIGNED))
 
 
 def adamw_step(
@@ -56,12 +59,11 @@ def adamw_step(
             eight.append(i)
             continue
         plain.append(i)
-        for key, signed in bnb.MOMENTS:
-            value = state.get(key)
-            if value is None:
-                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for entry in MOMENTS:
+            if entry.name not in state:
+                state[entry.name] = torch.zeros_like(p, memory_format=torch.preserve_format)
             else:
-                carry.to_32bit(state, key, signed, layout, p.device, p.dtype)
+                entry.codec.to_plain(carry, state, entry.name, layout, p.device, p.dtype)
     if plain:
         _adamw_32bit(group, [params[i] for i in plain], [grads[i] for i in plain], [states[params[i]] for i in plain])
     # The fp32 moments of 8 bytes per element live until their bucket's re-quantisation.
@@ -114,7 +116,7 @@ def _adamw_8bit(
     beta1, beta2 = group["adamw_betas"]
     lr, eps = group_lr(group), group["adamw_eps"]
     acc = torch.promote_types(p.dtype, torch.float32)
-    m, v = (batch.read(state, key, signed, layout, p, acc) for key, signed in bnb.MOMENTS)
+    m, v = (e.codec.read(batch, state, e.name, layout, p, acc) for e in MOMENTS)
     state["step"] += 1
     t = float(state["step"])
     g = g.to(acc)

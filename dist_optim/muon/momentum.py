@@ -10,11 +10,13 @@ import torch
 
 from ..kernels.multi_tensor import FOREACH_DTYPES, scale_
 from ..layout import ParamLayout
-from ..states import bnb
+from ..states import bnb, codecs
 
-__all__ = ["momentum_directions", "momentum_direction", "momentum_foreach"]
+__all__ = ["MOMENTUM", "momentum_directions", "momentum_direction", "momentum_foreach"]
 
 KEY = "momentum_buffer"
+#: Muon's momentum, bitsandbytes' signed 8-bit codes with ``optim_bits=8``.
+MOMENTUM = codecs.Entry(KEY, codecs.BNB_SIGNED)
 
 
 def momentum_directions(
@@ -37,13 +39,13 @@ def momentum_directions(
     for i, (group, p, g, layout) in enumerate(bucket):
         state = states[p]
         if eight_bit(layout):
-            buf = batch.read(state, KEY, True, layout, g)
+            buf = MOMENTUM.codec.read(batch, state, KEY, layout, g)
             out[i] = momentum_direction(buf, g.float(), group).to(g.dtype)
             continue
         if KEY not in state:
             state[KEY] = torch.zeros_like(g, memory_format=torch.preserve_format)
         else:
-            batch.to_32bit(state, KEY, True, layout, g.device, g.dtype)
+            MOMENTUM.codec.to_plain(batch, state, KEY, layout, g.device, g.dtype)
         if g.dtype in FOREACH_DTYPES:
             plain.setdefault((id(group), g.dtype), (group, []))[1].append(i)
         else:

@@ -19,10 +19,10 @@ from ..layout import ParamLayout
 from ..sharding.budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..sharding.owners import Task, WorkGroup
 from ..sharding.runtime import OwnedWork, OwnerRuntime, Transport
-from ..states import bnb
-from .adamw import adamw_step
+from ..states import codecs
+from .adamw import MOMENTS, adamw_step
 from .coefficients import DEFAULT_NS_COEFFICIENTS, check_coefficients, schedule
-from .momentum import momentum_directions
+from .momentum import MOMENTUM, momentum_directions
 from .qk_clip import HeadMaxima, LogitSource, check_qk_clip, clip_heads
 
 __all__ = ["DistributedMuon", "DEFAULT_NS_COEFFICIENTS", "ADJUST_LR_FNS", "EPS_FORMS", "adjusted_lr"]
@@ -85,6 +85,10 @@ def local_heads(layout: ParamLayout, heads: int) -> int | None:
 def _schedule(group: dict[str, Any]) -> list[Coefficients]:
     """The per-iteration coefficients of a group (:func:`.coefficients.schedule`)."""
     return schedule(group["ns_coefficients"], int(group["ns_steps"]))
+
+
+#: Muon's state entries and their codec with ``optim_bits=8``: the momentum and the AdamW moments.
+STATE = codecs.StateSpec((MOMENTUM, *MOMENTS))
 
 
 class DistributedMuon(DistOptimizer):
@@ -208,9 +212,8 @@ class DistributedMuon(DistOptimizer):
         #: Per attention module, the last step's largest logit of each query head of this rank
         #: (``.values``), reduced over the data-parallel ranks: what QK-clip acted on.
         self.last_max_logits: dict[str, HeadMaxima] = {}
-        bnb.check_8bit_options(optim_bits, min_8bit_size, "8-bit block-wise momentum and AdamW moments")
-        self.optim_bits = optim_bits
-        self.min_8bit_size = min_8bit_size
+        what = "8-bit block-wise momentum and AdamW moments"
+        self.optim_bits, self.min_8bit_size = codecs.check_8bit_options(optim_bits, min_8bit_size, what)
         self.communication_dtype = communication_dtype
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         defaults = dict(
@@ -251,6 +254,7 @@ class DistributedMuon(DistOptimizer):
     def validate_group(self, group: dict[str, Any]) -> None:
         """ValueError/TypeError naming the option for anything out of range in a param group."""
         super().validate_group(group)
+        codecs.refuse_group_8bit_options(group, type(self).__name__)
         use_muon = group.get("use_muon", True)
         if not isinstance(use_muon, bool):
             raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
@@ -437,12 +441,11 @@ class DistributedMuon(DistOptimizer):
     def eight_bit(self, layout: ParamLayout) -> bool:
         """Whether a parameter of this layout keeps its momentum (Muon) or moments (AdamW) in 8 bits
         (``optim_bits``, ``min_8bit_size`` of its full tensor)."""
-        return self.optim_bits == 8 and layout.full_numel >= self.min_8bit_size
+        return codecs.EightBit.of(self).keeps(layout.full_numel)
 
     def keeps_saved_dtype(self, key: str, value: torch.Tensor) -> bool:
         """8-bit codes (momentum, AdamW moments) and their fp32 absmax keep their saved dtype on load."""
-        eight = value.dtype == torch.uint8 or key.endswith("_absmax")
-        return key.startswith(("momentum_buffer", "exp_avg")) and eight
+        return STATE.keeps_saved_dtype(key, value)
 
     @staticmethod
     def _orthogonalize_all(jobs: Sequence[tuple[torch.Tensor, dict[str, Any], bool, int]]) -> list[torch.Tensor]:

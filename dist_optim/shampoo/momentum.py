@@ -19,17 +19,19 @@ from typing import Any
 import torch
 
 from ..layout import ParamLayout
-from ..states import bnb
+from ..states import bnb, codecs
 
-__all__ = ["keeps_8bit_momentum", "read_momenta", "momentum_buffer"]
+__all__ = ["MOMENTUM", "keeps_8bit_momentum", "read_momenta", "momentum_buffer"]
 
 KEY = "momentum_buffer"
+#: The momentum buffer, bitsandbytes' signed 8-bit codes with ``optim_bits=8``.
+MOMENTUM = codecs.Entry(KEY, codecs.BNB_SIGNED)
 
 
 def keeps_8bit_momentum(group: dict[str, Any], layout: ParamLayout) -> bool:
     """Whether a parameter of ``group`` keeps an 8-bit momentum buffer: momentum on, ``optim_bits=8``
     and at least ``min_8bit_size`` elements in its full tensor (bitsandbytes decides per tensor)."""
-    return group["momentum"] > 0 and group["optim_bits"] == 8 and layout.full_numel >= group["min_8bit_size"]
+    return group["momentum"] > 0 and codecs.EightBit.of(group).keeps(layout.full_numel)
 
 
 def read_momenta(
@@ -46,9 +48,9 @@ def read_momenta(
     for group, p in params:
         layout = layout_of(p)
         if keeps_8bit_momentum(group, layout):
-            batch.read(states[p], KEY, True, layout, p)
+            MOMENTUM.codec.read(batch, states[p], KEY, layout, p)
         elif group["momentum"] > 0:
-            batch.to_32bit(states[p], KEY, True, layout, p.device, p.dtype)
+            MOMENTUM.codec.to_plain(batch, states[p], KEY, layout, p.device, p.dtype)
     return batch
 
 

@@ -20,12 +20,13 @@ from ..base import DistOptimizer
 from ..sharding.budget import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..sharding.owners import Owner, share_results
 from ..sharding.runtime import OwnedWork, OwnerRuntime, Transport
-from ..states import bnb
+from ..states import bnb, codecs
 from .blocking import Block
 from .momentum import keeps_8bit_momentum, momentum_buffer, read_momenta
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
 from .routing import BlockPlan, plan_block_owners, total_failures
 from .state import (
+    STATE,
     BlockState,
     Scratch,
     block_prefix,
@@ -79,6 +80,8 @@ class DistributedShampoo(DistOptimizer):
             memory; bit for bit the same steps; :mod:`.state`). Meta's option of the same name.
         optim_bits, min_8bit_size: 8: blocks of at least ``min_8bit_size`` elements keep moments and grafting
             state as bitsandbytes' 8-bit codes (Shampoo's first moment only with grafting: :func:`.state.keeps_8bit`).
+            Group options, as all of Shampoo's: these are the defaults (``self.optim_bits``), a group
+            may set its own; both checked by :func:`dist_optim.states.codecs.check_8bit_options`.
         preconditioner_bits: 8 or 4: eigenvectors (roots: with fp32 eigenvalues; SOAP's bases)
             block-wise quantised, rectified when used (Wang et al. 2024; :mod:`.state`).
         kl_statistics: KL-Shampoo (Lin et al. 2025, arXiv:2509.03378; Meta's
@@ -158,6 +161,8 @@ class DistributedShampoo(DistOptimizer):
         nonfinite: str = "raise",
     ) -> None:
         defaults = group_defaults(**{k: v for k, v in locals().items() if k in GROUP_OPTIONS})
+        #: The constructor's ``optim_bits`` / ``min_8bit_size`` (every group's unless it sets its own).
+        self.optim_bits, self.min_8bit_size = optim_bits, min_8bit_size
         self.communication_dtype = communication_dtype
         if max_gather_bytes is not None:
             warnings.warn(
@@ -332,7 +337,7 @@ class DistributedShampoo(DistOptimizer):
         """Block state kept in ``preconditioner_dtype`` (e.g. float64 factors of fp32 params), the
         failure counters and 8-bit codes and their absmax keep their saved dtype on load
         (:func:`state.keeps_saved_dtype`)."""
-        return keeps_saved_dtype(key) or value.dtype == torch.uint8
+        return keeps_saved_dtype(key) or STATE.keeps_saved_dtype(key, value)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The base's loader, after :func:`.state.check_loaded_forms`; block owners are planned again."""
@@ -384,7 +389,7 @@ class _Entry:
 def _moments_dtype(state: dict[str, Any], p: torch.Tensor) -> torch.dtype:
     """The dtype of a parameter's 32-bit moments: its momentum buffer's, else the parameter's."""
     buf = state.get("momentum_buffer")
-    return buf.dtype if buf is not None and buf.dtype != torch.uint8 else p.dtype
+    return buf.dtype if isinstance(buf, torch.Tensor) and not codecs.quantized(buf) else p.dtype
 
 
 def _carry_over_owned(

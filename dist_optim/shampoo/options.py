@@ -17,7 +17,7 @@ from ..base import check_lr, check_range
 from ..comm.dtypes import check_communication_dtype
 from ..kernels import matrix_functions
 from ..states import lowbit
-from ..states.bnb import check_8bit_options
+from ..states.codecs import check_8bit_options
 from ..states.saved import register_option_class
 
 __all__ = [

@@ -48,9 +48,11 @@ import torch
 from ..kernels import structured
 from ..kernels.replay import replayable
 from ..layout import whole_layout
-from ..states import bnb, lowbit
+from ..states import bnb, codecs, lowbit
 from .blocking import Block, kept_triangle
+from .momentum import MOMENTUM
 from .options import SQUARED_GRAFTING_TYPES, uses_warm_refresh
+from .scratch import ALIGN_BYTES, Scratch
 
 __all__ = [
     "BlockState",
@@ -62,10 +64,14 @@ __all__ = [
     "full_block_entries",
     "checked_block_entries",
     "initial_state",
+    "ALIGN_BYTES",
     "Scratch",
     "unpacked",
     "store_packed",
     "EIGHT_BIT_MOMENTS",
+    "MOMENTS",
+    "STATE",
+    "basis_codec",
     "keeps_8bit",
     "step_state",
     "carry_over",
@@ -76,9 +82,34 @@ __all__ = [
     "mirror_whole_factors",
 ]
 
-#: The moments that ``optim_bits=8`` keeps as 8-bit codes, and whether bitsandbytes' signed map
-#: quantises each (first moments: signed; second moments: unsigned).
-EIGHT_BIT_MOMENTS = {"exp_avg": True, "exp_avg_eigen": True, "graft_sq": False, "exp_avg_sq": False}
+#: The moments that ``optim_bits=8`` keeps as bitsandbytes' 8-bit codes (first moments: its signed
+#: map; second moments: its unsigned one).
+MOMENTS = (
+    codecs.Entry("exp_avg", codecs.BNB_SIGNED),
+    codecs.Entry("exp_avg_eigen", codecs.BNB_SIGNED),
+    codecs.Entry("graft_sq", codecs.BNB_UNSIGNED),
+    codecs.Entry("exp_avg_sq", codecs.BNB_UNSIGNED),
+)
+EIGHT_BIT_MOMENTS = {e.name: e.codec.signed for e in MOMENTS}
+
+#: Every entry of a Shampoo parameter's state and the codec its option selects: the momentum
+#: (``optim_bits``), the blocks' moments (``optim_bits``), factors and roots (packed lower
+#: triangles: ``use_symmetric_packing``), eigenvectors (codes: ``preconditioner_bits``, whose
+#: width :func:`basis_codec` gives), spectra and failure counters (plain). The pattern is the one
+#: rule that parses a key: ``[block<i>.]<name>[<k>][_absmax]``.
+STATE = codecs.StateSpec(
+    (
+        codecs.Entry("step", codecs.PLAIN),
+        MOMENTUM,
+        *MOMENTS,
+        codecs.Entry("factor", codecs.PACKED_SYMMETRIC),
+        codecs.Entry("root", codecs.PACKED_SYMMETRIC),
+        codecs.Entry("basis", codecs.LowBit(4)),
+        codecs.Entry("spectrum", codecs.PLAIN),
+        codecs.Entry("failures", codecs.PLAIN),
+    ),
+    pattern=rf"(?:block\d+\.)?(?P<name>[a-z_]+?)(?P<index>\d+)?(?P<absmax>{codecs.ABSMAX})?",
+)
 
 #: Names (before their dim index) of the preconditioner matrices: :meth:`DistributedShampoo.state_bytes`.
 _MATRICES = ("factor", "root", "basis", "spectrum")
@@ -91,7 +122,7 @@ def identity(side: int, dtype: torch.dtype, device: torch.device, packed: bool) 
     a few sides, and a meta ``eye`` dispatches several operators (``time python -m dist_optim.plan
     --model llama-70b --tp 8 --dp 8 --zero 1 --optimizer shampoo``)."""
     eye = torch.eye(side, dtype=dtype, device=device)
-    return structured.pack_lower(eye) if packed else eye
+    return codecs.PACKED_SYMMETRIC.pack(eye) if packed else eye
 
 
 def block_prefix(index: int) -> str:
@@ -106,13 +137,14 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
     soap = group["eigenvalue_correction"]
     packed = group["use_symmetric_packing"]
 
+    sym_codec = codecs.PACKED_SYMMETRIC if packed else codecs.PLAIN
+
     def sym(d: int) -> tuple[int, ...]:
-        return (structured.packed_size(d),) if packed else (d, d)
+        return sym_codec.stored("", (d, d), pdt)[0][1]
 
     def moment(name: str, dt: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
-        if not keeps_8bit(block, group, name):
-            return [(name, block.shape, dt)]
-        return [(name, block.shape, torch.uint8), _absmax_entry(block, name)]
+        codec = STATE.entry(name).codec if keeps_8bit(block, group, name) else codecs.PLAIN
+        return list(codec.stored(name, tuple(block.shape), dt))
 
     spec: list[tuple[str, tuple, torch.dtype]] = []
     if group["betas"][0] > 0:
@@ -125,11 +157,9 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
         if not soap and bits == 32:
             spec += [(f"root{k}", sym(d), pdt) for k, d in enumerate(block.shape)]
         if bits < 32:  # quantised eigenvectors (Shampoo: of the roots, with their eigenvalues)
-            spec += [(f"basis{k}", (lowbit.codes_numel(d * d, bits),), torch.uint8) for k, d in enumerate(block.shape)]
-            spec += [
-                (f"basis{k}_absmax", (lowbit.absmax_numel(d * d, bits),), torch.float32)
-                for k, d in enumerate(block.shape)
-            ]
+            # Every dim's codes, then every dim's absmax: the saved order.
+            stored = [basis_codec(bits).stored(f"basis{k}", (d, d), pdt) for k, d in enumerate(block.shape)]
+            spec += [codes for codes, _ in stored] + [absmax for _, absmax in stored]
             if not soap:
                 spec += [(f"spectrum{k}", (d,), pdt) for k, d in enumerate(block.shape)]
         elif soap or uses_warm_refresh(group):  # SOAP's bases; the eigenvectors a warm root refresh starts from
@@ -140,9 +170,20 @@ def block_spec(block: Block, group: dict[str, Any], dtype: torch.dtype) -> list[
     return spec
 
 
-def _absmax_entry(block: Block, name: str) -> tuple[str, tuple, torch.dtype]:
-    """The ``<name>_absmax`` entry of an 8-bit moment: one fp32 absmax per 256 elements of the block."""
-    return f"{name}_absmax", (-(-math.prod(block.shape) // bnb.BLOCKSIZE),), torch.float32
+def _parsed(key: str) -> tuple[str | None, int, bool]:
+    """A key's entry name (None: not one of :data:`STATE`), its dim index (-1: none) and whether it
+    is a quantised entry's absmax."""
+    parsed = STATE.parse(key)
+    if parsed is None:
+        return None, -1, False
+    entry, index, is_absmax = parsed
+    return entry.name, -1 if index is None else index, is_absmax
+
+
+def basis_codec(bits: int) -> codecs.LowBit:
+    """How eigenvector matrices are stored at ``preconditioner_bits`` 8 or 4: codes of the whole
+    matrix (an eigenvector matrix is not symmetric) and ``basis<k>_absmax``."""
+    return codecs.LowBit(bits)
 
 
 def keeps_8bit(block: Block, group: dict[str, Any], name: str) -> bool:
@@ -157,7 +198,7 @@ def keeps_8bit(block: Block, group: dict[str, Any], name: str) -> bool:
     bounds the step (tests/unit/test_shampoo_8bit.py has the least-squares run that diverged).
     Grafting rescales the step to its own element-wise direction's norm; SOAP keeps this moment
     in the eigenbasis (``exp_avg_eigen``), where each coordinate's error stays relative to itself."""
-    if group["optim_bits"] != 8 or math.prod(block.shape) < group["min_8bit_size"]:
+    if not codecs.EightBit.of(group).keeps(math.prod(block.shape)):
         return False
     return name != "exp_avg" or group["grafting_config"] is not None
 
@@ -184,8 +225,11 @@ def keeps_saved_dtype(key: str) -> bool:
     """Whether a flat key's saved tensor is restored in its saved dtype (preconditioner matrices in
     ``preconditioner_dtype``, SOAP's second moment, failure counters) rather than cast to its
     parameter's dtype as torch's loader does: the one rule read from the serialised form."""
-    name = key.rsplit(".", 1)[-1]
-    return name.startswith(_MATRICES) or name in ("exp_avg_sq", "failures") or name.endswith("_absmax")
+    parsed = STATE.parse(key)
+    if parsed is None:
+        return False
+    entry, _, is_absmax = parsed
+    return entry.name in _MATRICES or entry.name in ("exp_avg_sq", "failures") or is_absmax
 
 
 def initial_state(
@@ -252,8 +296,8 @@ def checked_block_entries(
     for entry in block_spec(block, dict(group, optim_bits=32), param.dtype):
         spec.append(entry)
         value = state.get(prefix + entry[0])
-        if entry[0] in EIGHT_BIT_MOMENTS and isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
-            spec.append(_absmax_entry(block, entry[0]))
+        if entry[0] in EIGHT_BIT_MOMENTS and STATE.entry(entry[0]).holds(state, prefix):
+            spec.append(STATE.entry(entry[0]).codec.stored(entry[0], tuple(block.shape), entry[2])[1])
     for name, shape, _ in spec:
         key = block_prefix(index) + name
         value = state.get(key)
@@ -303,11 +347,11 @@ class BlockState:
             factors=mats("factor"),
             roots=mats("root"),
             bases=mats("basis"),
-            basis_absmax=mats("basis", "_absmax"),
+            basis_absmax=mats("basis", codecs.ABSMAX),
             spectra=mats("spectrum"),
             failures=get(prefix + "failures"),
             exp_avg_sq=get(prefix + "exp_avg_sq"),
-            absmax={n: flat[f"{prefix}{n}_absmax"] for n in EIGHT_BIT_MOMENTS if f"{prefix}{n}_absmax" in flat},
+            absmax={e.name: flat[k] for e in MOMENTS if (k := codecs.absmax_key(prefix + e.name)) in flat},
         )
 
     @classmethod
@@ -315,16 +359,17 @@ class BlockState:
         """A block's initial state: zeros, identity roots and bases (quantised: their exact codes),
         unit spectra."""
         values: dict[str, torch.Tensor] = {}
+        quantised = quantises_bases(block, group)
         for name, shape, dt in block_spec(block, group, dtype):
-            if name.startswith("basis") and name.endswith("_absmax"):
-                continue  # made with its codes
-            if dt == torch.uint8 and name.startswith("basis"):
-                eye = torch.eye(block.shape[int(name[5:])], device=device)
-                values[name], values[name + "_absmax"] = lowbit.quantize(eye, group["preconditioner_bits"])
-            elif name.startswith("spectrum"):
+            entry, k, is_absmax = _parsed(name)
+            if entry == "basis" and quantised:
+                if not is_absmax:  # the absmax is made with its codes
+                    eye = torch.eye(block.shape[k], device=device)
+                    values[name], values[name + codecs.ABSMAX] = basis_codec(group["preconditioner_bits"]).quantize(eye)
+            elif entry == "spectrum":
                 values[name] = torch.ones(shape, dtype=dt, device=device)
-            elif name.startswith(("root", "basis")):
-                values[name] = identity(block.shape[int(name.lstrip("rotbasi"))], dt, device, len(shape) != 2)
+            elif entry in ("root", "basis"):
+                values[name] = identity(block.shape[k], dt, device, len(shape) != 2)
             else:
                 values[name] = torch.zeros(shape, dtype=dt, device=device)
         return cls.of(values, "", block.order)
@@ -338,7 +383,7 @@ class BlockState:
             if value is not None:
                 out[prefix + name] = value
             if name in self.absmax:
-                out[f"{prefix}{name}_absmax"] = self.absmax[name]
+                out[codecs.absmax_key(prefix + name)] = self.absmax[name]
 
         for name in ("exp_avg", "exp_avg_eigen", "graft_sq"):
             put(name)
@@ -349,7 +394,7 @@ class BlockState:
             ("basis", self.basis_absmax),
             ("spectrum", self.spectra),
         ):
-            tail = "_absmax" if mats is self.basis_absmax else ""
+            tail = codecs.ABSMAX if mats is self.basis_absmax else ""
             out.update((f"{prefix}{name}{k}{tail}", m) for k, m in enumerate(mats))
         for name in ("failures", "exp_avg_sq"):
             put(name)
@@ -368,61 +413,6 @@ class BlockState:
         return default
 
 
-#: Where :meth:`Scratch.split` starts each tensor: a multiple of this many bytes from the buffer's start.
-ALIGN_BYTES = 64
-
-
-class Scratch:
-    """Reused scratch memory, one buffer per slot and dtype and device, grown as needed. On the CPU
-    a fresh block-sized tensor costs page faults comparable to the arithmetic of a memory-bound
-    operation on it (copying a 1024 x 1024 block into fresh memory took 2.4 ms in a step, into
-    reused memory 0.1 ms)."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-        # The views handed out, by buffer and shapes: a step asks for the same ones block after
-        # block and step after step, and making them is two tensor operations each.
-        self._views: dict[
-            tuple[str, torch.dtype, torch.device], dict[tuple[tuple[int, ...], ...], list[torch.Tensor]]
-        ] = {}
-
-    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: str) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` over the memory of ``slot``: ``"left"`` (``R_0^T M``
-        before it is multiplied by ``R_1``), SOAP's ``"rot"`` (a rotated block) and ``"den"`` (its
-        denominator); with packing ``"factor<k>"`` and ``"root<k>"`` (whole matrices); with
-        quantised eigenvectors ``"dequantized"``, ``"basis<k>"``, ``"scaled"`` (``Q diag(s)``) and
-        ``"root<k>"``."""
-        return self.split([shape], dtype, device, slot)[0]
-
-    def split(
-        self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, slot: str
-    ) -> list[torch.Tensor]:
-        """Contiguous tensors of ``shapes``, one after the other over the memory of ``slot``: a
-        batch of blocks' tensors that are all alive at once (``"outs"``: their directions,
-        ``"grad"``: their gradients' contiguous copies; ``"refresh"``: a warm root refresh's new
-        root and ``Q diag(s)``)."""
-        key = (slot, dtype, device)
-        made = self._views.setdefault(key, {})
-        wanted = tuple(tuple(shape) for shape in shapes)
-        views = made.get(wanted)
-        if views is not None:
-            return views
-        # Each tensor starts on a 64-byte boundary, as a fresh allocation does: BLAS may round a
-        # product into a misaligned output differently, and a block's bits must not depend on
-        # its neighbours in the batch.
-        align = max(1, ALIGN_BYTES // dtype.itemsize)
-        offsets, n = [], 0
-        for shape in wanted:
-            offsets.append(n)
-            n += -(-math.prod(shape) // align) * align
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < n:
-            buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
-            made.clear()  # views of the old buffer
-        views = made[wanted] = [buf[o : o + math.prod(shape)].view(shape) for o, shape in zip(offsets, wanted)]
-        return views
-
-
 def unpacked(bs: BlockState, block: Block, scratch: Scratch, roots: bool) -> BlockState:
     """``bs`` with its packed factors (and, with ``roots``, its packed roots) as whole symmetric
     matrices in ``scratch`` (slots ``factor<k>``, ``root<k>``: reused by the next block); the other
@@ -432,7 +422,7 @@ def unpacked(bs: BlockState, block: Block, scratch: Scratch, roots: bool) -> Blo
     def whole(m: torch.Tensor, name: str, k: int) -> torch.Tensor:
         d = block.shape[k]
         buf = scratch.get((d, d), m.dtype, m.device, f"{name}{k}")
-        return structured.unpack_symmetric(m, d, out=buf)
+        return codecs.PACKED_SYMMETRIC.unpack(m, d, out=buf)
 
     factors = [whole(m, "factor", k) for k, m in enumerate(bs.factors)]
     full_roots = [whole(m, "root", k) for k, m in enumerate(bs.roots)] if roots else bs.roots
@@ -443,7 +433,7 @@ def store_packed(stored: list[torch.Tensor], whole: list[torch.Tensor], order: i
     """Pack the whole matrices ``whole`` back into the packed ``stored`` ones: a factor's kept
     triangle (``factors``), else the lower one."""
     for k, (packed, m) in enumerate(zip(stored, whole)):
-        structured.pack_lower(kept_triangle(m, order, k) if factors else m, out=packed)
+        codecs.PACKED_SYMMETRIC.pack(kept_triangle(m, order, k) if factors else m, out=packed)
 
 
 def step_state(
@@ -469,15 +459,15 @@ def step_state(
     ``preconditioner_dtype``)."""
     layout = whole_layout(tuple(block.shape))
     values: dict[str, torch.Tensor] = {}
-    for name, signed in EIGHT_BIT_MOMENTS.items():
-        key = prefix + name
+    for entry in MOMENTS:
+        name, key = entry.name, prefix + entry.name
         value = state.get(key)
         if not isinstance(value, torch.Tensor):
             continue
         if keeps_8bit(block, group, name):
-            values[name] = batch.read(state, key, signed, layout, value, _moment_dtype(name, group, torch.float32))
+            values[name] = entry.codec.read(batch, state, key, layout, value, _moment_dtype(name, group, torch.float32))
         else:
-            batch.to_32bit(state, key, signed, layout, value.device, _moment_dtype(name, group, dtype))
+            entry.codec.to_plain(batch, state, key, layout, value.device, _moment_dtype(name, group, dtype))
     bs = BlockState.of(state, prefix, block.order)
     if not values:
         return bs
@@ -494,16 +484,16 @@ def carry_over(state: dict[str, Any], prefix: str, block: Block, group: dict[str
     where such a state was loaded and no step has been taken since."""
     layout = whole_layout(tuple(block.shape))
     batch = bnb.Batch8bit()
-    for name, signed in EIGHT_BIT_MOMENTS.items():
-        key = prefix + name
+    for entry in MOMENTS:
+        name, key = entry.name, prefix + entry.name
         value = state.get(key)
         eight = keeps_8bit(block, group, name)
-        if not isinstance(value, torch.Tensor) or (value.dtype == torch.uint8) == eight:
+        if not isinstance(value, torch.Tensor) or entry.codec.holds(value) == eight:
             continue
         if eight:
-            batch.read(state, key, signed, layout, value)
+            entry.codec.read(batch, state, key, layout, value)
         else:
-            batch.to_32bit(state, key, signed, layout, value.device, _moment_dtype(name, group, dtype))
+            entry.codec.to_plain(batch, state, key, layout, value.device, _moment_dtype(name, group, dtype))
     batch.store()
 
 
@@ -519,10 +509,11 @@ def decoded_bases(
     ``basis<k>``, reused by the next block): dequantised, then rectified by one Björck step
     (:func:`dist_optim.states.lowbit.rectify`; why: the measurements of :mod:`dist_optim.states.lowbit`)."""
     out = []
+    codec = basis_codec(bits)
     for k, (codes, absmax) in enumerate(zip(stored.bases, stored.basis_absmax)):
         d = block.shape[k]
         raw = scratch.get((d, d), torch.float32, codes.device, "dequantized")
-        lowbit.dequantize(codes, absmax, bits, d * d, out=raw)
+        codec.values(codes, absmax, d, out=raw)
         q = raw if pdt == torch.float32 else raw.to(pdt)
         out.append(lowbit.rectify(q, out=scratch.get((d, d), pdt, codes.device, f"basis{k}")))
     return out
@@ -535,12 +526,13 @@ def store_basis(
     where ``ok`` (a 0-d bool tensor: else the stored ones stay), and, given ``whole`` (the scratch
     matrix :func:`decoded_bases` made), decode the stored ones into it again: the step then uses
     exactly what a later step reads back."""
-    codes, absmax = lowbit.quantize(q, bits)
+    codec = basis_codec(bits)
+    codes, absmax = codec.quantize(q)
     torch.where(ok, codes, stored.bases[k], out=stored.bases[k])
     torch.where(ok, absmax, stored.basis_absmax[k], out=stored.basis_absmax[k])
     if whole is not None:
         d = whole.shape[0]
-        raw = lowbit.dequantize(stored.bases[k], stored.basis_absmax[k], bits, d * d).view(d, d)
+        raw = codec.values(stored.bases[k], stored.basis_absmax[k], d).view(d, d)
         lowbit.rectify(raw.to(whole.dtype), out=whole)
 
 
@@ -573,17 +565,17 @@ def check_loaded_forms(saved: Mapping[str, Any], groups: list[dict[str, Any]]) -
 
 
 def _check_form(key: str, value: torch.Tensor, group: Mapping[str, Any], matrix_block: bool) -> None:
-    name = key.rsplit(".", 1)[-1]
+    entry, _, is_absmax = _parsed(key)
     packed = group["use_symmetric_packing"]
-    if key.startswith("block") and name.startswith(("factor", "root")) and (value.dim() == 1) != packed:
+    if key.startswith("block") and entry in ("factor", "root") and (value.dim() == 1) != packed:
         raise ValueError(
             f"load_state_dict: state {key!r} is {'a packed triangle' if value.dim() == 1 else 'a whole matrix'} "
             f"where the param group has use_symmetric_packing={packed}; build the optimizer with "
             f"use_symmetric_packing={value.dim() == 1} to load it"
         )
     bits = group["preconditioner_bits"] if matrix_block else 32  # a vector's stay whole: quantises_bases
-    if key.startswith("block") and name.startswith(("root", "basis")) and not name.endswith("_absmax"):
-        codes = value.dtype == torch.uint8
+    if key.startswith("block") and entry in ("root", "basis") and not is_absmax:
+        codes = codecs.quantized(value)
         if codes != (bits < 32):
             fix = "the preconditioner_bits it was saved with (8 or 4)" if codes else "preconditioner_bits=32"
             raise ValueError(

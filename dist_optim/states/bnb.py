@@ -11,8 +11,8 @@ what is specific to that format, none of GaLore's math:
   reimplement);
 * :class:`FullBlocks`: blocks of the *full* flattened tensor for a tensor held in pieces (a TP
   slice, a ZeRO chunk), so that codes and absmax do not depend on the layout;
-* the state entries (:func:`new_moments_8bit`, :func:`read_moments_8bit`,
-  :func:`write_moments_8bit`: ``exp_avg``, ``exp_avg_sq`` and their ``*_absmax``, under a prefix);
+* the state entries (:func:`new_moments_8bit`: zero ``exp_avg``, ``exp_avg_sq`` and their
+  ``*_absmax``, under a prefix; decoded and encoded by :class:`dist_optim.states.codecs.Blockwise8bit`);
   for one 8-bit entry of any optimizer (Muon's momentum), :func:`new_8bit`, :func:`read_8bit` and
   :func:`write_8bit_many`, which max-reduces the absmax of tensors held in pieces itself (one
   :class:`~dist_optim.comm.MaxBucket` for all the entries it is given); :func:`start_8bit` and
@@ -48,8 +48,6 @@ __all__ = [
     "FullBlocks",
     "MOMENTS",
     "new_moments_8bit",
-    "read_moments_8bit",
-    "write_moments_8bit",
     "new_8bit",
     "read_8bit",
     "write_8bit_many",
@@ -57,7 +55,6 @@ __all__ = [
     "start_8bit",
     "to_32bit",
     "Batch8bit",
-    "check_8bit_options",
     "Buffers",
     "paged_on_device",
     "paging_supported",
@@ -202,27 +199,6 @@ def new_moments_8bit(
         state[f"{prefix}{key}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=device)
 
 
-def read_moments_8bit(state: dict[str, Any], prefix: str, blocks: FullBlocks) -> list[torch.Tensor]:
-    """The fp32 values of the 8-bit moments ``{prefix}exp_avg``, ``{prefix}exp_avg_sq``."""
-    return [
-        blocks.dequantize(state[prefix + key], state[f"{prefix}{key}_absmax"], signed=signed) for key, signed in MOMENTS
-    ]
-
-
-def write_moments_8bit(
-    state: dict[str, Any],
-    prefix: str,
-    blocks: FullBlocks,
-    values: list[torch.Tensor],
-    absmax: list[torch.Tensor] | None = None,
-) -> None:
-    """Re-quantise the moments ``values`` (as :func:`read_moments_8bit` orders them) into the
-    state; ``absmax`` their reduced block absmax when the tensor is held in pieces."""
-    for i, ((key, signed), value) in enumerate(zip(MOMENTS, values)):
-        reduced = None if absmax is None else absmax[i]
-        blocks.quantize_into(value, reduced, state[prefix + key], state[f"{prefix}{key}_absmax"], signed=signed)
-
-
 # ---- one 8-bit entry (any optimizer's moment) ---------------------------------------------------
 def new_8bit(state: dict[str, Any], key: str, shape: torch.Size, full_numel: int, device: torch.device) -> None:
     """A zero 8-bit entry ``key`` (uint8 codes of ``shape``, this rank's piece) with ``key_absmax``,
@@ -357,15 +333,6 @@ class Batch8bit:
         self._values = {}
         if entries:
             write_8bit_many(entries)
-
-
-def check_8bit_options(optim_bits: Any, min_8bit_size: Any, what: str) -> None:
-    """One-line ValueError naming the value for ``optim_bits`` other than 32 or 8 (bools too) or a
-    ``min_8bit_size`` that is not an integer >= 0; ``what`` names what 8 bits quantises."""
-    if isinstance(optim_bits, bool) or optim_bits not in (8, 32):
-        raise ValueError(f"optim_bits must be 32 or 8 ({what}), got {optim_bits!r}")
-    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-        raise ValueError(f"min_8bit_size must be an integer >= 0, got {min_8bit_size!r}")
 
 
 # ---- paged memory ------------------------------------------------------------------------------
