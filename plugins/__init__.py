@@ -33,12 +33,13 @@ from colossalai.logging import get_dist_logger
 from dist_optim.base import DistOptimizer
 from dist_optim.comm import release_groups
 from dist_optim.layout import local_layout
-from dist_optim.registry import class_path, convert, lookup
+from dist_optim.registry import class_path, convert
 
 from .checkpoint import DistOptimCheckpointMixin
 from .colossal import as_colossal_optimizer, bind_from_wrapper, record_param_names, world_group
 from .contract import plugin_binds
 from .fsdp import FSDPBinding, empty_fragments, fill_empty_grads, fsdp_layouts
+from .gemini import GeminiDistOptimizer, configure_gemini
 from .qk_clip import watch_boosted
 
 __all__ = [
@@ -195,26 +196,16 @@ class TorchDDPPlugin(_SwapAndBind, _TorchDDPPlugin):
         optim.bind({p: local_layout(p) for g in optim.param_groups for p in g["params"]}, dp_group=world_group())
 
 
-def _refuse(plugin: str, optimizer: torch.optim.Optimizer | None, why: str) -> None:
-    """Fail at boost, before anything is wrapped, when ``optimizer`` needs layout-aware math that
-    ``plugin`` cannot give it."""
-    if optimizer is None:
-        return
-    if isinstance(optimizer, DistOptimizer) or lookup(optimizer) is not None:
-        conversion = lookup(optimizer)
-        ours = type(optimizer).__name__ if conversion is None else conversion.target.__name__
-        raise ValueError(
-            f"{plugin} cannot run {class_path(type(optimizer))} correctly: {why} {ours} needs to know how each "
-            "parameter is split. Use dist_optim.plugins.LowLevelZeroPlugin (ZeRO-1/2 sharding), "
-            "TorchFSDPPlugin (parameters sharded too), HybridParallelPlugin (tensor parallelism + ZeRO) or "
-            "TorchDDPPlugin instead."
-        )
-
-
-class _Refuses:
-    """A plugin that hands optimizers flat chunks without a layout: refuse ours at boost."""
-
-    _why = ""
+class GeminiPlugin(_GeminiPlugin):
+    """``colossalai.booster.plugin.GeminiPlugin`` that swaps dist_optim optimizers in and steps them
+    in Gemini's chunks (plugins/gemini.py): every parameter bound to its flat ranges of the chunk
+    shards over Gemini's ZeRO group (whole where a chunk is kept gathered; a rank whose shards miss
+    it holds an empty piece and still takes part in its collectives), handed gradients in the fp32
+    masters' dtype already divided by the loss scale and clipping factor, and saved in the
+    layout-independent checkpoint format. Our optimizers run with static placement without offload,
+    master weights and ``tp_size=1`` (``plugins.gemini.SUPPORTED``): offloading placements, which
+    this CPU-tested code does not follow, and the rest are refused at boost with the setting to use.
+    Other optimizers behave as with ColossalAI's plugin (its own Adam classes only)."""
 
     def configure(
         self,
@@ -224,16 +215,19 @@ class _Refuses:
         dataloader: Any = None,
         lr_scheduler: Any = None,
     ) -> tuple[Any, ...]:
-        _refuse(type(self).__name__, optimizer, self._why)
-        return super().configure(model, optimizer, criterion, dataloader, lr_scheduler)  # type: ignore[misc]
+        optimizer = swap_optimizer(optimizer, lr_scheduler)
+        if not isinstance(optimizer, DistOptimizer):
+            return super().configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        model, wrapper = configure_gemini(self, model, optimizer, self._bind)
+        record_param_names(wrapper, model)
+        watch_boosted(self, model, optimizer)
+        return model, wrapper, criterion, dataloader, lr_scheduler
 
+    def _bind(self, wrapper: GeminiDistOptimizer) -> None:
+        wrapper.optim.bind(wrapper.layouts, dp_group=self.zero_group, tp_group=self.tp_group)
 
-class GeminiPlugin(_Refuses, _GeminiPlugin):
-    """``colossalai.booster.plugin.GeminiPlugin`` that refuses, at boost, optimizers whose math is
-    not element-wise (they would silently see chunks of parameters); other optimizers behave as
-    with ColossalAI's plugin (which itself accepts only its own Adam classes)."""
-
-    _why = "Gemini packs parameters into flat chunks and never binds optimizers;"
+    def get_checkpoint_io(self) -> Any:
+        return _with_dist_optim_checkpoints(super().get_checkpoint_io(), _rank0(self.tp_group, self.zero_group))
 
 
 class _FSDPOptimizer(FSDPOptimizerWrapper):

@@ -20,6 +20,13 @@ What it fills in, and why (docs/design.md, "Running ColossalAI on CPU"):
   for the modules that call them (:class:`GlooCollectives`);
 * ColossalAI's FSDP checkpoint IO asks for state dicts offloaded to the CPU, which crashes
   FSDP when the parameters already live there: asked without the offload;
+* Gemini tells device from host memory by device type, and on CPU processes both are "cpu": its
+  chunks would count as offloaded, be moved to the host between uses and fail to gather. Device and
+  host are the same memory there, so Gemini's static placement without offload is run with every
+  chunk on the device (:func:`_keep_gemini_chunks_on_device`); offload placements (``"auto"``,
+  offload fractions above 0) cannot be told apart from it on CPU and are refused, naming the
+  setting that runs. Pinned host memory needs CUDA, so chunks keep no pinned copy, and the
+  accelerator's streams answer ``synchronize``;
 * on a torch without a CUDA device, ``torch.manual_seed`` still queues a CUDA seeding for a CUDA
   that can never initialise, formatting the caller's stack each time: ColossalAI's sharded layers
   seed 32 times per ``booster.boost``, a measurable share of a small boosted run on these ranks
@@ -44,7 +51,7 @@ import torch
 import torch.distributed as dist
 from colossalai.accelerator.cpu_accelerator import CpuAccelerator
 
-__all__ = ["install", "is_installed", "quiet_colossal", "FullCpuAccelerator", "GlooCollectives"]
+__all__ = ["install", "is_installed", "quiet_colossal", "FullCpuAccelerator", "GlooCollectives", "GEMINI_ON_CPU"]
 
 _INSTALLED = False
 
@@ -68,6 +75,7 @@ def install() -> None:
     _patch_gloo_collectives()
     _skip_queued_cuda_seeding()
     _keep_fsdp_state_dicts_in_place()
+    _keep_gemini_chunks_on_device()
     _INSTALLED = True
 
 
@@ -95,6 +103,63 @@ def _skip_queued_cuda_seeding() -> None:
         return
     torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
     torch.cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
+
+
+class _CpuStream(torch.cpu.Stream):
+    """torch's CPU stream, which runs everything in order, with the ``synchronize`` that Gemini's
+    backward calls on its reduction stream."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+#: What Gemini placements run on CPU processes, for the shim's refusal.
+GEMINI_ON_CPU = 'GeminiPlugin(placement_policy="static", offload_optim_frac=0.0, offload_param_frac=0.0)'
+
+
+def _keep_gemini_chunks_on_device() -> None:
+    """Run Gemini's chunks as if on a device (see the module docstring): a chunk is never moved to
+    the host, keeps its device shard after it is closed, and says it is on the device."""
+    from colossalai.zero.gemini.chunk import chunk as gemini_chunk
+    from colossalai.zero.gemini.chunk import manager as gemini_manager
+    from colossalai.zero.gemini.gemini_mgr import GeminiManager
+
+    chunk_cls = gemini_chunk.Chunk
+    chunk_init, close_chunk = chunk_cls.__init__, chunk_cls.close_chunk
+    manager_init = GeminiManager.__init__
+
+    def init_manager(self: Any, placement_policy: str, *args: Any, **kwargs: Any) -> None:
+        offload = {k: kwargs.get(k, 0.0) for k in ("offload_optim_frac", "offload_param_frac")}
+        if placement_policy != "static" or any(offload.values()):
+            raise ValueError(
+                f"dist_optim.plugins.cpu: Gemini with placement_policy={placement_policy!r} and {offload} offloads to "
+                f"host memory, which CPU processes do not have apart from the device's; use {GEMINI_ON_CPU}"
+            )
+        manager_init(self, placement_policy, *args, **kwargs)
+
+    def init_chunk(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["pin_memory"] = False  # pinned memory needs CUDA; without offload it is only a staging copy
+        chunk_init(self, *args, **kwargs)
+
+    def close(self: Any) -> None:
+        close_chunk(self)
+        if not self.keep_gathered and self.cuda_shard is None:  # "offloaded" because the device is the CPU
+            self.cuda_shard, self.cpu_shard = self.cpu_shard, None
+
+    def device_type(self: Any) -> str:
+        on_device = self.chunk_temp is not None or self.is_gathered or self.cuda_shard is not None
+        return "cuda" if on_device else "cpu"
+
+    def move_chunk(
+        self: Any, chunk: Any, device: torch.device, force_copy: bool = False, async_move: bool = False
+    ) -> None:
+        pass  # every chunk stays on the device: there is no other memory
+
+    GeminiManager.__init__ = init_manager  # type: ignore[method-assign]
+    chunk_cls.__init__ = init_chunk  # type: ignore[method-assign]
+    chunk_cls.close_chunk = close  # type: ignore[method-assign]
+    chunk_cls.device_type = property(device_type)  # type: ignore[method-assign,assignment]
+    gemini_manager.ChunkManager.move_chunk = move_chunk  # type: ignore[method-assign]
 
 
 class FullCpuAccelerator(CpuAccelerator):
@@ -137,7 +202,7 @@ class FullCpuAccelerator(CpuAccelerator):
         pass
 
     def Stream(self, device: Any = None, priority: int = 0, **kwargs: Any) -> Any:  # noqa: N802
-        return torch.cpu.Stream()
+        return _CpuStream()
 
     def Event(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Any:  # noqa: N802
         return torch.cpu.Event()

@@ -208,7 +208,9 @@ class AttentionLogits:
     def _keep(self, attention: torch.nn.Module, which: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
             if attention.training:
-                self._outputs.setdefault(id(attention), {})[which] = output.detach()
+                # As a plain tensor: a framework's subclass (Gemini's ColoTensor) would carry its own
+                # dispatch into the maxima, and the clip's in-place products by them would miss.
+                self._outputs.setdefault(id(attention), {})[which] = output.detach().as_subclass(torch.Tensor)
 
         return hook
 

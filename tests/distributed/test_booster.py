@@ -104,6 +104,8 @@ def plugin_config(col: tuple) -> tuple[str, dict, int]:
         return plugin, dict(stage=zero, precision=precision, overlap_communication=False, **offload), 4
     if plugin == "TorchFSDPPlugin":
         return plugin, {}, 4
+    if plugin == "GeminiPlugin":
+        return plugin, dict(booster.GEMINI_CHUNKS, placement_policy="static", precision=precision), 4
     return plugin, {}, 2
 
 

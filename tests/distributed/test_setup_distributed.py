@@ -85,31 +85,6 @@ def colossal_reader() -> list[Any]:
     return [read_tp_dim(rows), read_tp_dim(cols), read_tp_dim(torch.randn(3)), tuple(rows.shape), tuple(cols.shape)]
 
 
-def refusals() -> dict[str, str]:
-    """Gemini refuses layout-dependent optimizers at boost, with what to use instead."""
-    from dist_optim.plugins.cpu import install
-
-    install()
-    from colossalai.booster import Booster
-    from colossalai.nn.optimizer import Lamb
-
-    from dist_optim import plugins
-
-    out = {}
-    for name in ("GeminiPlugin",):
-        for label, make in (
-            ("ordinary", lambda m: Lamb(m.parameters(), lr=1e-3)),
-            ("ours", lambda m: dist_optim.DistributedShampoo(m.parameters(), lr=1e-3)),
-        ):
-            model = torch.nn.Linear(4, 4)
-            try:
-                Booster(plugin=getattr(plugins, name)()).boost(model, make(model))
-                out[f"{name}-{label}"] = "no error"
-            except ValueError as e:
-                out[f"{name}-{label}"] = str(e)
-    return out
-
-
 # ---- tests ---------------------------------------------------------------------------------------
 def test_traps(pool4) -> None:
     for res in pool4.run(setup_traps):
@@ -136,10 +111,3 @@ def test_bind_errors() -> None:
         opt.bind({a: ParamLayout((8, 6), TPSplit(0, 2, 0)), b: ParamLayout((4,))})
     opt.bind({a: ParamLayout((8, 6), TPSplit(0, 2, 1)), b: ParamLayout((3,))})
     assert opt.layout(a).tp_offset == 4
-
-
-def test_gemini_refuses_layout_dependent_optimizers(pool2) -> None:
-    for res in pool2.run(refusals):
-        assert len(res) == 2
-        for key, msg in res.items():
-            assert "cannot run" in msg and "TorchFSDPPlugin" in msg and "\n" not in msg, (key, msg)

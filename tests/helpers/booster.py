@@ -20,6 +20,10 @@ from tests.helpers.check import describe, excess, max_rel_err
 
 #: Element-wise tolerance of the replayed single-device run: the parity grid's (tests/helpers/parity.py).
 REPLAY_RTOL = 1e-5
+#: Gemini's chunk search for the tiny Llama: no minimum chunk size (the default, 32 Mi elements, keeps
+#: a model this small whole on every rank) and chunks of the largest parameter's size (the embedding),
+#: so that parameters are cut anywhere by the 4 ranks' shards of several chunks.
+GEMINI_CHUNKS = dict(min_chunk_size_m=0.0, search_range_m=0, hidden_dim=64)
 GLOBAL_BATCH = 4  # sequences per step, split over data-parallel ranks (dp in 1, 2, 4)
 SEQ = 16
 
@@ -83,7 +87,8 @@ def rank_batch(step: int, dp_size: int, dp_rank: int) -> torch.Tensor:
 
 
 def dp_coords(plugin: Any) -> tuple[int, int]:
-    group = getattr(plugin, "dp_group", None)
+    # Gemini calls its data-parallel group (tensor parallelism aside) its ZeRO group.
+    group = getattr(plugin, "dp_group", None) or getattr(plugin, "zero_group", None)
     return dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -450,6 +455,9 @@ def booster_parity(
       optimizers amplify; ``floor_rel``: this parameter's own ``update_rel`` between the
       single-process run and its perturbed twin below; ``moved``: the size of the boosted run's
       update relative to the single-process run's (0 for a parameter that never moved).
+    * ``grad_noise``: the largest per-parameter median relative difference between the gradients
+      the boosted optimizer was first handed and one process's (:func:`gradient_noise`): rounding
+      only, unless the gradients reached it scaled (a loss scale not divided out).
     * ``floor``: the largest ``update_rel`` between the single-process run and that run with its
       gradients perturbed by the boosted model's measured gradient noise (:func:`gradient_noise`):
       the scale at which ``errors`` is judged.
@@ -476,6 +484,7 @@ def booster_parity(
         low = torch.float16
     run = dict(low_precision=low, pipeline=pipeline, plugin_name=plugin_name)
     noise = gradient_noise(records[0], plugin_name, low)
+    grad_noise = max(noise.values(), default=0.0)
     expected, noisy = shared_reference_runs(opt_path, opt_kwargs, steps, run, noise)
     opt = wrapper.optim
     errors = {}
@@ -507,6 +516,7 @@ def booster_parity(
         "staged_bytes": staged,
         "errors": errors,
         "floor": floor,
+        "grad_noise": grad_noise,
         "all_names": sorted(expected),
         "unsafe_files": saved[0],
         "saved_files": saved[1],

@@ -91,8 +91,18 @@ def everything(model: Any, wrapper: Any) -> dict[str, Any]:
         "weights": master_weights(model, wrapper),
         "state": boosted_states(model, wrapper),
         "extra": wrapper.optim.extra_state(),
-        "working": {n: p.detach().clone() for n, p in model.unwrap().named_parameters()},
+        "working": working_weights(model),
     }
+
+
+def working_weights(model: Any) -> dict[str, torch.Tensor]:
+    """The weights the boosted model computes with, by name: Gemini's live in chunks that are
+    gathered only around their use, so it is asked for them (every rank gets them all)."""
+    from colossalai.zero.gemini.gemini_ddp import GeminiDDP
+
+    if isinstance(model, GeminiDDP):
+        return {n: t.clone() for n, t in model.state_dict(only_rank_0=False).items()}
+    return {n: p.detach().clone() for n, p in model.unwrap().named_parameters()}
 
 
 def uninterrupted(

@@ -54,6 +54,9 @@ COLUMNS: list[tuple] = [
     # FSDP's full shard over 4 ranks (the fourth entry: ZeRO-3): one flat parameter for the whole
     # model, cut into 4 ranges, so most parameters are split anywhere or absent on a rank.
     ("TorchFSDPPlugin", 1, 1, 3, "fp32"),
+    # Gemini's static placement without offload over 4 ranks (ZeRO-3), chunks small enough that the
+    # tiny Llama spans several, each cut into 4 shards: parameters split anywhere or absent on a rank.
+    ("GeminiPlugin", 1, 1, 3, "bf16"),
 ]
 
 #: The sixth entry of a column with ZeRO's CPU offload.
@@ -171,6 +174,7 @@ def _header(col: tuple) -> str:
         "LowLevelZeroPlugin": "LowLevelZero",
         "TorchDDPPlugin": "TorchDDP",
         "TorchFSDPPlugin": "TorchFSDP",
+        "GeminiPlugin": "Gemini",
     }
     parts = [short[plugin]]
     if plugin == "HybridParallelPlugin":
@@ -181,6 +185,8 @@ def _header(col: tuple) -> str:
             parts.append(f"sp={2 if sp[0] == 'all_to_all' else tp} {sp[0]}")
     if plugin == "TorchFSDPPlugin":
         parts.append("full shard")
+    elif plugin == "GeminiPlugin":
+        parts.append("static")
     elif plugin != "TorchDDPPlugin":
         parts.append(f"ZeRO-{zero}")
     parts.append(precision)
