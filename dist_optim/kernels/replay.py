@@ -11,6 +11,12 @@ effects for the next ones. Outside a simulation the mark costs one global read p
 A replayable function must be pure on its tensors' metadata: its outputs' shapes, dtypes and
 aliasing and the memory it allocates depend only on its arguments' metadata and values that are
 not tensors, and it issues no collective.
+
+Work done in place on state goes through :func:`replayable_work` instead: an owner's step on a
+batch of blocks (Shampoo's :mod:`dist_optim.shampoo.work`) writes into tensors it is handed and
+returns nothing, and a model's blocks come in batches of the same shapes, layer after layer. The
+caller describes what the work reads; a simulator may replay the recorded effect of an earlier
+batch with the same description.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
-__all__ = ["replayable", "replaying", "Replayer"]
+__all__ = ["replayable", "replayable_work", "replaying", "replaying_work", "Replayer", "WorkReplayer"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,6 +34,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 Replayer = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 
 _replayer: Replayer | None = None
+
+#: ``work_replayer(fn, describe)`` runs ``fn()`` or replays the effect of an earlier call with the same
+#: ``describe()`` (:func:`replayable_work`).
+WorkReplayer = Callable[[Callable[[], None], Callable[[], Any]], None]
+
+_work_replayer: WorkReplayer | None = None
 
 
 def replayable(fn: F) -> F:
@@ -42,6 +54,20 @@ def replayable(fn: F) -> F:
     return cast(F, call)
 
 
+def replayable_work(fn: Callable[[], None], describe: Callable[[], Any]) -> None:
+    """Run ``fn()``, work done in place on tensors, or hand it to the simulator's work replayer where
+    one is installed (:func:`replaying_work`). ``describe()`` (called only by a simulator) is what ``fn``
+    reads: its tensors (whose metadata, aliasing and followed values it may depend on), and the
+    numbers, strings and options that steer it, nested in tuples, lists and dicts. ``fn`` must
+    write only into the described tensors, in place, keep no memory it allocates, replace none of
+    them (``describe()`` after it names the same tensors) and issue no collective; the simulator
+    runs a call again where it sees otherwise. Outside a simulation it costs one global read."""
+    if _work_replayer is None:
+        fn()
+    else:
+        _work_replayer(fn, describe)
+
+
 @contextmanager
 def replaying(replayer: Replayer) -> Iterator[None]:
     """Route the calls of :func:`replayable` functions through ``replayer`` inside the block."""
@@ -51,3 +77,14 @@ def replaying(replayer: Replayer) -> Iterator[None]:
         yield
     finally:
         _replayer = previous
+
+
+@contextmanager
+def replaying_work(work: WorkReplayer) -> Iterator[None]:
+    """Route the calls of :func:`replayable_work` through ``work`` inside the block."""
+    global _work_replayer
+    previous, _work_replayer = _work_replayer, work
+    try:
+        yield
+    finally:
+        _work_replayer = previous

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import (
@@ -205,6 +206,10 @@ def run(argv: list[str] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # ColossalAI's import brings bitsandbytes, whose torch.compile decorators start torch inductor's
+    # pool of compile processes where Triton is installed; a plan compiles nothing, and on a machine
+    # of few cores those processes' imports take cores from the simulation.
+    os.environ.setdefault("TORCH_WARM_POOL", "0")
     try:
         print(run(argv))
     except PlanError as exc:

@@ -48,8 +48,8 @@ MOE_TYPES = ("mixtral",)
 #: Types whose ColossalAI 0.5.0 policy shards the output head as a plain column-parallel linear
 #: (``Linear1D_Col``, no padding of its own). Tied to the embedding, which ShardFormer pads to a
 #: multiple of ``make_vocab_size_divisible_by`` x tp, the head then computes the padded rows as
-#: logits of zero that enter the softmax: a tied Qwen2 of 300 tokens under tp=2 trains on a loss
-#: 0.27 above the model's (measured). :func:`vocab_multiple` turns that padding off for them.
+#: logits of zero that enter the softmax, so a tied model trains on a loss above its own (the padded
+#: rows take a share of every token's probability). :func:`vocab_multiple` turns that padding off for them.
 PLAIN_HEAD_TYPES = ("qwen2", "mixtral")
 
 #: HybridParallelPlugin's default ``make_vocab_size_divisible_by`` (a faster kernel's multiple).

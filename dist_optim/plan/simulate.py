@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from dist_optim.kernels.replay import replaying
+from dist_optim.kernels.replay import replaying, replaying_work
 from dist_optim.layout import ParamLayout, TPSplit, ZeroShard
 from dist_optim.registry import CatalogueEntry, catalogue
 from dist_optim.sharding.placement import recording_owner_loads
@@ -313,7 +313,7 @@ def run_steps(opt: torch.optim.Optimizer, traffic: Traffic, steps: int, meta: bo
     out = []
     shadows: dict[int, torch.Tensor] = {}
     replays = Replays(traffic)
-    with replaying(replays):
+    with replaying(replays), replaying_work(replays.work):
         for _ in range(steps):
             traffic.step = StepTraffic()
             with traffic_of(traffic), LiveBytes(answer_meta_items=meta, shadows=shadows) as live:

@@ -124,8 +124,9 @@ update that it holds. How gradients reach the owners and directions the holders:
   :func:`dist_optim.sharding.owners.from_owners`: one all_to_all per work group and direction for all parameters,
   in ``communication_dtype``, a rank's pieces to itself included so that every copy of a value
   is rounded alike). A rank receives its blocks' gradients and its
-  pieces' directions: about ``2/size`` of the parameters' bytes instead of ``2x`` (ZeRO over 4
-  ranks: 0.2-0.25x the bytes of gathering everything, tested), and nobody holds a full gradient.
+  pieces' directions: about ``2/size`` of the parameters' bytes instead of ``2x`` (the ratio to
+  gathering everything, per layout, is bounded in ``tests/unit/test_shampoo.py``
+  ``test_pieces_go_straight_to_block_owners``), and nobody holds a full gradient.
 * A parameter held whole on every rank (DDP): owners use their local gradient, nothing is sent to
   them; the directions come back the same way, every rank receiving every block's direction (in
   ``communication_dtype``; owners round their own results the same way so replicas agree).
@@ -169,7 +170,7 @@ parallelism:
 * :mod:`.preconditioner`: a batch of blocks' math on local tensors, no communication (grafting,
   factors, root-inverse Shampoo, SOAP);
 * :mod:`.work`: an owner's blocks of a step cut into batches, their directions applied or handed back;
-* :mod:`.routing`: the owners of blocks, as tasks of the owner runtime (:mod:`dist_optim.sharding.runtime`,
+* :mod:`.owners`: the owners of blocks, as tasks of the owner runtime (:mod:`dist_optim.sharding.runtime`,
   which moves gradients and directions);
 * :mod:`.update`: momentum, decay and the parameter update;
 * :mod:`.optimizer`: :class:`DistributedShampoo`, the coordinator.
