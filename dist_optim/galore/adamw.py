@@ -20,7 +20,7 @@ from ..kernels.fused_adam import fused_applies
 from ..kernels.multi_tensor import scale_
 from ..layout import ParamLayout
 from ..states import bnb
-from .state import LOW_RANK, init_low_rank_state, read_moments, write_moments
+from .state import LOW_RANK, carry_over, init_low_rank_state, read_moments, write_moments
 
 __all__ = [
     "step_size",
@@ -95,6 +95,10 @@ def low_rank_adamw(
             state, low, _, eight_bit = entries[i]
             if "low_rank_exp_avg" not in state:
                 init_low_rank_state(state, low, eight_bit, buffers)
+            else:  # moments saved with the other optim_bits; a partition of whole blocks: local
+                carry = bnb.Batch8bit()
+                carry_over(state, LOW_RANK, ParamLayout(tuple(low.shape)), low, eight_bit, carry)
+                carry.store()
             state["step"] += 1
             buffers.prefetch(state["low_rank_exp_avg"], state["low_rank_exp_avg_sq"])
             # Whole moments or a partition of whole blocks: bitsandbytes' own blocks of them.

@@ -44,8 +44,11 @@ from .geometry import low_rank_shape, projection_side
 from .options import GROUP_DEFAULTS, OPTIMIZER_WIDE, check_full_shape, check_optimizer_options, validate_options
 from .projection import add_back_projection
 from .state import (
+    LOW_RANK,
+    MOMENTS,
     GaLoreMatrix,
     Partitioned,
+    carry_over,
     init_plain_state,
     keeps_saved_dtype,
     low_rank_numel,
@@ -361,7 +364,17 @@ class DistributedGaLore(DistOptimizer):
         group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
         if "rank" not in group:
             return state
-        for key, (shape, groups, align) in self.state_partitions(param).items():
+        partitions = self.state_partitions(param)
+        low = partitions[LOW_RANK + MOMENTS[0].name][0]
+        if not self._eight_bit_numel(math.prod(low)):
+            # Low-rank moments saved in 8 bits, loaded where they are kept in 32: dequantised while
+            # whole, as this optimizer's partitions of 32-bit moments need not be whole blocks.
+            batch = bnb.Batch8bit()
+            for e in MOMENTS:
+                key = LOW_RANK + e.name
+                if isinstance(state.get(key), torch.Tensor):
+                    e.codec.to_plain(batch, state, key, ParamLayout(low), state[key].device, param.dtype)
+        for key, (shape, groups, align) in partitions.items():
             value = state.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
@@ -410,9 +423,13 @@ class DistributedGaLore(DistOptimizer):
         layouts = [self.layout(p) for p in params]
         eight = [self._eight_bit_numel(layout.full_numel) for layout in layouts]
         states = [self.state[p] for p in params]
+        carry = bnb.Batch8bit()
         for p, layout, state, e in zip(params, layouts, states, eight):
             if not state:
                 init_plain_state(state, p, layout.full_numel, e, self._buffers)
+            else:  # moments saved with the other optim_bits
+                carry_over(state, "", layout, p, e, carry)
+        carry.store()
         self._buffers.prefetch(*(state[key] for state in states for key in ("exp_avg", "exp_avg_sq")))
         wd, lr = group["weight_decay"], group_lr(group)
         if not any(eight) and fused_plain_adamw(group, self.adam_style, states, params, grads):

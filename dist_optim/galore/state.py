@@ -12,7 +12,8 @@ the layout (galore_torch keeps a projector object instead):
   the full tensors;
 * plain parameters: ``exp_avg`` / ``exp_avg_sq``, shaped (and sharded) like the parameter;
 * 8-bit moments: uint8 codes under the moment's name plus ``<name>_absmax`` (fp32, one per block of
-  256 values of the full tensor; :mod:`dist_optim.states.bnb`).
+  256 values of the full tensor; :mod:`dist_optim.states.bnb`). Moments saved with the other
+  ``optim_bits`` are carried over to the width kept at the next step (:func:`carry_over`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "STATE",
     "read_moments",
     "write_moments",
+    "carry_over",
     "init_low_rank_state",
     "init_plain_state",
     "projector_numel",
@@ -183,6 +185,34 @@ def write_moments(
     ``absmax`` their reduced block absmax when the tensor is held in pieces."""
     for i, (e, value) in enumerate(zip(MOMENTS, values)):
         e.codec.encode(value, state, prefix + e.name, blocks=blocks, absmax=None if absmax is None else absmax[i])
+
+
+def carry_over(
+    state: dict[str, Any], prefix: str, layout: ParamLayout, like: torch.Tensor, eight_bit: bool, batch: bnb.Batch8bit
+) -> None:
+    """Bring the moments under ``prefix`` that were saved with the other ``optim_bits`` to the width
+    kept (``eight_bit``), through their codecs: a 32-bit moment is handed to ``batch`` to be quantised
+    by ``batch.store()`` (its values, not zeros: collective where ``layout`` is held in pieces, on
+    every rank of it), an 8-bit one dequantised into ``like``'s dtype (local). ``like``: the tensor
+    the moments are shaped as (this rank's piece, or partition of the low-rank gradient).
+
+    A state dict holds this rank's partitions, whose bounds depend on the width (8-bit ones are whole
+    blocks): one saved with the other width where they are partitioned is refused by name, as only
+    ``load_full_state`` can cut the full moments anew."""
+    for e in MOMENTS:
+        key = prefix + e.name
+        value = state.get(key)
+        if not isinstance(value, torch.Tensor) or e.codec.holds(value) == eight_bit:
+            continue
+        if value.numel() != like.numel():
+            raise ValueError(
+                f"DistributedGaLore: state {key!r} saved with the other optim_bits holds {value.numel()} elements "
+                f"where this rank keeps {like.numel()} (partitions of another width); load it with load_full_state"
+            )
+        if eight_bit:
+            e.codec.read(batch, state, key, layout, like)
+        else:
+            e.codec.to_plain(batch, state, key, layout, like.device, like.dtype)
 
 
 def keeps_saved_dtype(key: str, value: torch.Tensor) -> bool:

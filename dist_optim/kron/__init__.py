@@ -141,7 +141,7 @@ what and how tensors move):
 * :mod:`.preconditioner`: factor initialisation, the fit with probes, balancing, preconditioning
   and clipping, on whole local tensors, no communication;
 * :mod:`.blocks`: the block plan of a large tensor's owner work and the probe's chunks;
-* :mod:`.routing`: the owner of each parameter, as a task of the owner runtime
+* :mod:`.owners`: the owner of each parameter, as a task of the owner runtime
   (:mod:`dist_optim.sharding.runtime`, which moves momenta and directions);
 * :mod:`.optimizer`: :class:`DistributedKron`, the coordinator;
 * :mod:`.conversions`: ``kron_torch.kron.Kron`` -> :class:`DistributedKron` and the planner entry,

@@ -2,7 +2,7 @@
 
 A step takes the update decision and the probes from :mod:`.randomness`, updates every local
 piece of the momenta and runs the owner runtime (:mod:`dist_optim.sharding.runtime`): the momenta reach
-their owners (tasks: :mod:`.routing`), the owners compute the directions (:mod:`.preconditioner` on
+their owners (tasks: :mod:`.owners`), the owners compute the directions (:mod:`.preconditioner` on
 the factors of :mod:`.state`, shaped by :mod:`.structure`), every holder applies its part.
 """
 
@@ -24,9 +24,9 @@ from ..states import codecs
 from .blocks import discard_probe, draw_probe
 from .momentum import momentum_bytes, update_momenta
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
+from .owners import KronParam, plan_param_owners
 from .preconditioner import owner_direction
 from .randomness import KronRandomness, param_position
-from .routing import KronParam, plan_param_owners
 from .schedule import precond_update_prob_schedule
 from .state import (
     FactorScratch,
@@ -209,7 +209,7 @@ class DistributedKron(DistOptimizer):
         return plan
 
     def _on_bind(self) -> None:
-        """Give every parameter an owner in its work group (:func:`.routing.plan_param_owners`), once per
+        """Give every parameter an owner in its work group (:func:`.owners.plan_param_owners`), once per
         binding. Collective over the job under TP (the grids are process groups)."""
         self._plans = {}
         self.owner_runtime.bind([self.layout(p) for p in self._all_params()], self.dp_group, self.tp_group)

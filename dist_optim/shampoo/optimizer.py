@@ -1,7 +1,7 @@
 """The optimizer class: a coordinator of the package's parts (see :mod:`dist_optim.shampoo`).
 
 A step is one run of the owner runtime (:mod:`dist_optim.sharding.runtime`): each parameter's step counted
-and its gradient declared as the input of its blocks' task (:mod:`.routing`); the owners compute
+and its gradient declared as the input of its blocks' task (:mod:`.owners`); the owners compute
 their blocks' directions (:mod:`.work`, :mod:`.preconditioner` on the typed
 :class:`~.state.BlockState` views of ``optimizer.state``); each holder applies its part of them
 (:mod:`.update`).
@@ -24,7 +24,7 @@ from ..states import bnb, codecs
 from .blocking import Block
 from .momentum import keeps_8bit_momentum, momentum_buffer, read_momenta
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
-from .routing import BlockPlan, plan_block_owners, total_failures
+from .owners import BlockPlan, plan_block_owners, total_failures
 from .state import (
     STATE,
     BlockState,
@@ -195,7 +195,7 @@ class DistributedShampoo(DistOptimizer):
         self.owner_runtime.bind([self.layout(p) for p in self._all_params()], self.dp_group, self.tp_group)
         self._ensure_plans()
 
-    # ---- planning (see routing.py) ----------------------------------------------------------
+    # ---- planning (see owners.py) -----------------------------------------------------------
     def _ensure_plans(self) -> None:
         if self._plans:
             return

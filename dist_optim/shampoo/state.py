@@ -11,8 +11,8 @@ updated in place); nothing else spells a key.
 With ``use_symmetric_packing`` the symmetric matrices (factors, roots) are kept as packed lower
 triangles, ``d (d + 1) / 2`` elements (:func:`dist_optim.kernels.structured.pack_lower`): a factor's
 kept triangle (:func:`~dist_optim.shampoo.blocking.kept_triangle`), a root's lower one. The math
-never sees that form: :func:`unpacked` gives a block's matrices whole, in reused scratch memory,
-and :func:`store_packed` packs back what a step changed. Every stored symmetric matrix, packed or
+never sees that form: the block's forms (:mod:`dist_optim.shampoo.preconditioner.forms`) give its
+matrices whole, in reused scratch memory, and pack back what a step changed. Every stored symmetric matrix, packed or
 not, is the mirror of that triangle (factors mirrored at each refresh, roots when computed), so
 packing loses nothing: the packed run equals the unpacked one bit for bit.
 
@@ -28,11 +28,10 @@ With ``preconditioner_bits`` 8 or 4 the eigenvector matrices of blocks of at lea
 holds the codes of ``Q_k`` (1-D uint8; SOAP's bases, and for Shampoo the eigenvectors of the
 damped factor, in place of ``root<k>``) and ``basis<k>_absmax`` their block absmax, and Shampoo
 keeps ``spectrum<k>``, the root's eigenvalues ``(lam + epsilon)^-alpha`` (length ``d``,
-``preconditioner_dtype``): ``R_k = Q_k diag(s_k) Q_k^T``. :func:`decoded_bases` gives the
-matrices whole (dequantised, then rectified by one Björck step) in scratch, :func:`store_basis`
-quantises a refreshed one back. The factors stay in ``preconditioner_dtype`` (packed with
-``use_symmetric_packing``): each step adds a small increment to them, which a 4- or 8-bit code
-of the sum would mostly round away.
+``preconditioner_dtype``): ``R_k = Q_k diag(s_k) Q_k^T``. The block's forms give the matrices
+whole (dequantised, then rectified by one Björck step) in scratch and quantise a refreshed one
+back. The factors stay in ``preconditioner_dtype`` (packed with ``use_symmetric_packing``): each
+step adds a small increment to them, which a 4- or 8-bit code of the sum would mostly round away.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ import torch
 from ..kernels import structured
 from ..kernels.replay import replayable
 from ..layout import whole_layout
-from ..states import bnb, codecs, lowbit
+from ..states import bnb, codecs
 from .blocking import Block, kept_triangle
 from .momentum import MOMENTUM
 from .options import SQUARED_GRAFTING_TYPES, uses_warm_refresh
@@ -66,8 +65,6 @@ __all__ = [
     "initial_state",
     "ALIGN_BYTES",
     "Scratch",
-    "unpacked",
-    "store_packed",
     "EIGHT_BIT_MOMENTS",
     "MOMENTS",
     "STATE",
@@ -77,8 +74,6 @@ __all__ = [
     "carry_over",
     "check_loaded_forms",
     "quantises_bases",
-    "decoded_bases",
-    "store_basis",
     "mirror_whole_factors",
 ]
 
@@ -413,29 +408,6 @@ class BlockState:
         return default
 
 
-def unpacked(bs: BlockState, block: Block, scratch: Scratch, roots: bool) -> BlockState:
-    """``bs`` with its packed factors (and, with ``roots``, its packed roots) as whole symmetric
-    matrices in ``scratch`` (slots ``factor<k>``, ``root<k>``: reused by the next block); the other
-    entries are ``bs``'s own tensors. Roots are needed only where the step reads them (a
-    preconditioned direction, or a refresh that may keep the previous root)."""
-
-    def whole(m: torch.Tensor, name: str, k: int) -> torch.Tensor:
-        d = block.shape[k]
-        buf = scratch.get((d, d), m.dtype, m.device, f"{name}{k}")
-        return codecs.PACKED_SYMMETRIC.unpack(m, d, out=buf)
-
-    factors = [whole(m, "factor", k) for k, m in enumerate(bs.factors)]
-    full_roots = [whole(m, "root", k) for k, m in enumerate(bs.roots)] if roots else bs.roots
-    return dataclasses.replace(bs, factors=factors, roots=full_roots)
-
-
-def store_packed(stored: list[torch.Tensor], whole: list[torch.Tensor], order: int, factors: bool) -> None:
-    """Pack the whole matrices ``whole`` back into the packed ``stored`` ones: a factor's kept
-    triangle (``factors``), else the lower one."""
-    for k, (packed, m) in enumerate(zip(stored, whole)):
-        codecs.PACKED_SYMMETRIC.pack(kept_triangle(m, order, k) if factors else m, out=packed)
-
-
 def step_state(
     state: dict[str, Any],
     prefix: str,
@@ -500,40 +472,6 @@ def carry_over(state: dict[str, Any], prefix: str, block: Block, group: dict[str
 def _moment_dtype(name: str, group: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
     """SOAP's second moment is kept in ``preconditioner_dtype``, the other moments in ``dtype``."""
     return group["preconditioner_dtype"] if name == "exp_avg_sq" else dtype
-
-
-def decoded_bases(
-    stored: BlockState, block: Block, scratch: Scratch, bits: int, pdt: torch.dtype
-) -> list[torch.Tensor]:
-    """The quantised eigenvector matrices of ``stored`` whole, in ``pdt``, in ``scratch`` (slots
-    ``basis<k>``, reused by the next block): dequantised, then rectified by one Björck step
-    (:func:`dist_optim.states.lowbit.rectify`; why: the measurements of :mod:`dist_optim.states.lowbit`)."""
-    out = []
-    codec = basis_codec(bits)
-    for k, (codes, absmax) in enumerate(zip(stored.bases, stored.basis_absmax)):
-        d = block.shape[k]
-        raw = scratch.get((d, d), torch.float32, codes.device, "dequantized")
-        codec.values(codes, absmax, d, out=raw)
-        q = raw if pdt == torch.float32 else raw.to(pdt)
-        out.append(lowbit.rectify(q, out=scratch.get((d, d), pdt, codes.device, f"basis{k}")))
-    return out
-
-
-def store_basis(
-    stored: BlockState, k: int, q: torch.Tensor, ok: torch.Tensor, bits: int, whole: torch.Tensor | None = None
-) -> None:
-    """Quantise the refreshed eigenvectors ``q`` into ``stored``'s ``basis<k>`` codes and absmax
-    where ``ok`` (a 0-d bool tensor: else the stored ones stay), and, given ``whole`` (the scratch
-    matrix :func:`decoded_bases` made), decode the stored ones into it again: the step then uses
-    exactly what a later step reads back."""
-    codec = basis_codec(bits)
-    codes, absmax = codec.quantize(q)
-    torch.where(ok, codes, stored.bases[k], out=stored.bases[k])
-    torch.where(ok, absmax, stored.basis_absmax[k], out=stored.basis_absmax[k])
-    if whole is not None:
-        d = whole.shape[0]
-        raw = codec.values(stored.bases[k], stored.basis_absmax[k], d).view(d, d)
-        lowbit.rectify(raw.to(whole.dtype), out=whole)
 
 
 def mirror_whole_factors(block_states: Iterable[tuple[Any, Block, BlockState]]) -> None:

@@ -6,7 +6,7 @@ Adam does: uint8 codes plus one fp32 absmax per block of :data:`BLOCKSIZE` value
 bitsandbytes' signed (first moment) and unsigned (second moment) dynamic maps. This module holds
 what is specific to that format, none of GaLore's math:
 
-* the codes themselves (:func:`dequantize`, :func:`quantize_into`, through bitsandbytes'
+* the codes themselves (:func:`dequantize_blockwise_8bit`, :func:`quantize_into`, through bitsandbytes'
   ``quantize_blockwise`` / ``dequantize_blockwise``, whose nearest-code search we do not
   reimplement);
 * :class:`FullBlocks`: blocks of the *full* flattened tensor for a tensor held in pieces (a TP
@@ -43,7 +43,7 @@ __all__ = [
     "BLOCKSIZE",
     "PAGED_MIN_NUMEL",
     "qmap",
-    "dequantize",
+    "dequantize_blockwise_8bit",
     "quantize_into",
     "FullBlocks",
     "MOMENTS",
@@ -80,7 +80,7 @@ def qmap(signed: bool, device: torch.device) -> torch.Tensor:
     return _QMAPS[key]
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+def dequantize_blockwise_8bit(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """fp32 values of a whole tensor's codes (blocks of its own flattened elements)."""
     if codes.is_meta:  # the planner's simulation (dist_optim.plan): no values, the same allocation
         return torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
@@ -134,9 +134,9 @@ class FullBlocks:
         """Whether this rank holds the whole tensor (bitsandbytes then computes the absmax)."""
         return self.ids is None
 
-    def dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    def dequantize_blockwise_8bit(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
         if self.ids is None:
-            return dequantize(codes.reshape(-1), absmax, signed).view(codes.shape)
+            return dequantize_blockwise_8bit(codes.reshape(-1), absmax, signed).view(codes.shape)
         per_element = torch.cat([absmax, absmax.new_zeros(1)])[self.ids]
         values = qmap(signed, codes.device)[codes.reshape(-1).long()]
         return values.mul_(per_element).view(codes.shape)
@@ -209,7 +209,7 @@ def new_8bit(state: dict[str, Any], key: str, shape: torch.Size, full_numel: int
 
 def read_8bit(state: dict[str, Any], key: str, blocks: FullBlocks, signed: bool) -> torch.Tensor:
     """The fp32 values of the 8-bit entry ``key`` (a new tensor, this rank's piece)."""
-    return blocks.dequantize(state[key], state[f"{key}_absmax"], signed)
+    return blocks.dequantize_blockwise_8bit(state[key], state[f"{key}_absmax"], signed)
 
 
 class Requant(NamedTuple):

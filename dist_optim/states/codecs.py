@@ -162,7 +162,7 @@ class Blockwise8bit(Codec):
         """fp32 values (``how["blocks"]``: the :class:`~dist_optim.states.bnb.FullBlocks` of the
         entry's tensor)."""
         blocks: bnb.FullBlocks = how["blocks"]
-        return blocks.dequantize(stored[key], stored[absmax_key(key)], self.signed)
+        return blocks.dequantize_blockwise_8bit(stored[key], stored[absmax_key(key)], self.signed)
 
     def encode(self, value: torch.Tensor, stored: MutableMapping[str, Any], key: str, **how: Any) -> None:
         """Codes and block absmax of ``value`` (``how["blocks"]``; ``how["absmax"]``: the reduced
@@ -280,7 +280,7 @@ class LowBit(Codec):
         self, codes: torch.Tensor, absmax: torch.Tensor, side: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The flat fp32 values of a ``side``-sided matrix's codes and absmax (into ``out``)."""
-        return lowbit.dequantize(codes, absmax, self.bits, self.numel(side), out)
+        return lowbit.dequantize_lowbit(codes, absmax, self.bits, self.numel(side), out)
 
     def quantize(
         self, value: torch.Tensor, generator: torch.Generator | None = None

@@ -47,7 +47,7 @@ import torch
 
 from ..kernels import structured
 
-__all__ = ["BITS", "BLOCK", "LEVELS", "codes_numel", "absmax_numel", "quantize", "dequantize", "rectify"]
+__all__ = ["BITS", "BLOCK", "LEVELS", "codes_numel", "absmax_numel", "quantize", "dequantize_lowbit", "rectify"]
 
 #: The supported widths of a quantised matrix (32: not quantised).
 BITS = (32, 8, 4)
@@ -108,7 +108,7 @@ def quantize(
     return codes[0::2] | (codes[1::2] << 4), absmax
 
 
-def dequantize(
+def dequantize_lowbit(
     codes: torch.Tensor, absmax: torch.Tensor, bits: int, numel: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The fp32 values of ``numel`` elements from their codes and block absmax, flattened (into

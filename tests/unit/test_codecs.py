@@ -50,7 +50,7 @@ def test_blockwise_8bit_is_bitsandbytes_format() -> None:
     assert torch.equal(state["exp_avg"].reshape(-1), codes) and torch.equal(state["exp_avg_absmax"], absmax)
     values = codecs.BNB_SIGNED.decode(state, "exp_avg", blocks=blocks)
     assert values.dtype == torch.float32 and values.shape == shape
-    assert torch.equal(values.reshape(-1), bnb.dequantize(codes, absmax, signed=True))
+    assert torch.equal(values.reshape(-1), bnb.dequantize_blockwise_8bit(codes, absmax, signed=True))
     assert (values - x).abs().max() <= 0.02 * x.abs().max()
 
 

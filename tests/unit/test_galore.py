@@ -4,6 +4,7 @@ crashes, collectives per step, bytes gathered only at projector refreshes)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from typing import Any
@@ -382,6 +383,55 @@ def test_state_dict_round_trip(optim_bits: int) -> None:
             assert st["proj_right"].dtype == (torch.float16 if optim_bits == 8 else torch.bfloat16)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def _run_bits(
+    bits: list[int], split: int | None, restart: bool = False, through_full_state: bool = False
+) -> list[torch.Tensor]:
+    """Six steps of GaLore and plain parameters, the optimizer rebuilt at step ``split`` with
+    ``bits[1]`` (``bits[0]`` before) from the old one's state_dict (or full_state; ``restart``:
+    from nothing)."""
+    params = [torch.randn(s, generator=torch.Generator().manual_seed(7)) for s in SHAPES]
+
+    def make(optim_bits: int) -> DistributedGaLore:
+        return DistributedGaLore(_groups(params, "std"), lr=1e-2, optim_bits=optim_bits, min_8bit_size=0)
+
+    opt = make(bits[0])
+    for step in range(STEPS):
+        if step == split:
+            new = make(bits[1])
+            if through_full_state:
+                new.load_full_state(copy.deepcopy(opt.full_state()))
+            elif not restart:
+                new.load_state_dict(copy.deepcopy(opt.state_dict()))
+                if bits[0] == 8:
+                    assert new.state[params[0]]["low_rank_exp_avg"].dtype == torch.uint8
+                    assert new.state[params[3]]["exp_avg_sq_absmax"].dtype == torch.float32
+            opt = new
+        for i, (p, g) in enumerate(zip(params, _grads(step, SHAPES))):
+            p.grad = None if (i == 0 and step == NONE_STEP) else g
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_a_state_saved_with_the_other_optim_bits_is_carried_over() -> None:
+    """32-bit moments (low-rank and plain) loaded by an 8-bit optimizer are quantised at its next
+    step (their values, not zeros); 8-bit ones loaded by a 32-bit optimizer are dequantised. Either
+    way the run stays within the quantisation's reach of the all-32-bit run, and far from a restart."""
+    plain = _run_bits([32, 32], None)
+    restarted = _run_bits([32, 32], 3, restart=True)
+    for bits in ([32, 8], [8, 32]):
+        mixed = _run_bits(bits, 3)
+        for a, b, r in zip(mixed, plain, restarted):
+            assert float((a - b).abs().max()) < 0.1 * float((r - b).abs().max()), bits
+
+
+@pytest.mark.parametrize("bits", [[32, 8], [8, 32]], ids=["32to8", "8to32"])
+def test_the_other_optim_bits_through_full_state_as_through_state_dict(bits: list[int]) -> None:
+    """load_full_state carries moments of the other width over as load_state_dict does, bit for bit
+    (the full low-rank moments are converted before they are cut)."""
+    for a, b in zip(_run_bits(bits, 3, through_full_state=True), _run_bits(bits, 3)):
+        assert torch.equal(a, b)
 
 
 def test_convert_galore_torch_8bit_reads_its_options(monkeypatch: pytest.MonkeyPatch) -> None:

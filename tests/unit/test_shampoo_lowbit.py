@@ -76,7 +76,7 @@ def test_quantize_and_dequantize_by_formula(bits: int, n: int) -> None:
     assert int(got.min()) >= 0 and int(got.max()) <= 2 * H[bits]
     if bits == 4 and n % 2:
         assert int(codes[-1]) >> 4 == H[bits]  # the pad is the zero code
-    values = lowbit.dequantize(codes, absmax, bits, n)
+    values = lowbit.dequantize_lowbit(codes, absmax, bits, n)
     # The format's two fp32 roundings, (c - h) / h and the product with absmax:
     in_fp32 = (got.float() - H[bits]) / H[bits] * absmax.repeat_interleave(BLOCK[bits])[:n]
     assert torch.equal(values, in_fp32)
@@ -87,7 +87,7 @@ def test_quantize_and_dequantize_by_formula(bits: int, n: int) -> None:
 @pytest.mark.parametrize("bits", [4, 8])
 def test_identity_round_trips_and_rectification(bits: int) -> None:
     eye = torch.eye(17)
-    assert torch.equal(lowbit.dequantize(*lowbit.quantize(eye, bits), bits, 289).view(17, 17), eye)
+    assert torch.equal(lowbit.dequantize_lowbit(*lowbit.quantize(eye, bits), bits, 289).view(17, 17), eye)
     gen = torch.Generator().manual_seed(0)
     q, _ = torch.linalg.qr(torch.randn(40, 40, generator=gen, dtype=torch.float64))
     noisy = (q + 0.01 * torch.randn(40, 40, generator=gen, dtype=torch.float64)).float()

@@ -5,7 +5,7 @@ state (:mod:`.grafting`), the factors' statistics and refresh schedule (:mod:`.f
 the root-inverse Shampoo direction (:mod:`.root_inverse`) or SOAP's (:mod:`.soap`). It reads and
 updates each block's typed :class:`~dist_optim.shampoo.state.BlockState`; where the blocks came
 from and where their directions go is the optimizer's business
-(:mod:`dist_optim.shampoo.routing`).
+(:mod:`dist_optim.shampoo.owners`).
 
 The work goes in phases over the whole batch, each element-wise phase one call over lists (the
 fused Adam kernel, ``torch._foreach_*`` norms and scaling) and the matrix products block by
@@ -16,6 +16,7 @@ depend on how they are batched.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,16 +25,10 @@ import torch
 from ...kernels.matrix_functions import WarmCriterion
 from ..blocking import Block
 from ..options import start_step
-from ..state import (
-    BlockState,
-    Scratch,
-    keeps_moment_in_eigenbasis,
-    quantises_bases,
-    store_packed,
-    unpacked,
-)
+from ..state import BlockState, Scratch, keeps_moment_in_eigenbasis
 from . import quantized, root_inverse, soap, warm
 from .factors import refresh_scale, update_statistics
+from .forms import BlockForms
 from .grafting import Moments, graft_norms, scale_directions, update_moments_all, updates_in_kernel
 
 __all__ = ["Job", "block_directions"]
@@ -49,8 +44,9 @@ class Job:
 
     ``bs`` holds the moments the step updates: 8-bit ones (``optim_bits=8``) as their fp32
     values, read and stored quantised again by the caller
-    (:func:`~dist_optim.shampoo.state.step_state`); quantised eigenvectors
-    (``preconditioner_bits``) are refreshed and decoded by :func:`.quantized.refreshed`."""
+    (:func:`~dist_optim.shampoo.state.step_state`); packed and quantised preconditioner matrices
+    (``use_symmetric_packing``, ``preconditioner_bits``) are decoded whole for the math and stored
+    back after it by the block's forms (:mod:`.forms`)."""
 
     bs: BlockState
     block: Block
@@ -94,17 +90,17 @@ def block_directions(jobs: list[Job], group: dict[str, Any], t: int, scratch: Sc
     norm_ds = None
     if group["grafting_config"] is not None and shaped:  # ||D||, before the products overwrite out
         norm_ds = graft_norms([moments[i] for i in shaped], [outs[i] for i in shaped])  # type: ignore[misc]
-    packed = group["use_symmetric_packing"]
-    scales: list[float | None] = [None] * len(jobs)
-    criteria: list[list[WarmCriterion] | None] = [None] * len(jobs)
-    if not packed:  # packed factors are unpacked into scratch one block at a time, below
-        update_statistics([(j.bs, j.block, g) for j, g in zip(jobs, gs) if j.block.precondition], group, t)
-        scales = [refresh_scale(j.bs, j.block, group, t, start) if j.block.precondition else None for j in jobs]
-        criteria = _warm_criteria(jobs, scales, group, t == start)
+    forms = [BlockForms.of(j.block, group) for j in jobs]
+    # Factors updated in place have their statistics and refresh scales made for the whole batch;
+    # packed ones are unpacked into scratch one block at a time, in _preconditioner_step.
+    batched = [j.block.precondition and f.in_place for j, f in zip(jobs, forms)]
+    update_statistics([(j.bs, j.block, g) for j, g, b in zip(jobs, gs, batched) if b], group, t)
+    scales = [refresh_scale(j.bs, j.block, group, t, start) if b else None for j, b in zip(jobs, batched)]
+    criteria = _warm_criteria(jobs, forms, scales, group, t == start)
     for i, job in enumerate(jobs):
         bs = job.bs
         if job.block.precondition:
-            bs = _preconditioner_step(job, gs[i], group, t, start, scratch, scales[i], criteria[i])
+            bs = _preconditioner_step(job, forms[i], gs[i], group, t, start, scratch, scales[i], criteria[i])
         if is_soap:
             soap.direction(bs, moments[i], gs[i], group, t, outs[i], scratch)
         elif preconditioned[i]:
@@ -123,18 +119,16 @@ def block_directions(jobs: list[Job], group: dict[str, Any], t: int, scratch: Sc
 
 
 def _warm_criteria(
-    jobs: list[Job], scales: list[float | None], group: dict[str, Any], first: bool
+    jobs: list[Job], forms: list[BlockForms], scales: list[float | None], group: dict[str, Any], first: bool
 ) -> list[list[WarmCriterion] | None]:
     """On a warm refresh, the criteria of the blocks whose factors and bases are whole in state
-    (not quantised bases), with one host read for the batch (:mod:`.warm`); None for the others,
-    which read their own in their refresh."""
+    (in place, not coded), with one host read for the batch (:mod:`.warm`); None for the others, which
+    read their own in their refresh."""
     found: list[list[WarmCriterion] | None] = [None] * len(jobs)
     if not warm.takes(group, first):
         return found
     whole = [
-        (i, job.bs, s)
-        for i, (job, s) in enumerate(zip(jobs, scales))
-        if s is not None and not quantises_bases(job.block, group)
+        (i, job.bs, s) for i, (job, f, s) in enumerate(zip(jobs, forms, scales)) if s is not None and not f.eigenpairs
     ]
     for (i, _, _), c in zip(whole, warm.criteria([(bs, s) for _, bs, s in whole], group)):
         found[i] = c
@@ -143,6 +137,7 @@ def _warm_criteria(
 
 def _preconditioner_step(
     job: Job,
+    forms: BlockForms,
     g: torch.Tensor,
     group: dict[str, Any],
     t: int,
@@ -151,29 +146,30 @@ def _preconditioner_step(
     scale: float | None,
     criteria: list[WarmCriterion] | None,
 ) -> BlockState:
-    """A preconditioned block's factor statistics and refresh scale where they are packed (the
-    others' were made for the whole batch before: ``scale``, and on a warm refresh the
-    ``criteria``) and, on a refresh step, its roots or bases; returns the state its direction
-    reads (packed matrices unpacked into ``scratch``, quantised bases decoded, until the next
-    block's step reuses that scratch)."""
+    """A preconditioned block's factor statistics and refresh scale where its factors are not
+    updated in place (the others' were made for the whole batch before: ``scale``, and on a warm
+    refresh the ``criteria``) and, on a refresh step, its roots or bases; returns the state its
+    direction reads. The math runs on the whole matrices of one decode (``forms``: packed ones
+    unpacked and coded ones decoded into ``scratch``, until the next block's step reuses it),
+    stored back by one encode after it."""
     block, stored = job.block, job.bs
     is_soap = group["eigenvalue_correction"]
-    bs = stored
-    packed = group["use_symmetric_packing"]
-    if packed:  # the math on whole matrices (scratch), packed back below
-        # KL-Shampoo's statistics read the roots from the first step (the identity until the first refresh).
-        bs = unpacked(stored, block, scratch, roots=not is_soap and (t >= start or group["kl_statistics"]))
+    # KL-Shampoo's statistics read the roots from the first step (the identity until the first
+    # refresh); roots kept as eigenpairs are made from the bases from the start step on.
+    roots = not is_soap and (t >= start or group["kl_statistics"])
+    bs = forms.decode(stored, block, scratch, roots=roots, bases=is_soap or t >= start)
+    if not forms.in_place:
         update_statistics([(bs, block, g)], group, t)
         scale = refresh_scale(bs, block, group, t, start)
-    if quantises_bases(block, group):  # the refresh, and the whole bases / roots the step uses
-        bs = quantized.refreshed(stored, bs, block, group, t, start, scale, scratch)
-    elif scale is not None and is_soap:
-        soap.refresh_bases(bs, scale, group, first=(t == start), criteria=criteria)
-    elif scale is not None:
-        root_inverse.refresh_roots(bs, block.order, scale, group, t == start, criteria, scratch)
-    if packed:
-        if t % group["statistics_compute_steps"] == 0:
-            store_packed(stored.factors, bs.factors, block.order, factors=True)
-        if scale is not None and stored.roots:
-            store_packed(stored.roots, bs.roots, block.order, factors=False)
+    if scale is not None:
+        first = t == start
+        if is_soap:
+            soap.refresh_bases(bs, scale, group, first, forms.keeper(stored, bs), criteria)
+        elif forms.eigenpairs:
+            root_inverse.refresh_eigen(bs, block.order, scale, group, first, forms.keeper(stored, bs))
+        else:
+            root_inverse.refresh_roots(bs, block.order, scale, group, first, criteria, scratch)
+    forms.encode(stored, bs, block, factors=t % group["statistics_compute_steps"] == 0, roots=scale is not None)
+    if forms.eigenpairs and t >= start:
+        bs = dataclasses.replace(bs, roots=quantized.roots(bs, block, scratch))
     return bs

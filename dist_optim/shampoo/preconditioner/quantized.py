@@ -6,8 +6,9 @@ Memory-Efficient Network Training", NeurIPS; the format and its measured errors:
 Shampoo keeps, per factor ``L_k``, the eigenvectors ``Q_k`` of its damped, bias-corrected form
 ``A_k + epsilon I`` (``basis<k>``, quantised) and the root's eigenvalues ``s_k = lam'^-alpha``
 (``spectrum<k>``, ``preconditioner_dtype``). Each preconditioned step dequantises ``Q_k``,
-rectifies it by one Björck step ``Q <- Q (3 I - Q^T Q) / 2`` and applies ``R_k = Q_k diag(s_k)
-Q_k^T``, made in reused scratch memory, as the 32-bit step applies its stored root. The refresh is
+rectifies it by one Björck step ``Q <- Q (3 I - Q^T Q) / 2`` (both: :mod:`.forms`, the block's
+decode) and applies ``R_k = Q_k diag(s_k) Q_k^T`` (:func:`roots`), made in reused scratch memory, as
+the 32-bit step applies its stored root. The refresh is
 ``eigh`` (``root_inverse="eigh"``) or :func:`~dist_optim.kernels.matrix_functions.warm_eigh` from the
 decoded ``Q_k`` (``"warm"``: the quantised eigenvectors are its warm start, no fp32 copy is kept);
 the iterative root methods compute no eigenvectors and are refused with this option. SOAP keeps
@@ -30,61 +31,21 @@ quantises the same values in the same blocks as one device does, bit for bit.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
 
 from ..blocking import Block
-from ..options import WARM
-from ..state import BlockState, Scratch, decoded_bases, store_basis
-from . import root_inverse, soap
+from ..state import BlockState, Scratch
 
-__all__ = ["refreshed"]
+__all__ = ["roots"]
 
 
-def refreshed(
-    stored: BlockState,
-    bs: BlockState,
-    block: Block,
-    group: dict[str, Any],
-    t: int,
-    start: int,
-    scale: float | None,
-    scratch: Scratch,
-) -> BlockState:
-    """``bs`` (``stored``, its factors possibly unpacked) after the refresh of a refresh step
-    (``scale``: the factors' bias correction, None on other steps), with the whole matrices its
-    direction needs: SOAP's bases; Shampoo's roots from ``t == start`` on (none before: the step
-    uses its grafting direction). The codes and spectra are updated in ``stored``."""
-    bits, pdt = group["preconditioner_bits"], group["preconditioner_dtype"]
-    first = t == start
-    if group["eigenvalue_correction"]:
-        bs = dataclasses.replace(bs, bases=decoded_bases(stored, block, scratch, bits, pdt))
-        if scale is not None:
-            whole = bs.bases
-
-            def keep_basis(k: int, q: torch.Tensor, ok: torch.Tensor) -> None:
-                store_basis(stored, k, q, ok, bits, whole[k])
-
-            soap.refresh_bases(bs, scale, group, first, keep_basis)
-        return bs
-    if scale is not None:
-        warm = group["root_inverse"] == WARM and not first
-        starts = decoded_bases(stored, block, scratch, bits, pdt) if warm else []
-
-        def keep_pair(k: int, q: torch.Tensor | None, s: torch.Tensor, ok: torch.Tensor) -> None:
-            spectrum = stored.spectra[k]
-            torch.where(ok, s.to(spectrum.dtype), spectrum, out=spectrum)
-            if q is not None:
-                store_basis(stored, k, q, ok, bits)
-
-        root_inverse.refresh_eigen(dataclasses.replace(bs, bases=starts), block.order, scale, group, first, keep_pair)
-    if t < start:
-        return bs
-    roots = []
-    for k, (q, s) in enumerate(zip(decoded_bases(stored, block, scratch, bits, pdt), stored.spectra)):
+def roots(bs: BlockState, block: Block, scratch: Scratch) -> list[torch.Tensor]:
+    """The roots ``R_k = Q_k diag(s_k) Q_k^T`` of a block kept as eigenpairs, from its decoded
+    eigenvectors ``bs.bases`` (what is stored: :meth:`.forms.BlockForms.keeper`) and spectra, in
+    ``scratch`` (slots ``"scaled"``, ``"root<k>"``; reused by the next block)."""
+    out = []
+    for k, (q, s) in enumerate(zip(bs.bases, bs.spectra)):
         d = block.shape[k]
-        scaled = torch.mul(q, s, out=scratch.get((d, d), pdt, q.device, "scaled"))
-        roots.append(torch.mm(scaled, q.T, out=scratch.get((d, d), pdt, q.device, f"root{k}")))
-    return dataclasses.replace(bs, roots=roots)
+        scaled = torch.mul(q, s, out=scratch.get((d, d), q.dtype, q.device, "scaled"))
+        out.append(torch.mm(scaled, q.T, out=scratch.get((d, d), q.dtype, q.device, f"root{k}")))
+    return out

@@ -85,18 +85,19 @@ def refresh_eigen(
     scale: float,
     group: dict[str, Any],
     first: bool,
-    store: Callable[[int, torch.Tensor | None, torch.Tensor, torch.Tensor], None],
+    keep: Callable[[int, torch.Tensor, torch.Tensor], None],
 ) -> None:
     """:func:`refresh_roots` for quantised eigenvectors (``preconditioner_bits`` 8 or 4): the
     eigenpairs ``(lam, Q_k)`` of ``scale L_k + epsilon I`` by ``eigh``, or with
     ``root_inverse="warm"`` after the ``first`` refresh by :func:`~dist_optim.kernels.matrix_functions.warm_eigh`
     from the block's decoded eigenvectors ``bs.bases``, and the root's eigenvalues ``s_k = lam'^-alpha``
     (:func:`~dist_optim.kernels.matrix_functions.inverse_root_spectrum`, the root ``eigh`` makes being
-    ``Q_k diag(s_k) Q_k^T``), handed to ``store(k, Q_k, s_k, ok)`` (``Q_k`` None: the warm refresh
-    kept the eigenvectors, whose codes then stay as they are); a refresh that is not finite
-    (``ok`` false) or fails keeps the previous pair and counts in ``failures``. The warm criteria
-    of the block's factors are read at once (:mod:`.warm`: its bases are decoded into scratch one
-    block at a time, so not for the whole batch)."""
+    ``Q_k diag(s_k) Q_k^T``) into ``bs.spectra[k]`` and, through ``keep(k, Q_k, ok)`` (the block's
+    form: :meth:`.forms.BlockForms.keeper`), its eigenvectors, which are not kept again where the
+    warm refresh kept them (their codes do not drift by repeated quantisation); a refresh that is
+    not finite (``ok`` false) or fails keeps the previous pair and counts in ``failures``. The warm
+    criteria of the block's factors are read at once (:mod:`.warm`: its bases are decoded into
+    scratch one block at a time, so not for the whole batch)."""
     failures = bs.failures
     assert failures is not None
     root, mult = matrix_functions.exponent_for(order, group["exponent_override"], group["exponent_multiplier"])
@@ -113,7 +114,10 @@ def refresh_eigen(
             continue
         s = matrix_functions.inverse_root_spectrum(lam, epsilon, mult / root)
         ok = matrix_functions.all_finite(s) & matrix_functions.all_finite(q)
-        store(k, None if is_warm and q is bs.bases[k] else q, s, ok)
+        spectrum = bs.spectra[k]
+        torch.where(ok, s.to(spectrum.dtype), spectrum, out=spectrum)
+        if not (is_warm and q is bs.bases[k]):
+            keep(k, q, ok)
         failures.add_((~ok).to(failures.dtype))
 
 

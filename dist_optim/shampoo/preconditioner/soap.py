@@ -22,7 +22,7 @@ def refresh_bases(
     scale: float,
     group: dict[str, Any],
     first: bool,
-    store: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    keep: Callable[[int, torch.Tensor, torch.Tensor], None],
     criteria: list[matrix_functions.WarmCriterion] | None = None,
 ) -> None:
     """``Q_k`` from ``A = scale L_k`` by ``eigenbasis`` (``first``: the refresh at the start step,
@@ -32,10 +32,11 @@ def refresh_bases(
     moment kept in the eigenbasis is rotated into the new one, ``Mr <- Mr x_k (Q_k'^T Q_k)``, so
     that it stays ``M x_k Q_k'^T``: the parameter-basis moment, exactly in exact arithmetic.
 
-    ``store(k, new, ok)``, given for quantised bases (``preconditioner_bits``), keeps a new basis
-    where ``ok`` and sets ``bs.bases[k]`` to what is kept, decoded (the rotation of the first
-    moment then uses the bases the steps use); a basis kept as it is (``"warm"`` within its
-    tolerance) is not stored again, so that its codes do not drift by repeated quantisation.
+    ``keep(k, new, ok)`` (the block's form: :meth:`.forms.BlockForms.keeper`) keeps a new basis
+    where ``ok`` and leaves in ``bs.bases[k]`` what is kept (quantised bases: decoded again, so that
+    the rotation of the first moment uses the bases the steps use); a basis kept as it is
+    (``"warm"`` within its tolerance) is not kept again, so that codes do not drift by repeated
+    quantisation.
 
     ``"warm"``'s criteria are the caller's (``criteria``, one per factor, read for a batch of
     blocks at once: :mod:`.warm`) or read here for the block's factors at once."""
@@ -60,10 +61,8 @@ def refresh_bases(
                 q_new, perm, ok = matrix_functions.qr_power_step(factor * scale, q)
         except torch.linalg.LinAlgError:
             q_new, perm, ok = q, None, torch.zeros((), dtype=torch.bool)
-        if store is None:
-            q.copy_(torch.where(ok, q_new.to(q.dtype), q))
-        elif q_new is not q:
-            store(k, q_new, ok)
+        if q_new is not q:
+            keep(k, q_new, ok)
         if perm is not None:
             s.copy_(torch.where(ok, s.index_select(k, perm), s))
         failures.add_((~ok).to(failures.dtype))

@@ -1,6 +1,6 @@
 """Who owns each Kron parameter: Kron's tasks for the owner runtime (:mod:`dist_optim.sharding.runtime`).
 
-* :func:`plan_param_owners`: one owner per parameter (one box: the whole tensor, in :func:`route_view`)
+* :func:`plan_param_owners`: one owner per parameter (one box: the whole tensor, in :func:`task_view`)
   in its work group, balancing :func:`~dist_optim.kron.structure.precond_cost`
   (:meth:`dist_optim.sharding.runtime.OwnerRuntime.plan`);
 * :class:`KronParam`: a parameter's record in a step, whose :meth:`KronParam.fit_inputs` are the tensors
@@ -20,7 +20,7 @@ from ..layout import Box, ParamLayout
 from ..sharding.owners import Task
 from ..sharding.runtime import OwnerRuntime
 
-__all__ = ["KronParam", "route_view", "plan_param_owners"]
+__all__ = ["KronParam", "task_view", "plan_param_owners"]
 
 
 @dataclass(eq=False)
@@ -42,8 +42,9 @@ class KronParam:
         return [self.m] if self.group["momentum_into_precond_update"] else [self.m, self.g]
 
 
-def route_view(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape a parameter is routed in: its full shape (a scalar as one element)."""
+def task_view(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a parameter's owner task views it in (the runtime routes or gathers it in that
+    shape): its full shape, a scalar as one element."""
     return tuple(shape) or (1,)
 
 
@@ -55,6 +56,6 @@ def plan_param_owners(
     owners: OwnerRuntime, params: Sequence[torch.Tensor], layouts: Sequence[ParamLayout], costs: Sequence[float]
 ) -> dict[torch.Tensor, Task]:
     """Every parameter's owner task in its work group, by cost, planned by ``owners``. Pure."""
-    views = [route_view(layout.full_shape) for layout in layouts]
+    views = [task_view(layout.full_shape) for layout in layouts]
     specs = [(layout, view, [_whole_box(view)], [cost]) for layout, view, cost in zip(layouts, views, costs)]
     return dict(zip(params, owners.plan(params, specs)))
