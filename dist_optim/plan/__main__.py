@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "ranked by bytes sent per step among those that fit --gpu-memory",
     )
     ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes a --sweep plans its layouts in (default: every CPU this process may use)",
+    )
+    ap.add_argument(
         "--compare-optimizers",
         action="store_true",
         help="every optimizer x a few fixed layouts of the --tp x --dp GPUs, as a table (state, transient, traffic)",
@@ -156,7 +162,7 @@ def run(argv: list[str] | None = None) -> str:
             )
         plans = sweep(
             a.model, a.tp * a.pp * a.dp, a.optimizer, args, work, gpu, a.precision, a.steps, a.device,
-            a.memory_margin, log,
+            a.memory_margin, log, a.jobs,
         )  # fmt: skip
         if a.json:
             return json.dumps([p.to_json() for p in plans], indent=1)
