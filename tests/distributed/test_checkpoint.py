@@ -140,6 +140,22 @@ def test_files_do_not_depend_on_layout(name, saved, loaded, pool4, tmp_path) -> 
                 assert value == b["state"][pname][key], (pname, key)
 
 
+def _resume_and_resave(pool4: Any, layout: tuple, opt: tuple, path: str) -> tuple[dict, dict]:
+    """BEFORE steps + save + load + AFTER steps under ``layout`` equal to the uninterrupted run, bit for
+    bit on every rank; then the saved state loaded with ZeRO-1 on 4 ranks and saved again. Returns the
+    two files' contents (saved, re-saved)."""
+    pool4.run(ckpt.train_and_save, *layout, *opt, BEFORE, path, True)
+    resumed = pool4.run(ckpt.load_and_train, *layout, *opt, BEFORE, AFTER, path, True, with_state=True)
+    straight = pool4.run(ckpt.uninterrupted, *layout, *opt, BEFORE + AFTER, with_state=True)
+    for rank, (got, expected) in enumerate(zip(resumed, straight)):
+        assert got["weights"] and got["state"] and got["working"], f"rank {rank} compared nothing"
+        bad = differences(got, expected)
+        assert not bad, f"rank {rank}: not identical after resume: {bad[:10]}"
+    resave = os.path.join(path, "resaved.pt")
+    pool4.run(ckpt.load_and_train, *LLZ_BF16, *opt, BEFORE, 0, path, True, resave)
+    return read_checkpoint(os.path.join(path, "optim")), read_checkpoint(resave)
+
+
 @pytest.mark.parametrize("name", ["lamb", "shampoo"])
 def test_gemini_exact_resume_and_reshard(name, pool4, tmp_path) -> None:
     """Under Gemini, as test_exact_resume_same_layout (sharded files): BEFORE steps + save + load +
@@ -147,18 +163,7 @@ def test_gemini_exact_resume_and_reshard(name, pool4, tmp_path) -> None:
     working weights, full state and optimizer-level state; and the state Gemini saved, loaded with
     ZeRO-1 on 4 ranks and saved again, is the same file content. Not a column of the README's table
     (two rows, not all): Gemini's column there is its booster parity."""
-    opt = OPTIMIZERS[name]
-    path = str(tmp_path)
-    pool4.run(ckpt.train_and_save, *GEMINI, *opt, BEFORE, path, True)
-    resumed = pool4.run(ckpt.load_and_train, *GEMINI, *opt, BEFORE, AFTER, path, True, with_state=True)
-    straight = pool4.run(ckpt.uninterrupted, *GEMINI, *opt, BEFORE + AFTER, with_state=True)
-    for rank, (got, expected) in enumerate(zip(resumed, straight)):
-        assert got["weights"] and got["state"] and got["working"], f"rank {rank} compared nothing"
-        bad = differences(got, expected)
-        assert not bad, f"rank {rank}: not identical after resume: {bad[:10]}"
-    resave = os.path.join(path, "resaved.pt")
-    pool4.run(ckpt.load_and_train, *LLZ_BF16, *opt, BEFORE, 0, path, True, resave)
-    a, b = read_checkpoint(os.path.join(path, "optim")), read_checkpoint(resave)
+    a, b = _resume_and_resave(pool4, GEMINI, OPTIMIZERS[name], str(tmp_path))
     assert set(a["state"]) == set(b["state"]) and a["state"] and a["masters"]
     for pname, state in a["state"].items():
         for key, value in state.items():
@@ -216,18 +221,7 @@ def test_compact_states_resume_exactly_and_files_do_not_depend_on_layout(name, p
     uninterrupted steps bit for bit at tp=2 x ZeRO-2 (bf16, sharded files: packed triangles and
     8-bit codes gathered from their owners and holders, absmax included); and the state saved
     there, loaded with ZeRO-1 on 4 ranks and saved again, is the same file content."""
-    opt = COMPACT[name]
-    path = str(tmp_path)
-    pool4.run(ckpt.train_and_save, *HP_TP2_ZERO2, *opt, BEFORE, path, True)
-    resumed = pool4.run(ckpt.load_and_train, *HP_TP2_ZERO2, *opt, BEFORE, AFTER, path, True, with_state=True)
-    straight = pool4.run(ckpt.uninterrupted, *HP_TP2_ZERO2, *opt, BEFORE + AFTER, with_state=True)
-    for rank, (got, expected) in enumerate(zip(resumed, straight)):
-        assert got["weights"] and got["state"], f"rank {rank} compared nothing"
-        bad = differences(got, expected)
-        assert not bad, f"rank {rank}: not identical after resume: {bad[:10]}"
-    resave = os.path.join(path, "resaved.pt")
-    pool4.run(ckpt.load_and_train, *LLZ_BF16, *opt, BEFORE, 0, path, True, resave)
-    a, b = read_checkpoint(os.path.join(path, "optim")), read_checkpoint(resave)
+    a, b = _resume_and_resave(pool4, HP_TP2_ZERO2, COMPACT[name], str(tmp_path))
     kinds = {
         value.dtype for state in a["state"].values() for value in state.values() if isinstance(value, torch.Tensor)
     }

@@ -31,6 +31,7 @@ from dist_optim.plan.activations import Workload, activations_of_rank
 from tests.helpers import malloc
 from tests.helpers.allocated import AllocatedBytes
 from tests.helpers.booster import balance_router
+from tests.helpers.check import without_seconds
 from tests.helpers.collectives import Collectives, counting_collectives
 
 pytestmark = pytest.mark.skipif(not malloc.available(), reason="needs glibc's mallinfo2 to measure the allocator")
@@ -409,13 +410,6 @@ def test_interleaved_schedule_matches_the_run(pool2: Any) -> None:
         )
 
 
-def _without_seconds(value: Any) -> Any:
-    """A plan's JSON without the time its parts took to plan."""
-    if isinstance(value, dict):
-        return {k: _without_seconds(v) for k, v in value.items() if k != "seconds"}
-    return [_without_seconds(v) for v in value] if isinstance(value, list) else value
-
-
 def test_sweep_ranks_the_layouts_that_fit_by_bytes_sent(capsys: pytest.CaptureFixture[str]) -> None:
     """--sweep over 4 ranks of the GQA Llama (2 key/value heads, 2 layers, 2 micro-batches): every
     layout ColossalAI accepts and only those, and FSDP over the 4, twice (checkpointing off and on); each sweep plan is
@@ -431,7 +425,7 @@ def test_sweep_ranks_the_layouts_that_fit_by_bytes_sent(capsys: pytest.CaptureFi
     plans = sweep(config, 4, "adamw", {}, work, gpu_memory=10**12, precision="bf16", steps=2, device="cpu", jobs=1)
     # planned in 2 spawned processes, (tp, pp) groups apart: the same plans in the same order
     apart = sweep(config, 4, "adamw", {}, work, gpu_memory=10**12, precision="bf16", steps=2, device="cpu", jobs=2)
-    assert [_without_seconds(p.to_json()) for p in apart] == [_without_seconds(p.to_json()) for p in plans]
+    assert [without_seconds(p.to_json()) for p in apart] == [without_seconds(p.to_json()) for p in plans]
     seen = {(p.layout.plugin, p.layout.tp, p.layout.pp, p.layout.dp, p.layout.zero,
              bool(p.workload and p.workload.grad_checkpoint)) for p in plans}  # fmt: skip
     layouts = {(1, 1, 4, z) for z in (0, 1, 2)} | {(1, 2, 2, z) for z in (0, 1)} | {(2, 1, 2, z) for z in (0, 1, 2)}

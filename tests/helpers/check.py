@@ -107,3 +107,10 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
             return [f"{path}: length differs"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def without_seconds(value: Any) -> Any:
+    """A planner JSON (dict, list) without the ``seconds`` its parts took: what must repeat."""
+    if isinstance(value, dict):
+        return {k: without_seconds(v) for k, v in value.items() if k != "seconds"}
+    return [without_seconds(v) for v in value] if isinstance(value, list) else value

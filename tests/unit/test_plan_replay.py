@@ -14,6 +14,7 @@ import torch
 from dist_optim.kernels import replay
 from dist_optim.plan import Layout, make_plan, simulate
 from dist_optim.plan import replay as plan_replay
+from tests.helpers.check import without_seconds
 
 #: Matrices above structured.MIN_SIZE (256), so that the blocked triangular products recurse.
 CONFIG = {
@@ -30,15 +31,7 @@ CONFIG = {
 
 def _answers(plan: Any) -> Any:
     """The plan's figures, without the times it took."""
-
-    def strip(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k != "seconds"}
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        return x
-
-    return strip(plan.to_json())
+    return without_seconds(plan.to_json())
 
 
 class _Counting(plan_replay.Replays):

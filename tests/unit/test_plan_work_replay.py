@@ -18,6 +18,7 @@ from dist_optim.kernels import replay
 from dist_optim.plan import Layout, make_plan, simulate, traffic
 from dist_optim.plan import replay as plan_replay
 from dist_optim.shampoo import AdamGraftingConfig
+from tests.helpers.check import without_seconds
 
 #: Matrices above structured.MIN_SIZE (256); four layers of the same shapes, so that with a small
 #: bucket the owner batches of one layer repeat in the next.
@@ -55,15 +56,7 @@ CASES = {
 
 def _answers(plan: Any) -> Any:
     """The plan's figures, without the times it took."""
-
-    def strip(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k != "seconds"}
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        return x
-
-    return strip(plan.to_json())
+    return without_seconds(plan.to_json())
 
 
 class _Counting(plan_replay.Replays):
