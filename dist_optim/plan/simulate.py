@@ -30,8 +30,7 @@ from dist_optim.sharding.placement import recording_owner_loads
 
 from .models import MODELS, PlanError, load_config, vocab_multiple
 from .replay import Replays
-from .torch_internals import DEVICES, check_torch, meta_generators
-from .torch_internals import as_device as _device_kernels
+from .torch_internals import DEVICES, check_torch, meta_generators, meta_strides_as
 from .traffic import LiveBytes, StepTraffic, Traffic, traffic_of
 from .world import Layout, SimWorld, install_cpu_shims, meta_device_mesh
 
@@ -485,12 +484,12 @@ def ideal_share(layout: Layout) -> int:
 @contextlib.contextmanager
 def as_device(device: str) -> Iterator[None]:
     """Simulate as on ``device`` (one of :data:`DEVICES`) inside the block
-    (:func:`dist_optim.plan.torch_internals.as_device`), after checking this torch and the name."""
+    (:func:`dist_optim.plan.torch_internals.meta_strides_as`), after checking this torch and the name."""
     if device not in DEVICES:
         raise PlanError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
     try:
         check_torch()
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    with _device_kernels(device):
+    with meta_strides_as(device):
         yield

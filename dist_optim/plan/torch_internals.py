@@ -23,13 +23,13 @@ __all__ = [
     "meta_autocast",
     "meta_collectives",
     "c10d_group_size",
-    "as_device",
+    "meta_strides_as",
 ]
 
 #: torch releases (major, minor) whose internals below were read and tested: the pinned stack, and the
 #: releases the scratch comparisons ran on.
 CHECKED_TORCH = ((2, 5), (2, 9), (2, 13))
-#: Device types a simulation can stand for (:func:`as_device`).
+#: Device types a simulation can stand for (:func:`meta_strides_as`).
 DEVICES = ("cuda", "cpu")
 
 
@@ -149,7 +149,7 @@ def meta_collectives(record: Callable[[str, tuple[Any, ...], int], None] | None 
 
 
 @contextlib.contextmanager
-def as_device(device: str) -> Iterator[None]:
+def meta_strides_as(device: str) -> Iterator[None]:
     """Meta kernels whose output layout depends on the device shape their outputs as on ``device``
     inside the block: ``linalg.svd``'s ``Vh`` is row-major from cuSOLVER, column-major from LAPACK
     (torch's meta kernel asks ``device_hint``, which says "cuda" for a meta tensor). That stride

@@ -382,7 +382,7 @@ def test_the_stored_form_on_meta_tensors() -> None:
 @pytest.mark.parametrize(
     ("value", "match"),
     [
-        (4, "preconditioner_bits=4 is not supported .* measured 3.6% above .*; use preconditioner_bits=8"),
+        (4, "preconditioner_bits=4 is not supported .* ends beyond the 2% .*; use preconditioner_bits=8"),
         (16, "preconditioner_bits must be 32 or 8, got 16"),
         (True, "preconditioner_bits must be 32 or 8, got True"),
         ("8", "preconditioner_bits must be 32 or 8, got '8'"),

@@ -112,8 +112,8 @@ def update_moments(
     With Adam grafting both moments and the direction come from torch's fused Adam kernel in one
     pass when ``fused`` (``out`` as a zero "parameter" and ``lr = -1``: it then holds
     ``Mhat / (sqrt(V / (1 - gb2^t)) + eps_g)``), or, with ``apply_to`` (the parameter block) the
-    whole update ``W <- W - lr (D + weight_decay W)``; on the CPU that is ~4x faster than separate
-    operations, which make block-sized temporaries. The kernel computes the first moment as
+    whole update ``W <- W - lr (D + weight_decay W)``: separate operations would make block-sized
+    temporaries (``bench/bench_step.py --only shampoo`` times the step). The kernel computes the first moment as
     ``lerp`` where the formula reads ``b1 M + (1 - b1) G`` (the same value, rounded once). SOAP
     passes ``fused=False`` and gets the formula's own rounding: its update depends on the basis
     chosen inside degenerate eigenspaces of the factors (early, low-rank ones), i.e. on their last
