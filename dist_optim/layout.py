@@ -35,6 +35,7 @@ __all__ = [
     "local_layout",
     "whole_layout",
     "range_boxes",
+    "shard_bounds",
     "register_tp_reader",
     "read_tp_dim",
 ]
@@ -372,6 +373,13 @@ def range_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[Box]:
     if stop % inner:
         boxes += [((last, last + 1), *box) for box in range_boxes(0, stop % inner, shape[1:])]
     return boxes
+
+
+def shard_bounds(start: int, numel: int, width: int, size: int) -> tuple[int, ...]:
+    """The :attr:`ZeroShard.bounds` of a tensor laid at ``[start, start + numel)`` of a flat buffer
+    cut into ``size`` shards of ``width`` elements, rank ``r`` holding ``[r * width, (r + 1) * width)``:
+    FSDP's flat parameters and Gemini's chunks are both laid out this way."""
+    return tuple(min(max(r * width - start, 0), numel) for r in range(size + 1))
 
 
 def local_layout(tensor: torch.Tensor) -> ParamLayout:

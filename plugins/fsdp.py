@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from dist_optim.layout import ParamLayout, ZeroShard, whole_layout
+from dist_optim.layout import ParamLayout, ZeroShard, shard_bounds, whole_layout
 
 __all__ = [
     "FSDPBinding",
@@ -169,7 +169,7 @@ def flat_param_bounds(
             total += world - total % world
         width = -(-total // world)
         for name, start, numel in starts:
-            out[name] = tuple(min(max(r * width - start, 0), numel) for r in range(world + 1))
+            out[name] = shard_bounds(start, numel, width, world)
     return out
 
 

@@ -33,7 +33,7 @@ from colossalai.zero.gemini.gemini_ddp import GeminiDDP
 from colossalai.zero.gemini.gemini_optimizer import GeminiOptimizer
 
 from dist_optim.base import DistOptimizer
-from dist_optim.layout import ParamLayout, ZeroShard
+from dist_optim.layout import ParamLayout, ZeroShard, shard_bounds
 
 __all__ = [
     "GeminiDistOptimizer",
@@ -55,9 +55,7 @@ def chunk_layout(chunk: Chunk, param: torch.Tensor) -> ParamLayout:
     shape = tuple(int(s) for s in param.shape)
     if chunk.keep_gathered:
         return ParamLayout(shape)
-    numel, width = info.end - info.offset, chunk.shard_size
-    # Rank r's shard of the chunk is [r * width, (r + 1) * width); the parameter sits at [offset, end).
-    bounds = tuple(min(max(r * width - info.offset, 0), numel) for r in range(chunk.pg_size + 1))
+    bounds = shard_bounds(info.offset, info.end - info.offset, chunk.shard_size, chunk.pg_size)
     return ParamLayout(shape, None, ZeroShard(chunk.pg_size, chunk.pg_rank, 0, chunk.torch_pg, bounds))
 
 
