@@ -212,9 +212,10 @@ class CatalogueEntry:
             few simulated steps (a refresh costs the same whatever its period).
         transient: what bounds its step's transient memory, for the plan's reader.
         demo: its row in ``make demo``'s comparison, if it has one.
-        planned: whether the planner lists it (False for a variant it plans through its base's
-            options, SOAP as ``shampoo`` with ``eigenvalue_correction``: each planner name is a
-            sweep column and a real-run check).
+        planned: whether it is a column of the planner's comparisons and of its real-run checks
+            on every layout (False for a variant of another entry's class, SOAP of Shampoo's: the
+            planner takes its name and builds it with ``plan_options``, and one layout's real run
+            checks it).
     """
 
     name: str

@@ -22,6 +22,7 @@ from typing import Any, cast
 from .activations import ALLOCATOR_MARGIN, Activations, Workload, activations_of_rank
 from .models import MODELS, PlanError, check_model_layout, load_config
 from .simulate import (
+    COLUMNS,
     OPTIMIZERS,
     Layout,
     RankResult,
@@ -44,6 +45,7 @@ __all__ = [
     "MODELS",
     "check_model_layout",
     "OPTIMIZERS",
+    "COLUMNS",
     "held_parameters",
     "NOT_SIMULATED",
     "SWEEP_LAYOUTS",

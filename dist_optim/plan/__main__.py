@@ -9,6 +9,7 @@ import sys
 
 from . import (
     ALLOCATOR_MARGIN,
+    COLUMNS,
     MODELS,
     OPTIMIZERS,
     SWEEP_LAYOUTS,
@@ -181,7 +182,7 @@ def run(argv: list[str] | None = None) -> str:
                 continue
             layout = Layout(plugin, tp=tp, zero=zero, dp=world // tp, precision=precision)
             acts = stage_activations(config, layout, work, a.device) if work is not None else None
-            for name in OPTIMIZERS:
+            for name in COLUMNS:
                 plans.append(
                     make_plan(
                         a.model,

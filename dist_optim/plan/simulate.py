@@ -38,6 +38,7 @@ __all__ = [
     "Layout",
     "MODELS",
     "OPTIMIZERS",
+    "COLUMNS",
     "load_config",
     "Piece",
     "SimWorld",
@@ -234,12 +235,16 @@ def _piece(
     return Piece(name, working, master, ParamLayout(tuple(full), tp, zero))
 
 
-#: The planner's optimizers by ``--optimizer`` name: torch's AdamW (the baseline) and the
-#: catalogue's (:func:`dist_optim.registry.catalogue`).
+#: The planner's optimizers by ``--optimizer`` name: torch's AdamW (the baseline) and every entry of
+#: the catalogue (:func:`dist_optim.registry.catalogue`); a variant such as ``soap`` is its base class
+#: with its entry's ``plan_options``.
 OPTIMIZERS: dict[str, CatalogueEntry] = {
     "adamw": CatalogueEntry("adamw", torch.optim.AdamW, transient="foreach=False (torch's per-parameter loop)"),
-    **{name: entry for name, entry in catalogue().items() if entry.planned},
+    **catalogue(),
 }
+#: The names a comparison or a sweep plans side by side (:attr:`~dist_optim.registry.CatalogueEntry.planned`):
+#: a variant's plan is its base's with a few options changed, not a column of its own.
+COLUMNS: tuple[str, ...] = tuple(name for name, entry in OPTIMIZERS.items() if entry.planned)
 
 
 def build_optimizer(

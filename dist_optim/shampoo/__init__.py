@@ -233,6 +233,7 @@ register_entry(
             precondition_frequency=10,
             start_preconditioning_step=10,
         ),
+        plan_options=dict(eigenvalue_correction=True, eigenbasis="qr-eigh-start"),
         refresh=_REFRESH,
         transient=_TRANSIENT,
         demo=Demo("SOAP (pf=10)", 3e-2),

@@ -18,7 +18,7 @@ import torch
 
 import dist_optim
 from dist_optim.plan import Layout, PlanError, Workload, make_plan, parse_bytes
-from dist_optim.plan.simulate import OPTIMIZERS, SimWorld, build_optimizer, build_pieces
+from dist_optim.plan.simulate import COLUMNS, OPTIMIZERS, SimWorld, build_optimizer, build_pieces
 from dist_optim.plan.traffic import LiveBytes
 from dist_optim.testing import tiny_llama
 from tests.helpers.allocated import AllocatedBytes, held_bytes
@@ -92,7 +92,7 @@ OFFLOAD_OPTIMIZERS = ("lamb", "galore", "shampoo", "muon", "kron")
 CASES = [
     pytest.param(name, layout_id, LAYOUTS[layout_id], id=f"{name}-{layout_id}")
     for layout_id in LAYOUTS
-    for name in OPTIMIZERS
+    for name in COLUMNS
 ] + [pytest.param(name, "moe-ep2-zero1", MOE_LAYOUT, id=f"{name}-moe-ep2-zero1") for name in MOE_OPTIMIZERS]
 CASES += [
     pytest.param(name, "zero2-x4-offload", OFFLOAD_LAYOUT, id=f"{name}-zero2-x4-offload") for name in OFFLOAD_OPTIMIZERS
@@ -109,7 +109,14 @@ def _decoder_layers() -> Any:
 #: FSDP's full shard over 4 ranks, a unit per decoder layer as the recipe wraps: every parameter a
 #: flat range of its unit, empty on most ranks; the planner derives the ranges by FSDP's rule.
 FSDP_LAYOUT = ("TorchFSDPPlugin", dict(auto_wrap_policy=_decoder_layers()), 4, Layout("fsdp", dp=4, precision="fp32"))
-CASES += [pytest.param(name, "fsdp-x4", FSDP_LAYOUT, id=f"{name}-fsdp-x4") for name in OPTIMIZERS]
+CASES += [pytest.param(name, "fsdp-x4", FSDP_LAYOUT, id=f"{name}-fsdp-x4") for name in COLUMNS]
+#: The catalogue's variants (its entries that are not columns), each checked on one layout: Shampoo's
+#: code with a few options changed (SOAP: Adam's moments in the eigenbasis, rotated at a refresh).
+CASES += [
+    pytest.param(name, "tp2-dp2-zero1", LAYOUTS["tp2-dp2-zero1"], id=f"{name}-tp2-dp2-zero1")
+    for name in OPTIMIZERS
+    if name not in COLUMNS
+]
 
 
 #: Optimizer options for the tiny model (GaLore's default rank 128 exceeds its 64-wide matrices;
@@ -123,12 +130,13 @@ ARGS: dict[str, dict[str, Any]] = {
     "galore": {"galore": {"rank": 8}, "bucket_bytes": 16384},
     "lamb": {"foreach": True, "bucket_bytes": 2**14},
     "shampoo": BUDGET,
+    "soap": BUDGET,
     "muon": BUDGET,
     "normuon": BUDGET,
     "kron": BUDGET,
 }
 #: The optimizers whose every step must show several buckets (more exchanges than one bucket has).
-BUCKETED = {"shampoo", "muon", "normuon", "kron"}
+BUCKETED = {"shampoo", "soap", "muon", "normuon", "kron"}
 
 #: The planner's name for each torch.distributed collective (it names what dist_optim.comm does);
 #: a collective missing here keeps its torch name, which no planned kind has: the comparison fails.

@@ -34,14 +34,15 @@ def test_every_exported_optimizer_has_a_catalogue_entry() -> None:
 def test_the_lists_of_optimizers_derive_from_the_catalogue() -> None:
     """The recipe's short names, make demo's comparison and the planner's optimizers are the
     catalogue's, with the options, rates and texts its entries give."""
-    from dist_optim.plan import OPTIMIZERS, TRANSIENT_OPTIONS
+    from dist_optim.plan import COLUMNS, OPTIMIZERS, TRANSIENT_OPTIONS
     from recipes import building, compare_optimizers
 
     assert building.OURS == {n: (e.target, dict(e.recommended)) for n, e in CATALOGUE.items()}
     demo = {(e.demo.label, e.demo.source or n, e.demo.lr) for n, e in CATALOGUE.items() if e.demo is not None}
     assert demo == set(compare_optimizers.DEFAULT[1:]) and len(compare_optimizers.DEFAULT) == len(demo) + 1
     planned = {n for n, e in CATALOGUE.items() if e.planned}
-    assert set(OPTIMIZERS) == planned | {"adamw"} and all(OPTIMIZERS[n] is CATALOGUE[n] for n in planned)
+    assert set(OPTIMIZERS) == set(CATALOGUE) | {"adamw"} and all(OPTIMIZERS[n] is e for n, e in CATALOGUE.items())
+    assert COLUMNS == tuple(n for n in OPTIMIZERS if n == "adamw" or n in planned)
     assert TRANSIENT_OPTIONS == {n: e.transient for n, e in OPTIMIZERS.items()} and all(TRANSIENT_OPTIONS.values())
 
 

@@ -67,9 +67,15 @@ def refresh_bases(
             s.copy_(torch.where(ok, s.index_select(k, perm), s))
         failures.add_((~ok).to(failures.dtype))
     m = bs.exp_avg_eigen
-    if m is not None and any(not torch.equal(old, q) for old, q in zip(previous, bs.bases)):
+    if m is not None and any(_changed(old, q) for old, q in zip(previous, bs.bases)):
         back = apply_each_dim(m.to(s.dtype), previous, transpose=True)
         m.copy_(apply_each_dim(back, bs.bases, transpose=False))
+
+
+def _changed(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether a refresh replaced a basis. Meta tensors (the planner's simulation) hold no values:
+    counted as replaced, so that a plan includes the moment's rotation."""
+    return old.is_meta or not torch.equal(old, new)
 
 
 def _warm_basis(eig: matrix_functions.WarmEigh) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
