@@ -15,7 +15,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from typing import Any, cast
 
@@ -30,6 +30,7 @@ from .simulate import (
     ideal_share,
     simulate_rank,
     single_device_state,
+    stage_twin_key,
 )
 
 __all__ = [
@@ -401,10 +402,19 @@ def make_plan(
         busiest = layout.stage_ranks(0)[busiest] if busiest < layout.stage_size else 0
     firsts = [layout.stage_ranks(s)[0] for s in range(layout.pp)]
     wanted = list(range(layout.world)) if layout.world <= all_ranks_up_to else [busiest, *firsts]
+    twins: dict[Any, RankResult] = {}
     for r in wanted:
-        if r not in results:
-            say(f"simulating rank {r}")
-            results[r] = simulate_rank(config, layout, optimizer, args, r, steps, device)
+        if r in results:
+            continue
+        key = stage_twin_key(config, layout, r) if r != 0 else None
+        if key is not None and key in twins:  # a rank of an earlier stage that holds alike
+            say(f"rank {r}: as rank {twins[key].rank} (its stage holds alike)")
+            results[r] = replace(twins[key], rank=r, seconds=0.0)
+            continue
+        say(f"simulating rank {r}")
+        results[r] = simulate_rank(config, layout, optimizer, args, r, steps, device)
+        if key is not None:
+            twins[key] = results[r]
     ranks = [_rank_plan(results[r], layout) for r in sorted(results)]
     if activations:
         top = max(ranks, key=lambda r: (rank_total(r, activations[layout.stage_of(r.rank)]), -r.rank))

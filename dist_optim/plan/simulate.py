@@ -14,6 +14,7 @@ padding and chunking (LowLevelZero's rule, ``-numel mod zero size``, checked by
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -39,6 +40,7 @@ __all__ = [
     "MODELS",
     "OPTIMIZERS",
     "COLUMNS",
+    "stage_twin_key",
     "load_config",
     "Piece",
     "SimWorld",
@@ -362,6 +364,31 @@ def simulate_rank(
         rank, pieces, total, bind, results, owner_loads, meta_items, time.perf_counter() - t0,
         kept_bytes=max(0, sum(s.kept for s in results) - total),
     )  # fmt: skip
+
+
+#: A layer's index in a parameter's name (``model.layers.12.mlp...``).
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def stage_twin_key(config: Any, layout: Layout, rank: int) -> tuple[Any, ...] | None:
+    """What a simulation of ``rank`` depends on besides the layout: its place in its stage's grid
+    and what its stage holds (each piece's shape, TP dimension and name, the layer index counted
+    from the stage's first layer). Ranks of different stages with equal keys step the same
+    optimizer code on the same shapes over groups of the same sizes, so their simulations are
+    equal and a plan runs one: the stages between the first and the last hold alike (a 70B plan at
+    pp=8 simulates 3 stages instead of 8; ``tests/unit/test_plan_twins.py`` compares plans with and
+    without). None without pipeline stages, or where pieces are not ShardFormer's."""
+    if layout.pp == 1 or layout.plugin != "hybrid":
+        return None
+    d, _, t, q = layout.coordinates(rank)
+    with SimWorld(layout, rank) as world:
+        held = _sharded_params(config, layout, world)
+    first = min((int(m.group(1)) for n, *_ in held if (m := _LAYER_INDEX.search(n))), default=0)
+
+    def relative(name: str) -> str:
+        return _LAYER_INDEX.sub(lambda m: f".{int(m.group(1)) - first}.", name, count=1)
+
+    return (d, t, q, tuple((relative(n), shape, tp_dim, expert) for n, shape, tp_dim, expert in held))
 
 
 class PlannedLogits:

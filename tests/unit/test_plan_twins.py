@@ -1,0 +1,78 @@
+"""The planner's twin stages (:func:`dist_optim.plan.simulate.stage_twin_key`): a rank of a pipeline
+stage that holds what an earlier stage holds, at the same place in its stage's grid, is answered
+with that stage's simulation. A plan made so equals, figure for figure, the plan that simulates
+every rank, and simulates fewer ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dist_optim import plan as planner
+from dist_optim.plan import Layout, make_plan, simulate
+from tests.helpers.check import without_seconds
+
+#: Eight layers over four stages: the two middle stages hold two layers each, the first also the
+#: embedding and the last the norm and the head.
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 384,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 128,
+}
+#: Every rank of a world of 8 simulated (two data-parallel ranks per stage), and a world of 16 with
+#: rank 0, the busiest owner and the stages' first ranks.
+LAYOUTS = {
+    "pp4-dp2-zero1": (Layout("hybrid", pp=4, dp=2, zero=1, precision="bf16"), 8),
+    "tp2-pp4-dp2-zero1": (Layout("hybrid", tp=2, pp=4, dp=2, zero=1, precision="bf16"), 1),
+}
+#: The optimizers with the most varied collectives: norms, owners' routes in buckets.
+OPTIMIZERS = {
+    "lamb": None,
+    "shampoo": {"bucket_bytes": 1 << 18, "max_preconditioner_dim": 128},
+    "muon": {"bucket_bytes": 1 << 18},
+    "kron": None,
+}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("twins") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return path
+
+
+def _plan(config: Path, layout_id: str, optimizer: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
+    """The plan's figures and the number of ranks it simulated."""
+    calls = [0]
+    real = simulate.simulate_rank
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    layout, all_up_to = LAYOUTS[layout_id]
+    with monkeypatch.context() as m:
+        m.setattr(planner, "simulate_rank", counted)
+        made = make_plan(str(config), layout, optimizer, OPTIMIZERS[optimizer], steps=3, all_ranks_up_to=all_up_to)
+    return without_seconds(made.to_json()), calls[0]
+
+
+@pytest.mark.parametrize("layout_id", list(LAYOUTS))
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_twin_stages_give_the_plan_of_every_rank(
+    config: Path, layout_id: str, optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    twinned, fewer = _plan(config, layout_id, optimizer, monkeypatch)
+    monkeypatch.setattr(planner, "stage_twin_key", lambda *args: None)  # every rank simulated
+    every, all_ranks = _plan(config, layout_id, optimizer, monkeypatch)
+    assert twinned == every
+    # the second middle stage's ranks are the first's: 2 of 8 ranks, or 1 of the 16-rank plan's 5
+    assert all_ranks - fewer == (2 if layout_id == "pp4-dp2-zero1" else 1), (all_ranks, fewer)
