@@ -12,7 +12,8 @@ communication:
 * :func:`eigenbasis`, :func:`qr_algorithm_step` and :func:`qr_power_step`: the eigenbasis of a
   factor, computed exactly or refreshed by one warm-started QR step (Vyas et al. 2024, "SOAP:
   Improving and Stabilizing Shampoo using Adam", arXiv:2409.11321): Meta's step
-  (:func:`qr_algorithm_step`) or Vyas et al.'s (:func:`qr_power_step`).
+  (:func:`qr_algorithm_step`) or Vyas et al.'s (:func:`qr_power_step`); heavyball's power step on
+  the lifted factor (:func:`lifted_qr_step`, started by :func:`lifted_eigh_start`).
 * :func:`warm_eigh`: an eigendecomposition warm-started from the previous eigenvectors, skipped
   while they still diagonalise the matrix within a tolerance (tested by :func:`residual_ratio`
   from one product ``A Q``), else refined by QR-algorithm steps, else recomputed by ``eigh`` (the
@@ -42,6 +43,8 @@ __all__ = [
     "eigenbasis",
     "qr_algorithm_step",
     "qr_power_step",
+    "lifted_eigh_start",
+    "lifted_qr_step",
     "canonical_signs",
     "symmetric_part",
     "all_finite",
@@ -289,6 +292,52 @@ def qr_power_step(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tens
     signs = torch.where(signs == 0, torch.ones_like(signs), signs)
     q_new = q_new * signs
     return q_new, perm, all_finite(q_new)
+
+
+#: What heavyball adds to a factor's diagonal before its first ``eigh`` (``_stable_symmetric_basis``).
+LIFTED_EIGH_SHIFT = 1e-30
+
+
+def lifted_eigh_start(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """heavyball's first basis of a factor (``utils.get_orthogonal_matrix``): the eigenvectors of
+    ``matrix + 1e-30 I`` in decreasing eigenvalue order, with LAPACK's signs (not made canonical:
+    :func:`lifted_qr_step` carries every column's sign on, so that the bases stay heavyball's).
+    ``matrix`` is used as it is, not symmetrised: a factor seeded with one Gram matrix is rank
+    deficient, and which basis ``eigh`` gives its null space depends on the matrix's last bits.
+    Returns ``(basis, ok)``."""
+    eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
+    q = torch.linalg.eigh(matrix + LIFTED_EIGH_SHIFT * eye).eigenvectors.flip(-1).contiguous()
+    return q, all_finite(q)
+
+
+def lifted_qr_step(matrix: torch.Tensor, basis: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """heavyball's basis refresh (``utils.get_orthogonal_matrix_QR``, heavyball 3.2.1): one power
+    step ``qr((A + c I) Q)`` from the orthonormal ``basis`` ``Q``, the lift ``c = max(floor,
+    min(64 d eps_dtype, 1/8)) max_j |e_j|`` with ``e = diag(Q^T A Q)``. A factor of a
+    rank-deficient Gram (a few steps of a non-square gradient) has a null space whose power step
+    would otherwise be rounding noise; lifted, those columns stay close to their previous ones.
+
+    The QR runs on the columns sorted by decreasing ``e`` (Gram-Schmidt from the dominant
+    eigenvector, as Vyas et al.'s step), ``R``'s diagonal made non-negative, and each result goes
+    back to its column's place: no permutation of what is kept in the rotated coordinates (unlike
+    :func:`qr_power_step`). The products are heavyball's own (``einsum`` on a leading batch axis),
+    so that in float64 the bases are heavyball's bit for bit, null spaces included. ``matrix`` is
+    used as it is. Returns ``(new basis, ok)``."""
+    m, q_old = matrix[None], basis[None]
+    gram_basis = m @ q_old
+    eig = torch.einsum("...ij,...ij->...j", q_old, gram_basis)
+    magnitude = eig.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(m.dtype).tiny)
+    noise = min(64 * m.shape[-1] * torch.finfo(m.dtype).eps, 0.125)
+    lift = torch.maximum(
+        torch.as_tensor(floor, dtype=m.dtype, device=m.device), torch.as_tensor(noise, dtype=m.dtype, device=m.device)
+    )
+    work = gram_basis + (lift * magnitude).unsqueeze(-1) * q_old
+    index = torch.argsort(eig, descending=True).unsqueeze(-2).expand_as(work)
+    orthogonal, triangular = torch.linalg.qr(work.gather(-1, index))
+    signs = triangular.diagonal(dim1=-2, dim2=-1).sign()
+    signs = torch.where(signs != 0, signs, torch.ones_like(signs))
+    q = work.scatter(-1, index, orthogonal * signs.unsqueeze(-2))[0]
+    return q, all_finite(q)
 
 
 def off_diagonal_ratio(b: torch.Tensor) -> torch.Tensor:

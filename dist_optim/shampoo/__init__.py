@@ -55,6 +55,11 @@ until the first refresh. At the steps of (4), with ``A = L / (1 - b2^n)``, the b
   one power step ``Q' R = qr(A Q)`` from the current basis whose columns are first sorted by
   decreasing ``diag(Q^T A Q)``, ``S`` below permuted with them
   (:func:`dist_optim.kernels.matrix_functions.qr_power_step`).
+* ``eigenbasis="qr-lifted"``: heavyball's: the eigenvectors at the first refresh (LAPACK's signs),
+  then one power step on ``A + c I``, ``c = max(epsilon, 64 d eps) max_j |diag(Q^T A Q)_j|`` (a
+  rank-deficient factor's null space kept from rounding noise), the columns sorted by that estimate
+  for the QR and put back in place: ``S`` is not permuted
+  (:func:`dist_optim.kernels.matrix_functions.lifted_qr_step`).
 * ``eigenbasis="warm"``: the eigenvectors at the first refresh, then
   :func:`dist_optim.kernels.matrix_functions.warm_eigh` from the current basis as for ``root_inverse="warm"``
   (on ``A``, without ``epsilon``): kept within ``refresh_tolerance``, else QR-algorithm steps
@@ -68,6 +73,13 @@ eigenbasis, ``Mr = M x_k Q_k^T`` (state ``exp_avg_eigen``; ``Mr <- b1 Mr + (1 - 
 by ``x_k Q_k'^T Q_k`` when a refresh changes the basis), as in Vyas et al.'s later code and
 heavyball: the same ``Mhat x_k Q_k^T`` in exact arithmetic with two rotations a step instead of
 three. With grafting it stays in the parameter's basis (``exp_avg``), where ``D`` needs it.
+
+``soap_step="heavyball"`` (heavyball's SOAP, Vyas et al.'s order; :mod:`.preconditioner.heavyball`):
+a parameter's first step seeds its factors with ``G_(k) G_(k)^T`` and its bases (no update); later
+steps take the direction in the bases of the previous step, then the statistics, then the refresh;
+moments and factors are bias-corrected averages counted in the optimizer's steps, ``epsilon`` floors
+``sqrt(S)``, and the refreshes follow heavyball's running sum of ``1 / precondition_frequency``.
+``shampoo_beta`` is the factors' own EMA coefficient (``betas[1]`` by default).
 
 ``kl_statistics=True``: KL-Shampoo and, with SOAP, KL-SOAP (Lin et al. 2025, "Understanding and
 Improving Shampoo and SOAP via Kullback-Leibler Minimization", arXiv:2509.03378), whose statistics

@@ -4,7 +4,8 @@ The blocking is a function of the full shape and the options alone, so every ran
 holds of a parameter (TP slice, ZeRO chunk), computes the same blocks:
 
 * :func:`merge_small_dims`: consecutive dims merged while their product stays <= the largest block
-  side (Anil et al.'s rule, ``merge_small_dims=True``);
+  side (Anil et al.'s rule, ``merge_small_dims=True``), or heavyball's rule
+  (:func:`merge_trailing_dims`, ``merge_small_dims="trailing"``);
 * :func:`plan_blocks`: the (merged) view of a tensor cut into blocks of at most that side;
 * :func:`kept_triangle`: the triangle of a factor that its symmetric updates keep current;
 * :func:`apply_each_dim`: ``x x_0 m_0 x_1 m_1 ...``, a block times a matrix along every dim.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Block", "merge_small_dims", "plan_blocks", "kept_triangle", "apply_each_dim"]
+__all__ = ["Block", "merge_small_dims", "merge_trailing_dims", "plan_blocks", "kept_triangle", "apply_each_dim"]
 
 
 @dataclass(frozen=True)
@@ -64,22 +65,45 @@ def merge_small_dims(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def merge_trailing_dims(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:
+    """heavyball's rule (``utils.dim_merger``, after Rozet): the first dim (a layer's fan-out) kept,
+    the others merged from the last one while their product stays <= ``max_dim``, so that a conv
+    kernel ``(128, 64, 3, 3)`` becomes ``(128, 576)``; dims of 1 after the first vanish."""
+    out: list[int] = []
+    product = 1
+    for d in reversed(shape[1:]):
+        if product * d <= max_dim:
+            product *= d
+        elif product > 1:
+            out.append(product)
+            product = d
+        else:
+            out.append(d)
+    if product > 1:
+        out.append(product)
+    return (shape[0], *reversed(out))
+
+
 def plan_blocks(
     full_shape: tuple[int, ...],
     max_preconditioner_dim: int,
-    merge: bool = False,
+    merge: bool | str = False,
     skip_preconditioning_dim_size_gt: int | None = None,
+    precondition_1d: bool = True,
 ) -> tuple[tuple[int, ...], list[Block]]:
     """The view of a tensor of ``full_shape`` that the blocking cuts (a scalar is ``(1,)``, merged
-    with ``merge``) and its blocks of at most ``max_preconditioner_dim`` along every dim, in
-    row-major order of their positions. A view with a dim above ``skip_preconditioning_dim_size_gt``
-    gets blocks without preconditioner."""
+    with ``merge``: True :func:`merge_small_dims`, ``"trailing"`` :func:`merge_trailing_dims`) and
+    its blocks of at most ``max_preconditioner_dim`` along every dim, in row-major order of their
+    positions. A view with a dim above ``skip_preconditioning_dim_size_gt``, or a 1-D view without
+    ``precondition_1d``, gets blocks without preconditioner."""
     max_dim = max_preconditioner_dim
     view = tuple(full_shape) or (1,)
-    if merge:
+    if merge == "trailing":
+        view = merge_trailing_dims(view, max_dim)
+    elif merge:
         view = merge_small_dims(view, max_dim)
     skip = skip_preconditioning_dim_size_gt
-    precondition = skip is None or all(d <= skip for d in view)
+    precondition = (skip is None or all(d <= skip for d in view)) and (precondition_1d or len(view) > 1)
     per_dim = [[slice(s, min(s + max_dim, d)) for s in range(0, d, max_dim)] for d in view]
     blocks = [Block(tuple(sl), tuple(s.stop - s.start for s in sl), precondition) for sl in itertools.product(*per_dim)]
     return view, blocks

@@ -205,14 +205,14 @@ _READS = frozenset(
 )
 register(Conversion(META_SHAMPOO, DistributedShampoo, _options, _READS, neutral={"use_pin_memory": ANY}, state=_state))
 
-# heavyball's (PyPI) SOAP and Shampoo family refresh their bases by a QR step with a noise lift on
-# a precondition schedule of their own (heavyball.utils.get_orthogonal_matrix_QR): not our refresh.
+# heavyball's (PyPI) SOAP and KLSOAP convert (.heavyball); the rest of its SOAP family runs another
+# optimizer in the basis (NAdam, AdEMAMix, LaProp), transports the second moment across a refresh
+# ("Heavy" variants) or preconditions by the factors' eigenvalues alone (KL-Shampoo).
 register_refusals(
     {
-        f"heavyball.{name}": "preconditions with heavyball's own SOAP kernels (a QR basis refresh with a noise lift)"
+        f"heavyball.{name}": "preconditions with a SOAP variant of heavyball's own (another optimizer in the basis, "
+        "a transported second moment, or KL-Shampoo)"
         for name in (
-            "SOAP",
-            "KLSOAP",
             "KLShampoo",
             "SOAPNAdam",
             "SOAPAdEMAMix",
@@ -225,7 +225,9 @@ register_refusals(
         )
     },
     DistributedShampoo,
-    "dist_optim does not reproduce them: build dist_optim.DistributedShampoo(eigenvalue_correction=True, "
-    "kl_statistics=...) with the same betas instead, or keep heavyball on whole parameters (ColossalAI's stock "
-    "TorchDDPPlugin)",
+    "dist_optim does not reproduce them: convert heavyball.SOAP or heavyball.KLSOAP, or build "
+    "dist_optim.DistributedShampoo(eigenvalue_correction=True, soap_step='heavyball') instead, or keep heavyball "
+    "on whole parameters (ColossalAI's stock TorchDDPPlugin)",
 )
+
+from . import heavyball  # noqa: E402, F401  (registers the conversions from heavyball's SOAP and KLSOAP)

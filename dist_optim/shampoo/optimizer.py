@@ -25,6 +25,7 @@ from .blocking import Block
 from .momentum import keeps_8bit_momentum, momentum_buffer, read_momenta
 from .options import GROUP_OPTIONS, GraftingConfig, check_communication, group_defaults, validate_options
 from .owners import BlockPlan, plan_block_owners, total_failures
+from .preconditioner import heavyball
 from .state import (
     STATE,
     BlockState,
@@ -70,8 +71,10 @@ class DistributedShampoo(DistOptimizer):
             previous eigenvectors, kept as ``basis<k>``: see the package docstring).
         eigenvalue_correction: SOAP.
         eigenbasis: SOAP basis refresh: ``"eigh"``, ``"eigh-ascending"`` (Meta's ``eigh`` basis),
-            ``"qr"`` (Meta's ``DefaultSOAPConfig``), ``"qr-eigh-start"`` (Vyas et al.'s) or ``"warm"``;
-            see the package docstring.
+            ``"qr"`` (Meta's ``DefaultSOAPConfig``), ``"qr-eigh-start"`` (Vyas et al.'s),
+            ``"qr-lifted"`` (heavyball's: one power step on the factor lifted by ``epsilon`` times its
+            largest estimated eigenvalue, :func:`~dist_optim.kernels.matrix_functions.lifted_qr_step`,
+            after ``eigh`` at the first) or ``"warm"``; see the package docstring.
         refresh_tolerance: ``"warm"`` keeps the eigenvectors ``Q`` while ``||B - diag(B)||_F <=
             refresh_tolerance ||B||_F``, ``B = Q^T A Q`` (in [0, 1]; 0: always recompute).
         refresh_iterations: ``"warm"``'s QR-algorithm steps before ``eigh`` (default 0: keep or
@@ -92,7 +95,23 @@ class DistributedShampoo(DistOptimizer):
             whitened by their factors' inverses in SOAP's basis, eigenvalues estimated there
             (:func:`.preconditioner.factors.kl_soap_whiteners`); SOAP's direction otherwise. Not
             with quantised roots or bases.
-        merge_small_dims: merge small consecutive dims before blocking.
+        merge_small_dims: merge small consecutive dims before blocking (True: Anil et al.'s rule;
+            ``"trailing"``: heavyball's, the first dim kept and the others merged from the last,
+            :func:`~dist_optim.shampoo.blocking.merge_trailing_dims`).
+        shampoo_beta: the factors' EMA coefficient (Vyas et al.'s name; None: ``betas[1]``, which
+            otherwise serves both the factors and SOAP's second moment).
+        soap_step: ``"default"`` or ``"heavyball"``: heavyball's SOAP step (``heavyball.SOAP`` and
+            ``KLSOAP``, Vyas et al.'s order, :mod:`~dist_optim.shampoo.preconditioner.heavyball`):
+            a parameter's first step only seeds its factors and bases (the parameter is not
+            updated); later ones take Adam's direction in the bases of the previous step, then
+            update the factors and refresh the bases; moments and factors are bias-corrected
+            averages counted in the optimizer's steps (a step without a gradient counts),
+            ``epsilon`` floors ``sqrt(S)``, and the bases are refreshed when the running sum of
+            ``1 / precondition_frequency`` passes an integer (``start_preconditioning_step`` is
+            not read). Needs ``eigenvalue_correction``, no grafting, whole factors and bases.
+        precondition_1d: precondition 1-D (merged) tensors with a full-matrix factor (default);
+            False: Adam in the identity basis (SOAP) or the grafting direction for them (Vyas et
+            al.'s and heavyball's option of the same name, off by default there).
         exponent_override: root ``r`` for every factor (0: ``2 * order``).
         exponent_multiplier: roots are ``A^(-exponent_multiplier / r)`` (eigh only).
         preconditioner_dtype: dtype of factors, roots and bases (float32 or float64).
@@ -157,6 +176,9 @@ class DistributedShampoo(DistOptimizer):
         min_8bit_size: int = 4096,
         preconditioner_bits: int = 32,
         kl_statistics: bool = False,
+        shampoo_beta: float | None = None,
+        soap_step: str = "default",
+        precondition_1d: bool = True,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
     ) -> None:
@@ -176,6 +198,9 @@ class DistributedShampoo(DistOptimizer):
         self._plans: dict[torch.Tensor, BlockPlan] = {}
         self.owner_runtime = OwnerRuntime()  # who computes each block, and the step's exchanges
         self._scratch = Scratch()  # one block's direction, reused across blocks applied as soon as computed
+        #: Steps taken (every ``step`` call that was not skipped): ``soap_step="heavyball"``'s count.
+        self.steps_taken = 0
+        self._stepping: set[int] = set()  # this step's groups with a non-seeding parameter (heavyball's step)
         super().__init__(params, defaults, nonfinite=nonfinite)  # validate_group checks every group
         check_communication(communication_dtype)
 
@@ -210,8 +235,16 @@ class DistributedShampoo(DistOptimizer):
         loss = self._begin_step(closure)
         if not self._gradients_ok():
             return loss
+        self.steps_taken += 1
         self._ensure_plans()
         entries = [(group, p, g) for group in self.param_groups for p, g in zip(*self._grads(group))]
+        # heavyball's SOAP step: a parameter's first step seeds; heavyball's stacked kernels give it a
+        # zero update (decay only) where another parameter of its group takes a real step.
+        self._stepping = {
+            id(group)
+            for group, p, _ in entries
+            if group["soap_step"] == "heavyball" and self.state.get(p, {}).get("step", 0) >= 1
+        }
         # No rank sees every full gradient (gradient pieces go to block owners, or full gradients
         # are gathered in buckets of at most bucket_bytes), the next bucket's pieces travelling
         # while this one computes; _gradients_ok checked the local pieces of all of them before
@@ -240,7 +273,11 @@ class DistributedShampoo(DistOptimizer):
             if wd != 0 and not group["use_decoupled_weight_decay"]:
                 g = g + p.detach() * wd  # elementwise: the same bits on a shard as on the full tensor
             plan = self._plans[p]
-            works.append(OwnedWork(_Entry(group, p, state, int(state["step"]), plan), plan.task, [g.detach()], g.dtype))
+            t = int(state["step"])
+            if group["soap_step"] == "heavyball":
+                t = heavyball.step_count(t, self.steps_taken)
+            entry = _Entry(group, p, state, t, plan, decays=id(group) in self._stepping)
+            works.append(OwnedWork(entry, plan.task, [g.detach()], g.dtype))
         momenta = read_momenta(self.state, [(group, p) for group, p, _ in bucket], self.layout)
         for w in works:
             w.entry.momenta = momenta
@@ -271,9 +308,13 @@ class DistributedShampoo(DistOptimizer):
         place); a parameter held whole takes them block by block, without assembling a
         parameter-sized direction."""
         for w in works:
+            e = w.entry
+            if e.seeds:  # no direction; heavyball's zero update where its group steps
+                if e.decays:
+                    apply_update(e.p.detach(), torch.zeros_like(e.p), momentum_buffer(e.momenta, e.state), e.group)
+                continue
             if not w.delivered:
                 continue
-            e = w.entry
             buf = momentum_buffer(e.momenta, e.state)
             whole = None if w.transport == Transport.ROUTED else self._whole_views(e)
             if whole is not None:
@@ -365,6 +406,14 @@ class DistributedShampoo(DistOptimizer):
         matrices = sum(_nbytes(m) for _, _, bs in self._block_states() for m in bs.matrices)
         return {"preconditioner": matrices, "other": total - matrices}
 
+    def extra_state(self) -> dict[str, Any]:
+        """The base's counters and :attr:`steps_taken` (``soap_step="heavyball"`` counts by it)."""
+        return {**super().extra_state(), "steps_taken": self.steps_taken}
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        super().load_extra_state(extra)
+        self.steps_taken = int(extra.get("steps_taken", 0))
+
     def root_failures(self) -> int:
         """Failed root inverses / basis refreshes so far, over all blocks (collective when bound)."""
         self._ensure_plans()
@@ -384,6 +433,13 @@ class _Entry:
     t: int
     plan: BlockPlan
     momenta: bnb.Batch8bit = field(default_factory=bnb.Batch8bit)
+    decays: bool = False  # a seeding step that applies a zero direction (module heavyball's rule)
+
+    @property
+    def seeds(self) -> bool:
+        """Whether this step only seeds the parameter's factors and bases (``soap_step="heavyball"``'s
+        first step: no direction)."""
+        return self.t == 0 and self.group["soap_step"] == "heavyball"
 
 
 def _moments_dtype(state: dict[str, Any], p: torch.Tensor) -> torch.dtype:

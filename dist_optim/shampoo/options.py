@@ -29,6 +29,8 @@ __all__ = [
     "GRAFTING_TYPES",
     "SQUARED_GRAFTING_TYPES",
     "EIGENBASES",
+    "SOAP_STEPS",
+    "MERGE_RULES",
     "ROOT_INVERSES",
     "WARM",
     "uses_warm_refresh",
@@ -116,7 +118,13 @@ SQUARED_GRAFTING_TYPES = (AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraf
 #: eigenvectors (:func:`dist_optim.kernels.matrix_functions.warm_eigh`, options ``refresh_tolerance`` and
 #: ``refresh_iterations``); the block keeps its eigenvectors (state ``basis<k>``).
 WARM = "warm"
-EIGENBASES = ("eigh", "eigh-ascending", "qr", "qr-eigh-start", WARM)
+EIGENBASES = ("eigh", "eigh-ascending", "qr", "qr-eigh-start", "qr-lifted", WARM)
+#: SOAP's step: ``"default"`` (statistics, refresh, then Adam in the refreshed bases, as Meta's) or
+#: ``"heavyball"`` (heavyball's SOAP: :mod:`dist_optim.shampoo.preconditioner.heavyball`).
+SOAP_STEPS = ("default", "heavyball")
+#: ``merge_small_dims``: off, Anil et al.'s rule (True), or heavyball's (``"trailing"``: the first dim
+#: kept, the others merged from the last while their product stays within the block side).
+MERGE_RULES = (False, True, "trailing")
 ROOT_INVERSES = (*matrix_functions.ROOT_METHODS, WARM)
 COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -154,14 +162,17 @@ GROUP_OPTIONS = (
     "min_8bit_size",
     "preconditioner_bits",
     "kl_statistics",
+    "shampoo_beta",
+    "soap_step",
+    "precondition_1d",
 )
 _FLAGS = (
     "use_nesterov",
     "use_bias_correction",
     "use_decoupled_weight_decay",
     "eigenvalue_correction",
-    "merge_small_dims",
     "kl_statistics",
+    "precondition_1d",
 )
 
 
@@ -175,6 +186,9 @@ def group_defaults(**options: Any) -> dict[str, Any]:
         out["betas"] = tuple(out["betas"])
     for name in _FLAGS:
         out[name] = bool(out[name])
+    merge = out["merge_small_dims"]
+    if merge != "trailing" and merge in MERGE_RULES:  # another value is refused by validate_options
+        out["merge_small_dims"] = bool(merge)
     return out
 
 
@@ -215,6 +229,35 @@ def validate_options(group: dict[str, Any]) -> None:
         raise ValueError(f"use_symmetric_packing must be True or False, got {group['use_symmetric_packing']!r}")
     _check_preconditioner_bits(group)
     _check_kl(group)
+    _check_heavyball_step(group)
+
+
+def _check_heavyball_step(group: dict[str, Any]) -> None:
+    """``shampoo_beta``, ``merge_small_dims`` and ``soap_step``; heavyball's step keeps its factors
+    and moments as bias-corrected averages of whole matrices, with Adam's own moments."""
+    beta = group["shampoo_beta"]
+    if beta is not None:
+        check_range("shampoo_beta", beta, 0.0, 1.0)
+    if group["merge_small_dims"] not in MERGE_RULES:
+        raise ValueError(f"merge_small_dims must be True, False or 'trailing', got {group['merge_small_dims']!r}")
+    step = group["soap_step"]
+    if step not in SOAP_STEPS:
+        raise ValueError(f"soap_step must be one of {SOAP_STEPS}, got {step!r}")
+    if step == "default":
+        return
+    needs = {
+        "eigenvalue_correction": (True, "it is SOAP's step"),
+        "grafting_config": (None, "its Adam runs in the bases alone"),
+        "use_bias_correction": (True, "its averages are bias-corrected"),
+        "statistics_compute_steps": (1, "its factors take every step's gradient"),
+        "use_symmetric_packing": (False, "it updates whole factors"),
+        "preconditioner_bits": (32, "it keeps whole bases"),
+    }
+    for name, (value, why) in needs.items():
+        if group[name] != value:
+            raise ValueError(f"soap_step='heavyball' needs {name}={value!r} ({why}), got {group[name]!r}")
+    if group["betas"][1] == 1:
+        raise ValueError("soap_step='heavyball' needs betas[1] < 1 (its bias-corrected average of 1 is 0/0), got 1")
 
 
 def _check_kl(group: dict[str, Any]) -> None:

@@ -53,6 +53,7 @@ def plan_block_owners(
             group["max_preconditioner_dim"],
             group["merge_small_dims"],
             group["skip_preconditioning_dim_size_gt"],
+            group["precondition_1d"],
         )
         for layout, group in specs
     ]

@@ -123,6 +123,6 @@ def _run_batch(batch: list[BlockWork], scratch: Scratch) -> None:
             ps.append(w.param)
             ds.append(d)
             bufs.append(w.buf)
-        else:
-            assert d is w.out or w.out is None  # an owner's direction is always its out
+        else:  # an owner's direction is always its out (None: a seeding step, nothing to apply)
+            assert d is None or d is w.out or w.out is None
     apply_updates(ps, ds, bufs, first.group)

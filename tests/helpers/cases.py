@@ -347,6 +347,29 @@ PARITY_CASES += [
         ),
         row="KL-SOAP",
     ),
+    # heavyball's SOAP/KL-SOAP as dist_optim.convert makes it (tests/unit/test_heavyball_soap.py):
+    # the first step seeds, Adam in the previous step's bases, then the statistics (einsum products)
+    # and the lifted QR refresh on each block's owner, every step counted by the optimizer (the
+    # "row" param's missing step included); KL statistics on the matrix blocks, vectors with a factor.
+    Case(
+        "soap-heavyball",
+        dist_optim.DistributedShampoo,
+        dict(
+            lr=1e-2,
+            betas=(0.9, 0.95),
+            shampoo_beta=0.9,
+            epsilon=1e-8,
+            weight_decay=1e-2,
+            max_preconditioner_dim=4,
+            precondition_frequency=3,
+            eigenvalue_correction=True,
+            eigenbasis="qr-lifted",
+            soap_step="heavyball",
+            kl_statistics=True,
+            merge_small_dims="trailing",
+            precondition_1d=True,
+        ),
+    ),
     # 8-bit moments and grafting state of every block (min_8bit_size=0): quantised on the owner,
     # blocks of the Shampoo block's own elements; codes and absmax gathered as state.
     Case(

@@ -113,8 +113,8 @@ def test_what_has_no_equivalent_is_refused_by_name(kwargs: dict[str, Any], param
     [
         ("MuonAdamW", "build DistributedMuon"),
         ("Scion", "build DistributedMuon"),
-        ("SOAP", "build dist_optim.DistributedShampoo"),
-        ("KLSOAP", "build dist_optim.DistributedShampoo"),
+        ("SOAPNAdam", "convert heavyball.SOAP or heavyball.KLSOAP"),
+        ("KLShampoo", "build dist_optim.DistributedShampoo"),
         ("PSGDKron", "build dist_optim.DistributedKron"),
     ],
 )

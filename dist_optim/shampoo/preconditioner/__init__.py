@@ -26,7 +26,7 @@ from ...kernels.matrix_functions import WarmCriterion
 from ..blocking import Block
 from ..options import start_step
 from ..state import BlockState, Scratch, keeps_moment_in_eigenbasis
-from . import quantized, root_inverse, soap, warm
+from . import heavyball, quantized, root_inverse, soap, warm
 from .factors import refresh_scale, update_statistics
 from .forms import BlockForms
 from .grafting import Moments, graft_norms, scale_directions, update_moments_all, updates_in_kernel
@@ -62,8 +62,13 @@ def block_directions(jobs: list[Job], group: dict[str, Any], t: int, scratch: Sc
     where the update was made on ``job.apply_to``. That is where the step's direction is the
     grafting direction alone (before ``start_preconditioning_step``, or a block without
     preconditioner) and it is Adam's, whose fused kernel can also make the update
-    ``W <- W - lr (D + weight_decay W)`` in the same pass."""
+    ``W <- W - lr (D + weight_decay W)`` in the same pass. ``soap_step="heavyball"`` has its own
+    step (:mod:`.heavyball`), None for every block of a seeding batch (``t == 0``)."""
     assert all(not j.bs.absmax for j in jobs), "8-bit moments are read as fp32 values first (state.step_state)"
+    if group.get("soap_step") == "heavyball":  # its own order: direction, then statistics and refresh
+        gs = [j.g if j.g.is_contiguous() else j.g.contiguous() for j in jobs]
+        outs = [j.out for j in jobs]
+        return heavyball.block_directions([j.bs for j in jobs], [j.block for j in jobs], gs, outs, group, t, scratch)
     is_soap = group["eigenvalue_correction"]
     start = start_step(group)
     # A block of a parameter split along a later dim has a strided gradient: copied, each to its

@@ -18,7 +18,15 @@ from ...kernels import structured
 from ..blocking import Block, kept_triangle
 from ..state import BlockState
 
-__all__ = ["update_statistics", "refresh_scale", "factor_bias_correction", "kl_gradient", "kl_soap_whiteners"]
+__all__ = [
+    "update_statistics",
+    "refresh_scale",
+    "factor_bias_correction",
+    "factor_beta",
+    "average_weight",
+    "kl_gradient",
+    "kl_soap_whiteners",
+]
 
 
 def update_statistics(blocks: list[tuple[BlockState, Block, torch.Tensor]], group: dict[str, Any], t: int) -> None:
@@ -31,7 +39,7 @@ def update_statistics(blocks: list[tuple[BlockState, Block, torch.Tensor]], grou
     step is updated."""
     if t % group["statistics_compute_steps"] != 0:
         return
-    b2 = group["betas"][1]
+    b2 = factor_beta(group)
     pdt = group["preconditioner_dtype"]
     kl = group["kl_statistics"]
     soap = group["eigenvalue_correction"]
@@ -116,11 +124,25 @@ def refresh_scale(bs: BlockState, block: Block, group: dict[str, Any], t: int, s
     return factor_bias_correction(group, n)
 
 
+def factor_beta(group: dict[str, Any]) -> float:
+    """The factors' EMA coefficient: ``shampoo_beta`` (Vyas et al.'s name), ``betas[1]`` when None."""
+    beta = group.get("shampoo_beta")
+    return group["betas"][1] if beta is None else beta
+
+
 def factor_bias_correction(group: dict[str, Any], n: int) -> float:
     """``1 / (1 - b2^n)``, the bias correction of factors after ``n`` updates (1 before any, or
     without ``use_bias_correction``): what a refresh and KL-SOAP's eigenvalue estimates scale by."""
-    b2 = group["betas"][1]
+    b2 = factor_beta(group)
     return 1.0 / (1 - b2**n) if (n > 0 and group["use_bias_correction"] and b2 < 1) else 1.0
+
+
+def average_weight(beta: float, n: int) -> float:
+    """``(1 - beta) / (1 - beta^n)``: the weight of the ``n``-th value in a bias-corrected average
+    (1 at ``n = 1``), the form in which ``soap_step="heavyball"`` keeps its factors and moments
+    (:mod:`.heavyball`). Written as heavyball's ``1 - beta_debias(beta, n)``, so that in float64
+    the factors' averages round as heavyball's, bit for bit."""
+    return 1 - (1 - (1 - beta) / (1 - beta**n))
 
 
 def _unfolding(g: torch.Tensor, k: int) -> torch.Tensor:

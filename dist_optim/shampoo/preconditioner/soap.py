@@ -12,6 +12,7 @@ from ...kernels import matrix_functions
 from ..blocking import apply_each_dim
 from ..state import BlockState, Scratch
 from . import warm
+from .factors import average_weight
 from .grafting import Moments
 
 __all__ = ["refresh_bases", "direction"]
@@ -26,7 +27,7 @@ def refresh_bases(
     criteria: list[matrix_functions.WarmCriterion] | None = None,
 ) -> None:
     """``Q_k`` from ``A = scale L_k`` by ``eigenbasis`` (``first``: the refresh at the start step,
-    which ``"qr-eigh-start"`` and ``"warm"`` make by ``eigh``); a refresh that is not finite keeps
+    which ``"qr-eigh-start"``, ``"qr-lifted"`` and ``"warm"`` make by ``eigh``); a refresh that is not finite keeps
     the previous basis and counts in ``failures``. ``"qr-eigh-start"`` and ``"warm"`` permute ``S``
     with the columns they reorder. A first
     moment kept in the eigenbasis is rotated into the new one, ``Mr <- Mr x_k (Q_k'^T Q_k)``, so
@@ -55,6 +56,12 @@ def refresh_bases(
                 q_new, perm, ok = _warm_basis(warm.eigen(factor, scale, group, (q, criteria[k])))
             elif mode == "qr":
                 q_new, ok = matrix_functions.qr_algorithm_step(factor * scale, q, group["epsilon"])
+            elif mode == "qr-lifted":  # heavyball's: eigh at the first refresh, then lifted power steps
+                a = factor * scale
+                if first:
+                    q_new, ok = matrix_functions.lifted_eigh_start(a)
+                else:
+                    q_new, ok = matrix_functions.lifted_qr_step(a, q, group["epsilon"])
             elif mode in ("eigh", "eigh-ascending") or first:
                 q_new, ok = matrix_functions.eigenbasis(factor * scale, descending=mode != "eigh-ascending")
             else:  # "qr-eigh-start" after its first refresh
@@ -111,7 +118,6 @@ def direction(
 
     The block-sized temporaries are ``scratch``'s (slots ``"rot"``, ``"left"``, ``"den"``), reused
     across blocks and steps, and ``S`` is updated by one fused ``addcmul``."""
-    b1, b2 = group["betas"]
     pdt = group["preconditioner_dtype"]
     mats = bs.bases
     s = bs.exp_avg_sq
@@ -127,6 +133,30 @@ def direction(
         return x if x.data_ptr() == rot.data_ptr() else rot.copy_(x)
 
     gr = apply_each_dim(g.to(pdt), mats, transpose=False, out=buf("rot"), tmp=buf("left"))
+    if group.get("soap_step") == "heavyball":
+        num, den = _heavyball_adam(bs, gr, group, t, in_rot, buf("den"))
+    else:
+        num, den = _adam(bs, moments, gr, group, t, in_rot, buf)
+    num.div_(den)
+    back = apply_each_dim(num, mats, transpose=True, out=out if out.dtype == pdt else None, tmp=buf("left"))
+    if back.data_ptr() != out.data_ptr():
+        out.copy_(back)
+
+
+def _adam(
+    bs: BlockState,
+    moments: Moments | None,
+    gr: torch.Tensor,
+    group: dict[str, Any],
+    t: int,
+    in_rot: Callable[[torch.Tensor], torch.Tensor],
+    buf: Callable[[str], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`direction`'s numerator and denominator (``num`` in scratch slot ``"rot"``)."""
+    b1, b2 = group["betas"]
+    pdt = group["preconditioner_dtype"]
+    mats, s = bs.bases, bs.exp_avg_sq
+    assert s is not None
     if b2 == 1:
         s.addcmul_(gr, gr)
     else:
@@ -143,7 +173,30 @@ def direction(
         num = torch.div(m, bc1, out=buf("rot"))
     else:
         num = in_rot(gr)
-    num.div_(den)
-    back = apply_each_dim(num, mats, transpose=True, out=out if out.dtype == pdt else None, tmp=buf("left"))
-    if back.data_ptr() != out.data_ptr():
-        out.copy_(back)
+    return num, den
+
+
+def _heavyball_adam(
+    bs: BlockState,
+    gr: torch.Tensor,
+    group: dict[str, Any],
+    t: int,
+    in_rot: Callable[[torch.Tensor], torch.Tensor],
+    den_buf: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """heavyball's Adam (``soap_step="heavyball"``, :mod:`.heavyball`): ``Mr`` and ``S`` kept as
+    bias-corrected averages, ``X <- X + w (x - X)`` with ``w = (1 - b) / (1 - b^(t-1))`` (its
+    ``adam_`` counts from the step after the seed), and ``P = Mr / max(sqrt(S), epsilon)`` (its
+    ``eps_sqrt``: epsilon floors the root instead of adding to it)."""
+    b1, b2 = group["betas"]
+    s = bs.exp_avg_sq
+    assert s is not None
+    w2 = average_weight(b2, t - 1)
+    s.mul_(1 - w2).addcmul_(gr, gr, value=w2)
+    den = torch.sqrt(s, out=den_buf).clamp_min_(group["epsilon"])
+    m = bs.exp_avg_eigen
+    if b1 > 0 and m is not None:
+        w1 = average_weight(b1, t - 1)
+        m.mul_(1 - w1).add_(gr, alpha=w1)
+        return in_rot(m), den
+    return in_rot(gr), den
