@@ -20,6 +20,7 @@ from fractions import Fraction
 from typing import Any, cast
 
 from .activations import ALLOCATOR_MARGIN, Activations, Workload, activations_of_rank
+from .gemini import gemini_rank_plan
 from .models import MODELS, PlanError, check_model_layout, load_config
 from .simulate import (
     COLUMNS,
@@ -69,11 +70,13 @@ NOT_SIMULATED = (
     "memory a kernel frees before returning (workspaces) and the allocator's fragmentation are not counted: "
     "the verdict keeps a margin for them",
     "ZeRO padding and chunking: LowLevelZero's rule (-numel mod ZeRO size), derived, checked by ParamLayout; "
-    "FSDP's flat ranges: its layout rule (plugins/fsdp.py), derived, checked against FSDP in the tests",
+    "FSDP's flat ranges: its layout rule (plugins/fsdp.py), derived, checked against FSDP in the tests; "
+    "Gemini's chunks: ColossalAI's chunk search on the meta model, packed by its rule (plan/gemini.py), checked too",
     "working params, fp32 masters and gradients beside the optimizer: derived from ColossalAI's wrappers "
     "(ZeRO-0/1 keep working-precision gradients whole, ZeRO-2 only the fp32 chunk; torch DDP's buckets as "
     "large as the local parameters where the plugin wraps the model in DDP; FSDP's fp32 shards, their gradients, "
-    "and the units it gathers in the forward and backward: plan.fsdp_gathered)",
+    "and the units it gathers in the forward and backward: plan.fsdp_gathered; Gemini's chunk shards, the fp32 "
+    "gradients handed to the optimizer, chunks gathered in compute and their collectives: plan.gemini)",
     "values that depend on tensor contents (.item() of a meta tensor): answered 0 / True; iterations run to "
     "their limit, NaN checks find none",
     "mixture of experts: routing balanced (every expert tokens x top_k / experts; a real router's busiest expert "
@@ -116,6 +119,10 @@ class RankPlan:
     #: derived, FSDP: parameters gathered whole in working precision during forward and backward
     #: (:func:`fsdp_gathered`)
     fsdp_gathered: int = 0
+    #: derived, Gemini (:func:`~dist_optim.plan.gemini.gemini_memory`): chunks gathered at once, bytes they
+    #: send per training step without and with activation checkpointing
+    gemini_gathered: int = 0
+    gemini_sent: tuple[float, float] = (0.0, 0.0)
 
     @property
     def host_static(self) -> int:
@@ -211,14 +218,17 @@ class Plan:
         all-reduce ``2 (g-1)/g W``; ColossalAI's ZeRO-1 all-reduces the gradients and all-gathers
         the updated parameters, ``3 (g-1)/g W``; ZeRO-2 reduce-scatters them instead,
         ``2 (g-1)/g W``; FSDP gathers every unit's parameters for the forward and again for the
-        backward and reduce-scatters the gradients, ``3 (g-1)/g W``; checked against real runs but
+        backward and reduce-scatters the gradients, ``3 (g-1)/g W``; Gemini each chunk as often as
+        it is gathered, padding included (:func:`~dist_optim.plan.gemini.replay_chunks`); checked against real runs but
         for the one-scalar overflow flag ZeRO also all-reduces (FSDP's not yet); under expert
         parallelism each expert's over its MoE data-parallel group) and
         ``pipeline`` (each micro-batch's hidden states to the next stage and their gradient back,
         once per model chunk under the interleaved schedule) derived."""
         layout, b = self.layout, self.busiest
         ring = 3 if layout.plugin == "fsdp" else {0: 2, 1: 3, 2: 2}[layout.zero]
-        out = {"optimizer": float(self.steady["bytes_sent"]), "gradients": ring * b.reduced_share}
+        checkpointed = self.workload is not None and self.workload.grad_checkpoint
+        grads = b.gemini_sent[checkpointed] if layout.plugin == "gemini" else ring * b.reduced_share
+        out = {"optimizer": float(self.steady["bytes_sent"]), "gradients": grads}
         a, w = self.activations, self.workload
         if a is not None and w is not None:
             micro = w.batch_size if layout.pp > 1 else 1
@@ -296,12 +306,14 @@ class Plan:
 
 #: What bounds each optimizer's transient memory, for the plan's reader (the catalogue's).
 TRANSIENT_OPTIONS = {name: entry.transient for name, entry in OPTIMIZERS.items()}
+#: What a plugin gathers whole during forward and backward, beside the activations (a row of the plan).
+GATHERED = {"fsdp": "FSDP units", "gemini": "Gemini chunks"}
 
 
 def rank_total(rank: RankPlan, activations: Activations | None) -> int:
     """``rank``'s peak with its stage's ``activations``: its static bytes plus the larger of its
     step's transient and the activation peak of its schedule."""
-    act = (activations.schedule_peak if activations is not None else 0) + rank.fsdp_gathered
+    act = (activations.schedule_peak if activations is not None else 0) + rank.fsdp_gathered + rank.gemini_gathered
     return rank.total - rank.device_transient + max(rank.device_transient, act)
 
 
@@ -334,12 +346,13 @@ def _rank_plan(result: RankResult, layout: Layout) -> RankPlan:
     whole = layout.world if layout.plugin in ("zero", "ddp") else layout.data_ranks
     groups = [p.layout.zero.size if p.layout.zero is not None else whole for p in result.pieces]
     reduced = sum((Fraction(p.working.numel() * (g - 1), g) for p, g in zip(result.pieces, groups)), Fraction(0))
-    return RankPlan(
+    plan = RankPlan(
         result.rank, working, master_bytes if separate else 0, grads, result.state_bytes, result.kept_bytes,
         peak["transient"], peak["step"], steps, load, working if layout.uses_torch_ddp else 0,
         float(reduced * layout.working_dtype.itemsize), layout.cpu_offload,
         max(s.traffic.staged_peak for s in result.steps), gathered,
     )  # fmt: skip
+    return gemini_rank_plan(plan, result.pieces, layout.working_dtype) if layout.plugin == "gemini" else plan
 
 
 def fsdp_gathered(pieces: Sequence[Any]) -> int:
@@ -475,7 +488,7 @@ def format_plan(plan: Plan) -> str:
         ("optimizer state", "optimizer_state"),
         ("buffers kept by step()", "kept_buffers"),
         ("peak transient in step()", "peak_transient"),
-    ) + ((("FSDP units gathered (derived)", "fsdp_gathered"),) if plan.layout.plugin == "fsdp" else ()):
+    ) + tuple((f"{GATHERED[p]} gathered (derived)", f"{p}_gathered") for p in GATHERED if p == plan.layout.plugin):
         lines.append(f"{label:<34}{_gb(getattr(b, key)):>12}{_gb(plan.mean(key)):>20}")
     if b.offloaded:
         # masters, their fp32 gradients, state, kept buffers and the step's transient are on the host

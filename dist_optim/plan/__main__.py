@@ -25,6 +25,7 @@ from . import (
 )
 from .activations import ATTENTION, Workload
 from .sweep import format_layout_sweep, sweep
+from .world import ChunkSearch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,7 +39,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--plugin",
         default="hybrid",
-        help="hybrid, zero (LowLevelZeroPlugin), ddp or fsdp (TorchFSDPPlugin, a unit per decoder layer)",
+        help="hybrid, zero (LowLevelZeroPlugin), ddp, fsdp (TorchFSDPPlugin, a unit per decoder layer) or gemini "
+        '(GeminiPlugin, placement_policy="static" without offload)',
+    )
+    ap.add_argument(
+        "--min-chunk-size-m", type=float, default=None, help="with --plugin gemini: GeminiPlugin's (default 32)"
+    )
+    ap.add_argument(
+        "--search-range-m", type=float, default=None, help="with --plugin gemini: GeminiPlugin's (default 32)"
+    )
+    ap.add_argument(
+        "--hidden-dim", type=int, default=None, help="with --plugin gemini: GeminiPlugin's chunk search step (1024)"
     )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
@@ -140,6 +151,12 @@ def _config_object(key: str, value: object) -> object:
         raise PlanError(f"--optimizer-args {key}={value!r}: {exc}") from exc
 
 
+def _chunk_search(a: argparse.Namespace) -> ChunkSearch:
+    """GeminiPlugin's chunk search options given on the command line, its defaults for the rest."""
+    given = {k: getattr(a, k) for k in ("min_chunk_size_m", "search_range_m", "hidden_dim")}
+    return ChunkSearch(**{k: v for k, v in given.items() if v is not None})
+
+
 def _fits_heads(config: object, tp: int) -> bool:
     """Whether ColossalAI can split ``config``'s heads over ``tp`` ranks (a sweep skips the others)."""
     try:
@@ -204,6 +221,7 @@ def run(argv: list[str] | None = None) -> str:
     layout = Layout(
         a.plugin, tp=a.tp, pp=a.pp, zero=a.zero, dp=a.dp, ep=a.ep, precision=a.precision, sp=a.sp,
         pp_style=a.pp_style, num_model_chunks=a.num_model_chunks, cpu_offload=a.cpu_offload,
+        chunk_search=_chunk_search(a),
     )  # fmt: skip
     plan = make_plan(
         a.model, layout, a.optimizer, args, a.steps, gpu_memory=gpu, log=log, device=a.device, workload=work,

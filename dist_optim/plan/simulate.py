@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from .replay import Replays
 from .torch_internals import DEVICES, check_torch, meta_generators, meta_strides_as
 from .traffic import LiveBytes, StepTraffic, Traffic, traffic_of
 from .world import Layout, SimWorld, install_cpu_shims, meta_device_mesh
+
+if TYPE_CHECKING:
+    from .gemini import GeminiChunk
 
 __all__ = [
     "Layout",
@@ -70,6 +73,7 @@ class Piece:
     master: torch.Tensor  # what the optimizer steps: fp32, a flat ZeRO chunk under ZeRO (meta)
     layout: ParamLayout
     unit: str | None = None  # FSDP: the name of the unit module it belongs to ("" the root's)
+    chunk: GeminiChunk | None = None  # Gemini: the chunk it lies in (plan/gemini.py)
 
 
 def _meta_model(config: Any, attn_implementation: str = "eager") -> torch.nn.Module:
@@ -169,6 +173,10 @@ def build_pieces(config: Any, layout: Layout, world: SimWorld | None) -> tuple[t
     model = _meta_model(config)
     if world is not None and layout.plugin == "fsdp":
         return model, _fsdp_pieces(model, layout, world)
+    if world is not None and layout.plugin == "gemini":
+        from .gemini import gemini_pieces
+
+        return model, gemini_pieces(model, config, layout, world)
     if world is None or (layout.tp == 1 and layout.pp == 1 and layout.sp == 1 and layout.ep == 1):
         return model, [_piece(n, p, None, layout, world) for n, p in model.named_parameters()]
     pieces = []
@@ -181,12 +189,12 @@ def held_parameters(config: Any, layout: Layout) -> list[int]:
     """The parameters one rank holds, by pipeline stage (the stage's first rank; the ranks of a
     stage hold alike), as the plugin's sharding leaves them: ShardFormer's TP slices with their
     vocabulary padding and the stage's layers (ZeRO-1/2 keep the working parameters whole), or
-    under FSDP the rank's ranges of its units' flat parameters."""
+    under FSDP and Gemini the rank's ranges of its units' flat parameters or of its chunks."""
     held = []
     for stage in range(layout.pp):
         with SimWorld(layout, layout.stage_ranks(stage)[0]) as world:
             _, pieces = build_pieces(config, layout, world)
-        held.append(sum((p.master if layout.plugin == "fsdp" else p.working).numel() for p in pieces))
+        held.append(sum((p.master if layout.plugin in ("fsdp", "gemini") else p.working).numel() for p in pieces))
     return held
 
 
@@ -433,8 +441,8 @@ def plan_logits(opt: Any, config: Any, pieces: Sequence[Piece], sequence_group: 
 def bind_like_plugin(opt: Any, pieces: Sequence[Piece], layout: Layout, tp_group: Any, dp_group: Any) -> None:
     """Bind as dist_optim.plugins does for ``layout``: HybridParallelPlugin and LowLevelZeroPlugin
     through ``setup_distributed``'s layouts with the data-parallel group (the world for
-    LowLevelZero), TorchDDPPlugin with whole layouts and TorchFSDPPlugin with flat ranges, both
-    with the world."""
+    LowLevelZero), TorchDDPPlugin with whole layouts, TorchFSDPPlugin and GeminiPlugin with flat
+    ranges, all with the world (Gemini's ZeRO group without tensor parallelism)."""
     layouts = {p.master: p.layout for p in pieces}
     if layout.plugin == "hybrid":
         opt.bind(layouts, dp_group=dp_group, tp_group=tp_group if layout.tp > 1 else None)

@@ -13,12 +13,39 @@ import torch.distributed as dist
 
 from .models import PlanError
 
-__all__ = ["PLUGINS", "PP_STYLES", "PRECISIONS", "Layout", "SimWorld", "install_cpu_shims", "meta_device_mesh"]
+__all__ = [
+    "PLUGINS",
+    "PP_STYLES",
+    "PRECISIONS",
+    "ChunkSearch",
+    "Layout",
+    "SimWorld",
+    "install_cpu_shims",
+    "meta_device_mesh",
+]
 
-PLUGINS = ("hybrid", "zero", "ddp", "fsdp")
+PLUGINS = ("hybrid", "zero", "ddp", "fsdp", "gemini")
 #: HybridParallelPlugin's ``pp_style`` values the planner simulates (``zbv`` is not).
 PP_STYLES = ("1f1b", "interleaved")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ChunkSearch:
+    """GeminiPlugin's chunk search options, by its keyword names, with its defaults (ColossalAI
+    0.5.0): the chunk size is searched from the largest parameter (or ``min_chunk_size_m`` Mi
+    elements) over ``search_range_m`` Mi elements in steps of ``hidden_dim`` (1024 when None), and
+    a model smaller than ``min_chunk_size_m`` is kept in one chunk, whole on every rank."""
+
+    min_chunk_size_m: float = 32
+    search_range_m: float = 32
+    hidden_dim: int | None = None
+
+    def describe(self) -> str:
+        if self == ChunkSearch():
+            return ""
+        step = self.hidden_dim or 1024
+        return f", chunk search from {self.min_chunk_size_m} Mi over {self.search_range_m} Mi in steps of {step}"
 
 
 @dataclass(frozen=True)
@@ -43,10 +70,14 @@ class Layout:
     num_model_chunks: int = 1  # its num_model_chunks: layer chunks per stage (interleaved only)
     #: ZeRO's ``cpu_offload``: fp32 masters, their gradients and the optimizer in host memory.
     cpu_offload: bool = False
+    #: GeminiPlugin's chunk search (``--plugin gemini`` only).
+    chunk_search: ChunkSearch = ChunkSearch()
 
     def __post_init__(self) -> None:
         if self.plugin not in PLUGINS:
             raise PlanError(f"--plugin {self.plugin!r}: choose one of {', '.join(PLUGINS)}")
+        if self.plugin == "gemini" or self.chunk_search != ChunkSearch():
+            self._check_gemini()
         if self.precision not in PRECISIONS:
             raise PlanError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         for name in ("tp", "pp", "dp", "ep", "sp"):
@@ -97,6 +128,34 @@ class Layout:
         if self.plugin == "ddp" and (self.zero or self.precision != "fp32"):
             raise PlanError(
                 "--plugin ddp runs --zero 0 --precision fp32 (TorchDDPPlugin has no ZeRO or mixed precision)"
+            )
+
+    def _check_gemini(self) -> None:
+        """What dist_optim runs under GeminiPlugin (``plugins.gemini.SUPPORTED``: static placement
+        without offload, ``tp_size=1``) and GeminiPlugin itself takes, refused in one line."""
+        if self.plugin != "gemini":
+            raise PlanError(
+                "--min-chunk-size-m, --search-range-m and --hidden-dim are Gemini's chunk search: add --plugin gemini"
+            )
+        if self.tp > 1:
+            raise PlanError(
+                f"--tp {self.tp} with --plugin gemini: dist_optim runs Gemini with tp_size=1; plan --plugin hybrid "
+                f"--tp {self.tp} --zero 1 for tensor parallelism with ZeRO"
+            )
+        if self.cpu_offload:
+            raise PlanError(
+                "--cpu-offload with --plugin gemini: dist_optim runs Gemini's static placement without offload; "
+                "plan --plugin zero --zero 2 --cpu-offload for masters and optimizer states in host memory"
+            )
+        if self.zero:
+            raise PlanError(
+                f"--zero {self.zero} with --plugin gemini: Gemini shards parameters, gradients and masters in its "
+                "chunks itself; plan --plugin gemini without --zero"
+            )
+        if self.precision == "fp32":
+            raise PlanError(
+                "--precision fp32 with --plugin gemini: GeminiPlugin takes bf16 or fp16 working chunks beside its "
+                "fp32 masters; plan --precision bf16"
             )
 
     def _check_schedule(self) -> None:
@@ -212,6 +271,8 @@ class Layout:
         kind = self.precision + (", CPU offload" if self.cpu_offload else "")
         if self.plugin == "fsdp":
             zero = " x FSDP full shard, a unit per decoder layer"
+        if self.plugin == "gemini":
+            zero = f" x Gemini static chunks{self.chunk_search.describe()}"
         return f"{self.plugin} tp={self.tp}{pp}{sp} x dp={self.dp}{ep}{zero} ({self.world} ranks, {kind})"
 
     def stage_of(self, rank: int) -> int:

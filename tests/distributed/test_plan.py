@@ -1,6 +1,6 @@
 """The planner against real runs: a tiny Llama boosted by dist_optim.plugins on gloo processes,
 every optimizer, tp=2 x dp=2 x ZeRO-1, pp=2 x dp=2 x ZeRO-1, sp=2 x dp=2 x ZeRO-1 (all_to_all),
-LowLevelZero ZeRO-2 x 4, DDP x 2 and FSDP x 4. For every rank and
+LowLevelZero ZeRO-2 x 4, DDP x 2, FSDP x 4 and Gemini x 4. For every rank and
 every step, the optimizer state bytes, the collectives (by kind) and the bytes sent that the
 planner simulates on meta tensors equal what the run measures; the peak transient bytes of a
 step are within 10%; the tensors and layouts the planner hands the optimizer are the ones the
@@ -20,9 +20,10 @@ import dist_optim
 from dist_optim.plan import Layout, PlanError, Workload, make_plan, parse_bytes
 from dist_optim.plan.simulate import COLUMNS, OPTIMIZERS, SimWorld, build_optimizer, build_pieces
 from dist_optim.plan.traffic import LiveBytes
+from dist_optim.plan.world import ChunkSearch
 from dist_optim.testing import tiny_llama
 from tests.helpers.allocated import AllocatedBytes, held_bytes
-from tests.helpers.booster import GLOBAL_BATCH, SEQ, balance_router, model_for, rank_batch
+from tests.helpers.booster import GEMINI_CHUNKS, GLOBAL_BATCH, SEQ, balance_router, model_for, rank_batch
 from tests.helpers.collectives import Collectives, counting_collectives
 
 STEPS = 3
@@ -110,6 +111,28 @@ def _decoder_layers() -> Any:
 #: flat range of its unit, empty on most ranks; the planner derives the ranges by FSDP's rule.
 FSDP_LAYOUT = ("TorchFSDPPlugin", dict(auto_wrap_policy=_decoder_layers()), 4, Layout("fsdp", dp=4, precision="fp32"))
 CASES += [pytest.param(name, "fsdp-x4", FSDP_LAYOUT, id=f"{name}-fsdp-x4") for name in COLUMNS]
+#: Gemini's static placement over 4 ranks, bf16, with the tests' chunk search (chunks of the
+#: embedding's size, each cut into 4 shards): every parameter a range of its chunk's shard on a
+#: rank, cut anywhere, empty on most; the planner runs ColossalAI's chunk search on the meta model.
+#: Every column but torch's AdamW, which ColossalAI's Gemini refuses (it takes its own Adam classes only).
+GEMINI_LAYOUT = (
+    "GeminiPlugin",
+    dict(GEMINI_CHUNKS, placement_policy="static", precision="bf16"),
+    4,
+    Layout("gemini", dp=4, precision="bf16", chunk_search=ChunkSearch(**GEMINI_CHUNKS)),
+)
+CASES += [pytest.param(name, "gemini-x4", GEMINI_LAYOUT, id=f"{name}-gemini-x4") for name in COLUMNS if name != "adamw"]
+#: GeminiPlugin's own chunk search, which keeps a model this small in one chunk whole on every rank.
+GEMINI_KEPT_LAYOUT = (
+    "GeminiPlugin",
+    dict(placement_policy="static", precision="bf16"),
+    4,
+    Layout("gemini", dp=4, precision="bf16"),
+)
+CASES += [
+    pytest.param(name, "gemini-kept-x4", GEMINI_KEPT_LAYOUT, id=f"{name}-gemini-kept-x4")
+    for name in ("lamb", "shampoo")
+]
 #: The catalogue's variants (its entries that are not columns), each checked on one layout: Shampoo's
 #: code with a few options changed (SOAP: Adam's moments in the eigenbasis, rotated at a refresh).
 CASES += [
@@ -392,6 +415,60 @@ def test_step_traffic_equals_the_run(layout_id: str, pool4: Any) -> None:
             assert 0 <= measured - planned <= 8 * flags, f"rank {rank} step {step}: run sent {measured}, plan {planned}"
 
 
+def _measured_gemini_step(plugin_kwargs: dict[str, Any], checkpointed: bool) -> list[dict[str, tuple[int, float]]]:
+    """The collectives of this rank's forward and backward (by kind: calls, bytes sent) in each of
+    three training steps of the tiny Llama under GeminiPlugin, LAMB stepped between them; its
+    decoder layers ``checkpointed`` as the recipe does it, or not."""
+    from colossalai.booster import Booster
+
+    from dist_optim import plugins
+    from dist_optim.plugins.cpu import install, quiet_colossal
+    from tests.helpers.booster import dp_coords
+
+    install()
+    with quiet_colossal():
+        model = model_for("GeminiPlugin")
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = build_optimizer("lamb", model, dict(model.named_parameters()), ARGS["lamb"])
+        plugin = plugins.GeminiPlugin(**plugin_kwargs)
+        booster = Booster(plugin=plugin)
+        model, wrapper, *_ = booster.boost(model, opt)
+    dp_size, dp_rank = dp_coords(plugin)
+    out = []
+    for s in range(STEPS):
+        x = rank_batch(s, dp_size, dp_rank)
+        with counting_collectives() as seen:
+            booster.backward(model(input_ids=x, labels=x).loss, wrapper)
+        out.append({kind: (n, float(seen.sent[kind])) for kind, n in seen.counts.items()})
+        wrapper.step()
+        wrapper.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("layout_id", ["gemini-x4", "gemini-x4-checkpointed", "gemini-kept-x4"])
+def test_gemini_chunk_traffic_equals_the_run(layout_id: str, pool4: Any) -> None:
+    """Gemini's collectives in a training step's forward and backward (the chunks' all-gathers,
+    some chunks gathered more than once, again for a checkpointed layer's recomputation, and
+    gradient reduce-scatters; a kept chunk's all-reduce), as the plan derives them
+    (Plan.step_traffic's ``gradients``), against every collective of a real forward and backward
+    counted at torch.distributed."""
+    plugin_name, kwargs, _, layout = GEMINI_KEPT_LAYOUT if layout_id == "gemini-kept-x4" else GEMINI_LAYOUT
+    checkpointed = layout_id.endswith("checkpointed")
+    measuring = pool4.submit(_measured_gemini_step, kwargs, checkpointed)
+    try:
+        work = Workload(SEQ, GLOBAL_BATCH // layout.world, grad_checkpoint=checkpointed)
+        config = model_for(plugin_name).config
+        plan = make_plan(config, layout, "lamb", ARGS["lamb"], steps=2, device="cpu", workload=work)
+    finally:
+        runs = measuring.result()
+    planned = plan.step_traffic["gradients"]
+    for rank, steps in enumerate(runs):
+        for step, by_kind in enumerate(steps):
+            measured = sum(sent for _, sent in by_kind.values())
+            assert measured == planned, f"rank {rank} step {step}: run sent {measured} ({by_kind}), plan {planned}"
+
+
 def test_bad_input_names_the_option_and_the_fix() -> None:
     with pytest.raises(PlanError, match="--tp 2 needs --plugin hybrid"):
         Layout("zero", tp=2, zero=1, dp=2)
@@ -405,6 +482,23 @@ def test_bad_input_names_the_option_and_the_fix() -> None:
         Layout("hybrid", zero=1, dp=2, precision="fp32")
     with pytest.raises(PlanError, match="^--cpu-offload is ZeRO's .*: add --zero 1 or --zero 2"):
         Layout("hybrid", tp=2, cpu_offload=True)
+    # Gemini: what dist_optim runs under it (static placement without offload, tp_size=1) and what
+    # GeminiPlugin takes (bf16/fp16), each refused in one line naming the fix
+    for kwargs, refusal in (
+        (dict(tp=2, dp=2), "^--tp 2 with --plugin gemini: .*; plan --plugin hybrid --tp 2 --zero 1"),
+        (dict(pp=2, dp=2), "^--pp 2 needs --plugin hybrid"),
+        (dict(dp=4, cpu_offload=True), "^--cpu-offload with --plugin gemini: .*; plan --plugin zero --zero 2"),
+        (dict(dp=4, zero=2), "^--zero 2 with --plugin gemini: .*; plan --plugin gemini without --zero"),
+        (dict(dp=4, precision="fp32"), "^--precision fp32 with --plugin gemini: .*; plan --precision bf16"),
+    ):
+        with pytest.raises(PlanError, match=refusal):
+            Layout("gemini", **kwargs)
+    with pytest.raises(
+        PlanError, match="^--plugin gemini with a mixture-of-experts model: .*; plan --plugin hybrid --ep"
+    ):
+        make_plan(model_for("MoeHybridParallelPlugin").config, Layout("gemini", dp=4), "lamb", device="cpu")
+    with pytest.raises(PlanError, match="^--min-chunk-size-m, .* are Gemini's chunk search: add --plugin gemini"):
+        Layout("zero", zero=2, dp=4, chunk_search=ChunkSearch(min_chunk_size_m=0))
     with pytest.raises(PlanError, match="--optimizer 'adam': choose one of"):
         make_plan("llama-7b", Layout(), "adam")
     with pytest.raises(PlanError, match="--model 'nope'"):
@@ -439,6 +533,12 @@ def test_cli_reports_fit_and_gaps(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert off["host_traffic"]["staging"] == off["steady"]["staged"] > off["steady"]["bytes_sent"]
     main([*common, "--no-activations", "--cpu-offload"])
     assert "of which in host memory (offload)" in capsys.readouterr().out
+    # --plugin gemini with GeminiPlugin's chunk search options: its chunks' rows and layout
+    chunks = ["--min-chunk-size-m", "0", "--search-range-m", "0", "--hidden-dim", "64"]
+    main(["--model", str(path), "--plugin", "gemini", "--dp", "4", *chunks, "--optimizer", "lamb", "--no-activations"])
+    out = capsys.readouterr().out
+    assert "x Gemini static chunks, chunk search from 0.0 Mi over 0.0 Mi in steps of 64 (4 ranks, bf16)" in out
+    assert "Gemini chunks gathered (derived)" in out and "Gemini's chunks: ColossalAI's chunk search" in out
 
 
 def test_cli_builds_configuration_objects() -> None:
