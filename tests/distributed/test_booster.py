@@ -214,16 +214,27 @@ def test_swap_log_lists_the_converted_options() -> None:
     assert text.startswith("nonfinite='raise'; ")  # a conversion gets the default NaN/Inf policy
 
 
-def test_heavyball_muon_is_swapped_bound_and_exact_under_tp(pool4, tmp_path) -> None:
-    """``heavyball.Muon`` handed to booster.boost at tp=2 x ZeRO-1 (bf16) becomes DistributedMuon
-    bound to the TP and ZeRO layouts, and steps as the single-device algorithm does on what it was
-    handed (its float64 equality with heavyball itself: tests/unit/test_heavyball.py)."""
+#: heavyball's classes converted exactly (float64 against heavyball itself: tests/unit/test_heavyball.py
+#: and test_heavyball_soap.py), with the class each becomes. SOAP's first step only seeds its bases;
+#: with precondition_frequency=2 its second refreshes them.
+HEAVYBALL = {
+    "muon": ("heavyball_muon", dict(lr=2e-3, betas=(0.9, 0.99), weight_decay=1e-2), "DistributedMuon"),
+    "soap": ("heavyball_soap", dict(lr=2e-3, precondition_frequency=2), "DistributedShampoo"),
+}
+
+
+@pytest.mark.parametrize("name", list(HEAVYBALL))
+def test_heavyball_is_swapped_bound_and_exact_under_tp(pool4, tmp_path, name: str) -> None:
+    """A heavyball optimizer handed to booster.boost at tp=2 x ZeRO-1 (bf16) becomes ours, bound
+    to the TP and ZeRO layouts, and steps as the single-device algorithm does on what it was
+    handed."""
     pytest.importorskip("heavyball")
+    factory, options, target = HEAVYBALL[name]
     kwargs = dict(tp_size=2, pp_size=1, zero_stage=1, precision="bf16", overlap_communication=False)
-    source = ("tests.helpers.booster.heavyball_muon", dict(lr=2e-3, betas=(0.9, 0.99), weight_decay=1e-2))
+    source = (f"tests.helpers.booster.{factory}", options)
     results = pool4.run(booster.booster_parity, "HybridParallelPlugin", kwargs, *source, STEPS, str(tmp_path))
     for rank, res in enumerate(results):
-        assert "DistributedMuon" in res["swapped_to"], res["swapped_to"]
+        assert target in res["swapped_to"], res["swapped_to"]
         assert res["tp_bound"] > 0 and res["zero_bound"] > 0, (rank, res["tp_bound"], res["zero_bound"])
         assert res["replayed_steps"] == STEPS and not res["replay"], f"rank {rank}: {res['replay'][:4]}"
 

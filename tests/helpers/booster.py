@@ -589,3 +589,11 @@ def heavyball_muon(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
     import heavyball
 
     return heavyball.Muon([p for p in params if p.dim() >= 2], **kwargs)
+
+
+def heavyball_soap(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """heavyball's SOAP over every parameter, as a user builds it: an ``opt_path`` for
+    :func:`make_optimizer`."""
+    import heavyball
+
+    return heavyball.SOAP(list(params), **kwargs)
