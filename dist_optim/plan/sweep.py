@@ -1,6 +1,6 @@
 """``python -m dist_optim.plan --sweep``: every layout of a world of N GPUs for one model, optimizer and
 micro-batch (tp x pp x dp x ZeRO x activation checkpointing on HybridParallelPlugin, and FSDP's full
-shard over every rank), each planned as
+shard and Gemini's static placement over every rank), each planned as
 :func:`dist_optim.plan.make_plan` plans it, ranked by the bytes a rank sends per training step among
 the layouts that fit the GPU's memory.
 
@@ -9,9 +9,10 @@ per (tp, pp, dp, ZeRO) and the activations once per (tp, pp, checkpointing), and
 rank 0, the busiest owner and the first rank of every stage (not every rank of a small world). The
 layouts of one (tp, pp) share their activations, so each such group is one task; the tasks are
 independent and run in ``jobs`` processes (spawned: a forked simulator would inherit the parent's
-thread pools), which is what brings a 70B Shampoo sweep under five minutes on two cores
-(``python -m dist_optim.plan --model llama-70b --tp 8 --dp 8 --batch-size 8 --gpu-memory 80GiB
---optimizer shampoo --sweep``).
+thread pools). Within a plan, the stages between the first and the last hold alike and are
+simulated once (:func:`dist_optim.plan.simulate.stage_twin_key`). What a sweep costs:
+``/usr/bin/time python -m dist_optim.plan --model llama-70b --tp 8 --dp 8 --batch-size 8
+--gpu-memory 80GiB --optimizer shampoo --sweep``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def candidate_layouts(config: Any, world: int, precision: str, batch_size: int) 
     """The HybridParallelPlugin layouts of ``world`` ranks the model and ColossalAI accept: TP
     dividing the heads, no more stages than layers nor than the micro-batches of a step, ZeRO 0-2
     (0-1 with stages) where there is data parallelism to shard over; then TorchFSDPPlugin over all
-    ``world`` ranks (fp32 or bf16: its plugin has no loss scaling for fp16)."""
+    ``world`` ranks (fp32 or bf16: its plugin has no loss scaling for fp16) and GeminiPlugin's static
+    placement with its default chunk search (bf16 or fp16; not a mixture of experts, which it
+    refuses)."""
     out = []
     for tp in TP_SIZES:
         for pp in PP_SIZES:
@@ -54,6 +57,8 @@ def candidate_layouts(config: Any, world: int, precision: str, batch_size: int) 
             out += [Layout("hybrid", tp=tp, pp=pp, dp=dp, zero=z, precision=precision) for z in zeros]
     if world > 1 and precision != "fp16":
         out.append(Layout("fsdp", dp=world, precision=precision))
+    if world > 1 and precision != "fp32" and not getattr(config, "num_local_experts", None):
+        out.append(Layout("gemini", dp=world, precision=precision))
     return out
 
 

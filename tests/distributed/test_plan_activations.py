@@ -412,9 +412,9 @@ def test_interleaved_schedule_matches_the_run(pool2: Any) -> None:
 
 def test_sweep_ranks_the_layouts_that_fit_by_bytes_sent(capsys: pytest.CaptureFixture[str]) -> None:
     """--sweep over 4 ranks of the GQA Llama (2 key/value heads, 2 layers, 2 micro-batches): every
-    layout ColossalAI accepts and only those, and FSDP over the 4, twice (checkpointing off and on); each sweep plan is
-    the plan make_plan makes for its layout on its own; with a GPU that fits some of them, those
-    come first, each part by bytes sent per step."""
+    layout ColossalAI accepts and only those, and FSDP and Gemini over the 4, twice (checkpointing
+    off and on); each sweep plan is the plan make_plan makes for its layout on its own; with a GPU
+    that fits some of them, those come first, each part by bytes sent per step."""
     import dataclasses
 
     from dist_optim.plan.__main__ import main
@@ -430,7 +430,7 @@ def test_sweep_ranks_the_layouts_that_fit_by_bytes_sent(capsys: pytest.CaptureFi
              bool(p.workload and p.workload.grad_checkpoint)) for p in plans}  # fmt: skip
     layouts = {(1, 1, 4, z) for z in (0, 1, 2)} | {(1, 2, 2, z) for z in (0, 1)} | {(2, 1, 2, z) for z in (0, 1, 2)}
     layouts |= {(2, 2, 1, 0)}  # tp=4 does not divide the 2 key/value heads; pp=4 exceeds the 2 layers
-    layouts = {("hybrid", *lay) for lay in layouts} | {("fsdp", 1, 1, 4, 0)}
+    layouts = {("hybrid", *lay) for lay in layouts} | {("fsdp", 1, 1, 4, 0), ("gemini", 1, 1, 4, 0)}
     assert seen == {(*lay, ckpt) for lay in layouts for ckpt in (False, True)}
     one = next(
         p for p in plans if (p.layout.tp, p.layout.pp, p.layout.zero) == (2, 1, 1) and not p.workload.grad_checkpoint
