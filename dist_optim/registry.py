@@ -28,6 +28,7 @@ from .base import DistOptimizer, class_path
 __all__ = [
     "Conversion",
     "ANY",
+    "HEAVYBALL_NEUTRAL",
     "register",
     "register_refusals",
     "lookup",
@@ -51,6 +52,21 @@ class _Any:
 #: In :attr:`Conversion.neutral`, a source option that is accepted with any value (it does not
 #: change the math, e.g. ``foreach``).
 ANY: Any = _Any()
+
+#: The group keys every heavyball (PyPI) optimizer keeps that change its update away from these
+#: values (its chainable extras and error-correction states) or are bookkeeping: the start of each
+#: heavyball conversion's :attr:`Conversion.neutral`.
+HEAVYBALL_NEUTRAL: dict[str, Any] = {
+    "caution": False,
+    "cautious_weight_decay": False,
+    "warmup_steps": 0,
+    "mars": False,
+    "mars_gamma": ANY,  # read only with mars=True
+    "ecc": None,
+    "param_ecc": None,
+    "__class__": ANY,  # heavyball keeps its class among the defaults
+    "storage_dtype": ANY,  # each conversion checks it against the parameters
+}
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..kernels.newton_schulz import Coefficients
-from ..registry import ANY, Conversion, register, register_refusals
+from ..registry import ANY, HEAVYBALL_NEUTRAL, Conversion, register, register_refusals
 from .optimizer import DistributedMuon
 
 __all__ = ["HEAVYBALL_NS_COEFFICIENTS"]
@@ -44,23 +44,15 @@ HEAVYBALL_NS_COEFFICIENTS: tuple[Coefficients, ...] = (
 _MUON_CHAIN = ("nesterov_ema", "orthogonalize_update")
 # Group keys accepted only at heavyball's default (anything else changes the update).
 _NEUTRAL: dict[str, Any] = {
-    "caution": False,
-    "cautious_weight_decay": False,
-    "warmup_steps": 0,
-    "mars": False,
-    "mars_gamma": ANY,  # read only with mars=True
+    **HEAVYBALL_NEUTRAL,
     "palm": False,
     "beta2_scale": ANY,  # read only with palm
     "eps": ANY,  # heavyball's Muon floors the norm at a fixed 1e-7, not at eps
     "multi_tensor": ANY,  # how heavyball batches its kernels, not the update
-    "ecc": None,
-    "param_ecc": None,
     "heavyball_momentum": False,
     # Without nesterov heavyball steps a bias-corrected average whose correction counts the group's
     # steps, not the parameter's: a parameter that missed a step then moves differently.
     "nesterov": True,
-    "__class__": ANY,  # heavyball keeps its class among the defaults
-    "storage_dtype": ANY,  # checked against the parameters below
 }
 
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ..registry import ANY, Conversion, register
+from ..registry import ANY, HEAVYBALL_NEUTRAL, Conversion, register
 from .blocking import merge_trailing_dims
 from .optimizer import DistributedShampoo
 
@@ -55,11 +55,7 @@ __all__: list[str] = []
 
 # Group keys accepted only at heavyball's default (anything else changes the update).
 _NEUTRAL: dict[str, Any] = {
-    "caution": False,
-    "cautious_weight_decay": False,
-    "warmup_steps": 0,
-    "mars": False,
-    "mars_gamma": ANY,  # read only with mars=True
+    **HEAVYBALL_NEUTRAL,
     "beta2_scale": ANY,  # read only with palm
     "split": False,
     "use_precond_schedule": False,  # True refreshes by heavyball's precond_scheduler
@@ -67,10 +63,6 @@ _NEUTRAL: dict[str, Any] = {
     # the stacked step gives it where other parameters of the group step (soap_step="heavyball").
     "multi_tensor": True,
     "precond_grad_accum": ANY,  # not read by SOAP's chain
-    "ecc": None,
-    "param_ecc": None,
-    "__class__": ANY,
-    "storage_dtype": ANY,  # checked against the parameters below
 }
 _READS = frozenset(
     {"lr", "betas", "eps", "weight_decay", "shampoo_beta", "max_precond_dim", "merge_dims", "precondition_1d"}
