@@ -146,10 +146,13 @@ what and how tensors move):
 * :mod:`.optimizer`: :class:`DistributedKron`, the coordinator;
 * :mod:`.conversions`: ``kron_torch.kron.Kron`` -> :class:`DistributedKron` and the planner entry,
   registered when the package is imported.
+* :mod:`.variant`: ``variant="heavyball"``, heavyball's PSGD Kron (its momentum, update rule, noise,
+  balancing, lower-bounded factor steps, trust-region clip), and :mod:`.heavyball`:
+  ``heavyball.PSGDKron`` -> :class:`DistributedKron` with it.
 """
 
 # Registers the kron_torch conversion and the planner entry, so that `import dist_optim` does.
-from . import conversions  # noqa: F401
+from . import conversions, heavyball  # noqa: F401
 from .optimizer import DistributedKron
 from .schedule import ProbabilitySchedule, precond_update_prob_schedule
 from .structure import precond_cost

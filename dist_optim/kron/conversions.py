@@ -63,15 +63,16 @@ def _kron_torch_kron(opt: torch.optim.Optimizer, g: Any) -> dict[str, Any]:
 
 
 register(Conversion("kron_torch.kron.Kron", DistributedKron, _kron_torch_kron, KRON_TORCH_OPTIONS))
-# heavyball's (PyPI) PSGD family: preconditioner updates of its own, not kron_torch's.
+# heavyball's (PyPI) PSGDKron converts (.heavyball, variant="heavyball"); the rest of its PSGD family
+# preconditions otherwise (eigenbasis Adam, other Q updates, low-rank factors).
 register_refusals(
     {
         f"heavyball.{name}": "updates its preconditioner with heavyball's own PSGD kernels"
-        for name in ("PSGDKron", "LATHER", "PSGDPRO", "QSGD", "PSGDLRA")
+        for name in ("LATHER", "PSGDPRO", "QSGD", "PSGDLRA")
     },
     DistributedKron,
-    "DistributedKron computes kron_torch's Kron and has not been checked against them: build "
-    "dist_optim.DistributedKron instead, or keep heavyball on whole parameters (ColossalAI's stock TorchDDPPlugin)",
+    "DistributedKron computes kron_torch's Kron and heavyball's PSGDKron, not these: convert heavyball.PSGDKron, "
+    "build dist_optim.DistributedKron instead, or keep heavyball on whole parameters (ColossalAI's TorchDDPPlugin)",
 )
 
 register_entry(

@@ -22,6 +22,7 @@ import torch
 from ..layout import ParamLayout
 from ..states import bnb, codecs
 from .state import MOMENTUM, MOMENTUM_ENTRY
+from .variant import heavy, momentum_weight
 
 __all__ = ["update_momenta", "momentum_bytes"]
 
@@ -30,13 +31,15 @@ def update_momenta(
     states: Mapping[torch.Tensor, dict[str, Any]],
     work: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, ParamLayout]],
     eight_bit: Callable[[ParamLayout], bool],
+    step: int = 0,
 ) -> list[torch.Tensor]:
     """``m <- b1 m + (1 - b1) g`` of each parameter's local elements (``work``: group, parameter,
     local gradient, layout); returns the momenta. A 32-bit one is the state's buffer, updated in
     place; an 8-bit one a new fp32 tensor (float64 for float64 gradients), the caller's to
     overwrite, whose value is already stored quantised. A state saved with the other
     ``optim_bits`` is carried over: a 32-bit momentum is quantised here, an 8-bit one loaded by a
-    32-bit optimizer dequantised into ``mu_dtype``."""
+    32-bit optimizer dequantised into ``mu_dtype``. ``variant="heavyball"``: the bias-corrected
+    average ``m (1 - a) + g a`` at the optimizer's ``step`` (:func:`.variant.momentum_weight`)."""
     out = []
     batch = bnb.Batch8bit()
     for group, p, g, layout in work:
@@ -49,7 +52,11 @@ def update_momenta(
         else:
             MOMENTUM_ENTRY.codec.to_plain(batch, state, MOMENTUM, layout, g.device, group["mu_dtype"] or p.dtype)
             m = state[MOMENTUM]
-        m.mul_(b1).add_(g, alpha=1 - b1)
+        if heavy(group):
+            a = momentum_weight(b1, step)
+            m.mul_(1 - a).add_(g, alpha=a)
+        else:
+            m.mul_(b1).add_(g, alpha=1 - b1)
         out.append(m)
     batch.store()
     return out

@@ -39,6 +39,7 @@ from .state import (
     without_factors,
 )
 from .structure import FactorPlan, plan_factors, precond_cost
+from .variant import heavy
 
 __all__ = ["DistributedKron"]
 
@@ -114,6 +115,14 @@ class DistributedKron(DistOptimizer):
         nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
             ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`); a skipped step draws no
             random numbers and leaves the update schedule where it was.
+        variant: ``"kron_torch"`` (default, the algorithm above) or ``"heavyball"``: heavyball's
+            PSGDKron (:mod:`dist_optim.kron.variant`: its momentum, update rule, noise, balancing,
+            lower-bounded factor steps, trust-region clip), what ``dist_optim.convert`` makes of it;
+            with it ``dampening``, ``lower_bound_beta`` and ``power_iterations`` (heavyball's
+            ``precond_update_power_iterations``) are read.
+        precond_init_scale_power, precond_init_scale_scale: with ``precond_init_scale=None`` the
+            scale is ``(scale_scale * mean(|G|^4)^(-1/8)) ** power`` (default 1, 1: Li's rule;
+            heavyball's 0.5 power).
     """
 
     _sharded_state = ("momentum_buffer",)
@@ -145,6 +154,12 @@ class DistributedKron(DistOptimizer):
         preconditioner_bits: int = 32,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         nonfinite: str = "raise",
+        variant: str = "kron_torch",
+        dampening: float = 1e-9,
+        lower_bound_beta: float = 0.9,
+        power_iterations: int = 2,
+        precond_init_scale_power: float = 1.0,
+        precond_init_scale_scale: float = 1.0,
     ) -> None:
         check_optimizer_options(seed, communication_dtype, probe_rng)
         self.optim_bits, self.min_8bit_size = codecs.check_8bit_options(
@@ -170,6 +185,14 @@ class DistributedKron(DistOptimizer):
             clip_update_rms=clip_update_rms,
             use_symmetric_packing=use_symmetric_packing,
             preconditioner_bits=preconditioner_bits,
+            heavyball=dict(
+                variant=variant,
+                dampening=dampening,
+                lower_bound_beta=lower_bound_beta,
+                power_iterations=power_iterations,
+                precond_init_scale_power=precond_init_scale_power,
+                precond_init_scale_scale=precond_init_scale_scale,
+            ),
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
         self.communication_dtype = communication_dtype
@@ -184,7 +207,7 @@ class DistributedKron(DistOptimizer):
         """The options of one param group (see the class docstring for their ranges)."""
         super().validate_group(group)
         codecs.refuse_group_8bit_options(group, type(self).__name__)
-        validate_options(group)
+        validate_options(group, self.optim_bits)
 
     @property
     def seed(self) -> int:
@@ -267,7 +290,8 @@ class DistributedKron(DistOptimizer):
         loss = self._begin_step(closure)
         if not self._gradients_ok():
             return loss
-        do_update, balance = self._random.decide(self.param_groups[0]["preconditioner_update_probability"])
+        first = self.param_groups[0]
+        do_update, balance = self._random.decide(first["preconditioner_update_probability"], heavy(first))
 
         todo: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
         sizes: list[int] = []
@@ -303,7 +327,8 @@ class DistributedKron(DistOptimizer):
         its bucket only): with the gradients where the preconditioner is fitted to them, the
         inputs of their owners' work."""
         layouts = [self.layout(p) for _, p, _ in todo]
-        momenta = update_momenta(self.state, [(*t, layout) for t, layout in zip(todo, layouts)], self.eight_bit)
+        work = [(*t, layout) for t, layout in zip(todo, layouts)]
+        momenta = update_momenta(self.state, work, self.eight_bit, self._random.prob_step)
         works = []
         for (group, p, g), m, layout in zip(todo, momenta, layouts):
             # An 8-bit parameter's fp32 momentum is already stored as codes: the owner may work in it.
@@ -336,17 +361,28 @@ class DistributedKron(DistOptimizer):
             state = self.state[p]
             rounding = functools.partial(self._rounding_generator, p)
             w.results[0] = owner_direction(
-                state, group, plan, inputs[0], inputs[-1], probes, balance, scratch, self._scratch, rounding
+                state,
+                group,
+                plan,
+                inputs[0],
+                inputs[-1],
+                probes,
+                balance,
+                scratch,
+                self._scratch,
+                rounding,
+                step=self._random.prob_step,
             )
             w.owned = {}  # the owner's whole inputs, dropped as soon as used
         elif draws:  # the numbers, chunk by chunk, dropped: the sequential generator stays in step
             discard_probe(self._probe_generator(p), plan, dtype, item.m.device)
 
     def _apply(self, w: OwnedWork[KronParam]) -> None:
-        """This rank's elements of the direction, weight decay (tensors of >= 2 dims), the step."""
+        """This rank's elements of the direction, weight decay (tensors of >= 2 dims; every one with
+        variant="heavyball"), the step."""
         group, p, layout = w.entry.group, w.entry.p, w.layout
         local = w.local().view_as(p)
-        if group["weight_decay"] != 0 and layout.ndim >= 2:
+        if group["weight_decay"] != 0 and (layout.ndim >= 2 or heavy(group)):  # heavyball: every tensor
             local.add_(p, alpha=group["weight_decay"])
         p.add_(local.to(p.dtype), alpha=-group_lr(group))
         w.piece, w.boxes = None, []  # applied: freed now, not when the whole bucket's are

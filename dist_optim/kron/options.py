@@ -17,6 +17,7 @@ import torch
 
 from ..base import check_lr, check_range
 from ..comm.dtypes import check_communication_dtype
+from .variant import VARIANTS
 
 __all__ = [
     "MEMORY_SAVE_MODES",
@@ -27,6 +28,7 @@ __all__ = [
     "check_probability",
     "check_preconditioner_bits",
     "precond_dtype",
+    "HEAVYBALL_DEFAULTS",
 ]
 
 MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
@@ -51,6 +53,7 @@ def group_defaults(
     clip_update_rms: bool,
     use_symmetric_packing: bool,
     preconditioner_bits: int = 32,
+    heavyball: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The param-group defaults in the order saved param groups list them (flags as bools)."""
     return dict(
@@ -70,7 +73,40 @@ def group_defaults(
         clip_update_rms=bool(clip_update_rms),
         use_symmetric_packing=use_symmetric_packing,  # checked, not converted: a non-bool is refused
         preconditioner_bits=preconditioner_bits,
+        **{**HEAVYBALL_DEFAULTS, **(heavyball or {})},
     )
+
+
+#: The options of ``variant="heavyball"`` (:mod:`dist_optim.kron.variant`) and the initial-scale
+#: rule's, at their defaults (kron_torch's algorithm; heavyball's are in :mod:`dist_optim.kron.heavyball`).
+HEAVYBALL_DEFAULTS: dict[str, Any] = dict(
+    variant="kron_torch",
+    dampening=1e-9,
+    lower_bound_beta=0.9,
+    power_iterations=2,
+    precond_init_scale_power=1.0,
+    precond_init_scale_scale=1.0,
+)
+
+
+def _check_variant_options(group: dict[str, Any], optim_bits: int) -> None:
+    if group["variant"] not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {group['variant']!r}")
+    check_range("dampening", group["dampening"], 0.0)
+    check_range("lower_bound_beta", group["lower_bound_beta"], 0.0, 1.0)
+    check_range("precond_init_scale_scale", group["precond_init_scale_scale"], 0.0)
+    check_range("precond_init_scale_power", group["precond_init_scale_power"], 0.0)
+    value = group["power_iterations"]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"power_iterations must be an int >= 0, got {value!r}")
+    # heavyball's variant is checked against heavyball with whole float factors and momenta only.
+    if group["variant"] == "heavyball" and (group["use_symmetric_packing"] or group["preconditioner_bits"] != 32):
+        raise ValueError(
+            "variant='heavyball' keeps whole float factors: use use_symmetric_packing=False and "
+            f"preconditioner_bits=32, got {group['use_symmetric_packing']!r} and {group['preconditioner_bits']!r}"
+        )
+    if group["variant"] == "heavyball" and optim_bits != 32:
+        raise ValueError(f"variant='heavyball' keeps a float momentum: use optim_bits=32, got {optim_bits}")
 
 
 def check_optimizer_options(seed: Any, communication_dtype: Any, probe_rng: Any) -> None:
@@ -82,8 +118,9 @@ def check_optimizer_options(seed: Any, communication_dtype: Any, probe_rng: Any)
     check_communication_dtype(communication_dtype)
 
 
-def validate_options(group: dict[str, Any]) -> None:
-    """Check one param group's Kron options, raising a ValueError that names the option."""
+def validate_options(group: dict[str, Any], optim_bits: int = 32) -> None:
+    """Check one param group's Kron options (``optim_bits``: the optimizer's), raising a ValueError
+    that names the option."""
     check_lr(group["lr"])
     check_range("b1", group["b1"], 0.0, 1.0)
     check_range("weight_decay", group["weight_decay"], 0.0)
@@ -105,6 +142,7 @@ def validate_options(group: dict[str, Any]) -> None:
     if not isinstance(group["use_symmetric_packing"], bool):
         raise ValueError(f"use_symmetric_packing must be True or False, got {group['use_symmetric_packing']!r}")
     check_preconditioner_bits(group["preconditioner_bits"])
+    _check_variant_options(group, optim_bits)
     for name in ("mu_dtype", "precond_dtype"):
         value = group[name]
         if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):

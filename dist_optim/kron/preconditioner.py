@@ -18,6 +18,7 @@ import torch
 
 from ..kernels.multi_tensor import scale_
 from ..kernels.structured import gram, gram_update_, matmul_triangular, symmetrize_, upper_times_upper
+from . import variant
 from .blocks import Blocks, block_plan, factor_block
 from .options import precond_dtype
 from .state import FactorScratch, factor_form, has_factors, store_factors, store_whole, whole_factors
@@ -109,15 +110,18 @@ def apply_factors(t: torch.Tensor, factors: Sequence[torch.Tensor]) -> torch.Ten
     return t
 
 
-def apply_inverse_transposed(t: torch.Tensor, factors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``(Q_1^-T (x) ... (x) Q_d^-T) t`` by triangular solves (in fp32)."""
+def apply_inverse_transposed(t: torch.Tensor, factors: Sequence[torch.Tensor], wide: bool = False) -> torch.Tensor:
+    """``(Q_1^-T (x) ... (x) Q_d^-T) t`` by triangular solves (in fp32, as kron_torch; ``wide``: in
+    the factors' dtype where wider, as heavyball)."""
     for dim, q in enumerate(factors):
         if q.dim() < 2:
             t = _scale_along(t, dim, q.reciprocal())
         else:
+            solve_dtype = torch.promote_types(q.dtype, torch.float32) if wide else torch.float32
+
             # A row r of the moved tensor becomes r Q^-1, i.e. the column Q^-T r^T.
-            def solve(rows: torch.Tensor, q: torch.Tensor = q) -> torch.Tensor:
-                out = torch.linalg.solve_triangular(q.float(), rows.float(), upper=True, left=False)
+            def solve(rows: torch.Tensor, q: torch.Tensor = q, dt: torch.dtype = solve_dtype) -> torch.Tensor:
+                out = torch.linalg.solve_triangular(q.to(dt), rows.to(dt), upper=True, left=False)
                 return out.to(q.dtype)
 
             t = _along(t, dim, solve)
@@ -226,6 +230,7 @@ def owner_direction(
     overwrite: bool = False,
     scratch: FactorScratch | None = None,
     rounding: Callable[[], torch.Generator] | None = None,
+    step: int = 0,
 ) -> torch.Tensor:
     """On the owner, from the whole momentum (and gradient): debias, (balance,) update the
     factors when probes are given, precondition, clip. Makes the factors at the first call.
@@ -237,7 +242,8 @@ def owner_direction(
     ``preconditioner_bits=8`` the triangular factors are unpacked and/or dequantised whole into
     ``scratch`` for the step and stored back (packed, quantised) when it changed them; quantised
     with stochastic rounding from ``rounding()`` (:func:`~dist_optim.kron.state.store_whole`;
-    without it, to nearest)."""
+    without it, to nearest). ``step``: the optimizer's step (1-based), for ``variant="heavyball"``
+    (:mod:`.variant`)."""
     dtype = precond_dtype(group)
     form = factor_form(group)
     if not has_factors(state):
@@ -246,9 +252,23 @@ def owner_direction(
             # The first momentum debiased is the first gradient (the owner may hold only the
             # momentum: momentum_into_precond_update routes no gradient).
             b1 = group["b1"]
-            scale = gradient_scale(full_m.double() / (1 - b1 ** int(state["step"])) if b1 > 0 else full_m)
+            first = int(state["step"])
+            if variant.heavy(group):  # the average's first value: the gradient times its weight
+                first_g = full_m.double() / variant.momentum_weight(b1, step)
+            else:
+                first_g = full_m.double() / (1 - b1**first) if b1 > 0 else full_m
+            scale = (group["precond_init_scale_scale"] * gradient_scale(first_g)) ** group["precond_init_scale_power"]
         store_factors(state, initial_factors(plan, scale, dtype, full_m.device), plan, form)
+        if variant.heavy(group):
+            state[variant.LOWER_BOUND] = torch.zeros(
+                len(plan.diag or (True,)), dtype=torch.float64, device=full_m.device
+            )
     factors = whole_factors(state, plan, form, scratch)
+    if variant.heavy(group):
+        u = _heavy_direction(state, group, plan, factors, full_m, full_g, probes)
+        if form.compact and probes is not None:
+            store_whole(state, plan, factors, form, rounding() if rounding is not None and form.quantized else None)
+        return u
     u = _direction(state, group, plan, factors, full_m, full_g, probes, do_balance, overwrite)
     # Only update and balancing steps change factors: the others store nothing (quantised: the
     # codes of a factor no step changed are never rounded again).
@@ -300,6 +320,39 @@ def _direction(
     u = precondition(factors, debiased)
     if group["clip_update_rms"]:
         clip_rms(u)
+    return u
+
+
+def _heavy_direction(
+    state: dict[str, Any],
+    group: dict[str, Any],
+    plan: FactorPlan,
+    factors: list[torch.Tensor],
+    full_m: torch.Tensor,
+    full_g: torch.Tensor,
+    probes: Iterator[torch.Tensor] | None,
+) -> torch.Tensor:
+    """:func:`owner_direction`'s math for ``variant="heavyball"`` (:mod:`.variant`): the momentum is
+    the bias-corrected average already; fit (balanced, noised copy, running lower bounds), then
+    precondition the un-noised average and clip with the trust region."""
+    dtype = precond_dtype(group)
+    u = full_m.to(dtype, copy=True).reshape(plan.shape)
+    if probes is not None:
+        fit = u if group["momentum_into_precond_update"] else full_g.to(dtype).reshape(plan.shape)
+        parts = list(probes)  # a large tensor's probe comes in blocks (:func:`.blocks.draw_probe`)
+        blocks = block_plan(plan, dtype)
+        probe = torch.cat(parts, dim=blocks.dim) if blocks is not None and len(parts) > 1 else parts[0]
+        noised = variant.noised(fit, probe, group["dampening"])
+        variant.balance_all(factors)
+        if plan.shape:
+            a, b = apply_factors(noised, factors), apply_inverse_transposed(probe, factors, wide=True)
+        else:
+            a, b = factors[0] * noised, probe / factors[0]
+        del noised, probe
+        variant.fit_factors(factors, state[variant.LOWER_BOUND], a, b, group)
+    u = precondition(factors, u)
+    if group["clip_update_rms"]:
+        variant.trust_region_clip_(u)
     return u
 
 

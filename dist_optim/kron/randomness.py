@@ -23,6 +23,7 @@ import torch
 
 from .options import PROBE_RNGS
 from .schedule import threshold
+from .variant import cumulative_decision
 
 __all__ = ["KronRandomness", "BALANCE_PROBABILITY", "keyed_generator", "param_position"]
 
@@ -40,6 +41,8 @@ class KronRandomness:
         self.probe_rng = probe_rng
         self.prob_step = 0
         self.update_counter = 0
+        #: ``variant="heavyball"``: the running sum of the probabilities (:mod:`.variant`).
+        self.cumulative = 0.0
         self.balance_rng = random.Random(seed)
         self.generators: dict[torch.device, torch.Generator] = {}
 
@@ -77,10 +80,15 @@ class KronRandomness:
         every layout rounds alike and a resumed run needs no more state."""
         return keyed_generator(device, f"round|{self.seed}|{key}|{step}")
 
-    def decide(self, prob: Any) -> tuple[bool, bool]:
+    def decide(self, prob: Any, cumulative: bool = False) -> tuple[bool, bool]:
         """(update the preconditioners?, balance them first?) for this step, from the update
         probability (a number or a callable of the step count); advances the counters and the
-        balancing draw, the same on every rank."""
+        balancing draw, the same on every rank. ``cumulative``: heavyball's rule
+        (:func:`.variant.cumulative_decision`, the callable asked at the 1-based step)."""
+        if cumulative:
+            self.prob_step += 1
+            do_update, self.cumulative = cumulative_decision(self.cumulative, prob, self.prob_step)
+            return do_update, self.balance_rng.random() < BALANCE_PROBABILITY and do_update
         if callable(prob):
             prob = prob(self.prob_step)
         limit = threshold(prob)
@@ -97,6 +105,7 @@ class KronRandomness:
         return {
             "prob_step": self.prob_step,
             "update_counter": self.update_counter,
+            "cumulative": self.cumulative,
             "balance_rng": self.balance_rng.getstate(),
             "generators": {str(d): g.get_state() for d, g in self.generators.items()},
         }
@@ -105,6 +114,7 @@ class KronRandomness:
         """Inverse of :meth:`state`."""
         self.prob_step = int(extra["prob_step"])
         self.update_counter = int(extra["update_counter"])
+        self.cumulative = float(extra.get("cumulative", 0.0))  # absent from checkpoints before it
         self.balance_rng.setstate(extra["balance_rng"])
         for name, st in extra["generators"].items():
             self.generator(torch.device(name)).set_state(st)

@@ -62,6 +62,7 @@ import torch
 from ..states import codecs
 from .options import precond_dtype
 from .structure import FactorPlan
+from .variant import LOWER_BOUND, heavy
 
 __all__ = [
     "check_loaded_forms",
@@ -90,8 +91,9 @@ __all__ = [
 MOMENTUM = "momentum_buffer"
 #: The momentum, bitsandbytes' signed 8-bit codes with ``optim_bits=8``.
 MOMENTUM_ENTRY = codecs.Entry(MOMENTUM, codecs.BNB_SIGNED)
-#: The one rule for a factor's keys: ``Q_<k>``, and ``Q_<k>_absmax`` beside quantised codes.
-_FACTOR_KEY = re.compile(rf"Q_(?P<index>\d+)(?P<absmax>{codecs.ABSMAX})?")
+#: The one rule for a factor's keys: ``Q_<k>``, and ``Q_<k>_absmax`` beside quantised codes; and
+#: ``Q_lower_bound`` (``variant="heavyball"``: :data:`.variant.LOWER_BOUND`), kept as the factors.
+_FACTOR_KEY = re.compile(rf"Q_(?:(?P<index>\d+)(?P<absmax>{codecs.ABSMAX})?|lower_bound)")
 
 
 def init_param_state(
@@ -133,6 +135,8 @@ class FactorForm:
     packed: bool
     bits: int = 32
     dtype: torch.dtype = torch.float32
+    #: ``variant="heavyball"``: the running lower bounds are stored with the factors.
+    lower_bound: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -154,7 +158,9 @@ class FactorForm:
 
 def factor_form(group: dict[str, Any]) -> FactorForm:
     """A param group's :class:`FactorForm`."""
-    return FactorForm(bool(group["use_symmetric_packing"]), int(group["preconditioner_bits"]), precond_dtype(group))
+    return FactorForm(
+        bool(group["use_symmetric_packing"]), int(group["preconditioner_bits"]), precond_dtype(group), heavy(group)
+    )
 
 
 def factors(state: dict[str, Any], plan: FactorPlan) -> list[torch.Tensor]:
@@ -182,6 +188,8 @@ def stored_specs(plan: FactorPlan, form: FactorForm) -> list[tuple[str, tuple[in
     for k, shape in enumerate(plan.factor_shapes()):
         codec = form.codec if len(shape) == 2 else codecs.PLAIN
         out += codec.stored(factor_key(k), tuple(shape), form.dtype)
+    if form.lower_bound:
+        out.append((LOWER_BOUND, (len(plan.factor_shapes()),), torch.float64))
     return out
 
 
@@ -300,7 +308,7 @@ def check_loaded_forms(
         for param, pid in zip(built["params"], group.get("params", [])):
             for key, value in saved.get("state", {}).get(pid, {}).items():
                 m = _FACTOR_KEY.fullmatch(key)
-                if m is None or m.group("absmax") or not isinstance(value, torch.Tensor):
+                if m is None or m.group("index") is None or m.group("absmax") or not isinstance(value, torch.Tensor):
                     continue
                 if packed and value.dim() == 2:
                     raise ValueError(

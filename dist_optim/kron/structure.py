@@ -64,6 +64,8 @@ def diag_dims(shape: tuple[int, ...], memory_save_mode: str | None, max_size: in
 def plan_factors(full_shape: tuple[int, ...], group: dict[str, Any]) -> FactorPlan:
     """The :class:`FactorPlan` of a parameter of ``full_shape`` in param group ``group``."""
     shape = merged_shape(tuple(full_shape), bool(group["merge_dims"]))
+    if group.get("variant") == "heavyball":  # heavyball drops dims of size 1 (its SqueezeGrad)
+        shape = tuple(n for n in shape if n != 1)
     if len(shape) > 13:
         raise ValueError(f"DistributedKron: a {len(shape)}-dim parameter is not supported (at most 13 dims)")
     diag = diag_dims(shape, group["memory_save_mode"], group["max_size_triangular"], group["min_ndim_triangular"])

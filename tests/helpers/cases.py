@@ -518,6 +518,22 @@ PARITY_CASES += [
             seed=7,
         ),
     ),
+    # heavyball's PSGDKron as dist_optim.convert makes it (tests/unit/test_heavyball_psgd.py): the
+    # bias-corrected average counted in optimizer steps, the running-sum schedule (p=0.4: updates at
+    # steps 3 and 5), dampened noise, balancing, lower-bounded factor steps (kept as state on the
+    # owners), trust-region clip, weight decay on every tensor, unit dims dropped, initial scale power 0.5.
+    Case(
+        "kron-heavyball",
+        dist_optim.DistributedKron,
+        dict(
+            lr=1e-2,
+            weight_decay=1e-2,
+            variant="heavyball",
+            preconditioner_update_probability=0.4,
+            precond_init_scale=None,
+            precond_init_scale_power=0.5,
+        ),
+    ),
     # 8-bit momentum on every tensor of the grid (min_8bit_size=0): updated on the holders, blocks of
     # the full tensor cut by TP slices and ZeRO chunks, their absmax max-reduced over the holders;
     # codes compared as state, the factors stay fp32.

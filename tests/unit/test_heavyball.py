@@ -115,7 +115,7 @@ def test_what_has_no_equivalent_is_refused_by_name(kwargs: dict[str, Any], param
         ("Scion", "build DistributedMuon"),
         ("SOAPNAdam", "convert heavyball.SOAP or heavyball.KLSOAP"),
         ("KLShampoo", "build dist_optim.DistributedShampoo"),
-        ("PSGDKron", "build dist_optim.DistributedKron"),
+        ("PSGDPRO", "convert heavyball.PSGDKron"),
     ],
 )
 def test_heavyballs_classes_without_an_equivalent_are_refused_not_passed_through(name: str, fix: str) -> None:
