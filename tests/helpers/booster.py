@@ -597,3 +597,11 @@ def heavyball_soap(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
     import heavyball
 
     return heavyball.SOAP(list(params), **kwargs)
+
+
+def heavyball_psgd_kron(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """heavyball's PSGDKron over every parameter, as a user builds it: an ``opt_path`` for
+    :func:`make_optimizer`."""
+    import heavyball
+
+    return heavyball.PSGDKron(list(params), **kwargs)
