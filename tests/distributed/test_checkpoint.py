@@ -177,6 +177,34 @@ def test_gemini_exact_resume_and_reshard(name, pool4, tmp_path) -> None:
         assert torch.equal(master, b["masters"][pname]), pname
 
 
+#: heavyball's SOAP and PSGDKron as a user builds them, swapped at boost for DistributedShampoo
+#: (soap_step="heavyball": a seeding first step and steps counted by the optimizer, saved with it) and
+#: DistributedKron (variant="heavyball": the update schedule's running sum and owner-held lower bounds).
+HEAVYBALL = {
+    "heavyball-soap": ("tests.helpers.booster.heavyball_soap", dict(lr=2e-3, precondition_frequency=2)),
+    "heavyball-psgd-kron": ("tests.helpers.booster.heavyball_psgd_kron", dict(lr=1e-3, multi_tensor=False)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HEAVYBALL))
+def test_heavyball_conversions_resume_exactly_and_reshard(name, pool4, tmp_path) -> None:
+    """heavyball's optimizers through the booster's checkpoints at tp=2 x ZeRO-2 (bf16): BEFORE steps +
+    save + load + AFTER steps == the uninterrupted run, bit for bit; the state loaded with ZeRO-1 on 4
+    ranks and saved again is the same file content."""
+    pytest.importorskip("heavyball")
+    a, b = _resume_and_resave(pool4, HP_TP2_ZERO2, HEAVYBALL[name], str(tmp_path))
+    assert set(a["state"]) == set(b["state"]) and a["state"]
+    for pname, state in a["state"].items():
+        assert set(state) == set(b["state"][pname]), pname
+        for key, value in state.items():
+            same = (
+                torch.equal(value, b["state"][pname][key])
+                if isinstance(value, torch.Tensor)
+                else value == b["state"][pname][key]
+            )
+            assert same, (pname, key)
+
+
 # The tests behind the README's "checkpoint" column (tests/helpers/support.py): each runs once per entry of
 # OPTIMIZERS, on each of these layouts (pytest ids "<layout>-<name>", or "<name>" without layouts).
 TABLE_TESTS = {
