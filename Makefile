@@ -33,8 +33,12 @@ lint: setup
 
 # runs/junit.xml: the outcomes the README's support table is built from (python -m tests.helpers.support
 # --junit runs/junit.xml); the run itself fails if the README's copy differs (tests/conftest.py).
+# TEST_JOBS pytest processes (pytest-xdist), whole files each: the distributed tests leave part of
+# a core idle (ranks wait in collectives) and the unit tests use one, so two fill the 2 cores CI
+# has. Each process starts its own pools of 4 and 2 ranks; TEST_JOBS=0 runs in one process.
+TEST_JOBS ?= 2
 test: setup lint
-	$(PY) -m pytest -q --durations=30 --junitxml=runs/junit.xml
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30 --junitxml=runs/junit.xml
 
 # The GPU smoke suite (tests/distributed/test_devices.py, marked gpu): every optimizer's device branches against
 # the float64 CPU result, and a 1-rank NCCL booster run; skipped with a reason without CUDA.
