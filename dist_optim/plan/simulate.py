@@ -18,7 +18,7 @@ import re
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -55,6 +55,7 @@ __all__ = [
     "StepResult",
     "RankResult",
     "simulate_rank",
+    "sharing_zero_stages",
     "single_device_state",
     "simulate_single_device",
     "PlanError",
@@ -338,6 +339,25 @@ def run_steps(opt: torch.optim.Optimizer, traffic: Traffic, steps: int, meta: bo
     return out
 
 
+#: Inside :func:`sharing_zero_stages`: the simulations made there, by what they depend on.
+_SHARED: dict[tuple[Any, ...], RankResult] | None = None
+
+
+@contextlib.contextmanager
+def sharing_zero_stages() -> Iterator[None]:
+    """Inside, a rank simulated under ZeRO-1 answers for the same rank under ZeRO-2, and the other way
+    round: both stages hand the optimizer the same master shards (ZeRO-2 also shards the gradients,
+    which a plan counts from its layout, not from the simulation), so a sweep simulates them once
+    (``tests/unit/test_plan_twins.py`` compares plans made with and without). Scoped, not for the
+    whole process: a test that breaks the planner on purpose must not be answered from before."""
+    global _SHARED
+    previous, _SHARED = _SHARED, {}
+    try:
+        yield
+    finally:
+        _SHARED = previous
+
+
 def simulate_rank(
     config: Any,
     layout: Layout,
@@ -348,7 +368,21 @@ def simulate_rank(
     device: str = "cuda",
 ) -> RankResult:
     """Rank ``rank`` of ``layout``, simulated through ``steps`` optimizer steps as on ``device``
-    (:func:`as_device`)."""
+    (:func:`as_device`); inside :func:`sharing_zero_stages`, once for ZeRO-1 and ZeRO-2."""
+    shared = _SHARED
+    shards = replace(layout, zero=min(layout.zero, 1))
+    key = (config.to_json_string(), shards, optimizer, repr(args), rank, steps, device)
+    if shared is not None and key in shared:
+        return replace(shared[key], seconds=0.0)
+    result = _simulate_rank(config, layout, optimizer, args, rank, steps, device)
+    if shared is not None:
+        shared[key] = result
+    return result
+
+
+def _simulate_rank(
+    config: Any, layout: Layout, optimizer: str, args: dict[str, Any] | None, rank: int, steps: int, device: str
+) -> RankResult:
     from dist_optim.base import DistOptimizer
 
     t0 = time.perf_counter()

@@ -5,13 +5,14 @@ shard and Gemini's static placement over every rank), each planned as
 the layouts that fit the GPU's memory.
 
 A sweep runs many plans, so it shares what layouts have in common: the optimizer is simulated once
-per (tp, pp, dp, ZeRO) and the activations once per (tp, pp, checkpointing), and each plan simulates
-rank 0, the busiest owner and the first rank of every stage (not every rank of a small world). The
-layouts of one (tp, pp) share their activations, so each such group is one task; the tasks are
-independent and run in ``jobs`` processes (spawned: a forked simulator would inherit the parent's
-thread pools). Within a plan, the stages between the first and the last hold alike and are
-simulated once (:func:`dist_optim.plan.simulate.stage_twin_key`). What a sweep costs:
-``/usr/bin/time python -m dist_optim.plan --model llama-70b --tp 8 --dp 8 --batch-size 8
+per (tp, pp, dp) without ZeRO and once with it (ZeRO-1 and ZeRO-2 hand it the same shards:
+:func:`dist_optim.plan.simulate.sharing_zero_stages`), the activations once per (tp, pp,
+checkpointing), and each plan simulates rank 0, the busiest owner and the first rank of every stage
+(not every rank of a small world). The layouts of one (tp, pp) share their activations, so each such
+group is one task; the tasks are independent and run in ``jobs`` processes (spawned: a forked
+simulator would inherit the parent's thread pools). Within a plan, the stages between the first and
+the last hold alike and are simulated once (:func:`dist_optim.plan.simulate.stage_twin_key`). What a
+sweep costs: ``/usr/bin/time python -m dist_optim.plan --model llama-70b --tp 8 --dp 8 --batch-size 8
 --gpu-memory 80GiB --optimizer shampoo --sweep``.
 """
 
@@ -27,9 +28,10 @@ from typing import Any
 from . import GB, Plan, PlanError, make_plan, rank_total, stage_activations
 from .activations import ALLOCATOR_MARGIN, Activations, Workload
 from .models import check_model_layout, load_config
+from .simulate import sharing_zero_stages
 from .world import Layout
 
-__all__ = ["candidate_layouts", "sweep", "rank_plans", "with_activations", "format_layout_sweep"]
+__all__ = ["candidate_layouts", "sweep", "simulations", "rank_plans", "with_activations", "format_layout_sweep"]
 
 #: Sizes tried for tensor and pipeline parallelism (within one 8-GPU node for TP, as usual).
 TP_SIZES = (1, 2, 4, 8)
@@ -62,6 +64,19 @@ def candidate_layouts(config: Any, world: int, precision: str, batch_size: int) 
     return out
 
 
+def simulations(layouts: Sequence[Layout]) -> float:
+    """A rough relative cost of a task of ``layouts`` (one tp x pp). Per layout, rank 0 and the
+    busiest owner are simulated, with stages also the first, last and one middle stage's first ranks
+    (twins; ZeRO-2 is answered by ZeRO-1), each over its stage's share of the model; each stage's
+    activations are simulated with and without checkpointing, each on a whole meta model sharded
+    anew (a fixed cost per stage, a quarter of a whole-model optimizer step; Gemini's chunk gathers
+    add one). Only the order matters: the longest tasks first shorten a sweep in a few processes."""
+    first = layouts[0]
+    ranks = sum(2 + min(layout.pp, 3) * (layout.pp > 1) for layout in layouts if layout.zero < 2)
+    sharded = 2 * first.pp * first.num_model_chunks + (1 if first.plugin == "gemini" else 0)
+    return ranks / first.pp + sharded / 4
+
+
 def with_activations(plan: Plan, workload: Workload, acts: dict[int, Activations]) -> Plan:
     """``plan`` (simulated without activations) with ``acts`` by stage: its busiest rank re-chosen
     by peak, activations included."""
@@ -84,15 +99,16 @@ def _plan_group(
     say = log or (lambda _: None)
     plans = []
     acts: dict[bool, dict[int, Activations]] = {}
-    for layout in layouts:
-        say(f"planning {layout.describe()}")
-        base = make_plan(config, layout, optimizer, args, all_ranks_up_to=1, **options)
-        base = dataclasses.replace(base, model=name)
-        for ckpt in (False, True):
-            work = dataclasses.replace(workload, grad_checkpoint=ckpt)
-            if ckpt not in acts:
-                acts[ckpt] = stage_activations(config, layout, work, options["device"], say)
-            plans.append(with_activations(base, work, acts[ckpt]))
+    with sharing_zero_stages():  # a ZeRO-2 layout's ranks are its ZeRO-1 layout's to the optimizer
+        for layout in layouts:
+            say(f"planning {layout.describe()}")
+            base = make_plan(config, layout, optimizer, args, all_ranks_up_to=1, **options)
+            base = dataclasses.replace(base, model=name)
+            for ckpt in (False, True):
+                work = dataclasses.replace(workload, grad_checkpoint=ckpt)
+                if ckpt not in acts:
+                    acts[ckpt] = stage_activations(config, layout, work, options["device"], say)
+                plans.append(with_activations(base, work, acts[ckpt]))
     return plans
 
 
@@ -119,7 +135,9 @@ def sweep(
     for layout in candidate_layouts(config, world, precision, workload.batch_size):
         groups.setdefault((layout.plugin, layout.tp, layout.pp), []).append(layout)
     options = dict(steps=steps, gpu_memory=gpu_memory, device=device, margin=margin)
-    tasks = [(config, name, layouts, optimizer, args, workload, options) for layouts in groups.values()]
+    # The longest tasks first, so that no process is left with a long one when the others are done.
+    ordered = sorted(groups.values(), key=simulations, reverse=True)
+    tasks = [(config, name, layouts, optimizer, args, workload, options) for layouts in ordered]
     if jobs is None:
         jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if jobs < 1:

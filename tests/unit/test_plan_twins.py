@@ -1,7 +1,9 @@
-"""The planner's twin stages (:func:`dist_optim.plan.simulate.stage_twin_key`): a rank of a pipeline
-stage that holds what an earlier stage holds, at the same place in its stage's grid, is answered
-with that stage's simulation. A plan made so equals, figure for figure, the plan that simulates
-every rank, and simulates fewer ranks."""
+"""The planner's twin simulations. Twin stages (:func:`dist_optim.plan.simulate.stage_twin_key`): a
+rank of a pipeline stage that holds what an earlier stage holds, at the same place in its stage's
+grid, is answered with that stage's simulation. Twin ZeRO stages
+(:func:`dist_optim.plan.simulate.sharing_zero_stages`, a sweep's): a ZeRO-2 layout's ranks are
+answered with its ZeRO-1 layout's. A plan made so equals, figure for figure, the plan that
+simulates every rank, and simulates fewer ranks."""
 
 from __future__ import annotations
 
@@ -76,3 +78,42 @@ def test_twin_stages_give_the_plan_of_every_rank(
     assert twinned == every
     # the second middle stage's ranks are the first's: 2 of 8 ranks, or 1 of the 16-rank plan's 5
     assert all_ranks - fewer == (2 if layout_id == "pp4-dp2-zero1" else 1), (all_ranks, fewer)
+
+
+def _inner_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A counter of the simulations really run (not answered from a twin)."""
+    calls = [0]
+    real = simulate._simulate_rank
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(simulate, "_simulate_rank", counted)
+    return calls
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_zero2_answered_by_zero1_gives_its_own_plan(
+    config: Path, optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside :func:`~dist_optim.plan.simulate.sharing_zero_stages`, the ZeRO-2 plan after the ZeRO-1
+    plan simulates nothing and equals the ZeRO-2 plan simulated on its own; ZeRO-0 (other shards)
+    is simulated."""
+    layouts = {z: Layout("hybrid", tp=2, dp=2, zero=z, precision="bf16") for z in (0, 1, 2)}
+    args = OPTIMIZERS[optimizer]
+
+    def plan(zero: int) -> Any:
+        return without_seconds(make_plan(str(config), layouts[zero], optimizer, args, steps=3).to_json())
+
+    alone = plan(2)
+    calls = _inner_calls(monkeypatch)
+    with simulate.sharing_zero_stages():
+        plan(1)
+        first = calls[0]
+        shared = plan(2)
+        assert calls[0] == first, "the ZeRO-2 plan simulated ranks the ZeRO-1 plan had simulated"
+        plan(0)
+        assert calls[0] == 2 * first, "the ZeRO-0 plan was answered from a ZeRO plan"
+    assert shared == alone
+    assert shared != without_seconds(make_plan(str(config), layouts[1], optimizer, args, steps=3).to_json())
