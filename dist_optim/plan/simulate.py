@@ -370,14 +370,15 @@ def simulate_rank(
     """Rank ``rank`` of ``layout``, simulated through ``steps`` optimizer steps as on ``device``
     (:func:`as_device`); inside :func:`sharing_zero_stages`, once for ZeRO-1 and ZeRO-2."""
     shared = _SHARED
+    if shared is None:
+        return _simulate_rank(config, layout, optimizer, args, rank, steps, device)
     shards = replace(layout, zero=min(layout.zero, 1))
-    key = (config.to_json_string(), shards, optimizer, repr(args), rank, steps, device)
-    if shared is not None and key in shared:
-        return replace(shared[key], seconds=0.0)
-    result = _simulate_rank(config, layout, optimizer, args, rank, steps, device)
-    if shared is not None:
-        shared[key] = result
-    return result
+    options = repr(sorted((args or {}).items()))  # as single_device_state keys them
+    key = (config.to_json_string(), shards, optimizer, options, rank, steps, device)
+    if key not in shared:
+        shared[key] = _simulate_rank(config, layout, optimizer, args, rank, steps, device)
+        return shared[key]
+    return replace(shared[key], seconds=0.0)
 
 
 def _simulate_rank(
