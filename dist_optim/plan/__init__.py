@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from typing import Any, cast
 
-from .activations import ALLOCATOR_MARGIN, Activations, Workload, activations_of_rank
+from .activations import ALLOCATOR_MARGIN, Activations, Workload, stage_activations_each
 from .gemini import gemini_rank_plan
 from .models import MODELS, PlanError, check_model_layout, load_config
 from .simulate import (
@@ -455,14 +455,9 @@ def make_plan(
 def stage_activations(
     config: Any, layout: Layout, workload: Workload, device: str = "cuda", log: Callable[[str], None] | None = None
 ) -> dict[int, Activations]:
-    """The activations of ``workload`` on the first rank of each pipeline stage of ``layout``."""
-    out = {}
-    for stage in range(layout.pp):
-        rank = layout.stage_ranks(stage)[0]
-        if log is not None:
-            log(f"simulating the forward and backward of {workload.describe()} on rank {rank}")
-        out[stage] = activations_of_rank(config, layout, workload, rank, device)
-    return out
+    """The activations of ``workload`` on the first rank of each pipeline stage of ``layout``
+    (:func:`~dist_optim.plan.activations.stage_activations_each`)."""
+    return stage_activations_each(config, layout, [workload], device, log)[0]
 
 
 def _gb(x: float) -> str:

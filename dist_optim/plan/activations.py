@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import gc
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -63,6 +64,10 @@ __all__ = [
     "BalancedRouting",
     "interleaved_stage",
     "check_microbatches",
+    "activations_of_rank",
+    "rank_activations",
+    "restaged",
+    "stage_activations_each",
 ]
 
 #: ``--attn`` values, as the recipe's.
@@ -208,6 +213,8 @@ def simulate_activations(
         # run keeps are a few KB per layer, on the CPU and the device).
         kwargs = {"use_reentrant": False, "preserve_rng_state": False}
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    elif getattr(model, "is_gradient_checkpointing", False):  # a model simulated before, with
+        model.gradient_checkpointing_disable()
     model.train()
     hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
     params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -364,24 +371,97 @@ def activations_of_rank(
     """:func:`simulate_activations` on rank ``rank`` of ``layout`` (a
     :class:`~dist_optim.plan.world.Layout`): its ShardFormer-split meta model in the working
     precision, over ``fake`` process groups of the job's world size."""
+    return rank_activations(config, layout, [workload], rank, device, breakdown)[0]
+
+
+def rank_activations(
+    config: Any,
+    layout: Any,
+    workloads: Sequence[Workload],
+    rank: int = 0,
+    device: str = "cuda",
+    breakdown: dict[str, int] | None = None,
+) -> list[Activations]:
+    """:func:`activations_of_rank` of each of ``workloads`` (one attention kernel) on one sharded
+    model: ShardFormer's split of a whole meta model is most of a simulation's cost, and
+    checkpointing is a switch on the split model (ColossalAI's pipeline forward reads its
+    checkpointing config only while the switch is on). ``breakdown`` receives their sum."""
     from .simulate import as_device, remember_sharding, sharded_meta_model
     from .world import SimWorld
 
-    check_microbatches(layout, workload)
-    ratio = 1.0 if workload.grad_checkpoint else None
-    with SimWorld(layout, rank) as world, as_device(device), attention_as(workload.attn, device) as impl:
+    attn = {w.attn for w in workloads}
+    if len(attn) != 1:
+        raise ValueError(f"workloads of attention kernels {sorted(attn)}: pass those of one kernel")
+    for workload in workloads:
+        check_microbatches(layout, workload)
+    ratio = 1.0 if any(w.grad_checkpoint for w in workloads) else None
+    out = []
+    with SimWorld(layout, rank) as world, as_device(device), attention_as(attn.pop(), device) as impl:
         model = sharded_meta_model(config, layout, world, attn_implementation=impl, checkpoint_ratio=ratio)
         remember_sharding(config, layout, world, model)
         model.to(layout.working_dtype)
         stages = world.stage_manager
-        if layout.pp_style != "interleaved":
-            return simulate_activations(model, workload, device, breakdown, stages, mask=layout.sp > 1)
-        chunks = []
-        for chunk in range(layout.num_model_chunks):
-            with stages.switch_model_chunk_id(chunk):
-                chunks.append(simulate_activations(model, workload, device, breakdown, stages))
-        hidden = workload.seq_len * int(config.hidden_size) * layout.working_dtype.itemsize
-        return interleaved_stage(chunks, layout.pp, workload, hidden)
+        for workload in workloads:
+            if layout.pp_style != "interleaved":
+                out.append(simulate_activations(model, workload, device, breakdown, stages, mask=layout.sp > 1))
+                continue
+            chunks = []
+            for chunk in range(layout.num_model_chunks):
+                with stages.switch_model_chunk_id(chunk):
+                    chunks.append(simulate_activations(model, workload, device, breakdown, stages))
+            out.append(interleaved_stage(chunks, layout.pp, workload, _hidden_bytes(config, layout, workload)))
+    return out
+
+
+def _hidden_bytes(config: Any, layout: Any, workload: Workload) -> int:
+    """Bytes of the hidden states a stage sends per micro-batch (one sequence)."""
+    return workload.seq_len * int(config.hidden_size) * layout.working_dtype.itemsize
+
+
+def restaged(acts: Activations, stage: int, stages: int, workload: Workload, hidden: int) -> Activations:
+    """``acts`` of a stage that holds what stage ``stage`` (of ``stages``) holds, as that stage runs
+    them: the same bytes and collectives per micro-batch, its own micro-batches in flight (1F1B) or
+    its own replay of the interleaved schedule (``hidden`` bytes per sent hidden-states tensor)."""
+    if acts.chunks:
+        chunks = [restaged(c, stage, stages, workload, hidden) for c in acts.chunks]
+        return interleaved_stage(chunks, stages, workload, hidden)
+    return dataclasses.replace(acts, stage=stage, in_flight=min(stages - stage, workload.batch_size), seconds=0.0)
+
+
+def stage_activations_each(
+    config: Any,
+    layout: Any,
+    workloads: Sequence[Workload],
+    device: str = "cuda",
+    log: Callable[[str], None] | None = None,
+) -> list[dict[int, Activations]]:
+    """By workload, the activations of each of ``workloads`` (one attention kernel) on the first
+    rank of each pipeline stage of ``layout``, one sharded model per stage
+    (:func:`rank_activations`). A middle stage that holds what an earlier middle stage holds
+    (:func:`~dist_optim.plan.simulate.stage_twin_key`: an even split's) takes that stage's
+    figures at its own place in the schedule (:func:`restaged`), as a plan's twin ranks do: a
+    sweep's pp=8 layouts simulate 3 stages, not 8 (``python -m dist_optim.plan ... --sweep``)."""
+    from .simulate import stage_twin_key
+
+    say = log or (lambda _: None)
+    out: list[dict[int, Activations]] = [{} for _ in workloads]
+    twins: dict[Any, int] = {}
+    for stage in range(layout.pp):
+        rank = layout.stage_ranks(stage)[0]
+        middle = 0 < stage < layout.pp - 1
+        key = stage_twin_key(config, layout, rank) if middle and twins else None
+        if key is not None and key in twins:
+            say(f"stage {stage}: the activations of stage {twins[key]} (it holds alike)")
+            for acts, work in zip(out, workloads):
+                acts[stage] = restaged(acts[twins[key]], stage, layout.pp, work, _hidden_bytes(config, layout, work))
+            continue
+        for work in workloads:
+            say(f"simulating the forward and backward of {work.describe()} on rank {rank}")
+        for acts, simulated in zip(out, rank_activations(config, layout, workloads, rank, device)):
+            acts[stage] = simulated
+        if middle:
+            twins[key if key is not None else stage_twin_key(config, layout, rank)] = stage
+    return out
 
 
 def check_microbatches(layout: Any, workload: Workload) -> None:

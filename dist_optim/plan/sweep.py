@@ -1,19 +1,21 @@
-"""``python -m dist_optim.plan --sweep``: every layout of a world of N GPUs for one model, optimizer and
-micro-batch (tp x pp x dp x ZeRO x activation checkpointing on HybridParallelPlugin, and FSDP's full
-shard and Gemini's static placement over every rank), each planned as
+"""``python -m dist_optim.plan --sweep``: every layout of a world of N GPUs for one model, optimizer
+and micro-batch (tp x pp x dp x ZeRO x activation checkpointing on HybridParallelPlugin, and FSDP's
+full shard and Gemini's static placement over every rank), each planned as
 :func:`dist_optim.plan.make_plan` plans it, ranked by the bytes a rank sends per training step among
 the layouts that fit the GPU's memory.
 
 A sweep runs many plans, so it shares what layouts have in common: the optimizer is simulated once
 per (tp, pp, dp) without ZeRO and once with it (ZeRO-1 and ZeRO-2 hand it the same shards:
-:func:`dist_optim.plan.simulate.sharing_zero_stages`), the activations once per (tp, pp,
-checkpointing), and each plan simulates rank 0, the busiest owner and the first rank of every stage
-(not every rank of a small world). The layouts of one (tp, pp) share their activations, so each such
-group is one task; the tasks are independent and run in ``jobs`` processes (spawned: a forked
-simulator would inherit the parent's thread pools). Within a plan, the stages between the first and
-the last hold alike and are simulated once (:func:`dist_optim.plan.simulate.stage_twin_key`). What a
-sweep costs: ``/usr/bin/time python -m dist_optim.plan --model llama-70b --tp 8 --dp 8 --batch-size 8
---gpu-memory 80GiB --optimizer shampoo --sweep``.
+:func:`dist_optim.plan.simulate.sharing_zero_stages`), the activations once per (tp, pp) stage that
+holds unlike the others, with and without checkpointing on one split model
+(:func:`dist_optim.plan.activations.stage_activations_each`), and each plan simulates rank 0, the
+busiest owner and the first rank of every stage (not every rank of a small world). The layouts of
+one (tp, pp) share their activations, so each such group is one task; the tasks are independent and
+run in ``jobs`` processes (spawned: a forked simulator would inherit the parent's thread pools).
+Within a plan, the stages between the first and the last hold alike and are simulated once
+(:func:`dist_optim.plan.simulate.stage_twin_key`). What a sweep costs: ``/usr/bin/time python -m
+dist_optim.plan --model llama-70b --tp 8 --dp 8 --batch-size 8 --gpu-memory 80GiB --optimizer
+shampoo --sweep``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from . import GB, Plan, PlanError, make_plan, rank_total, stage_activations
-from .activations import ALLOCATOR_MARGIN, Activations, Workload
+from . import GB, Plan, PlanError, make_plan, rank_total
+from .activations import ALLOCATOR_MARGIN, Activations, Workload, stage_activations_each
 from .models import check_model_layout, load_config
 from .simulate import sharing_zero_stages
 from .world import Layout
@@ -67,14 +69,14 @@ def candidate_layouts(config: Any, world: int, precision: str, batch_size: int) 
 def simulations(layouts: Sequence[Layout]) -> float:
     """A rough relative cost of a task of ``layouts`` (one tp x pp). Per layout, rank 0 and the
     busiest owner are simulated, with stages also the first, last and one middle stage's first ranks
-    (twins; ZeRO-2 is answered by ZeRO-1), each over its stage's share of the model; each stage's
-    activations are simulated with and without checkpointing, each on a whole meta model sharded
-    anew (a fixed cost per stage, a quarter of a whole-model optimizer step; Gemini's chunk gathers
-    add one). Only the order matters: the longest tasks first shorten a sweep in a few processes."""
+    (twins; ZeRO-2 is answered by ZeRO-1), each over its stage's share of the model; the first,
+    last and one middle stage's activations are simulated on a whole meta model split anew (a fixed
+    cost per stage, a quarter of a whole-model optimizer step; Gemini's chunk gathers add one). Only
+    the order matters: the longest tasks first shorten a sweep in a few processes."""
     first = layouts[0]
     ranks = sum(2 + min(layout.pp, 3) * (layout.pp > 1) for layout in layouts if layout.zero < 2)
-    sharded = 2 * first.pp * first.num_model_chunks + (1 if first.plugin == "gemini" else 0)
-    return ranks / first.pp + sharded / 4
+    split = min(first.pp, 3) * first.num_model_chunks + (1 if first.plugin == "gemini" else 0)
+    return ranks / first.pp + split / 4
 
 
 def with_activations(plan: Plan, workload: Workload, acts: dict[int, Activations]) -> Plan:
@@ -98,17 +100,15 @@ def _plan_group(
     checkpointing."""
     say = log or (lambda _: None)
     plans = []
-    acts: dict[bool, dict[int, Activations]] = {}
+    works = [dataclasses.replace(workload, grad_checkpoint=ckpt) for ckpt in (False, True)]
+    acts: list[dict[int, Activations]] = []
     with sharing_zero_stages():  # a ZeRO-2 layout's ranks are its ZeRO-1 layout's to the optimizer
         for layout in layouts:
             say(f"planning {layout.describe()}")
             base = make_plan(config, layout, optimizer, args, all_ranks_up_to=1, **options)
             base = dataclasses.replace(base, model=name)
-            for ckpt in (False, True):
-                work = dataclasses.replace(workload, grad_checkpoint=ckpt)
-                if ckpt not in acts:
-                    acts[ckpt] = stage_activations(config, layout, work, options["device"], say)
-                plans.append(with_activations(base, work, acts[ckpt]))
+            acts = acts or stage_activations_each(config, layout, works, options["device"], say)
+            plans += [with_activations(base, work, stage) for work, stage in zip(works, acts)]
     return plans
 
 
