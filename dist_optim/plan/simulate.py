@@ -82,12 +82,17 @@ def _meta_model(config: Any, attn_implementation: str = "eager") -> torch.nn.Mod
     class, as the recipe builds it) on the meta device, with a copy of the config: sharding
     rewrites the model's config in place."""
     from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import no_init_weights
 
     config = type(config).from_dict(config.to_dict())
     config.use_cache = False
-    with torch.device("meta"), warnings.catch_warnings():
+    # Without the initialisation: a meta tensor holds no values, and torch runs normal_ on meta
+    # through its Python reference, most of the model's construction.
+    with torch.device("meta"), warnings.catch_warnings(), no_init_weights():
         warnings.simplefilter("ignore")
-        return cast(torch.nn.Module, AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation))
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    model.tie_weights()  # skipped with the initialisation
+    return cast(torch.nn.Module, model)
 
 
 def sharded_meta_model(

@@ -180,6 +180,28 @@ def traffic_of(traffic: Traffic) -> Iterator[Traffic]:
         yield traffic
 
 
+def _meta_shortcut(func: Any, args: Any, kwargs: Any) -> Any:
+    """What ``func`` returns on meta tensors, made directly where torch makes it through a Python
+    reference, slowly: the norms of ``torch._foreach_norm`` (the NaN/Inf check's, of every
+    gradient; one scalar per tensor, in ``dtype`` or the tensor's real dtype) and ``torch.zeros``
+    (state buffers). None for any other call, which runs as it is."""
+    if func is torch.ops.aten._foreach_norm.Scalar:
+        tensors = args[0]
+        if not tensors or not all(t.is_meta for t in tensors):
+            return None
+        dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
+        return [torch.empty((), dtype=dtype or _REAL.get(t.dtype, t.dtype), device="meta") for t in tensors]
+    if func is torch.ops.aten.zeros.default and set(kwargs) <= {"dtype", "device", "pin_memory"}:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "meta" and not kwargs.get("pin_memory"):
+            return torch.empty(args[0], dtype=kwargs.get("dtype"), device="meta")
+    return None
+
+
+#: The real dtype of a complex one (a norm's).
+_REAL = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensor storages allocated inside the block that are still alive, and their peak.
 
@@ -274,7 +296,9 @@ class LiveBytes(TorchDispatchMode):
             shadow = self._shadows.get(id(args[0]))
             if shadow is not None:
                 return shadow.to(kwargs.get("dtype") or shadow.dtype, copy=True)
-        out = func(*args, **kwargs)
+        out = _meta_shortcut(func, args, kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
         results = tensors_in(out)
         if self.answer_meta_items:
             self._shadow(func, args, kwargs, results)

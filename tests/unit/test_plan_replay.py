@@ -99,3 +99,41 @@ def test_a_replay_moves_the_recorder_as_the_call_would() -> None:
     replays = plan_replay.Replays()
     assert _measure(replays) == _measure(None)
     assert replays.hits == 2
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_the_recorder_makes_foreach_norms_of_meta_tensors_as_torch_does(dtype: torch.dtype | None) -> None:
+    """The recorder makes ``torch._foreach_norm``'s outputs on meta itself (torch's Python
+    reference is slow): the same dtypes, shapes and devices as torch's, counted alike."""
+    from dist_optim.plan.traffic import LiveBytes
+
+    kinds = [torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+    tensors = [torch.empty((3, 4 + i), dtype=d, device="meta") for i, d in enumerate(kinds)]
+    if dtype is not None:
+        tensors = [t for t in tensors if not t.is_complex() and t.dtype != torch.float64]
+    want = torch._foreach_norm(tensors, 2, dtype=dtype)
+    with LiveBytes() as live:
+        got = torch._foreach_norm(tensors, 2, dtype=dtype)
+        assert live.live == sum(t.element_size() for t in want)
+    assert [(t.dtype, t.shape, t.device) for t in got] == [(t.dtype, t.shape, t.device) for t in want]
+
+
+def test_the_recorder_makes_zeros_on_meta_as_torch_does() -> None:
+    """And ``torch.zeros`` on meta (torch's reference fills them): the same metadata, counted, and
+    a small one's values followed as zeros."""
+    from dist_optim.plan.traffic import LiveBytes
+
+    calls: list[dict[str, Any]] = [dict(device="meta"), dict(dtype=torch.bfloat16, device="meta")]
+    for kwargs in calls:
+        for shape in [(3, 5), (4,), ()]:
+            want = torch.zeros(shape, **kwargs)
+            with LiveBytes(answer_meta_items=True) as live:
+                got = torch.zeros(shape, **kwargs)
+                assert live.live == want.untyped_storage().nbytes()
+                assert live.shadow_of(got) is not None and not live.shadow_of(got).any()
+            assert (got.dtype, got.shape, got.stride(), got.device) == (
+                want.dtype,
+                want.shape,
+                want.stride(),
+                want.device,
+            )
