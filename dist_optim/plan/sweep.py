@@ -33,7 +33,7 @@ from .models import check_model_layout, load_config
 from .simulate import sharing_zero_stages
 from .world import Layout
 
-__all__ = ["candidate_layouts", "sweep", "simulations", "rank_plans", "with_activations", "format_layout_sweep"]
+__all__ = ["candidate_layouts", "sweep", "task_cost", "rank_plans", "with_activations", "format_layout_sweep"]
 
 #: Sizes tried for tensor and pipeline parallelism (within one 8-GPU node for TP, as usual).
 TP_SIZES = (1, 2, 4, 8)
@@ -66,7 +66,7 @@ def candidate_layouts(config: Any, world: int, precision: str, batch_size: int) 
     return out
 
 
-def simulations(layouts: Sequence[Layout]) -> float:
+def task_cost(layouts: Sequence[Layout]) -> float:
     """A rough relative cost of a task of ``layouts`` (one tp x pp). Per layout, rank 0 and the
     busiest owner are simulated, with stages also the first, last and one middle stage's first ranks
     (twins; ZeRO-2 is answered by ZeRO-1), each over its stage's share of the model; the first,
@@ -136,7 +136,7 @@ def sweep(
         groups.setdefault((layout.plugin, layout.tp, layout.pp), []).append(layout)
     options = dict(steps=steps, gpu_memory=gpu_memory, device=device, margin=margin)
     # The longest tasks first, so that no process is left with a long one when the others are done.
-    ordered = sorted(groups.values(), key=simulations, reverse=True)
+    ordered = sorted(groups.values(), key=task_cost, reverse=True)
     tasks = [(config, name, layouts, optimizer, args, workload, options) for layouts in ordered]
     if jobs is None:
         jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
