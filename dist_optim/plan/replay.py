@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .traffic import LiveBytes, Traffic
+from .traffic import LiveBytes, Traffic, flat_values
 
 __all__ = ["Replays"]
 
@@ -237,12 +237,8 @@ def _values(live: LiveBytes, t: torch.Tensor) -> tuple[Any, ...] | None:
     """The values of a host tensor ``t`` (a step counter), or those the recorder follows for a meta
     one (a small tensor of scalars), as a hashable tuple; None for a meta tensor not followed."""
     if not t.is_meta:
-        return (t.dtype, tuple(t.detach().reshape(-1).tolist()))
-    if not live.has_shadow(t):
-        return None
-    shadow = live.shadow_of(t)
-    assert shadow is not None
-    return (shadow.dtype, tuple(shadow.reshape(-1).tolist()))
+        return (t.dtype, flat_values(t))
+    return live.shadow_values(t)
 
 
 def _key(x: Any, tensors: list[torch.Tensor], storages: dict[int, list[int]] | None = None, work: bool = False) -> Any:

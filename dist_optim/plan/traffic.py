@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["Traffic", "StepTraffic", "LiveBytes", "traffic_of", "Peers", "c10d_bytes"]
+__all__ = ["Traffic", "StepTraffic", "LiveBytes", "traffic_of", "Peers", "c10d_bytes", "flat_values"]
 
 #: Answers ``all_gather_object`` in a simulation: (this rank's object, the group) -> every member's.
 Peers = Callable[[Any, Any], list[Any]]
@@ -238,6 +238,12 @@ class LiveBytes(TorchDispatchMode):
         """Whether ``t``'s values are followed in a CPU shadow (a small meta tensor of scalars)."""
         return id(t) in self._shadows
 
+    def shadow_values(self, t: torch.Tensor) -> tuple[torch.dtype, tuple[Any, ...]] | None:
+        """The dtype and flat values of ``t``'s CPU shadow, or None: read without a copy or a
+        dispatched operator (``tolist`` dispatches none), as a replay's description reads them."""
+        shadow = self._shadows.get(id(t))
+        return None if shadow is None else (shadow.dtype, flat_values(shadow))
+
     def shadow_of(self, t: torch.Tensor) -> torch.Tensor | None:
         """A copy of the CPU shadow of ``t``'s values (not counted: shadows are the recorder's), or None."""
         shadow = self._shadows.get(id(t))
@@ -372,6 +378,16 @@ def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
         value = args[i] if i < len(args) else kwargs.get(name)
         written += [t for t in tensors_in(value) if t.is_meta]
     return written
+
+
+def flat_values(t: torch.Tensor) -> tuple[Any, ...]:
+    """The values of a small host tensor, flat, as a tuple, without a dispatched operator."""
+    values = t.tolist()
+    if not isinstance(values, list):
+        return (values,)
+    while values and isinstance(values[0], list):
+        values = [v for row in values for v in row]
+    return tuple(values)
 
 
 def tensors_in(x: Any) -> list[torch.Tensor]:

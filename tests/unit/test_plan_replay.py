@@ -137,3 +137,43 @@ def test_the_recorder_makes_zeros_on_meta_as_torch_does() -> None:
                 want.stride(),
                 want.device,
             )
+
+
+def test_a_work_is_replayed_only_where_the_values_it_reads_repeat() -> None:
+    """An in-place work whose memory depends on a host step counter's value, or on a followed
+    meta scalar's, is replayed for the values seen when it was recorded and run for new ones: each
+    call's peak is the one running it gives."""
+    from dist_optim.plan.traffic import LiveBytes
+
+    def peaks(replays: plan_replay.Replays | None) -> list[int]:
+        counter = torch.zeros((), dtype=torch.int64)  # a host step counter
+        out = []
+        with (
+            replay.replaying_work(replays.work) if replays is not None else contextlib.nullcontext(),
+            LiveBytes(answer_meta_items=True) as live,
+        ):
+            if replays is not None:
+                replays.live = live
+            scale = torch.ones((1, 1), device="meta")  # a followed meta scalar (its shadow is 1)
+            state = torch.empty(16, device="meta")
+
+            def work() -> None:
+                n = 256 * (1 + int(counter.item()) % 2) * (1 + int(scale.item() > 1))
+                torch.empty(n, device="meta")  # scratch, freed: a transient that depends on both
+                state.add_(1)
+
+            def describe() -> Any:
+                return ("work", state, counter, scale)
+
+            for step in range(6):
+                live.reset_peak()
+                replay.replayable_work(work, describe)
+                out.append(live.peak - live.live)
+                counter.fill_((step + 1) % 2)
+                if step == 3:
+                    scale.mul_(2)  # followed: its shadow becomes 2
+        return out
+
+    replays = plan_replay.Replays()
+    assert peaks(replays) == peaks(None)
+    assert replays.work_hits == 2  # steps 2 and 3: the counter and the scale seen before
