@@ -183,19 +183,33 @@ def traffic_of(traffic: Traffic) -> Iterator[Traffic]:
 def _meta_shortcut(func: Any, args: Any, kwargs: Any) -> Any:
     """What ``func`` returns on meta tensors, made directly where torch makes it through a Python
     reference, slowly: the norms of ``torch._foreach_norm`` (the NaN/Inf check's, of every
-    gradient; one scalar per tensor, in ``dtype`` or the tensor's real dtype) and ``torch.zeros``
-    (state buffers). None for any other call, which runs as it is."""
+    gradient; one scalar per tensor, in ``dtype`` or the tensor's real dtype), ``torch.zeros``
+    (state buffers) and an in-place element-wise operator's result, its first argument (the
+    factored optimizers' statistics). None for any other call, which runs as it is. Deviation: a
+    shape or dtype an in-place operator would refuse passes on meta (a real run refuses it)."""
     if func is torch.ops.aten._foreach_norm.Scalar:
         tensors = args[0]
         if not tensors or not all(t.is_meta for t in tensors):
             return None
         dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
         return [torch.empty((), dtype=dtype or _REAL.get(t.dtype, t.dtype), device="meta") for t in tensors]
+    if _in_place_pointwise(func) and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+        return args[0]
     if func is torch.ops.aten.zeros.default and set(kwargs) <= {"dtype", "device", "pin_memory"}:
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "meta" and not kwargs.get("pin_memory"):
             return torch.empty(args[0], dtype=kwargs.get("dtype"), device="meta")
     return None
+
+
+@functools.cache
+def _in_place_pointwise(func: Any) -> bool:
+    """Whether ``func`` is an element-wise operator that writes its first argument and returns it."""
+    schema = func._schema
+    if torch.Tag.pointwise not in func.tags or not schema.arguments or len(schema.returns) != 1:
+        return False
+    first, out = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    return first is not None and first.is_write and out is not None and out.is_write
 
 
 #: The real dtype of a complex one (a norm's).

@@ -177,3 +177,20 @@ def test_a_work_is_replayed_only_where_the_values_it_reads_repeat() -> None:
     replays = plan_replay.Replays()
     assert peaks(replays) == peaks(None)
     assert replays.work_hits == 2  # steps 2 and 3: the counter and the scale seen before
+
+
+def test_the_recorder_answers_in_place_element_wise_operators_with_their_argument() -> None:
+    """And an in-place element-wise operator on meta (torch's reference computes the broadcast and
+    promotion): its result is its first argument, nothing allocated, a small one's values followed."""
+    from dist_optim.plan.traffic import LiveBytes
+
+    with LiveBytes(answer_meta_items=True) as live:
+        small = torch.ones(3, device="meta")
+        big = torch.empty(64, 32, device="meta")
+        row = torch.empty(1, 32, device="meta")
+        live.reset_peak()
+        assert big.mul_(row).rsqrt_().lerp_(big, 0.1) is big
+        assert small.mul_(2.0).clamp_(min=3.0) is small
+        assert live.peak == live.live  # nothing made, not even for a moment
+        shadow = live.shadow_of(small)
+        assert shadow is not None and shadow.tolist() == [3.0, 3.0, 3.0]
