@@ -213,7 +213,7 @@ def simulate_activations(
         # run keeps are a few KB per layer, on the CPU and the device).
         kwargs = {"use_reentrant": False, "preserve_rng_state": False}
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    elif getattr(model, "is_gradient_checkpointing", False):  # a model simulated before, with
+    elif getattr(model, "is_gradient_checkpointing", False):  # simulated before with it: switch it off
         model.gradient_checkpointing_disable()
     model.train()
     hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
