@@ -24,6 +24,7 @@ __all__ = [
     "meta_collectives",
     "c10d_group_size",
     "meta_strides_as",
+    "strides_device",
 ]
 
 #: torch releases (major, minor) whose internals below were read and tested: the pinned stack, and the
@@ -158,9 +159,21 @@ def meta_strides_as(device: str) -> Iterator[None]:
     optimizers see "meta": they take the accelerator's branch where they test ``!= "cpu"``."""
     from torch import _meta_registrations as registrations
 
-    real = registrations.device_hint
+    global _strides_device
+    real, previous = registrations.device_hint, _strides_device
     registrations.device_hint = lambda tensor: device
+    _strides_device = device
     try:
         yield
     finally:
         registrations.device_hint = real
+        _strides_device = previous
+
+
+_strides_device: str | None = None
+
+
+def strides_device() -> str | None:
+    """The device meta kernels shape their outputs as (:func:`meta_strides_as`), None outside such a
+    block: what a meta kernel's output layout may depend on besides its arguments."""
+    return _strides_device

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from .meta_kernels import meta_call
+
 __all__ = ["Traffic", "StepTraffic", "LiveBytes", "traffic_of", "Peers", "c10d_bytes", "flat_values"]
 
 #: Answers ``all_gather_object`` in a simulation: (this rank's object, the group) -> every member's.
@@ -180,42 +182,6 @@ def traffic_of(traffic: Traffic) -> Iterator[Traffic]:
         yield traffic
 
 
-def _meta_shortcut(func: Any, args: Any, kwargs: Any) -> Any:
-    """What ``func`` returns on meta tensors, made directly where torch makes it through a Python
-    reference, slowly: the norms of ``torch._foreach_norm`` (the NaN/Inf check's, of every
-    gradient; one scalar per tensor, in ``dtype`` or the tensor's real dtype), ``torch.zeros``
-    (state buffers) and an in-place element-wise operator's result, its first argument (the
-    factored optimizers' statistics). None for any other call, which runs as it is. Deviation: a
-    shape or dtype an in-place operator would refuse passes on meta (a real run refuses it)."""
-    if func is torch.ops.aten._foreach_norm.Scalar:
-        tensors = args[0]
-        if not tensors or not all(t.is_meta for t in tensors):
-            return None
-        dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
-        return [torch.empty((), dtype=dtype or _REAL.get(t.dtype, t.dtype), device="meta") for t in tensors]
-    if _in_place_pointwise(func) and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-        return args[0]
-    if func is torch.ops.aten.zeros.default and set(kwargs) <= {"dtype", "device", "pin_memory"}:
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "meta" and not kwargs.get("pin_memory"):
-            return torch.empty(args[0], dtype=kwargs.get("dtype"), device="meta")
-    return None
-
-
-@functools.cache
-def _in_place_pointwise(func: Any) -> bool:
-    """Whether ``func`` is an element-wise operator that writes its first argument and returns it."""
-    schema = func._schema
-    if torch.Tag.pointwise not in func.tags or not schema.arguments or len(schema.returns) != 1:
-        return False
-    first, out = schema.arguments[0].alias_info, schema.returns[0].alias_info
-    return first is not None and first.is_write and out is not None and out.is_write
-
-
-#: The real dtype of a complex one (a norm's).
-_REAL = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
-
-
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensor storages allocated inside the block that are still alive, and their peak.
 
@@ -316,51 +282,48 @@ class LiveBytes(TorchDispatchMode):
             shadow = self._shadows.get(id(args[0]))
             if shadow is not None:
                 return shadow.to(kwargs.get("dtype") or shadow.dtype, copy=True)
-        out = _meta_shortcut(func, args, kwargs)
-        if out is None:
-            out = func(*args, **kwargs)
+        out = meta_call(func, args, kwargs)
         results = tensors_in(out)
+        inputs = tensors_in(args)
+        if kwargs:
+            inputs += tensors_in(kwargs)
         if self.answer_meta_items:
-            self._shadow(func, args, kwargs, results)
+            self._shadow(func, args, kwargs, inputs, results)
         made = [t for t in results if not _is_sparse(t)]
         if made:
-            existing = {a.untyped_storage()._cdata for a in tensors_in((args, kwargs)) if not _is_sparse(a)}
+            existing = {a.untyped_storage()._cdata for a in inputs if not _is_sparse(a)}
             for t in made:
                 self._track(t, existing)
         return out
 
-    def _shadow(self, func: Any, args: Any, kwargs: Any, results: list[torch.Tensor]) -> None:
+    def _shadow(
+        self, func: Any, args: Any, kwargs: Any, inputs: list[torch.Tensor], results: list[torch.Tensor]
+    ) -> None:
         """Compute ``func`` on the CPU shadows of its inputs when every meta input is a small tensor
-        with a shadow, and keep the results as the shadows of its small meta outputs (``results``:
-        the tensors among its outputs, :func:`tensors_in`)."""
+        with a shadow, and keep the results as the shadows of its small meta outputs (``inputs``,
+        ``results``: the tensors among its arguments and its outputs, :func:`tensors_in`)."""
         if func.overloadpacket.__name__ in UNDEFINED_VALUES:
             return  # uninitialised memory: no value to shadow (a CPU one would hold whatever it held)
         outs = [t for t in results if t.is_meta]
         outs += _written(func, args, kwargs)  # what an in-place op without outputs writes to
         if not outs:
             return
-        if any(t.numel() > self.SHADOW_NUMEL for t in outs):
-            for t in outs:  # written with values not followed
-                self._shadows.pop(id(t), None)
+        shadows = self._shadows
+        if any(t.numel() > self.SHADOW_NUMEL for t in outs) or any(t.is_meta and id(t) not in shadows for t in inputs):
+            # written with values not followed, or an operator on a shadowed scalar with unknown
+            # inputs: forget them (checked before mapping the arguments: most operators stop here)
+            for t in outs:
+                shadows.pop(id(t), None)
             return
-        missing = False
 
         def to_cpu(x: Any) -> Any:
-            nonlocal missing
             if isinstance(x, torch.Tensor) and x.is_meta:
-                shadow = self._shadows.get(id(x))
-                if shadow is None:
-                    missing = True
-                return shadow
+                return shadows[id(x)]
             if isinstance(x, torch.device) and x.type == "meta":
                 return torch.device("cpu")
             return x
 
         cpu_args, cpu_kwargs = torch.utils._pytree.tree_map(to_cpu, (args, kwargs))
-        if missing:
-            for t in outs:  # an in-place op on a shadowed scalar with unknown inputs: forget it
-                self._shadows.pop(id(t), None)
-            return
         result = func(*cpu_args, **cpu_kwargs)
         cpu_results = tensors_in(result)
         if result is None or len(results) != len(cpu_results):
@@ -410,6 +373,8 @@ def tensors_in(x: Any) -> list[torch.Tensor]:
     and return, without pytree's generic walk: every dispatched operator walks its arguments and
     results, so this walk is on the planner's hottest path (a profile of a plan shows it:
     ``python -m cProfile -s tottime -m dist_optim.plan --model llama-70b --tp 8 --dp 8 --zero 1``)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
     found: list[torch.Tensor] = []
     stack = [x]
     while stack:
