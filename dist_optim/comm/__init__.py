@@ -108,3 +108,4 @@ def collectives_through(backend: Any) -> Iterator[Any]:
     finally:
         for module, original in zip(_CALLERS, saved):
             module.dist = original  # type: ignore[attr-defined]
+        groups.forget_backend_places()  # the backend's groups may go with it

@@ -24,17 +24,32 @@ _PLACES: dict[int, tuple[Any, tuple[int, int, tuple[int, ...]]]] = {}
 _TORCH_DIST = dist  # ``dist`` itself is rebound inside collectives_through
 
 
+#: The same for the backend of ``collectives_through`` (a simulated world answers for its own
+#: ranks), by ``id(group)``, with the group and the backend that answered: valid while that backend
+#: is the one in use.
+_THROUGH_PLACES: dict[int, tuple[Any, Any, tuple[int, int, tuple[int, ...]]]] = {}
+
+
 def _place(group: Any) -> tuple[int, int, tuple[int, ...]]:
-    cached = _PLACES.get(id(group))
-    if cached is not None and cached[0] is group and dist is _TORCH_DIST:
-        return cached[1]
+    through = dist is not _TORCH_DIST
+    if group is not None:
+        if not through:
+            cached = _PLACES.get(id(group))
+            if cached is not None and cached[0] is group:
+                return cached[1]
+        else:
+            seen = _THROUGH_PLACES.get(id(group))
+            if seen is not None and seen[0] is group and seen[1] is dist:
+                return seen[2]
     if not dist.is_available() or not dist.is_initialized():
         return 1, 0, (0,)
     size = dist.get_world_size(group)
     key = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
     place = size, dist.get_rank(group), key
-    if group is not None and dist is _TORCH_DIST:
+    if group is not None and not through:
         _PLACES[id(group)] = (group, place)
+    elif group is not None:
+        _THROUGH_PLACES[id(group)] = (group, dist, place)
     return place
 
 
@@ -62,6 +77,11 @@ def ordered_groups(groups: Iterable[Any]) -> list[Any]:
     return [unique[k] for k in sorted(unique, key=lambda k: k[0])]
 
 
+def forget_backend_places() -> None:
+    """Let go of what a ``collectives_through`` backend answered about its groups (its block ended)."""
+    _THROUGH_PLACES.clear()
+
+
 _RELEASES = 0  # bumped by release_groups: part of topology_token
 
 
@@ -72,6 +92,7 @@ def release_groups() -> None:
     global _RELEASES
     with freeing_groups():
         _PLACES.clear()
+        _THROUGH_PLACES.clear()
     _RELEASES += 1
 
 
