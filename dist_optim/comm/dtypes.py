@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ..kernels.dtypes import promote
+
 __all__ = ["COMMUNICATION_DTYPES", "check_communication_dtype", "widest_dtype"]
 
 #: The dtypes an optimizer's ``communication_dtype`` may name; None: the widest dtype of the
@@ -27,7 +29,7 @@ def widest_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     """The dtype every one of ``tensors`` converts to without loss (``torch.promote_types`` over
     them): the default communication dtype of a bucket, so that no tensor is rounded through a
     narrower neighbour's dtype. The same on every rank when the ranks bucket the same tensors."""
-    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return functools.reduce(promote, (t.dtype for t in tensors))
 
 
 def check_communication_dtype(value: Any, allowed: Sequence[torch.dtype | None] = COMMUNICATION_DTYPES) -> None:

@@ -50,6 +50,7 @@ import torch
 
 from ..base import DistOptimizer
 from ..comm import SumBucket, group_rank, group_size
+from ..kernels.dtypes import accumulation_dtype
 from ..layout import ParamLayout
 from .layout import FactoredLayout, VectorPart
 
@@ -116,7 +117,7 @@ class FactoredParam:
 def math_dtype(p: torch.Tensor) -> torch.dtype:
     """The dtype of the statistics and arithmetic for a parameter: fp32, or float64 for float64
     parameters (which then get the single-device algorithm in double precision)."""
-    return torch.promote_types(p.dtype, torch.float32)
+    return accumulation_dtype(p.dtype)
 
 
 def init_statistics(state: dict[str, Any], param: torch.Tensor, fac: FactoredLayout, keys: tuple[str, str]) -> None:

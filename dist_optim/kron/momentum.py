@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.dtypes import accumulation_dtype
 from ..layout import ParamLayout
 from ..states import bnb, codecs
 from .state import MOMENTUM, MOMENTUM_ENTRY
@@ -47,7 +48,7 @@ def update_momenta(
         b1 = group["b1"]
         if eight_bit(layout):
             # fp32 as bitsandbytes' kernels (float64 for a float64 parameter, a reference run).
-            acc = torch.promote_types(g.dtype, torch.float32)
+            acc = accumulation_dtype(g.dtype)
             m = MOMENTUM_ENTRY.codec.read(batch, state, MOMENTUM, layout, g, acc)
         else:
             MOMENTUM_ENTRY.codec.to_plain(batch, state, MOMENTUM, layout, g.device, group["mu_dtype"] or p.dtype)
@@ -65,7 +66,7 @@ def update_momenta(
 def momentum_bytes(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], eight_bit: bool) -> int:
     """Bytes per element of the momentum that travels to the owner (fp32 for an 8-bit one)."""
     if eight_bit:
-        return torch.promote_types(p.dtype, torch.float32).itemsize
+        return accumulation_dtype(p.dtype).itemsize
     m = state.get(MOMENTUM)
     if isinstance(m, torch.Tensor) and not codecs.quantized(m):
         return m.element_size()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.dtypes import accumulation_dtype
 from ..kernels.multi_tensor import scale_
 from ..kernels.structured import gram, gram_update_, matmul_triangular, symmetrize_, upper_times_upper
 from . import variant
@@ -117,7 +118,7 @@ def apply_inverse_transposed(t: torch.Tensor, factors: Sequence[torch.Tensor], w
         if q.dim() < 2:
             t = _scale_along(t, dim, q.reciprocal())
         else:
-            solve_dtype = torch.promote_types(q.dtype, torch.float32) if wide else torch.float32
+            solve_dtype = accumulation_dtype(q.dtype) if wide else torch.float32
 
             # A row r of the moved tensor becomes r Q^-1, i.e. the column Q^-T r^T.
             def solve(rows: torch.Tensor, q: torch.Tensor = q, dt: torch.dtype = solve_dtype) -> torch.Tensor:

@@ -60,6 +60,7 @@ import torch
 from ..base import DistOptimizer, check_adam_options, check_range
 from ..checks import group_lr
 from ..comm import SumBucket
+from ..kernels.dtypes import accumulation_dtype
 from ..kernels.multi_tensor import scale_
 from ..layout import ParamLayout
 from ..registry import CatalogueEntry, Conversion, Demo, register, register_entry
@@ -272,7 +273,7 @@ def _update_8bit(
     from them, their new values stored quantised by ``batch.store()`` (as bitsandbytes' 8-bit
     kernels do, the update uses the fp32 moments, not their re-quantised values)."""
     beta1, beta2 = group["betas"]
-    acc = torch.promote_types(p.dtype, torch.float32)
+    acc = accumulation_dtype(p.dtype)
     m, v = (e.codec.read(batch, state, e.name, layout, p, acc) for e in STATE.entries)
     g = g.to(acc)
     m.mul_(beta1).add_(g, alpha=1.0 - beta1)
@@ -332,12 +333,10 @@ def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Each tensor's 2-norm accumulated as :func:`_updates_per_tensor` accumulates it: in fp32 for
     low-precision tensors (``_foreach_norm`` without a dtype returns a bf16 norm, rounded before the
     trust ratio), in float64 for float64 ones."""
-    acc = {torch.promote_types(t.dtype, torch.float32) for t in tensors}
+    acc = {accumulation_dtype(t.dtype) for t in tensors}
     if len(acc) == 1:
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=acc.pop()))
-    return torch.stack(
-        [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
-    )
+    return torch.stack([torch.linalg.vector_norm(t, dtype=accumulation_dtype(t.dtype)) for t in tensors])
 
 
 def _updates_per_tensor(
@@ -362,7 +361,7 @@ def _updates_per_tensor(
             u.add_(p, alpha=group["weight_decay"])
         # fp32 accumulation for low-precision params; float64 ones keep theirs (vector_norm
         # refuses a narrowing dtype)
-        acc = torch.promote_types(p.dtype, torch.float32)
+        acc = accumulation_dtype(p.dtype)
         sq[0, i] = torch.linalg.vector_norm(p, dtype=acc)
         sq[1, i] = torch.linalg.vector_norm(u, dtype=acc)
         updates.append(u)

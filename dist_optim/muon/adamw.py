@@ -25,6 +25,7 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..checks import group_lr
+from ..kernels.dtypes import accumulation_dtype
 from ..kernels.fused_adam import fused_applies
 from ..layout import ParamLayout
 from ..sharding.budget import buckets
@@ -115,7 +116,7 @@ def _adamw_8bit(
     re-quantised values."""
     beta1, beta2 = group["adamw_betas"]
     lr, eps = group_lr(group), group["adamw_eps"]
-    acc = torch.promote_types(p.dtype, torch.float32)
+    acc = accumulation_dtype(p.dtype)
     m, v = (e.codec.read(batch, state, e.name, layout, p, acc) for e in MOMENTS)
     state["step"] += 1
     t = float(state["step"])

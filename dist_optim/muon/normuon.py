@@ -44,6 +44,7 @@ import torch
 
 from ..base import check_range
 from ..comm import gather_full
+from ..kernels.dtypes import accumulation_dtype
 from ..layout import Box, ParamLayout, TPSplit
 from ..sharding.owners import Owner, Task, share_results
 from ..sharding.runtime import OwnedWork
@@ -74,7 +75,7 @@ def rows_shape(view: tuple[int, ...], group: dict[str, Any]) -> tuple[int, ...]:
 
 def moment_dtype(param: torch.Tensor) -> torch.dtype:
     """The dtype ``v`` is kept and computed in: float32, float64 beside float64 parameters."""
-    return torch.promote_types(param.dtype, torch.float32)
+    return accumulation_dtype(param.dtype)
 
 
 def _zero_moment(param: torch.Tensor, group: dict[str, Any], task: Task) -> torch.Tensor:

@@ -13,6 +13,7 @@ from ..base import DistOptimizer, check_lr, check_range
 from ..checks import group_lr
 from ..comm.dtypes import check_communication_dtype
 from ..kernels import structured
+from ..kernels.dtypes import promote
 from ..kernels.multi_tensor import scale_
 from ..kernels.newton_schulz import Coefficients, newton_schulz_flops, newton_schulz_many
 from ..layout import ParamLayout
@@ -506,7 +507,7 @@ def _apply_all(items: Sequence[tuple[torch.Tensor, torch.Tensor, ParamLayout, di
             decays.setdefault(1.0 - lr * group["weight_decay"], []).append(p)
         params, updates = steps.setdefault(-adjusted_lr(lr, group["adjust_lr_fn"], m, n), ([], []))
         params.append(p)
-        updates.append(update if torch.promote_types(update.dtype, p.dtype) == p.dtype else update.to(p.dtype))
+        updates.append(update if promote(update.dtype, p.dtype) == p.dtype else update.to(p.dtype))
     for factor, params in decays.items():
         scale_(params, factor)
     for alpha, (params, updates) in steps.items():
