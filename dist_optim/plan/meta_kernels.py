@@ -53,8 +53,9 @@ def meta_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return out
 
 
-#: Remembered outputs at most (a sweep's plans need a few thousand); beyond, the memo starts again.
-MEMO_ENTRIES = 200_000
+#: Remembered outputs at most (a 70B plan remembers under two hundred operators); beyond, the memo
+#: starts again, so that a process planning many models keeps a few MB.
+MEMO_ENTRIES = 20_000
 
 
 class _Outputs:
