@@ -23,8 +23,11 @@ heavyball's default, ``split``, ``merge_dims`` on a tensor of more than 2 dims (
 trailing dims up to ``max_size_triangular``), ``memory_save_mode="one_triu"``, a schedule other than
 a float or heavyball's own, ECC states, ``q_dtype`` other than float32/float64, a ``storage_dtype``
 other than the parameters', low-precision parameters (stochastic rounding), the Hessian-vector
-modes, and with ``precond_init_scale=None`` and ``multi_tensor=True`` two parameters of one shape
-(heavyball takes their initial scale from their stacked gradients).
+modes.
+
+With ``precond_init_scale=None`` and ``multi_tensor=True`` (heavyball's defaults) parameters of one
+shape that start together share their initial scale, from their stacked gradients
+(``precond_init_scale_by_shape``, :mod:`dist_optim.kron.init_scale`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ _NEUTRAL: dict[str, Any] = {
     "cached": False,
     "precond_grad_accum": False,
     "store_triu_as_line": ANY,  # the same factors stored as their upper triangle
-    "multi_tensor": ANY,  # checked with the initial scale below
     "exp_avg_input": ANY,  # b1 below
     "beta": ANY,
     "merge_dims": ANY,  # checked below
@@ -71,6 +73,7 @@ _READS = frozenset(
         "lower_bound_beta",
         "dampening",
         "precond_update_power_iterations",
+        "multi_tensor",  # the initial scale by shape
     }
 )
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -100,7 +103,7 @@ def _schedule(opt: torch.optim.Optimizer) -> Any:
     )
 
 
-def _check_parameters(group: Mapping[str, Any], fixed_scale: bool) -> torch.dtype:
+def _check_parameters(group: Mapping[str, Any]) -> torch.dtype:
     dtypes = {p.dtype for p in group["params"]}
     if not dtypes <= set(_DTYPES.values()) or len(dtypes) > 1:
         raise ValueError(
@@ -112,14 +115,8 @@ def _check_parameters(group: Mapping[str, Any], fixed_scale: bool) -> torch.dtyp
         raise ValueError(f"keeps its momentum in storage_dtype={group['storage_dtype']!r}: use the parameters' dtype")
     if group["q_dtype"] not in _DTYPES:
         raise ValueError(f"keeps its factors in q_dtype={group['q_dtype']!r}: use 'float32' or 'float64'")
-    shapes = [tuple(n for n in p.shape if n != 1) for p in group["params"]]
     if group["merge_dims"] and any(p.dim() > 2 for p in group["params"]):
         raise ValueError("merge_dims=True merges trailing dims its own way (dim_merger): use merge_dims=False")
-    if not fixed_scale and group["multi_tensor"] and len(set(shapes)) < len(shapes):
-        raise ValueError(
-            "takes the initial scale of same-shape parameters from their stacked gradients "
-            "(precond_init_scale=None, multi_tensor=True): use multi_tensor=False or a fixed precond_init_scale"
-        )
     return dtype
 
 
@@ -142,7 +139,7 @@ def _heavyball_psgd_kron(opt: torch.optim.Optimizer, g: Mapping[str, Any]) -> di
             raise ValueError(
                 "memory_save_mode='one_triu' has no equivalent: use None, 'one_diag', 'smart_one_diag' or 'all_diag'"
             )
-        dtype = _check_parameters(g, g["precond_init_scale"] is not None) if "params" in g else torch.float32
+        dtype = _check_parameters(g) if "params" in g else torch.float32
     except ValueError as exc:
         raise ValueError(f"convert: heavyball.PSGDKron {exc}") from None
     beta = g.get("beta")
@@ -169,6 +166,7 @@ def _heavyball_psgd_kron(opt: torch.optim.Optimizer, g: Mapping[str, Any]) -> di
         power_iterations=g["precond_update_power_iterations"],
         precond_init_scale_power=0.5 if power is None else float(power),
         precond_init_scale_scale=float(g["precond_init_scale_scale"] or 1),
+        precond_init_scale_by_shape=bool(g.get("multi_tensor", True)) and g["precond_init_scale"] is None,
     )
 
 

@@ -22,6 +22,7 @@ from ..sharding.owners import Owner, share_results
 from ..sharding.runtime import OwnedWork, OwnerRuntime
 from ..states import codecs
 from .blocks import discard_probe, draw_probe
+from .init_scale import shared_initial_scales
 from .momentum import momentum_bytes, update_momenta
 from .options import check_optimizer_options, group_defaults, precond_dtype, validate_options
 from .owners import KronParam, plan_param_owners
@@ -53,76 +54,72 @@ class DistributedKron(DistOptimizer):
         lr: learning rate (>= 0); the seed's advice is ~3x smaller than Adam's, hence 3e-4.
         b1: momentum coefficient in [0, 1).
         weight_decay: decoupled weight decay, applied to tensors of >= 2 dims only (>= 0).
-        preconditioner_update_probability: a float in (0, 1], a callable ``step -> probability``,
-            or None for :func:`precond_update_prob_schedule`. Read from the first group.
+        preconditioner_update_probability: a float in (0, 1], a callable ``step -> probability``, or None for
+            :func:`precond_update_prob_schedule`. Read from the first group.
         max_size_triangular: dims larger than this get diagonal factors.
         min_ndim_triangular: tensors with fewer dims get only diagonal factors.
         memory_save_mode: None, "smart_one_diag", "one_diag" or "all_diag".
-        momentum_into_precond_update: fit the preconditioner to the debiased momentum (True) or
-            to the raw gradient.
+        momentum_into_precond_update: fit the preconditioner to the debiased momentum (True) or to the raw gradient.
         precond_lr: step size of the factor updates (>= 0).
-        precond_init_scale: initial scale of the preconditioner (> 0), or None: per parameter from
-            its first gradient (its debiased first momentum, the same values up to rounding),
-            ``mean(|G|^4)^(-1/8)`` (Li's psgd_torch rule, which heavyball also offers), so that
-            the first preconditioned gradient has about unit size whatever the gradients' scale
-            (docs/convergence.md: a lower held-out loss at the best rates). Default 1.0,
-            kron_torch's (its conversions keep it).
+        precond_init_scale: initial scale of the preconditioner (> 0), or None: per parameter from its first
+            gradient (its debiased first momentum, the same values up to rounding), ``mean(|G|^4)^(-1/8)`` (Li's
+            psgd_torch rule, which heavyball also offers), so that the first preconditioned gradient has about unit
+            size whatever the gradients' scale (docs/convergence.md: a lower held-out loss at the best rates).
+            Default 1.0, kron_torch's (its conversions keep it).
         merge_dims: precondition tensors of > 2 dims as matrices.
         mu_dtype: dtype of the momentum (default: the parameter's); not of an 8-bit one.
         precond_dtype: dtype of the factors (default fp32).
         clip_update_rms: clip the RMS of the preconditioned direction at 1.1.
         seed: seed of the generators (probes, balancing, rounding). Every rank must use the same.
-        communication_dtype: precision of the exchanges with the owners when bound (default: the
-            widest dtype of the tensors sent, fp32 = exact; ``torch.bfloat16`` halves the bytes at
-            bf16 rounding of momenta and directions).
-        probe_rng: where the probe vectors come from. ``"sequential"`` (default, kron_torch's):
-            one generator drawn for every parameter with a gradient in ``param_groups`` order,
-            on every rank. ``"per_parameter"``: each probe from a generator seeded by ``(seed,
-            parameter key, the parameter's step)``, where the key is the parameter's name in
-            ``param_names`` (set by the dist_optim plugins at boost) or else its position in
-            ``param_groups``: the same probes whatever subset of the model an optimizer holds, so
-            a pipeline stage reproduces the single-device run, and only owners draw.
-        optim_bits: 32, or 8 for the momentum kept as bitsandbytes' block-wise 8-bit codes
-            (Dettmers et al. 2022, arXiv:2110.02861; :mod:`dist_optim.kron.momentum`: blocks of 256
-            values of the full flattened tensor, one fp32 absmax each, the signed map), dequantised
-            and updated in fp32 each step, the debiasing, fit and direction computed from that fp32
-            value, stored quantised again before it travels to the owner.
-        min_8bit_size: with ``optim_bits=8``, momenta of tensors with fewer elements (full tensor)
-            stay in ``mu_dtype`` (bitsandbytes' default 4096).
-        use_symmetric_packing: keep the upper-triangular factors as packed triangles, ``n (n + 1)
-            / 2`` elements instead of ``n^2`` (about half the factors' memory). For Kron the packed
-            matrices are triangular, not symmetric (the name is Shampoo's option, Meta's and ours):
-            the upper triangle, unpacked for the owner's step into reused scratch with its lower
-            triangle exactly zero (as the unpacked factors keep it), the same math, packed back;
-            the steps equal the unpacked ones bit for bit (:mod:`dist_optim.kron.state`). The
-            scratch holds one parameter's whole triangular factors at a time: the irreducible
-            working set, since each factor acts whole on every block of a large tensor.
-        preconditioner_bits: 32, or 8 for the triangular factors kept block-wise quantised (uint8
-            codes of the packed triangle or the whole matrix, blocks of 256, fp32 absmax:
-            :mod:`dist_optim.states.lowbit`, as Wang et al. 2024, arXiv:2405.18144, keep Shampoo's),
-            dequantised for each step and quantised anew where an update changed them, rounded
-            stochastically (:mod:`dist_optim.kron.state`); diagonal factors stay in ``precond_dtype``.
-            4 bits is refused: it ends too far above full precision's held-out loss
+        communication_dtype: precision of the exchanges with the owners when bound (default: the widest dtype of the
+            tensors sent, fp32 = exact; ``torch.bfloat16`` halves the bytes at bf16 rounding of momenta and
+            directions).
+        probe_rng: where the probe vectors come from. ``"sequential"`` (default, kron_torch's): one generator drawn
+            for every parameter with a gradient in ``param_groups`` order, on every rank. ``"per_parameter"``: each
+            probe from a generator seeded by ``(seed, parameter key, the parameter's step)``, where the key is the
+            parameter's name in ``param_names`` (set by the dist_optim plugins at boost) or else its position in
+            ``param_groups``: the same probes whatever subset of the model an optimizer holds, so a pipeline stage
+            reproduces the single-device run, and only owners draw.
+        optim_bits: 32, or 8 for the momentum kept as bitsandbytes' block-wise 8-bit codes (Dettmers et al. 2022,
+            arXiv:2110.02861; :mod:`dist_optim.kron.momentum`: blocks of 256 values of the full flattened tensor,
+            one fp32 absmax each, the signed map), dequantised and updated in fp32 each step, the debiasing, fit and
+            direction computed from that fp32 value, stored quantised again before it travels to the owner.
+        min_8bit_size: with ``optim_bits=8``, momenta of tensors with fewer elements (full tensor) stay in
+            ``mu_dtype`` (bitsandbytes' default 4096).
+        use_symmetric_packing: keep the upper-triangular factors as packed triangles, ``n (n + 1) / 2`` elements
+            instead of ``n^2`` (about half the factors' memory). For Kron the packed matrices are triangular, not
+            symmetric (the name is Shampoo's option, Meta's and ours): the upper triangle, unpacked for the owner's
+            step into reused scratch with its lower triangle exactly zero (as the unpacked factors keep it), the
+            same math, packed back; the steps equal the unpacked ones bit for bit (:mod:`dist_optim.kron.state`).
+            The scratch holds one parameter's whole triangular factors at a time: the irreducible working set, since
+            each factor acts whole on every block of a large tensor.
+        preconditioner_bits: 32, or 8 for the triangular factors kept block-wise quantised (uint8 codes of the
+            packed triangle or the whole matrix, blocks of 256, fp32 absmax: :mod:`dist_optim.states.lowbit`, as
+            Wang et al. 2024, arXiv:2405.18144, keep Shampoo's), dequantised for each step and quantised anew where
+            an update changed them, rounded stochastically (:mod:`dist_optim.kron.state`); diagonal factors stay in
+            ``precond_dtype``. 4 bits is refused: it ends too far above full precision's held-out loss
             (``bench/compact_quality.py``; :mod:`dist_optim.kron.options`).
-        bucket_bytes: the step-memory budget (:mod:`dist_optim.sharding.budget`): when bound, the
-            parameters go to their owners and back in buckets of consecutive parameters of at
-            most this many bytes of full momenta (a larger parameter is a bucket of its own), each
-            bucket's directions applied before the next moves, so the owners' whole momenta and
-            directions and the exchange buffers are bounded by the budget, not the model. Default
-            :data:`~dist_optim.sharding.budget.DEFAULT_BUCKET_BYTES`; None: all at once (the fewest
-            collectives). The result does not depend on it (bit for bit: the probes are drawn in
-            parameter order either way).
-        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or
-            ``"ignore"`` (see :class:`~dist_optim.base.DistOptimizer`); a skipped step draws no
-            random numbers and leaves the update schedule where it was.
-        variant: ``"kron_torch"`` (default, the algorithm above) or ``"heavyball"``: heavyball's
-            PSGDKron (:mod:`dist_optim.kron.variant`: its momentum, update rule, noise, balancing,
-            lower-bounded factor steps, trust-region clip), what ``dist_optim.convert`` makes of it;
-            with it ``dampening``, ``lower_bound_beta`` and ``power_iterations`` (heavyball's
-            ``precond_update_power_iterations``) are read.
-        precond_init_scale_power, precond_init_scale_scale: with ``precond_init_scale=None`` the
-            scale is ``(scale_scale * mean(|G|^4)^(-1/8)) ** power`` (default 1, 1: Li's rule;
-            heavyball's 0.5 power).
+        bucket_bytes: the step-memory budget (:mod:`dist_optim.sharding.budget`): when bound, the parameters go to
+            their owners and back in buckets of consecutive parameters of at most this many bytes of full momenta (a
+            larger parameter is a bucket of its own), each bucket's directions applied before the next moves, so the
+            owners' whole momenta and directions and the exchange buffers are bounded by the budget, not the model.
+            Default :data:`~dist_optim.sharding.budget.DEFAULT_BUCKET_BYTES`; None: all at once (the fewest
+            collectives). The result does not depend on it (bit for bit: the probes are drawn in parameter order
+            either way).
+        nonfinite: a step with a NaN/Inf gradient ``"raise"`` (default), ``"skip"`` or ``"ignore"`` (see
+            :class:`~dist_optim.base.DistOptimizer`); a skipped step draws no random numbers and leaves the update
+            schedule where it was.
+        variant: ``"kron_torch"`` (default, the algorithm above) or ``"heavyball"``: heavyball's PSGDKron
+            (:mod:`dist_optim.kron.variant`: its momentum, update rule, noise, balancing, lower-bounded factor
+            steps, trust-region clip), what ``dist_optim.convert`` makes of it; with it ``dampening``,
+            ``lower_bound_beta`` and ``power_iterations`` (heavyball's ``precond_update_power_iterations``) are
+            read.
+        precond_init_scale_power, precond_init_scale_scale: with ``precond_init_scale=None`` the scale is
+            ``(scale_scale * mean(|G|^4)^(-1/8)) ** power`` (default 1, 1: Li's rule; heavyball's 0.5 power).
+        precond_init_scale_by_shape: with ``precond_init_scale=None``, the parameters of a param group that start in
+            the same step and have one shape (and dtype) share one scale, from their raw gradients together:
+            heavyball's ``multi_tensor=True``, which stacks same-shape parameters (default False: each parameter's
+            own first gradient).
     """
 
     _sharded_state = ("momentum_buffer",)
@@ -160,6 +157,7 @@ class DistributedKron(DistOptimizer):
         power_iterations: int = 2,
         precond_init_scale_power: float = 1.0,
         precond_init_scale_scale: float = 1.0,
+        precond_init_scale_by_shape: bool = False,
     ) -> None:
         check_optimizer_options(seed, communication_dtype, probe_rng)
         self.optim_bits, self.min_8bit_size = codecs.check_8bit_options(
@@ -192,12 +190,14 @@ class DistributedKron(DistOptimizer):
                 power_iterations=power_iterations,
                 precond_init_scale_power=precond_init_scale_power,
                 precond_init_scale_scale=precond_init_scale_scale,
+                precond_init_scale_by_shape=precond_init_scale_by_shape,
             ),
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
         self.communication_dtype = communication_dtype
         self._random = KronRandomness(seed, probe_rng)
         self._scratch = FactorScratch()
+        self._init_scales: dict[torch.Tensor, float] = {}  # shared by shape this step (init_scale.py)
         self._plans: dict[torch.Tensor, FactorPlan] = {}
         #: Each parameter's owner task (planned at binding, or by the first step: work alone), and the
         #: step's exchanges.
@@ -257,14 +257,8 @@ class DistributedKron(DistOptimizer):
 
     def precond_work(self) -> float:
         """Summed :func:`precond_cost` of the parameters this rank owns (all of them when unbound)."""
-        total = 0.0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not self._mine(p):
-                    continue
-                plan = self._plan(p, group)
-                total += precond_cost(plan.shape, plan.diag)
-        return total
+        plans = [self._plan(p, group) for group in self.param_groups for p in group["params"] if self._mine(p)]
+        return float(sum(precond_cost(plan.shape, plan.diag) for plan in plans))
 
     # ---- randomness ------------------------------------------------------------------------------
     def use_layout_independent_randomness(self) -> str | None:
@@ -295,6 +289,7 @@ class DistributedKron(DistOptimizer):
 
         todo: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
         sizes: list[int] = []
+        starting = []
         for group in self.param_groups:
             params, grads = self._grads(group)
             inputs = 1 if group["momentum_into_precond_update"] else 2
@@ -304,10 +299,13 @@ class DistributedKron(DistOptimizer):
                 if not state:
                     init_param_state(state, p, group["mu_dtype"], eight)
                 state["step"] += 1
+                if int(state["step"]) == 1:  # every rank that holds a piece of p knows this
+                    starting.append((group, p, g, layout))
                 todo.append((group, p, g))
                 sizes.append(layout.full_numel * momentum_bytes(state, p, group, eight) * inputs)
         if any(p not in self.owner_runtime.tasks for _, p, _ in todo):
             self._plan_owners()  # unbound (every parameter this rank's alone), or a new param group
+        self._init_scales = shared_initial_scales(starting)
         # The next bucket's momenta travel while this one's owners compute; directions in
         # parameter order on every rank (the sequential probes stay in step).
         self.owner_runtime.run(
@@ -372,6 +370,7 @@ class DistributedKron(DistOptimizer):
                 self._scratch,
                 rounding,
                 step=self._random.prob_step,
+                init_scale=self._init_scales.get(p),
             )
             w.owned = {}  # the owner's whole inputs, dropped as soon as used
         elif draws:  # the numbers, chunk by chunk, dropped: the sequential generator stays in step

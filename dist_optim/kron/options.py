@@ -86,6 +86,7 @@ HEAVYBALL_DEFAULTS: dict[str, Any] = dict(
     power_iterations=2,
     precond_init_scale_power=1.0,
     precond_init_scale_scale=1.0,
+    precond_init_scale_by_shape=False,
 )
 
 
@@ -96,6 +97,14 @@ def _check_variant_options(group: dict[str, Any], optim_bits: int) -> None:
     check_range("lower_bound_beta", group["lower_bound_beta"], 0.0, 1.0)
     check_range("precond_init_scale_scale", group["precond_init_scale_scale"], 0.0)
     check_range("precond_init_scale_power", group["precond_init_scale_power"], 0.0)
+    by_shape = group.get("precond_init_scale_by_shape", False)
+    if not isinstance(by_shape, bool):
+        raise ValueError(f"precond_init_scale_by_shape must be a bool, got {by_shape!r}")
+    if by_shape and group["precond_init_scale"] is not None:
+        raise ValueError(
+            "precond_init_scale_by_shape=True shares a scale computed from the first gradients: "
+            f"use precond_init_scale=None, got {group['precond_init_scale']!r}"
+        )
     value = group["power_iterations"]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"power_iterations must be an int >= 0, got {value!r}")

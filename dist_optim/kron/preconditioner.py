@@ -37,6 +37,8 @@ __all__ = [
     "precondition",
     "clip_rms",
     "owner_direction",
+    "gradient_scale",
+    "moment_scale",
 ]
 
 #: The RMS the preconditioned direction is clipped to (kron_torch's).
@@ -73,7 +75,13 @@ def gradient_scale(g: torch.Tensor) -> float:
     """``mean(|g|^4)^(-1/8)`` in float64 (Li's psgd_torch initial scale: the first preconditioned
     gradient ``s^2 g`` then has a fourth-moment RMS of 1); 1.0 where that is not a finite positive
     number (a gradient of zeros, or non-finite values)."""
-    scale = float(g.detach().double().abs().pow(4).mean().pow(-1 / 8))
+    return moment_scale(float(g.detach().double().abs().pow(4).mean()))
+
+
+def moment_scale(mean_fourth: float) -> float:
+    """:func:`gradient_scale` from the gradient's ``mean(|g|^4)`` (of several gradients together:
+    :mod:`dist_optim.kron.init_scale`)."""
+    scale = mean_fourth ** (-1 / 8) if mean_fourth > 0 else math.inf
     return scale if math.isfinite(scale) and scale > 0 else 1.0
 
 
@@ -232,9 +240,12 @@ def owner_direction(
     scratch: FactorScratch | None = None,
     rounding: Callable[[], torch.Generator] | None = None,
     step: int = 0,
+    init_scale: float | None = None,
 ) -> torch.Tensor:
     """On the owner, from the whole momentum (and gradient): debias, (balance,) update the
-    factors when probes are given, precondition, clip. Makes the factors at the first call.
+    factors when probes are given, precondition, clip. Makes the factors at the first call, at
+    ``init_scale`` where given (a scale shared by same-shape parameters,
+    :mod:`dist_optim.kron.init_scale`), else at ``precond_init_scale`` or from the first gradient.
 
     ``probes`` is :func:`~dist_optim.kron.blocks.draw_probe`'s. A large tensor with a diagonal
     factor is worked on in blocks along that factor's dim (:func:`~dist_optim.kron.blocks.block_plan`,
@@ -248,7 +259,7 @@ def owner_direction(
     dtype = precond_dtype(group)
     form = factor_form(group)
     if not has_factors(state):
-        scale = group["precond_init_scale"]
+        scale = group["precond_init_scale"] if init_scale is None else init_scale
         if scale is None:
             # The first momentum debiased is the first gradient (the owner may hold only the
             # momentum: momentum_into_precond_update routes no gradient).

@@ -216,12 +216,12 @@ def test_swap_log_lists_the_converted_options() -> None:
 
 #: heavyball's classes converted exactly (float64 against heavyball itself: tests/unit/test_heavyball.py
 #: test_heavyball_soap.py and test_heavyball_psgd.py), with the class each becomes. SOAP's first step
-#: only seeds its bases; with precondition_frequency=2 its second refreshes them. PSGDKron's initial
-#: scale per parameter (multi_tensor=False: stacked, same-shape parameters would share one).
+#: only seeds its bases; with precondition_frequency=2 its second refreshes them. PSGDKron with its
+#: defaults: the decoder layers' same-shape weights share their initial scale (multi_tensor=True).
 HEAVYBALL = {
     "muon": ("heavyball_muon", dict(lr=2e-3, betas=(0.9, 0.99), weight_decay=1e-2), "DistributedMuon"),
     "soap": ("heavyball_soap", dict(lr=2e-3, precondition_frequency=2), "DistributedShampoo"),
-    "psgd-kron": ("heavyball_psgd_kron", dict(lr=1e-3, multi_tensor=False), "DistributedKron"),
+    "psgd-kron": ("heavyball_psgd_kron", dict(lr=1e-3), "DistributedKron"),
 }
 
 

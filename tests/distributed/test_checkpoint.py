@@ -182,7 +182,7 @@ def test_gemini_exact_resume_and_reshard(name, pool4, tmp_path) -> None:
 #: DistributedKron (variant="heavyball": the update schedule's running sum and owner-held lower bounds).
 HEAVYBALL = {
     "heavyball-soap": ("tests.helpers.booster.heavyball_soap", dict(lr=2e-3, precondition_frequency=2)),
-    "heavyball-psgd-kron": ("tests.helpers.booster.heavyball_psgd_kron", dict(lr=1e-3, multi_tensor=False)),
+    "heavyball-psgd-kron": ("tests.helpers.booster.heavyball_psgd_kron", dict(lr=1e-3)),
 }
 
 

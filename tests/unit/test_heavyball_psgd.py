@@ -51,6 +51,16 @@ SHAPES = [(6, 5), (3, 4, 2), (7,), (1, 5)]
 STEPS = 6
 NONE_AT = ((2, 1), (0, 2))  # (step, parameter) without a gradient; the vector starts late
 LR, WD, B1, PROB, PRECOND_LR = 2.0**-6, 0.1, 0.9, 0.4, 0.2
+#: heavyball.PSGDKron's options in the exact comparisons (its defaults otherwise), float64 throughout.
+HB_OPTIONS: dict[str, Any] = dict(
+    lr=LR,
+    weight_decay=WD,
+    betas=(B1, 0.999),
+    preconditioner_update_probability=PROB,
+    precond_lr=PRECOND_LR,
+    q_dtype="float64",
+    storage_dtype="float64",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -197,16 +207,7 @@ def _params() -> list[torch.nn.Parameter]:
 
 def test_reference_is_heavyballs_psgdkron(float64_weights: None, probes: list[torch.Tensor]) -> None:
     theirs = _params()
-    hb = heavyball.PSGDKron(
-        theirs,
-        lr=LR,
-        weight_decay=WD,
-        betas=(B1, 0.999),
-        preconditioner_update_probability=PROB,
-        precond_lr=PRECOND_LR,
-        q_dtype="float64",
-        storage_dtype="float64",
-    )
+    hb = heavyball.PSGDKron(theirs, **HB_OPTIONS)
     for grads in _gradients():
         for p, g in zip(theirs, grads):
             p.grad = None if g is None else g.clone()
@@ -234,7 +235,6 @@ def test_reference_is_heavyballs_psgdkron(float64_weights: None, probes: list[to
 @pytest.mark.parametrize(
     "kwargs,shapes,match",
     [
-        (dict(), [(3, 3), (3, 3)], "use multi_tensor=False or a fixed precond_init_scale"),
         (dict(delayed=True), [(3, 3)], "delayed=True"),
         (dict(merge_dims=True), [(2, 3, 4)], "use merge_dims=False"),
         (dict(preconditioner_update_probability=lambda n: 0.5), [(3, 3)], "only a float or heavyball's"),
@@ -242,7 +242,7 @@ def test_reference_is_heavyballs_psgdkron(float64_weights: None, probes: list[to
         (dict(update_clipping="l2_clip_"), [(3, 3)], "update_clipping heavyball's default or None"),
         (dict(storage_dtype="bfloat16"), [(3, 3)], "storage_dtype='bfloat16'"),
     ],
-    ids=["stacked-init", "delayed", "merge_dims", "schedule", "caution", "clipping", "storage"],
+    ids=["delayed", "merge_dims", "schedule", "caution", "clipping", "storage"],
 )
 def test_psgdkron_options_without_an_equivalent_are_refused_in_one_line(
     kwargs: dict[str, Any], shapes: list[tuple[int, ...]], match: str
@@ -341,3 +341,94 @@ def test_heavyball_variant_refuses_compact_states_it_was_not_checked_with(option
     with pytest.raises(ValueError, match=re.escape(match)) as caught:
         DistributedKron([torch.nn.Parameter(torch.randn(4, 4))], variant="heavyball", **options)
     assert "\n" not in str(caught.value)
+
+
+#: Same-shape parameters in the order heavyball steps its buckets (a shape's first appearance), so
+#: that its per-member probes come in our order; (1, 7) is a bucket of its own, not (7,)'s.
+STACKED = [(6, 5), (6, 5), (6, 5), (5, 3), (7,), (1, 7)]
+#: The second (6, 5) weight has no gradient at the first step: it starts alone at the second.
+STACKED_NONE_AT = ((0, 1),)
+
+
+def _stacked_gradients() -> list[list[torch.Tensor | None]]:
+    """Gradients of :data:`STACKED` whose same-shape members differ in size (x1, x30, x900), so that
+    a scale shared by shape and one per parameter differ."""
+    gen = torch.Generator().manual_seed(7)
+    return [
+        [
+            None if (step, i) in STACKED_NONE_AT else torch.randn(s, generator=gen, dtype=torch.float64) * 30.0**i
+            for i, s in enumerate(STACKED)
+        ]
+        for step in range(STEPS)
+    ]
+
+
+def _member_probes(g: torch.Tensor, damp: float = 1e-9) -> Any:
+    """heavyball's ``dampen_grad`` with one probe per member of a stacked slab, drawn member after
+    member (heavyball draws the slab's at once, another order of torch's normal numbers)."""
+    v = torch.stack([torch.randn_like(x) for x in g])
+    return v, g + (damp + torch.finfo(torch.float32).eps * g.abs()) * v
+
+
+def test_converted_default_psgdkron_shares_initial_scales_by_shape(
+    float64_weights: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """heavyball's defaults (``multi_tensor=True``, ``precond_init_scale=None``) on parameters of
+    shared shapes: the converted optimizer starts same-shape parameters that start together from
+    one scale, and steps as heavyball (its probes drawn per member) within 1e-12."""
+    monkeypatch.setattr(heavyball.utils, "dampen_grad", _member_probes)
+    gen = torch.Generator().manual_seed(3)
+    start = [torch.randn(s, generator=gen, dtype=torch.float64) for s in STACKED]
+    theirs = [torch.nn.Parameter(x.clone()) for x in start]
+    mine = [torch.nn.Parameter(x.clone()) for x in start]
+    hb = heavyball.PSGDKron(theirs, **HB_OPTIONS)
+    ours = dist_optim.convert(heavyball.PSGDKron(mine, **HB_OPTIONS))
+    assert ours.param_groups[0]["precond_init_scale_by_shape"] is True
+    torch.manual_seed(ours.seed)
+    for step, grads in enumerate(_stacked_gradients()):
+        for a, b, g in zip(theirs, mine, grads):
+            a.grad, b.grad = (None, None) if g is None else (g.clone(), g.clone())
+        hb.step()
+        ours.step()
+        for i, (a, b) in enumerate(zip(theirs, mine)):
+            tol = 1e-12 * max(a.detach().abs().max().item(), 1e-300)
+            torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=tol, msg=f"step {step} param {i}")
+
+
+def test_heavyballs_stacked_step_is_each_members_own_apart_from_the_scale() -> None:
+    """What the conversion relies on: with a fixed initial scale and probes element-wise in the
+    gradient (so the same per member, stacked or not), heavyball's ``multi_tensor=True`` step of
+    same-shape parameters equals its ``multi_tensor=False`` step, bit for bit."""
+
+    def element_wise(g: torch.Tensor, damp: float = 1e-9) -> Any:
+        v = torch.sin(g * 1000.0)
+        return v, g + (damp + torch.finfo(torch.float32).eps * g.abs()) * v
+
+    def run(multi_tensor: bool) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(6, 5, generator=gen, dtype=torch.float64)) for _ in range(3)]
+        hb = heavyball.PSGDKron(
+            params,
+            lr=LR,
+            precond_lr=PRECOND_LR,
+            preconditioner_update_probability=1.0,
+            precond_init_scale=0.7,
+            q_dtype="float64",
+            storage_dtype="float64",
+            multi_tensor=multi_tensor,
+        )
+        grads = torch.Generator().manual_seed(5)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads, dtype=torch.float64)
+            hb.step()
+        return [p.detach() for p in params]
+
+    original = heavyball.utils.dampen_grad
+    heavyball.utils.dampen_grad = element_wise
+    try:
+        stacked, alone = run(True), run(False)
+    finally:
+        heavyball.utils.dampen_grad = original
+    for a, b in zip(stacked, alone):
+        assert torch.equal(a, b)
