@@ -15,41 +15,29 @@ from typing import Any
 
 import torch.distributed as dist
 
-#: (size, rank, member ranks) of torch.distributed's groups, with the group, by ``id(group)``:
-#: asking torch.distributed costs microseconds, hundreds of times a step. The entry holds its group
-#: (until release_groups), so that its id is not reused by a group with other members (a stale key
-#: would order collectives differently on different ranks). Not for ``None`` (re-made by each
-#: ``init_process_group``) nor for another backend (``collectives_through``'s).
-_PLACES: dict[int, tuple[Any, tuple[int, int, tuple[int, ...]]]] = {}
+#: (size, rank, member ranks) of groups, with the group and the backend that answered (torch.distributed,
+#: or the backend of ``collectives_through``: a simulated world answers for its own ranks), by
+#: ``id(group)``: asking costs microseconds, hundreds of times a step. An entry is valid while its
+#: backend is the one in use; it holds its group (until release_groups, or the end of the
+#: ``collectives_through`` block for another backend), so that its id is not reused by a group with
+#: other members (a stale key would order collectives differently on different ranks). Not for
+#: ``None`` (re-made by each ``init_process_group``).
+_PLACES: dict[int, tuple[Any, Any, tuple[int, int, tuple[int, ...]]]] = {}
 _TORCH_DIST = dist  # ``dist`` itself is rebound inside collectives_through
 
 
-#: The same for the backend of ``collectives_through`` (a simulated world answers for its own
-#: ranks), by ``id(group)``, with the group and the backend that answered: valid while that backend
-#: is the one in use.
-_THROUGH_PLACES: dict[int, tuple[Any, Any, tuple[int, int, tuple[int, ...]]]] = {}
-
-
 def _place(group: Any) -> tuple[int, int, tuple[int, ...]]:
-    through = dist is not _TORCH_DIST
     if group is not None:
-        if not through:
-            cached = _PLACES.get(id(group))
-            if cached is not None and cached[0] is group:
-                return cached[1]
-        else:
-            seen = _THROUGH_PLACES.get(id(group))
-            if seen is not None and seen[0] is group and seen[1] is dist:
-                return seen[2]
+        cached = _PLACES.get(id(group))
+        if cached is not None and cached[0] is group and cached[1] is dist:
+            return cached[2]
     if not dist.is_available() or not dist.is_initialized():
         return 1, 0, (0,)
     size = dist.get_world_size(group)
     key = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
     place = size, dist.get_rank(group), key
-    if group is not None and not through:
-        _PLACES[id(group)] = (group, place)
-    elif group is not None:
-        _THROUGH_PLACES[id(group)] = (group, dist, place)
+    if group is not None:
+        _PLACES[id(group)] = (group, dist, place)
     return place
 
 
@@ -79,7 +67,8 @@ def ordered_groups(groups: Iterable[Any]) -> list[Any]:
 
 def forget_backend_places() -> None:
     """Let go of what a ``collectives_through`` backend answered about its groups (its block ended)."""
-    _THROUGH_PLACES.clear()
+    for key in [k for k, (_, backend, _) in _PLACES.items() if backend is not _TORCH_DIST]:
+        del _PLACES[key]
 
 
 _RELEASES = 0  # bumped by release_groups: part of topology_token
@@ -92,7 +81,6 @@ def release_groups() -> None:
     global _RELEASES
     with freeing_groups():
         _PLACES.clear()
-        _THROUGH_PLACES.clear()
     _RELEASES += 1
 
 
@@ -103,7 +91,7 @@ def freeing_groups() -> Iterator[None]:
     (pytorch#154976 changed that later); a gloo backend's destructor waits for its threads, and one freeing a
     collective that has just finished needs the GIL: both then wait for ever."""
     world = getattr(_TORCH_DIST.distributed_c10d, "_world", None)
-    groups = [*(world.pg_map if world is not None else ()), *(g for g, _ in _PLACES.values())]
+    groups = [*(world.pg_map if world is not None else ()), *(g for g, _, _ in _PLACES.values())]
     held = [g._get_backend(d) for g in groups for d in getattr(g, "_device_types", ())]
     del groups  # else this frame would hold the groups until after their backends
     try:
