@@ -27,9 +27,10 @@ __all__ = ["meta_call", "COUNTS"]
 COUNTS: collections.Counter[str] = collections.Counter()
 
 
-def meta_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def meta_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list[torch.Tensor]) -> Any:
     """``func(*args, **kwargs)``, its meta outputs made directly where their metadata is known from
-    an earlier call with the same arguments' metadata (or in advance, :func:`_shortcut`)."""
+    an earlier call with the same arguments' metadata (or in advance, :func:`_shortcut`).
+    ``inputs``: the tensors among the arguments (the recorder's :func:`~.traffic.tensors_in`)."""
     out = _shortcut(func, args, kwargs)
     if out is not None:
         return out
@@ -49,7 +50,7 @@ def meta_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     COUNTS["recorded"] += 1
     if len(_MEMO) >= MEMO_ENTRIES:
         _MEMO.clear()
-    _MEMO[key] = _Outputs.of(out, args, kwargs)
+    _MEMO[key] = _Outputs.of(out, inputs)
     return out
 
 
@@ -69,14 +70,14 @@ class _Outputs:
         self.tensors = tensors  # (shape, stride, offset, dtype, storage elements) or None
 
     @staticmethod
-    def of(out: Any, args: Any, kwargs: Any) -> _Outputs | None:
+    def of(out: Any, inputs: list[torch.Tensor]) -> _Outputs | None:
         """What to remember of ``out``, or None where it is not only fresh strided meta tensors, each
         on a storage of its own (a view of an argument, a number, a host tensor)."""
         single = isinstance(out, torch.Tensor)
         if not single and not isinstance(out, (tuple, list)):
             return None
         results = [out] if single else list(out)
-        seen = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+        seen = {t.untyped_storage()._cdata for t in inputs}
         described: list[tuple[Any, ...] | None] = []
         for t in results:
             if t is None:
@@ -160,16 +161,6 @@ def _describe(x: Any, parts: list[Any]) -> bool:
         parts.append((dict, tuple(x)))
         return all(isinstance(k, str) and _describe(v, parts) for k, v in x.items())
     return False
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []
 
 
 def _shortcut(func: Any, args: Any, kwargs: Any) -> Any:

@@ -282,11 +282,11 @@ class LiveBytes(TorchDispatchMode):
             shadow = self._shadows.get(id(args[0]))
             if shadow is not None:
                 return shadow.to(kwargs.get("dtype") or shadow.dtype, copy=True)
-        out = meta_call(func, args, kwargs)
-        results = tensors_in(out)
         inputs = tensors_in(args)
         if kwargs:
             inputs += tensors_in(kwargs)
+        out = meta_call(func, args, kwargs, inputs)
+        results = tensors_in(out)
         if self.answer_meta_items:
             self._shadow(func, args, kwargs, inputs, results)
         made = [t for t in results if not _is_sparse(t)]
