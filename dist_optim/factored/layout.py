@@ -48,9 +48,13 @@ class FactoredLayout:
         self.lead_full = math.prod(full[:-2])
         self.lead_local = math.prod(local[:-2])
         self.rows_local, self.cols_local = local[-2], local[-1]
+        # part(), by whether the statistic is a row one: asked several times per statistic and step.
+        self._parts = {
+            row: partition_span(math.prod(self.row_shape if row else self.col_shape), layout.sum_groups)
+            for row in (True, False)
+        }
         # The partition of every statistic this rank keeps: index in the product of the sum groups
         # (ZeRO rank, then TP rank), the same on every rank that sums over them.
-        self._parts: dict[bool, tuple[int, int]] = {}  # part(): by whether the statistic is a row one
         self.shares, self.share_index = 1, 0
         for g in layout.sum_groups:
             n = group_size(g)
@@ -93,12 +97,7 @@ class FactoredLayout:
         elements, ZeRO's rule (the last part shorter, possibly empty;
         :func:`dist_optim.sharding.partition.partition_span`, the rule GaLore's partitioned state
         follows too). The whole statistic when the parameter is not shared."""
-        row = key.endswith("row_var")
-        span = self._parts.get(row)
-        if span is None:  # asked several times per statistic and step
-            numel = math.prod(self.row_shape if row else self.col_shape)
-            span = self._parts[row] = partition_span(numel, self.layout.sum_groups)
-        return span
+        return self._parts[key.endswith("row_var")]
 
     def localize(self, key: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's partition (a copy) of the full-form statistic ``key``, as it is kept in
