@@ -22,7 +22,7 @@ import torch
 
 from ..comm import SumBucket
 from ..layout import ParamLayout
-from .preconditioner import moment_scale
+from .preconditioner import initial_scale, moment_scale
 
 __all__ = ["shared_initial_scales"]
 
@@ -39,22 +39,19 @@ def shared_initial_scales(
     for group, p, g, layout in starting:
         if group.get("precond_init_scale_by_shape", False) and group["precond_init_scale"] is None:
             local = g.detach().double().abs().pow(4).sum().reshape(1)  # ZeRO padding adds zeros
-            queued.append((group, p, layout, bucket.add(local, layout.sum_groups)))
+            bucket_key = (id(group), tuple(layout.full_shape), p.dtype)
+            queued.append((bucket_key, group, p, layout.full_numel, bucket.add(local, layout.sum_groups)))
     if not queued:
         return {}
     bucket.flush()
     sums = torch.cat([s for *_, s in queued]).tolist()  # one host read for all of them
     totals: dict[tuple[int, tuple[int, ...], torch.dtype], list[float]] = {}
-    keys = []
-    for (group, p, layout, _), total in zip(queued, sums):
-        key = (id(group), tuple(layout.full_shape), p.dtype)
-        keys.append(key)
-        acc = totals.setdefault(key, [0.0, 0.0])
+    for (bucket_key, _, _, numel, _), total in zip(queued, sums):
+        acc = totals.setdefault(bucket_key, [0.0, 0.0])
         acc[0] += total
-        acc[1] += layout.full_numel
+        acc[1] += numel
     scales = {}
-    for (group, p, _, _), key in zip(queued, keys):
-        total, count = totals[key]
-        mean = total / count if count else 0.0
-        scales[p] = (group["precond_init_scale_scale"] * moment_scale(mean)) ** group["precond_init_scale_power"]
+    for bucket_key, group, p, _, _ in queued:
+        total, count = totals[bucket_key]
+        scales[p] = initial_scale(group, moment_scale(total / count if count else 0.0))
     return scales

@@ -39,6 +39,7 @@ __all__ = [
     "owner_direction",
     "gradient_scale",
     "moment_scale",
+    "initial_scale",
 ]
 
 #: The RMS the preconditioned direction is clipped to (kron_torch's).
@@ -83,6 +84,13 @@ def moment_scale(mean_fourth: float) -> float:
     :mod:`dist_optim.kron.init_scale`)."""
     scale = mean_fourth ** (-1 / 8) if mean_fourth > 0 else math.inf
     return scale if math.isfinite(scale) and scale > 0 else 1.0
+
+
+def initial_scale(group: dict[str, Any], moment: float) -> float:
+    """The automatic initial scale of a group's factors (``precond_init_scale=None``) from
+    ``moment``, a :func:`gradient_scale` or :func:`moment_scale`:
+    ``(precond_init_scale_scale * moment) ** precond_init_scale_power``."""
+    return (group["precond_init_scale_scale"] * moment) ** group["precond_init_scale_power"]
 
 
 def _times_upper_t(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -269,7 +277,7 @@ def owner_direction(
                 first_g = full_m.double() / variant.momentum_weight(b1, step)
             else:
                 first_g = full_m.double() / (1 - b1**first) if b1 > 0 else full_m
-            scale = (group["precond_init_scale_scale"] * gradient_scale(first_g)) ** group["precond_init_scale_power"]
+            scale = initial_scale(group, gradient_scale(first_g))
         store_factors(state, initial_factors(plan, scale, dtype, full_m.device), plan, form)
         if variant.heavy(group):
             state[variant.LOWER_BOUND] = torch.zeros(
