@@ -53,6 +53,11 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
     stacks = open(stacks_file(os.path.dirname(init_file), rank), "w")  # noqa: SIM115
     faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A gloo group is connected once its first member returns from new_group: a task that frees a
+    # group at once on that rank (a refused plugin's __del__, the end-of-task release below) closes
+    # its sockets while a slower rank still connects, which fails there with "Connection closed by
+    # peer". torch's barrier at the end of new_group makes every rank return only once all have it.
+    os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
