@@ -4,6 +4,7 @@ on the ``fake`` backend (:class:`SimWorld`), laid out as HybridParallelPlugin la
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -297,6 +298,10 @@ def install_cpu_shims() -> None:
     install()
 
 
+#: torch's switch for a store barrier at the end of init_process_group and new_group.
+_INIT_BARRIER = "TORCH_DIST_INIT_BARRIER"
+
+
 class SimWorld:
     """``rank`` of a job of ``layout.world`` ranks on the ``fake`` backend (collectives are
     no-ops; groups, ranks and sizes are real), with its TP, data-parallel and pipeline groups laid
@@ -319,6 +324,7 @@ class SimWorld:
         self.sp_group: Any = None
         self.ep_group: Any = None  # MoeHybridParallelPlugin's groups, with ep > 1
         self.moe_dp_group: Any = None
+        self._init_barrier: str | None = None
 
     def tp_ranks(self, rank: int) -> tuple[int, ...]:
         d, s, _, q = self.layout.coordinates(rank)
@@ -361,10 +367,25 @@ class SimWorld:
         return found
 
     def __enter__(self) -> SimWorld:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
         if dist.is_initialized():
             raise PlanError("the planner needs its own process: a process group is already initialised here")
+        # TORCH_DIST_INIT_BARRIER=1 (a cluster's environment may set it) ends init_process_group and
+        # every new_group with a barrier on the store, which the fake backend's store does not have:
+        # one rank is simulated, so there is nobody to wait for.
+        self._init_barrier = os.environ.get(_INIT_BARRIER)
+        os.environ[_INIT_BARRIER] = "0"
+        try:
+            self._connect()
+        except BaseException:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._restore_init_barrier()
+            raise
+        return self
+
+    def _connect(self) -> None:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
         dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.layout.world)
         self.tp_group = dist.new_group(list(self.tp_ranks(self.rank)))
         self.dp_group = dist.new_group(list(self.dp_ranks(self.rank)))
@@ -385,10 +406,16 @@ class SimWorld:
             self.stage_manager = PipelineStageManager(
                 mesh, pipeline_axis=1, enable_interleave=interleaved, num_model_chunks=self.layout.num_model_chunks
             )
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         dist.destroy_process_group()
+        self._restore_init_barrier()
+
+    def _restore_init_barrier(self) -> None:
+        if self._init_barrier is None:
+            os.environ.pop(_INIT_BARRIER, None)
+        else:
+            os.environ[_INIT_BARRIER] = self._init_barrier
 
     def peers(self, obj: Any, group: Any) -> list[Any]:
         """What every member of ``group`` sends in an ``all_gather_object`` of ``obj``: this rank's

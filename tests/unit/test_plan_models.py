@@ -182,6 +182,24 @@ def test_the_planner_accepts_each_supported_type(tmp_path: Path, kind: str) -> N
     assert plan.busiest.working_params > 0 and plan.busiest.optimizer_state > 0
 
 
+@pytest.mark.parametrize("value", ["1", None])
+def test_a_clusters_init_barrier_setting_does_not_reach_the_fake_world(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str | None
+) -> None:
+    """TORCH_DIST_INIT_BARRIER=1 makes torch end init_process_group and new_group with a store
+    barrier, which the fake backend's store cannot do; the planner plans as without it (pipeline
+    stages: ColossalAI's mesh makes groups too) and leaves the variable as it found it."""
+    import os
+
+    if value is None:
+        monkeypatch.delenv("TORCH_DIST_INIT_BARRIER", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", value)
+    plan = make_plan(_write(tmp_path, json.dumps(TINY)), Layout("hybrid", tp=2, pp=2, dp=2, zero=1), "adamw", steps=2)
+    assert plan.busiest.optimizer_state > 0
+    assert os.environ.get("TORCH_DIST_INIT_BARRIER") == value
+
+
 def test_a_tied_qwen2_is_planned_with_the_parameters_the_optimizer_gets(tmp_path: Path) -> None:
     """A tied embedding is one parameter in ``model.parameters()``, what the optimizer is given:
     the planner counts it once, whole (single device) and over tp=2 (ShardFormer keeps the tie)."""
