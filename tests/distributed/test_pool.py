@@ -109,6 +109,32 @@ def test_a_new_boost_frees_the_collected_plugins_groups(pool4: DistPool) -> None
         assert third == first, (first, third)
 
 
+#: How long rank 1 waits before it makes its group.
+LATE_GROUP_SECONDS = 1.0
+
+
+def _seconds_in_new_group_while_rank_1_is_late() -> float:
+    """After a barrier, rank 1 waits ``LATE_GROUP_SECONDS`` and then makes a group of itself alone;
+    every rank returns how long its own ``new_group`` call took."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.monotonic()
+    if dist.get_rank() == 1:
+        time.sleep(LATE_GROUP_SECONDS)
+    dist.new_group([1])
+    return time.monotonic() - start
+
+
+def test_new_group_returns_on_no_rank_before_every_rank_has_made_it(pool2: DistPool) -> None:
+    """A rank that frees a group at once (a refused plugin) must not close its gloo sockets under a
+    rank still connecting it: in the pool, new_group returns only once every rank has made the group,
+    so rank 0, not even a member, waits for late rank 1 (without the barrier it returns at once).
+    Half the delay is the margin for the ranks leaving the first barrier apart."""
+    waited = pool2.run(_seconds_in_new_group_while_rank_1_is_late)
+    assert min(waited) >= LATE_GROUP_SECONDS / 2, waited
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
