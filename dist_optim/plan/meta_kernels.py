@@ -54,8 +54,8 @@ def meta_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: 
     return out
 
 
-#: Remembered outputs at most (a 70B plan remembers under two hundred operators); beyond, the memo
-#: starts again, so that a process planning many models keeps a few MB.
+#: Remembered outputs at most, far above what one plan meets (its operators recur on a few shapes,
+#: ``COUNTS`` tells); beyond, the memo starts again, so that a process planning many models keeps a few MB.
 MEMO_ENTRIES = 20_000
 
 

@@ -302,6 +302,27 @@ def install_cpu_shims() -> None:
 _INIT_BARRIER = "TORCH_DIST_INIT_BARRIER"
 
 
+@contextlib.contextmanager
+def _without_init_barrier() -> Iterator[None]:
+    """``TORCH_DIST_INIT_BARRIER`` off inside, as it was after. A cluster's environment may set it;
+    its barrier needs a store the fake backend's does not have, and one simulated rank has nobody to
+    wait for."""
+    before = os.environ.get(_INIT_BARRIER)
+    os.environ[_INIT_BARRIER] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_INIT_BARRIER, None)
+        else:
+            os.environ[_INIT_BARRIER] = before
+
+
+def _destroy_if_initialized() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class SimWorld:
     """``rank`` of a job of ``layout.world`` ranks on the ``fake`` backend (collectives are
     no-ops; groups, ranks and sizes are real), with its TP, data-parallel and pipeline groups laid
@@ -315,8 +336,8 @@ class SimWorld:
             raise PlanError(f"rank {rank} is outside a world of {layout.world}")
         self.layout = layout
         self.rank = rank
-        # zero_rank by rank: an all_gather_object of holdings asks it per parameter and member
-        # (723 x 1024 times for a 70B plan on 1024 GPUs), each a walk of the data-parallel group
+        # zero_rank by rank: an all_gather_object of holdings asks it per parameter and member,
+        # each a walk of the data-parallel group
         self._zero_ranks: dict[int, int] = {}
         self.tp_group: Any = None
         self.dp_group: Any = None
@@ -324,7 +345,7 @@ class SimWorld:
         self.sp_group: Any = None
         self.ep_group: Any = None  # MoeHybridParallelPlugin's groups, with ep > 1
         self.moe_dp_group: Any = None
-        self._init_barrier: str | None = None
+        self._undo = contextlib.ExitStack()  # what __enter__ set up, undone at __exit__
 
     def tp_ranks(self, rank: int) -> tuple[int, ...]:
         d, s, _, q = self.layout.coordinates(rank)
@@ -369,18 +390,11 @@ class SimWorld:
     def __enter__(self) -> SimWorld:
         if dist.is_initialized():
             raise PlanError("the planner needs its own process: a process group is already initialised here")
-        # TORCH_DIST_INIT_BARRIER=1 (a cluster's environment may set it) ends init_process_group and
-        # every new_group with a barrier on the store, which the fake backend's store does not have:
-        # one rank is simulated, so there is nobody to wait for.
-        self._init_barrier = os.environ.get(_INIT_BARRIER)
-        os.environ[_INIT_BARRIER] = "0"
-        try:
+        with contextlib.ExitStack() as stack:  # undone here if the set-up fails, else at __exit__
+            stack.enter_context(_without_init_barrier())
+            stack.callback(_destroy_if_initialized)
             self._connect()
-        except BaseException:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            self._restore_init_barrier()
-            raise
+            self._undo = stack.pop_all()
         return self
 
     def _connect(self) -> None:
@@ -408,14 +422,7 @@ class SimWorld:
             )
 
     def __exit__(self, *exc: Any) -> None:
-        dist.destroy_process_group()
-        self._restore_init_barrier()
-
-    def _restore_init_barrier(self) -> None:
-        if self._init_barrier is None:
-            os.environ.pop(_INIT_BARRIER, None)
-        else:
-            os.environ[_INIT_BARRIER] = self._init_barrier
+        self._undo.close()
 
     def peers(self, obj: Any, group: Any) -> list[Any]:
         """What every member of ``group`` sends in an ``all_gather_object`` of ``obj``: this rank's
