@@ -205,6 +205,29 @@ def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in SHAPES]
 
 
+def _assert_params_close(theirs: list[torch.nn.Parameter], mine: list[torch.nn.Parameter], what: str) -> None:
+    """Ours within 1e-12 of the largest magnitude of heavyball's parameter, element-wise (float64
+    on both sides: the rounding of the same operations in another order)."""
+    for i, (a, b) in enumerate(zip(theirs, mine)):
+        ref = a.detach()
+        tol = 1e-12 * max(ref.abs().max().item(), 1e-300)
+        torch.testing.assert_close(b.detach(), ref, rtol=0, atol=tol, msg=f"{what}param {i}")
+
+
+def _step_side_by_side(
+    hb: torch.optim.Optimizer,
+    ours: torch.optim.Optimizer,
+    theirs: list[torch.nn.Parameter],
+    mine: list[torch.nn.Parameter],
+    grads: list[torch.Tensor | None],
+) -> None:
+    """One step of heavyball's optimizer and ours on copies of the same gradients (None: none)."""
+    for a, b, g in zip(theirs, mine, grads):
+        a.grad, b.grad = (None, None) if g is None else (g.clone(), g.clone())
+    hb.step()
+    ours.step()
+
+
 def test_reference_is_heavyballs_psgdkron(float64_weights: None, probes: list[torch.Tensor]) -> None:
     theirs = _params()
     hb = heavyball.PSGDKron(theirs, **HB_OPTIONS)
@@ -216,9 +239,8 @@ def test_reference_is_heavyballs_psgdkron(float64_weights: None, probes: list[to
     with torch.no_grad():
         states, updates = _reference_steps(mine, probes)
     assert updates == [3, 5]  # kron_torch's counter (1 / 0.4 = 2.5 steps) updates at steps 3 and 6
-    for i, (a, b) in enumerate(zip(theirs, mine)):
-        ref = a.detach()
-        torch.testing.assert_close(b, ref, rtol=0, atol=1e-12 * max(ref.abs().max().item(), 1e-300), msg=f"param {i}")
+    _assert_params_close(theirs, mine, "")
+    for i, a in enumerate(theirs):
         hb_state = hb.state[a][0]
         (m,) = [v for k, v in hb_state.items() if k.startswith("exp_avg")]
         torch.testing.assert_close(states[i]["m"], m.reshape(states[i]["m"].shape), rtol=1e-12, atol=0)
@@ -305,14 +327,9 @@ def test_converted_psgdkron_steps_as_heavyball_in_float64(float64_weights: None,
     hb, ours, theirs, mine = _heavyball_and_converted(**kwargs)
     torch.manual_seed(ours.seed)  # heavyball's probes from torch's generator, ours from the optimizer's
     for step, grads in enumerate(_gradients()):
-        for a, b, g in zip(theirs, mine, grads):
-            a.grad, b.grad = (None, None) if g is None else (g.clone(), g.clone())
-        hb.step()
-        ours.step()
-        for i, (a, b) in enumerate(zip(theirs, mine)):
-            ref = a.detach()
-            tol = 1e-12 * max(ref.abs().max().item(), 1e-300)
-            torch.testing.assert_close(b, ref, rtol=0, atol=tol, msg=f"step {step} param {i}")
+        _step_side_by_side(hb, ours, theirs, mine, grads)
+        _assert_params_close(theirs, mine, f"step {step} ")
+        for a, b in zip(theirs, mine):
             st, hb_state = ours.state.get(b, {}), hb.state.get(a, {}).get(0, {})
             if "momentum_buffer" not in st:
                 continue
@@ -386,13 +403,8 @@ def test_converted_default_psgdkron_shares_initial_scales_by_shape(
     assert ours.param_groups[0]["precond_init_scale_by_shape"] is True
     torch.manual_seed(ours.seed)
     for step, grads in enumerate(_stacked_gradients()):
-        for a, b, g in zip(theirs, mine, grads):
-            a.grad, b.grad = (None, None) if g is None else (g.clone(), g.clone())
-        hb.step()
-        ours.step()
-        for i, (a, b) in enumerate(zip(theirs, mine)):
-            tol = 1e-12 * max(a.detach().abs().max().item(), 1e-300)
-            torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=tol, msg=f"step {step} param {i}")
+        _step_side_by_side(hb, ours, theirs, mine, grads)
+        _assert_params_close(theirs, mine, f"step {step} ")
 
 
 def test_heavyballs_stacked_step_is_each_members_own_apart_from_the_scale() -> None:
